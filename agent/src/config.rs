@@ -1,0 +1,83 @@
+//! The agent's configuration: one struct, filled from flags and FLOODGATE_* environment variables.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// How `floodgate agent` runs. Every field has a flag and an environment variable; README's table
+/// mirrors this struct.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentConfig {
+    /// Unix socket the SDK connects to.
+    #[arg(long, env = "FLOODGATE_SOCKET", default_value = "/tmp/floodgate.sock")]
+    pub socket: PathBuf,
+
+    /// File mode of the socket, in octal.
+    #[arg(long, env = "FLOODGATE_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
+    pub socket_mode: u32,
+
+    /// Admin HTTP address (health, readiness), or `off`.
+    #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
+    pub admin: Admin,
+
+    /// Redis URL (`redis://host:port/db`); without it the agent uses its embedded in-memory store.
+    #[arg(long, env = "FLOODGATE_REDIS")]
+    pub redis: Option<String>,
+
+    /// Longest a check waits for Redis before the rule's fail mode decides, in milliseconds.
+    #[arg(long, env = "FLOODGATE_REDIS_TIMEOUT_MS", default_value_t = 5)]
+    pub redis_timeout_ms: u64,
+
+    /// Rules file (TOML or JSON); without it the built-in example rules are loaded.
+    #[arg(long, env = "FLOODGATE_RULES")]
+    pub rules: Option<PathBuf>,
+
+    /// Log filter (tracing's env-filter syntax), e.g. `info` or `floodgate_agent=debug`.
+    #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
+    pub log: String,
+}
+
+/// Where the admin HTTP API listens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admin {
+    /// Not served.
+    Off,
+    /// Served at this address (port 0 picks a free one, logged at start).
+    At(SocketAddr),
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let mode = u32::from_str_radix(s.trim_start_matches("0o"), 8)
+        .map_err(|e| format!("{s:?} is not an octal mode: {e}"))?;
+    if mode > 0o777 {
+        return Err(format!("{s:?} is not a file mode (0000 to 0777)"));
+    }
+    Ok(mode)
+}
+
+fn parse_admin(s: &str) -> Result<Admin, String> {
+    if s.eq_ignore_ascii_case("off") {
+        return Ok(Admin::Off);
+    }
+    s.parse()
+        .map(Admin::At)
+        .map_err(|e| format!("{s:?} is not an address like 127.0.0.1:9790 or off: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn modes_and_addresses_parse() {
+        assert_eq!(parse_mode("0660"), Ok(0o660));
+        assert_eq!(parse_mode("600"), Ok(0o600));
+        assert!(parse_mode("0999").is_err());
+        assert!(parse_mode("1777").is_err());
+        assert_eq!(parse_admin("off"), Ok(Admin::Off));
+        assert_eq!(
+            parse_admin("127.0.0.1:0"),
+            Ok(Admin::At("127.0.0.1:0".parse().unwrap()))
+        );
+        assert!(parse_admin("localhost").is_err());
+    }
+}

@@ -1,0 +1,313 @@
+//! The rule model and the rules file (TOML or JSON), validated as a whole before use.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+/// The rules `floodgate agent` loads when no `--rules` file is given.
+pub const EXAMPLE_RULES: &str = include_str!("example-rules.toml");
+
+/// Which request attribute a rule counts by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dimension {
+    /// The user id.
+    User,
+    /// The API key.
+    ApiKey,
+    /// The client IP.
+    Ip,
+}
+
+impl Dimension {
+    /// The prefix of keys built from this dimension, e.g. `user` in `user:123`.
+    pub fn key_prefix(self) -> &'static str {
+        match self {
+            Dimension::User => "user",
+            Dimension::ApiKey => "apikey",
+            Dimension::Ip => "ip",
+        }
+    }
+}
+
+/// The limiting algorithm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// Sliding-window counter (the default): no 2× burst at window edges.
+    #[default]
+    SlidingWindow,
+    /// Token bucket: bursts up to `burst`, refilled at `limit / window`.
+    TokenBucket,
+}
+
+/// Whether a rule rejects or only reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Rejections are enforced.
+    #[default]
+    Enforce,
+    /// Dry run: decisions are computed and reported, never enforced.
+    Log,
+}
+
+/// What a rule does when its store is unavailable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FailMode {
+    /// Allow (the default: a limiter outage must not become an API outage).
+    #[default]
+    Open,
+    /// Reject with a Retry-After (login, OTP verification).
+    Closed,
+}
+
+/// Where a rule's counting happens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Execution {
+    /// One atomic script per check (the only mode built so far; batched and auto come with sharding).
+    #[default]
+    Sync,
+}
+
+/// Which requests a rule applies to, for attribute checks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    /// Endpoint pattern: exact (`/search`), or a prefix ending in `*` (`/api/*`). None matches all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Client tier. None matches all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tier: Option<String>,
+}
+
+/// One rule, as written in a rules file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Rule {
+    /// The rule id clients name in checks.
+    pub id: String,
+    /// The attribute keys are built from (for attribute checks).
+    pub dimension: Dimension,
+    /// Which requests it applies to.
+    #[serde(default, rename = "match")]
+    pub matches: Match,
+    /// Units per window (sliding window) or refill per window (token bucket).
+    pub limit: NonZeroU64,
+    /// The window in seconds; fractions allowed down to one millisecond.
+    pub window_seconds: f64,
+    /// Token-bucket capacity; defaults to `limit`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<NonZeroU64>,
+    /// The algorithm.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// Enforce or only log.
+    #[serde(default)]
+    pub mode: Mode,
+    /// What to do when the store is unavailable.
+    #[serde(default)]
+    pub fail_mode: FailMode,
+    /// Where counting happens.
+    #[serde(default)]
+    pub execution: Execution,
+    /// Build keys with the endpoint too (`apikey:abc:endpoint:/search`), so each endpoint counts apart.
+    #[serde(default)]
+    pub per_endpoint: bool,
+}
+
+impl Rule {
+    /// The window in milliseconds (at least 1).
+    pub fn window_ms(&self) -> u64 {
+        ((self.window_seconds * 1000.0).round() as u64).max(1)
+    }
+
+    /// The token-bucket capacity.
+    pub fn burst(&self) -> u64 {
+        self.burst.unwrap_or(self.limit).get()
+    }
+
+    /// Whether rejections are enforced.
+    pub fn enforced(&self) -> bool {
+        self.mode == Mode::Enforce
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        floodgate_protocol::validate_rule_id(&self.id)?;
+        if !(self.window_seconds.is_finite() && self.window_seconds >= 0.001) {
+            return Err(format!(
+                "rule {}: windowSeconds must be at least 0.001, not {}",
+                self.id, self.window_seconds
+            ));
+        }
+        if self.window_seconds > 31_536_000.0 {
+            return Err(format!("rule {}: windowSeconds is over a year", self.id));
+        }
+        if self.limit.get() > 1 << 50 {
+            return Err(format!("rule {}: limit {} is too large", self.id, self.limit));
+        }
+        if let Some(b) = self.burst {
+            if b.get() > 1 << 50 {
+                return Err(format!("rule {}: burst {b} is too large", self.id));
+            }
+        }
+        if let Some(p) = &self.matches.endpoint {
+            if p.is_empty() || p[..p.len() - 1].contains('*') {
+                return Err(format!(
+                    "rule {}: endpoint pattern {p:?} must be exact or end in one '*'",
+                    self.id
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RulesFile {
+    #[serde(default)]
+    rules: Vec<Rule>,
+}
+
+/// Why a rule set could not be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RuleError {
+    /// The file could not be read.
+    #[error("cannot read rules file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The text is not a valid rules document.
+    #[error("invalid rules: {0}")]
+    Parse(String),
+    /// A rule breaks a constraint.
+    #[error("invalid rule: {0}")]
+    Invalid(String),
+}
+
+/// A validated, immutable set of rules, shared by `Arc` and swapped whole.
+#[derive(Debug, Default)]
+pub struct RuleSet {
+    by_id: HashMap<String, Arc<Rule>>,
+    ordered: Vec<Arc<Rule>>,
+}
+
+impl RuleSet {
+    /// Builds a set, refusing duplicates and invalid rules.
+    pub fn new(rules: Vec<Rule>) -> Result<Self, RuleError> {
+        let mut set = RuleSet::default();
+        for rule in rules {
+            rule.validate().map_err(RuleError::Invalid)?;
+            let rule = Arc::new(rule);
+            if set.by_id.insert(rule.id.clone(), rule.clone()).is_some() {
+                return Err(RuleError::Invalid(format!("rule id {} appears twice", rule.id)));
+            }
+            set.ordered.push(rule);
+        }
+        Ok(set)
+    }
+
+    /// Parses a TOML (`[[rules]]`) or JSON (`{"rules": [...]}`) document; JSON if it starts with `{`.
+    pub fn parse(text: &str) -> Result<Self, RuleError> {
+        let file: RulesFile = if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| RuleError::Parse(e.to_string()))?
+        } else {
+            toml::from_str(text).map_err(|e| RuleError::Parse(e.to_string()))?
+        };
+        Self::new(file.rules)
+    }
+
+    /// Loads a rules file.
+    pub fn load(path: &Path) -> Result<Self, RuleError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RuleError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text)
+    }
+
+    /// The rule with this id.
+    pub fn get(&self, id: &str) -> Option<&Arc<Rule>> {
+        self.by_id.get(id)
+    }
+
+    /// All rules, in file order.
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Rule>> {
+        self.ordered.iter()
+    }
+
+    /// How many rules.
+    pub fn len(&self) -> usize {
+        self.ordered.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.ordered.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_example_rules_load() {
+        let set = RuleSet::parse(EXAMPLE_RULES).unwrap();
+        assert!(set.len() >= 3);
+        assert!(set.get("api-per-user").is_some());
+    }
+
+    #[test]
+    fn json_and_toml_agree() {
+        let toml = "[[rules]]\nid = \"a\"\ndimension = \"ip\"\nlimit = 5\nwindowSeconds = 1\n";
+        let json = r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1}]}"#;
+        let (a, b) = (RuleSet::parse(toml).unwrap(), RuleSet::parse(json).unwrap());
+        assert_eq!(a.get("a"), b.get("a"));
+        assert_eq!(a.get("a").unwrap().window_ms(), 1000);
+    }
+
+    #[test]
+    fn bad_rules_are_refused_with_a_reason() {
+        for (text, needle) in [
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":0,"windowSeconds":1}]}"#,
+                "nonzero",
+            ),
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":0}]}"#,
+                "windowSeconds",
+            ),
+            (
+                r#"{"rules":[{"id":"a b","dimension":"ip","limit":5,"windowSeconds":1}]}"#,
+                "rule id",
+            ),
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1,"execution":"batched"}]}"#,
+                "batched",
+            ),
+            (
+                r#"{"rules":[{"id":"a","dimension":"planet","limit":5,"windowSeconds":1}]}"#,
+                "planet",
+            ),
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1},{"id":"a","dimension":"ip","limit":5,"windowSeconds":1}]}"#,
+                "twice",
+            ),
+        ] {
+            let err = RuleSet::parse(text).unwrap_err().to_string();
+            assert!(err.contains(needle), "{err:?} should mention {needle:?}");
+        }
+    }
+}

@@ -1,0 +1,246 @@
+//! The Unix-socket server: binds safely, and serves pipelined connections (many request ids in flight,
+//! answers written as they complete).
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::watch;
+
+use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, VERSION};
+
+use crate::engine::{Answer, Engine};
+
+/// Most checks one connection may have waiting on the store; past it the agent stops reading that
+/// connection until answers drain (backpressure instead of unbounded memory).
+pub const MAX_IN_FLIGHT: usize = 4096;
+
+/// Binds the agent socket at `path` with file mode `mode`.
+///
+/// A socket file left by a crashed agent (nobody accepts on it) is replaced; a live agent's socket is
+/// never taken over, and a path that is not a socket is never removed.
+pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "{} exists and is not a socket; refusing to replace it",
+                    path.display()
+                ),
+            ));
+        }
+        match std::os::unix::net::UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("{} is served by a live agent", path.display()),
+                ))
+            }
+            Err(_) => {
+                tracing::info!(socket = %path.display(), "replacing a stale socket file");
+                std::fs::remove_file(path)?;
+            }
+        }
+    }
+    let listener = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(listener)
+}
+
+/// Accepts connections until `shutdown` turns true, then lets open connections answer what they have
+/// in flight and returns.
+pub async fn serve(listener: UnixListener, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    tasks.spawn(connection(stream, engine.clone(), shutdown.clone()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            },
+            _ = stopped(&mut shutdown) => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    // Connections see the same signal, finish their in-flight checks and close.
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(std::time::Duration::from_secs(2), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections still open after 2 s of shutdown; closing them");
+    }
+}
+
+/// Serves one connection: decodes frames as they arrive, answers each request id when its check
+/// completes. Frame-level garbage gets an Error and the connection is closed; a refused item gets an
+/// Error for its request id and the connection goes on.
+pub async fn connection(stream: UnixStream, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>) {
+    let (mut rd, mut wr) = stream.into_split();
+    let mut inbuf: Vec<u8> = Vec::with_capacity(16 * 1024);
+    let mut out: Vec<u8> = Vec::with_capacity(16 * 1024);
+    let mut pending = FuturesUnordered::new();
+    let mut closing = false;
+    loop {
+        if !out.is_empty() {
+            if wr.write_all(&out).await.is_err() {
+                return;
+            }
+            out.clear();
+        }
+        if closing && pending.is_empty() {
+            let _ = wr.shutdown().await;
+            return;
+        }
+        if inbuf.capacity() - inbuf.len() < 4096 {
+            inbuf.reserve(16 * 1024);
+        }
+        tokio::select! {
+            read = rd.read_buf(&mut inbuf), if !closing && pending.len() < MAX_IN_FLIGHT => {
+                match read {
+                    Ok(0) | Err(_) => closing = true,
+                    Ok(_) => {
+                        if let Err(fatal) = process(&mut inbuf, &mut out, &mut pending, &engine) {
+                            out.extend_from_slice(&fatal);
+                            let _ = wr.write_all(&out).await;
+                            let _ = wr.shutdown().await;
+                            return;
+                        }
+                    }
+                }
+            }
+            Some((id, result)) = pending.next(), if !pending.is_empty() => {
+                answer(&mut out, id, result);
+                // Collect whatever else is ready so one write carries many answers.
+                while let Some(Some((id, result))) = futures::FutureExt::now_or_never(pending.next()) {
+                    answer(&mut out, id, result);
+                }
+            }
+            _ = stopped(&mut shutdown), if !closing => closing = true,
+        }
+    }
+}
+
+/// Resolves once `shutdown` is true (or its sender is gone).
+pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await.map(|_| ());
+}
+
+type Pending = FuturesUnordered<
+    std::pin::Pin<
+        Box<dyn std::future::Future<Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>)> + Send>,
+    >,
+>;
+
+/// Handles every complete frame in `inbuf`. Returns the encoded fatal Error when the stream is broken.
+fn process(
+    inbuf: &mut Vec<u8>,
+    out: &mut Vec<u8>,
+    pending: &mut Pending,
+    engine: &Arc<Engine>,
+) -> Result<(), Vec<u8>> {
+    let mut pos = 0;
+    let result = loop {
+        match decode(&inbuf[pos..]) {
+            Ok((frame, used)) => {
+                pos += used;
+                handle(frame, out, pending, engine);
+            }
+            Err(DecodeError::Incomplete) => break Ok(()),
+            Err(DecodeError::Rejected {
+                code,
+                request_id,
+                reason,
+                frame_len,
+            }) => {
+                pos += frame_len;
+                error(out, request_id, code, reason);
+            }
+            Err(DecodeError::Fatal {
+                code,
+                request_id,
+                reason,
+            }) => {
+                tracing::debug!(%code, %reason, "closing a connection that sent a bad frame");
+                let mut bytes = Vec::new();
+                error(&mut bytes, request_id.unwrap_or(0), code, reason);
+                break Err(bytes);
+            }
+            Err(other) => {
+                let mut bytes = Vec::new();
+                error(&mut bytes, 0, ErrorCode::MalformedFrame, other.to_string());
+                break Err(bytes);
+            }
+        }
+    };
+    inbuf.drain(..pos);
+    result
+}
+
+fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<Engine>) {
+    let id = frame.request_id;
+    match frame.body {
+        Body::Check(check) => match engine.check(check) {
+            Answer::Ready(result) => answer(out, id, result),
+            Answer::Pending(fut) => pending.push(Box::pin(async move { (id, fut.await) })),
+        },
+        Body::Hello {
+            min_version,
+            max_version,
+        } => {
+            if (min_version..=max_version).contains(&VERSION) {
+                encode(out, Frame::new(id, Body::HelloOk { version: VERSION }));
+            } else {
+                error(
+                    out,
+                    id,
+                    ErrorCode::UnsupportedVersion,
+                    format!("client speaks {min_version}..={max_version}; this agent speaks {VERSION}"),
+                );
+            }
+        }
+        Body::Ping => encode(out, Frame::new(id, Body::Pong)),
+        _ => error(
+            out,
+            id,
+            ErrorCode::UnexpectedFrame,
+            "only Hello, Check and Ping go to an agent".into(),
+        ),
+    }
+}
+
+fn answer(out: &mut Vec<u8>, id: u32, result: Result<floodgate_protocol::Decision, ErrorBody>) {
+    match result {
+        Ok(d) => encode(out, Frame::new(id, Body::Decision(d))),
+        Err(e) => encode(out, Frame::new(id, Body::Error(e))),
+    }
+}
+
+fn error(out: &mut Vec<u8>, id: u32, code: ErrorCode, message: String) {
+    encode(out, Frame::new(id, Body::Error(ErrorBody { code, message })));
+}
+
+fn encode(out: &mut Vec<u8>, frame: Frame) {
+    if let Err(e) = frame.encode(out) {
+        // Only a decision with more items than the protocol allows can fail; the engine caps items
+        // at MAX_ITEMS, so this is a bug: say so to the client instead of dropping the request.
+        tracing::error!(error = %e, "could not encode an answer");
+        let _ = Frame::new(
+            frame.request_id,
+            Body::Error(ErrorBody {
+                code: ErrorCode::Internal,
+                message: e.to_string(),
+            }),
+        )
+        .encode(out);
+    }
+}

@@ -1,0 +1,260 @@
+//! The embedded in-memory store: the Lua scripts' maths in Rust, over a sharded map with expiry.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use super::Planned;
+use crate::algo::{self, BucketState, Outcome, WindowState};
+use crate::rules::Algorithm;
+
+/// 64 shards keep lock contention negligible with a handful of worker threads; a multi-item check
+/// locks its shards in index order, so two checks can never deadlock.
+const SHARDS: usize = 64;
+
+/// Where the store reads time.
+#[derive(Debug, Clone, Default)]
+pub enum Clock {
+    /// The system clock, Unix ms.
+    #[default]
+    System,
+    /// A clock tests set by hand.
+    Manual(Arc<AtomicU64>),
+}
+
+impl Clock {
+    /// Now, Unix ms.
+    pub fn now_ms(&self) -> u64 {
+        match self {
+            Clock::System => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_millis() as u64)
+                .unwrap_or(0),
+            Clock::Manual(t) => t.load(Ordering::Relaxed),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Window(WindowState),
+    Bucket(BucketState),
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    state: State,
+    expires_at_ms: u64,
+}
+
+type Shard = HashMap<String, Entry>;
+
+/// The embedded store. Exact and atomic for the agent that owns it; shares nothing with other agents.
+pub struct MemoryStore {
+    shards: Vec<Mutex<Shard>>,
+    clock: Clock,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new(Clock::System)
+    }
+}
+
+impl MemoryStore {
+    /// An empty store reading time from `clock`.
+    pub fn new(clock: Clock) -> Self {
+        MemoryStore {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            clock,
+        }
+    }
+
+    /// Checks the items at once: costs are committed only if every enforced item passes.
+    pub fn check(&self, items: &[Planned]) -> Vec<Outcome> {
+        let now = self.clock.now_ms();
+        let keys: Vec<String> = items.iter().map(|p| state_key(&p.rule.id, &p.key)).collect();
+        let shard_of: Vec<usize> = keys.iter().map(|k| shard_index(k)).collect();
+        let mut order = shard_of.clone();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
+            order.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
+
+        let mut outcomes = Vec::with_capacity(items.len());
+        let mut commits = Vec::with_capacity(items.len());
+        let mut all_ok = true;
+        for (n, item) in items.iter().enumerate() {
+            // `guards` is in `order`'s order, so the shard's position in `order` is its guard.
+            let g = order.binary_search(&shard_of[n]).unwrap_or(0);
+            let prior = guards[g]
+                .1
+                .get(&keys[n])
+                .filter(|e| e.expires_at_ms > now)
+                .map(|e| e.state);
+            let rule = &item.rule;
+            let (outcome, entry) = match rule.algorithm {
+                Algorithm::SlidingWindow => {
+                    let prior = match prior {
+                        Some(State::Window(s)) => Some(s),
+                        _ => None,
+                    };
+                    let (o, next, exp) =
+                        algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
+                    (
+                        o,
+                        Entry {
+                            state: State::Window(next),
+                            expires_at_ms: exp,
+                        },
+                    )
+                }
+                Algorithm::TokenBucket => {
+                    let prior = match prior {
+                        Some(State::Bucket(s)) => Some(s),
+                        _ => None,
+                    };
+                    let (o, next, exp) = algo::token_bucket(
+                        prior,
+                        rule.limit.get(),
+                        rule.window_ms(),
+                        rule.burst(),
+                        item.cost,
+                        now,
+                    );
+                    (
+                        o,
+                        Entry {
+                            state: State::Bucket(next),
+                            expires_at_ms: exp,
+                        },
+                    )
+                }
+            };
+            if !outcome.allowed && rule.enforced() {
+                all_ok = false;
+            }
+            if outcome.allowed {
+                commits.push((g, n, entry));
+            }
+            outcomes.push(outcome);
+        }
+        if all_ok {
+            for (g, n, entry) in commits {
+                guards[g].1.insert(keys[n].clone(), entry);
+            }
+        }
+        outcomes
+    }
+
+    /// Drops expired entries; the agent calls it on a timer so idle keys do not accumulate.
+    pub fn sweep(&self) -> usize {
+        let now = self.clock.now_ms();
+        let mut dropped = 0;
+        for shard in &self.shards {
+            let mut s = lock(shard);
+            let before = s.len();
+            s.retain(|_, e| e.expires_at_ms > now);
+            dropped += before - s.len();
+        }
+        dropped
+    }
+
+    /// How many (key, rule) entries are held.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(s).len()).sum()
+    }
+
+    /// Whether no entry is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
+    // A panic while holding a shard lock cannot leave an entry half-written (entries are Copy and
+    // inserted whole), so a poisoned lock is safe to keep using.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn state_key(rule_id: &str, key: &str) -> String {
+    let mut s = String::with_capacity(rule_id.len() + key.len() + 1);
+    s.push_str(rule_id);
+    s.push('\0');
+    s.push_str(key);
+    s
+}
+
+fn shard_index(key: &str) -> usize {
+    // FNV-1a: cheap and good enough to spread keys over 64 locks.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in key.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % SHARDS as u64) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::RuleSet;
+
+    fn planned(rules: &RuleSet, rule: &str, key: &str, cost: u64) -> Planned {
+        Planned {
+            rule: rules.get(rule).unwrap().clone(),
+            key: key.into(),
+            cost,
+        }
+    }
+
+    fn rules() -> RuleSet {
+        RuleSet::parse(
+            r#"{"rules":[
+              {"id":"a","dimension":"user","limit":3,"windowSeconds":10},
+              {"id":"b","dimension":"ip","limit":1,"windowSeconds":10},
+              {"id":"dry","dimension":"ip","limit":1,"windowSeconds":10,"mode":"log"}]}"#,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_rejected_multi_item_check_consumes_nothing() {
+        let clock = Arc::new(AtomicU64::new(1_000_000));
+        let store = MemoryStore::new(Clock::Manual(clock));
+        let r = rules();
+        assert!(store.check(&[planned(&r, "b", "ip:1", 1)])[0].allowed);
+        // "a" would pass, "b" does not: nothing is taken from "a".
+        let out = store.check(&[planned(&r, "a", "user:1", 1), planned(&r, "b", "ip:1", 1)]);
+        assert!(out[0].allowed && !out[1].allowed);
+        let alone = store.check(&[planned(&r, "a", "user:1", 1)]);
+        assert_eq!(
+            alone[0].remaining, 2,
+            "the rejected check took nothing from rule a"
+        );
+    }
+
+    #[test]
+    fn log_mode_items_never_block_the_others() {
+        let store = MemoryStore::new(Clock::Manual(Arc::new(AtomicU64::new(5_000_000))));
+        let r = rules();
+        assert!(store.check(&[planned(&r, "dry", "ip:9", 1)])[0].allowed);
+        let out = store.check(&[planned(&r, "a", "user:2", 1), planned(&r, "dry", "ip:9", 1)]);
+        assert!(out[0].allowed && !out[1].allowed);
+        assert_eq!(store.check(&[planned(&r, "a", "user:2", 1)])[0].remaining, 1);
+    }
+
+    #[test]
+    fn expired_entries_are_swept() {
+        let clock = Arc::new(AtomicU64::new(1_000_000));
+        let store = MemoryStore::new(Clock::Manual(clock.clone()));
+        let r = rules();
+        store.check(&[planned(&r, "a", "user:1", 1), planned(&r, "b", "ip:1", 1)]);
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.sweep(), 0);
+        clock.fetch_add(20_000, Ordering::Relaxed);
+        assert_eq!(store.sweep(), 2);
+        assert!(store.is_empty());
+    }
+}

@@ -1,0 +1,184 @@
+//! `loadgen`: Floodgate's load generator and its same-run baselines.
+//!
+//! It starts what it measures as real processes — an echo server (the bare Unix-socket baseline), a
+//! `redis-server`, a `floodgate agent` on the embedded store and one on Redis — then drives each
+//! with a closed loop (C clients, D checks in flight each) and optionally an open loop (a fixed rate,
+//! latency measured from each request's intended send time, so there is no coordinated omission).
+//! It prints a table and writes JSON. See BENCHMARKS.md for the commands and figures.
+//!
+//! # Layout
+//! - `closed`: the closed loop over any target.
+//! - `open`: the open loop (blocking threads, intended-time latency).
+//! - `echo`: the bare Unix-socket server used as the baseline.
+//! - `targets`: connections to the echo server, an agent, and bare EVALSHA.
+//! - `report`: percentiles, the table, the JSON.
+
+mod closed;
+mod echo;
+mod open;
+mod report;
+mod targets;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use floodgate_tests::{Agent, RedisServer};
+
+use crate::report::{Row, Table};
+use crate::targets::{commandstats, Target};
+
+/// The rule every bench check uses: a limit so high that checks stay allowed, so each one does the
+/// full read-compute-write work of the script.
+const RULES: &str =
+    r#"{"rules":[{"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60}]}"#;
+
+#[derive(Parser)]
+#[command(name = "loadgen", about = "Floodgate load generator with same-run baselines")]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the bare Unix-socket baseline (used by loadgen itself).
+    Echo {
+        /// Socket path.
+        #[arg(long)]
+        socket: PathBuf,
+    },
+}
+
+#[derive(clap::Args, Clone)]
+struct RunArgs {
+    /// Concurrent clients (connections) for the closed loop, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    clients: Vec<usize>,
+    /// Checks in flight per client in the closed loop.
+    #[arg(long, default_value_t = 1)]
+    pipeline: usize,
+    /// Seconds measured per scenario (after a warm-up of a quarter of that).
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Distinct keys the checks cycle through.
+    #[arg(long, default_value_t = 10_000)]
+    keys: usize,
+    /// Which agent paths to measure: memory, redis, or both.
+    #[arg(long, default_value = "both")]
+    store: String,
+    /// Also run an open loop at this many checks/s against each agent path (0: skip).
+    #[arg(long, default_value_t = 0)]
+    open_rate: u64,
+    /// Connections the open loop spreads its requests over.
+    #[arg(long, default_value_t = 4)]
+    open_connections: usize,
+    /// Skip the baselines (they are needed for ratios).
+    #[arg(long)]
+    no_baselines: bool,
+    /// Where to write the JSON results.
+    #[arg(long, default_value = "target/loadgen.json")]
+    json: PathBuf,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Some(Command::Echo { socket }) = cli.command {
+        return echo::serve(&socket);
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    runtime.block_on(run(cli.run))
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let measure = Duration::from_secs_f64(args.seconds);
+    let want_memory = args.store == "memory" || args.store == "both";
+    let want_redis = args.store == "redis" || args.store == "both";
+    let dir = tempfile::tempdir()?;
+
+    let echo_socket = dir.path().join("echo.sock");
+    let _echo = echo::spawn(&echo_socket)?;
+    let redis = (want_redis || !args.no_baselines).then(RedisServer::start);
+    let memory_agent = if want_memory {
+        Some(Agent::builder().rules(RULES).start().await)
+    } else {
+        None
+    };
+    let redis_agent = match (&redis, want_redis) {
+        (Some(r), true) => Some(Agent::builder().redis(&r.url()).rules(RULES).start().await),
+        _ => None,
+    };
+
+    let mut table = Table::default();
+    for &clients in &args.clients {
+        let run_one = async |name: &str, target: Target| -> anyhow::Result<Row> {
+            let before = match &redis {
+                Some(r) => Some(commandstats(r)?),
+                None => None,
+            };
+            let result = closed::run(&target, clients, args.pipeline, args.keys, measure).await?;
+            let redis_calls = match (&redis, before) {
+                (Some(r), Some(b)) => Some(commandstats(r)?.since(&b)),
+                _ => None,
+            };
+            Ok(Row::closed(name, clients, args.pipeline, result, redis_calls))
+        };
+        if !args.no_baselines {
+            let row = run_one("bare uds round trip", Target::Echo(echo_socket.clone())).await?;
+            table.push(row);
+            let r = redis.as_ref().context("redis for the EVALSHA baseline")?;
+            let row = run_one("bare EVALSHA", Target::Evalsha(r.url())).await?;
+            table.push(row);
+        }
+        if let Some(a) = &memory_agent {
+            let row = run_one("agent, in-memory", Target::Agent(a.socket().to_path_buf())).await?;
+            table.push(row);
+        }
+        if let Some(a) = &redis_agent {
+            let row = run_one("agent, redis", Target::Agent(a.socket().to_path_buf())).await?;
+            table.push(row);
+        }
+    }
+    if args.open_rate > 0 {
+        let agents = [
+            ("agent, in-memory", &memory_agent),
+            ("agent, redis", &redis_agent),
+        ];
+        for (name, agent) in agents {
+            let Some(a) = agent else { continue };
+            let result = open::run(
+                a.socket(),
+                args.open_rate,
+                args.open_connections,
+                args.keys,
+                measure,
+            )?;
+            table.push(Row::open(name, args.open_rate, args.open_connections, result));
+        }
+        if !args.no_baselines {
+            let result = open::run(
+                &echo_socket,
+                args.open_rate,
+                args.open_connections,
+                args.keys,
+                measure,
+            )?;
+            table.push(Row::open(
+                "bare uds round trip",
+                args.open_rate,
+                args.open_connections,
+                result,
+            ));
+        }
+    }
+    table.print();
+    if let Some(parent) = args.json.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(&args.json, table.json()?)?;
+    println!("\nJSON written to {}", args.json.display());
+    Ok(())
+}

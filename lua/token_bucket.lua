@@ -1,0 +1,42 @@
+-- Floodgate token bucket: capacity `burst`, refilled at limit / window tokens per millisecond.
+--
+-- State per (client key, rule): a hash {t = tokens, ts = last update in ms}. The key expires when its
+-- bucket would be full again, which is the same as having no key, so nothing needs a clean-up job.
+--
+-- token_bucket(key, now, limit, window, burst, cost) returns the verdict
+-- (allowed, limit = burst, remaining, reset_at_ms, retry_after_ms) and, when allowed, the write that
+-- commits it. check.lua calls it for every item first and commits only if every enforced item passes.
+--
+-- The maths is mirrored line for line by agent/src/algo/token_bucket.rs (the embedded store).
+local function token_bucket(key, now, limit, window, burst, cost)
+  local rate = limit / window
+  local v = redis.call('HMGET', key, 't', 'ts')
+  local tokens = tonumber(v[1])
+  local ts = tonumber(v[2])
+  if tokens == nil or ts == nil then
+    tokens = burst
+  elseif now > ts then
+    tokens = tokens + (now - ts) * rate
+    if tokens > burst then tokens = burst end
+  end
+
+  if tokens >= cost then
+    tokens = tokens - cost
+    local reset = now + math.ceil((burst - tokens) / rate)
+    local commit = function()
+      redis.call('HSET', key, 't', tokens, 'ts', now)
+      redis.call('PEXPIREAT', key, reset + 1)
+    end
+    return { 1, burst, math.floor(tokens), reset, 0 }, commit
+  end
+
+  local retry
+  if cost > burst then
+    retry = window
+  else
+    retry = math.ceil((cost - tokens) / rate)
+  end
+  if retry < 1 then retry = 1 end
+  local reset = now + math.ceil((burst - tokens) / rate)
+  return { 0, burst, math.floor(tokens), reset, retry }, nil
+end

@@ -1,0 +1,368 @@
+//! Encoding frames to bytes and decoding them back; the decoder never panics on any input.
+
+use crate::frame::{
+    Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, Source, Verdict,
+};
+use crate::limits::{kind, HEADER, LEN_PREFIX, MAX_FRAME, MAX_ITEMS, MAX_MESSAGE, VERSION};
+use crate::{DecodeError, EncodeError, ErrorCode};
+
+/// Bytes of one encoded [`Verdict`].
+pub const VERDICT_LEN: usize = 2 + 4 * 8;
+
+const FLAG_ALLOWED: u8 = 0b01;
+const FLAG_LOG_ONLY: u8 = 0b10;
+const FORM_ITEMS: u8 = 0;
+const FORM_ATTRIBUTES: u8 = 1;
+
+impl Frame {
+    /// A frame.
+    pub fn new(request_id: u32, body: Body) -> Self {
+        Frame { request_id, body }
+    }
+
+    /// Appends the encoded frame to `out`. Fails, writing nothing, if the frame breaks a limit.
+    pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        match &self.body {
+            Body::Check(check) => check.validate().map_err(EncodeError::Invalid)?,
+            Body::Decision(d) if d.items.len() > MAX_ITEMS => {
+                return Err(EncodeError::Invalid(format!(
+                    "a decision carries at most {MAX_ITEMS} items, not {}",
+                    d.items.len()
+                )))
+            }
+            _ => {}
+        }
+        let start = out.len();
+        out.extend_from_slice(&[0; LEN_PREFIX]);
+        let version = match self.body {
+            // Hello is understood by every version; it announces the range itself.
+            Body::Hello { max_version, .. } => max_version.min(VERSION),
+            _ => VERSION,
+        };
+        out.push(version);
+        out.push(self.kind());
+        out.extend_from_slice(&self.request_id.to_be_bytes());
+        self.encode_body(out);
+        let len = out.len() - start;
+        if len > MAX_FRAME {
+            out.truncate(start);
+            return Err(EncodeError::TooLarge(len));
+        }
+        let prefix = u32::try_from(len - LEN_PREFIX).expect("bounded by MAX_FRAME");
+        out[start..start + LEN_PREFIX].copy_from_slice(&prefix.to_be_bytes());
+        Ok(())
+    }
+
+    /// The encoded frame as a new vector.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, EncodeError> {
+        let mut out = Vec::with_capacity(64);
+        self.encode(&mut out)?;
+        Ok(out)
+    }
+
+    fn kind(&self) -> u8 {
+        match self.body {
+            Body::Hello { .. } => kind::HELLO,
+            Body::HelloOk { .. } => kind::HELLO_OK,
+            Body::Check(_) => kind::CHECK,
+            Body::Decision(_) => kind::DECISION,
+            Body::Error(_) => kind::ERROR,
+            Body::Ping => kind::PING,
+            Body::Pong => kind::PONG,
+        }
+    }
+
+    fn encode_body(&self, out: &mut Vec<u8>) {
+        match &self.body {
+            Body::Hello {
+                min_version,
+                max_version,
+            } => out.extend_from_slice(&[*min_version, *max_version]),
+            Body::HelloOk { version } => out.push(*version),
+            Body::Check(Check::Items(items)) => {
+                out.push(FORM_ITEMS);
+                out.push(items.len() as u8);
+                for item in items {
+                    put_str16(out, &item.key);
+                    put_str8(out, &item.rule_id);
+                    out.extend_from_slice(&item.cost.to_be_bytes());
+                }
+            }
+            Body::Check(Check::Attributes(a)) => {
+                out.push(FORM_ATTRIBUTES);
+                for (_, value) in a.fields() {
+                    put_str16(out, value.as_deref().unwrap_or(""));
+                }
+                out.extend_from_slice(&a.cost.to_be_bytes());
+            }
+            Body::Decision(d) => {
+                put_verdict(out, &d.combined);
+                out.push(d.items.len() as u8);
+                for item in &d.items {
+                    put_str8(out, &item.rule_id);
+                    put_verdict(out, &item.verdict);
+                }
+            }
+            Body::Error(e) => {
+                out.extend_from_slice(&e.code.to_u16().to_be_bytes());
+                let msg = truncate_utf8(&e.message, MAX_MESSAGE);
+                put_str16(out, msg);
+            }
+            Body::Ping | Body::Pong => {}
+        }
+    }
+}
+
+/// Decodes one frame from the front of `buf`, returning it and the number of bytes it took.
+///
+/// `Err(Incomplete)` asks for more bytes. `Err(Rejected)` names a well-delimited frame whose content is
+/// refused: skip `frame_len` bytes and go on. `Err(Fatal)` means the stream cannot be resynchronised.
+pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
+    if buf.len() < LEN_PREFIX {
+        return Err(DecodeError::Incomplete);
+    }
+    let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    let frame_len = LEN_PREFIX.saturating_add(len);
+    if frame_len > MAX_FRAME {
+        return Err(DecodeError::Fatal {
+            code: ErrorCode::FrameTooLarge,
+            request_id: None,
+            reason: format!("frame of {frame_len} bytes exceeds the {MAX_FRAME}-byte limit"),
+        });
+    }
+    if len < HEADER {
+        return Err(DecodeError::Fatal {
+            code: ErrorCode::MalformedFrame,
+            request_id: None,
+            reason: format!("length {len} is shorter than the {HEADER}-byte header"),
+        });
+    }
+    if buf.len() < frame_len {
+        return Err(DecodeError::Incomplete);
+    }
+    let version = buf[4];
+    let frame_kind = buf[5];
+    let request_id = u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]);
+    let reject = |code: ErrorCode, reason: String| DecodeError::Rejected {
+        code,
+        request_id,
+        reason,
+        frame_len,
+    };
+    if version != VERSION && frame_kind != kind::HELLO {
+        return Err(reject(
+            ErrorCode::UnsupportedVersion,
+            format!("frame version {version}; this peer speaks version {VERSION}"),
+        ));
+    }
+    let mut r = Reader {
+        buf: &buf[LEN_PREFIX + HEADER..frame_len],
+    };
+    let body = match decode_body(frame_kind, &mut r) {
+        Ok(body) => body,
+        Err(Problem::Malformed(reason)) => {
+            return Err(DecodeError::Fatal {
+                code: ErrorCode::MalformedFrame,
+                request_id: Some(request_id),
+                reason,
+            });
+        }
+        Err(Problem::Invalid(reason)) => return Err(reject(ErrorCode::InvalidItem, reason)),
+    };
+    if !r.buf.is_empty() {
+        return Err(DecodeError::Fatal {
+            code: ErrorCode::MalformedFrame,
+            request_id: Some(request_id),
+            reason: format!("{} unexpected bytes after the body", r.buf.len()),
+        });
+    }
+    Ok((Frame { request_id, body }, frame_len))
+}
+
+enum Problem {
+    Malformed(String),
+    Invalid(String),
+}
+
+fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
+    Ok(match frame_kind {
+        kind::HELLO => Body::Hello {
+            min_version: r.u8()?,
+            max_version: r.u8()?,
+        },
+        kind::HELLO_OK => Body::HelloOk { version: r.u8()? },
+        kind::CHECK => {
+            let check = match r.u8()? {
+                FORM_ITEMS => {
+                    let n = r.u8()? as usize;
+                    let mut items = Vec::with_capacity(n.min(MAX_ITEMS));
+                    for _ in 0..n {
+                        let key = r.str16()?;
+                        let rule_id = r.str8()?;
+                        let cost = r.u32()?;
+                        items.push(Item { key, rule_id, cost });
+                    }
+                    Check::Items(items)
+                }
+                FORM_ATTRIBUTES => {
+                    let mut a = Attributes::default();
+                    for slot in [
+                        &mut a.endpoint,
+                        &mut a.tier,
+                        &mut a.user,
+                        &mut a.api_key,
+                        &mut a.ip,
+                    ] {
+                        let v = r.str16()?;
+                        *slot = (!v.is_empty()).then_some(v);
+                    }
+                    a.cost = r.u32()?;
+                    Check::Attributes(a)
+                }
+                form => return Err(Problem::Malformed(format!("unknown check form {form}"))),
+            };
+            if !r.buf.is_empty() {
+                return Err(Problem::Malformed(format!(
+                    "{} unexpected bytes after the check",
+                    r.buf.len()
+                )));
+            }
+            check.validate().map_err(Problem::Invalid)?;
+            Body::Check(check)
+        }
+        kind::DECISION => {
+            let combined = r.verdict()?;
+            let n = r.u8()? as usize;
+            if n > MAX_ITEMS {
+                return Err(Problem::Malformed(format!(
+                    "a decision carries at most {MAX_ITEMS} items, not {n}"
+                )));
+            }
+            let mut items = Vec::with_capacity(n);
+            for _ in 0..n {
+                let rule_id = r.str8()?;
+                let verdict = r.verdict()?;
+                items.push(ItemDecision { rule_id, verdict });
+            }
+            Body::Decision(Decision { combined, items })
+        }
+        kind::ERROR => Body::Error(ErrorBody {
+            code: ErrorCode::from_u16(r.u16()?),
+            message: r.str16()?,
+        }),
+        kind::PING => Body::Ping,
+        kind::PONG => Body::Pong,
+        other => return Err(Problem::Malformed(format!("unknown frame kind 0x{other:02x}"))),
+    })
+}
+
+struct Reader<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Problem> {
+        if self.buf.len() < n {
+            return Err(Problem::Malformed(format!(
+                "body ends early: wanted {n} more bytes, {} left",
+                self.buf.len()
+            )));
+        }
+        let (head, tail) = self.buf.split_at(n);
+        self.buf = tail;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8, Problem> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, Problem> {
+        let b = self.take(2)?;
+        Ok(u16::from_be_bytes([b[0], b[1]]))
+    }
+
+    fn u32(&mut self) -> Result<u32, Problem> {
+        let b = self.take(4)?;
+        Ok(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64, Problem> {
+        let b = self.take(8)?;
+        let mut a = [0; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_be_bytes(a))
+    }
+
+    fn string(&mut self, n: usize) -> Result<String, Problem> {
+        let b = self.take(n)?;
+        String::from_utf8(b.to_vec()).map_err(|_| Problem::Invalid("text is not valid UTF-8".into()))
+    }
+
+    fn str8(&mut self) -> Result<String, Problem> {
+        let n = self.u8()? as usize;
+        self.string(n)
+    }
+
+    fn str16(&mut self) -> Result<String, Problem> {
+        let n = self.u16()? as usize;
+        self.string(n)
+    }
+
+    fn verdict(&mut self) -> Result<Verdict, Problem> {
+        let flags = self.u8()?;
+        if flags & !(FLAG_ALLOWED | FLAG_LOG_ONLY) != 0 {
+            return Err(Problem::Malformed(format!("unknown verdict flags 0x{flags:02x}")));
+        }
+        let source = self.u8()?;
+        let source =
+            Source::from_u8(source).ok_or_else(|| Problem::Malformed(format!("unknown source {source}")))?;
+        Ok(Verdict {
+            allowed: flags & FLAG_ALLOWED != 0,
+            log_only: flags & FLAG_LOG_ONLY != 0,
+            source,
+            limit: self.u64()?,
+            remaining: self.u64()?,
+            reset_at_ms: self.u64()?,
+            retry_after_ms: self.u64()?,
+        })
+    }
+}
+
+fn put_str8(out: &mut Vec<u8>, s: &str) {
+    let s = truncate_utf8(s, u8::MAX as usize);
+    out.push(s.len() as u8);
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_str16(out: &mut Vec<u8>, s: &str) {
+    let s = truncate_utf8(s, u16::MAX as usize);
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_verdict(out: &mut Vec<u8>, v: &Verdict) {
+    let mut flags = 0;
+    if v.allowed {
+        flags |= FLAG_ALLOWED;
+    }
+    if v.log_only {
+        flags |= FLAG_LOG_ONLY;
+    }
+    out.push(flags);
+    out.push(v.source.to_u8());
+    for n in [v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms] {
+        out.extend_from_slice(&n.to_be_bytes());
+    }
+}
+
+fn truncate_utf8(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}

@@ -1,0 +1,272 @@
+//! The frames Floodgate peers exchange, as plain Rust values.
+
+use crate::limits::{MAX_ATTRIBUTE, MAX_ITEMS, MAX_KEY, MAX_RULE_ID};
+use crate::ErrorCode;
+
+/// One frame: a request id and what it carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// Chosen by the client; the agent answers with the same id. Many may be in flight on one connection.
+    pub request_id: u32,
+    /// The frame's content.
+    pub body: Body,
+}
+
+/// What a frame carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Body {
+    /// Client → agent: the range of versions the client speaks.
+    Hello {
+        /// Lowest version the client speaks.
+        min_version: u8,
+        /// Highest version the client speaks.
+        max_version: u8,
+    },
+    /// Agent → client: the version chosen for this connection.
+    HelloOk {
+        /// The chosen version.
+        version: u8,
+    },
+    /// Client → agent: a limit check.
+    Check(Check),
+    /// Agent → client: the answer to a check.
+    Decision(Decision),
+    /// Either way: something went wrong with one request (or the connection, with request id 0).
+    Error(ErrorBody),
+    /// Client → agent: liveness probe.
+    Ping,
+    /// Agent → client: answer to a ping.
+    Pong,
+}
+
+/// A limit check: explicit items, or request attributes for the agent to match against its rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Check {
+    /// 1 to 16 `(key, ruleId, cost)` items; allowed only if every item is.
+    Items(Vec<Item>),
+    /// Request attributes; the agent checks every rule that matches them.
+    Attributes(Attributes),
+}
+
+/// One `(key, ruleId, cost)` item of a check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Item {
+    /// The client key, e.g. `user:123` or `apikey:abc:endpoint:/search`.
+    pub key: String,
+    /// The rule to check the key against.
+    pub rule_id: String,
+    /// How many units this request consumes (at least 1).
+    pub cost: u32,
+}
+
+impl Item {
+    /// An item; validated when encoded or by [`Item::validate`].
+    pub fn new(key: impl Into<String>, rule_id: impl Into<String>, cost: u32) -> Self {
+        Item {
+            key: key.into(),
+            rule_id: rule_id.into(),
+            cost,
+        }
+    }
+
+    /// Checks the item against the protocol's limits.
+    pub fn validate(&self) -> Result<(), String> {
+        validate_text("key", &self.key, MAX_KEY)?;
+        validate_rule_id(&self.rule_id)?;
+        if self.cost == 0 {
+            return Err("cost must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Request attributes the agent matches against its rules.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Attributes {
+    /// The matched route or path, e.g. `/search`.
+    pub endpoint: Option<String>,
+    /// The client tier, e.g. `free` or `pro`.
+    pub tier: Option<String>,
+    /// The user id.
+    pub user: Option<String>,
+    /// The API key.
+    pub api_key: Option<String>,
+    /// The client IP address.
+    pub ip: Option<String>,
+    /// How many units this request consumes (at least 1).
+    pub cost: u32,
+}
+
+impl Attributes {
+    /// Checks the attributes against the protocol's limits.
+    pub fn validate(&self) -> Result<(), String> {
+        for (name, value) in self.fields() {
+            if let Some(v) = value {
+                validate_text(name, v, MAX_ATTRIBUTE)?;
+            }
+        }
+        if self.cost == 0 {
+            return Err("cost must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// The attributes with their names, in wire order.
+    pub fn fields(&self) -> [(&'static str, &Option<String>); 5] {
+        [
+            ("endpoint", &self.endpoint),
+            ("tier", &self.tier),
+            ("user", &self.user),
+            ("apiKey", &self.api_key),
+            ("ip", &self.ip),
+        ]
+    }
+}
+
+impl Check {
+    /// Checks the whole check against the protocol's limits.
+    pub fn validate(&self) -> Result<(), String> {
+        match self {
+            Check::Items(items) => {
+                if items.is_empty() || items.len() > MAX_ITEMS {
+                    return Err(format!(
+                        "a check carries 1 to {MAX_ITEMS} items, not {}",
+                        items.len()
+                    ));
+                }
+                items.iter().try_for_each(Item::validate)
+            }
+            Check::Attributes(a) => a.validate(),
+        }
+    }
+}
+
+/// Where a verdict came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// An atomic script on the shared Redis state.
+    Redis,
+    /// The agent's own state: the embedded in-memory store, or local counters of a batched rule.
+    Local,
+    /// A rejection the agent cached until its reset time.
+    Cache,
+    /// The store was unavailable and the rule's fail mode (or fallback limiter) decided.
+    Fallback,
+}
+
+impl Source {
+    /// The byte on the wire.
+    pub fn to_u8(self) -> u8 {
+        match self {
+            Source::Redis => 0,
+            Source::Local => 1,
+            Source::Cache => 2,
+            Source::Fallback => 3,
+        }
+    }
+
+    /// The source for a wire byte.
+    pub fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            0 => Source::Redis,
+            1 => Source::Local,
+            2 => Source::Cache,
+            3 => Source::Fallback,
+            _ => return None,
+        })
+    }
+
+    /// Lower-case name, as used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Redis => "redis",
+            Source::Local => "local",
+            Source::Cache => "cache",
+            Source::Fallback => "fallback",
+        }
+    }
+}
+
+/// The figures of one decision, per item or combined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// Whether the request may pass.
+    pub allowed: bool,
+    /// The rule is in `log` mode: this verdict is reported, never enforced.
+    pub log_only: bool,
+    /// Where the answer came from.
+    pub source: Source,
+    /// The rule's limit per window (or bucket capacity).
+    pub limit: u64,
+    /// Units left after this request.
+    pub remaining: u64,
+    /// Unix time in milliseconds at which the key is back to its full limit.
+    pub reset_at_ms: u64,
+    /// On a denial, milliseconds until this request could pass (at least 1); 0 when allowed.
+    pub retry_after_ms: u64,
+}
+
+/// A decision on one item, named by its rule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ItemDecision {
+    /// The rule that decided.
+    pub rule_id: String,
+    /// Its verdict.
+    pub verdict: Verdict,
+}
+
+/// The answer to a check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Allowed only if every enforced item is; the figures of the most restrictive item.
+    pub combined: Verdict,
+    /// One per item (per matched rule for an attribute check), in request order.
+    pub items: Vec<ItemDecision>,
+}
+
+/// The content of an `Error` frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ErrorBody {
+    /// What kind of error.
+    pub code: ErrorCode,
+    /// A human-readable explanation (at most 1 KiB).
+    pub message: String,
+}
+
+fn validate_text(name: &str, value: &str, max: usize) -> Result<(), String> {
+    if value.is_empty() {
+        return Err(format!("{name} is empty"));
+    }
+    if value.len() > max {
+        return Err(format!(
+            "{name} is {} bytes, over the {max}-byte limit",
+            value.len()
+        ));
+    }
+    if let Some(c) = value.chars().find(|c| *c == '{' || *c == '}' || c.is_control()) {
+        return Err(format!(
+            "{name} contains {c:?}: braces (Redis hash tags) and control characters are not allowed"
+        ));
+    }
+    Ok(())
+}
+
+/// Checks a rule id: 1 to 128 bytes of ASCII letters, digits and `_ - . :`.
+pub fn validate_rule_id(rule_id: &str) -> Result<(), String> {
+    if rule_id.is_empty() || rule_id.len() > MAX_RULE_ID {
+        return Err(format!(
+            "rule id must be 1 to {MAX_RULE_ID} bytes, not {}",
+            rule_id.len()
+        ));
+    }
+    if let Some(c) = rule_id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':')))
+    {
+        return Err(format!(
+            "rule id {rule_id:?} contains {c:?}: only ASCII letters, digits and _ - . : are allowed"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,33 @@
+//! Floodgate's wire protocol: the frames a service (through the SDK) and its local agent exchange over
+//! a Unix socket. This crate knows nothing about Redis, tokio or sockets: it turns frames into bytes and
+//! bytes into frames, and enforces the limits. `PROTOCOL.md` beside this crate documents every byte.
+//!
+//! # Layout
+//! - [`limits`]: the version, frame kinds and size limits.
+//! - `frame`: the frames as Rust values ([`Frame`], [`Body`], [`Check`], [`Decision`], …).
+//! - `codec`: [`Frame::encode`] and [`decode`]; decoding never panics on any input.
+//! - `error`: [`DecodeError`], [`EncodeError`] and the wire [`ErrorCode`]s.
+//!
+//! # Example
+//! ```
+//! use floodgate_protocol::{decode, Body, Check, Frame, Item};
+//!
+//! let frame = Frame::new(7, Body::Check(Check::Items(vec![Item::new("user:123", "api", 1)])));
+//! let bytes = frame.to_bytes().unwrap();
+//! let (back, used) = decode(&bytes).unwrap();
+//! assert_eq!(back, frame);
+//! assert_eq!(used, bytes.len());
+//! ```
+
+mod codec;
+mod error;
+mod frame;
+pub mod limits;
+
+pub use codec::{decode, VERDICT_LEN};
+pub use error::{DecodeError, EncodeError, ErrorCode};
+pub use frame::{
+    validate_rule_id, Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, Source,
+    Verdict,
+};
+pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, VERSION};

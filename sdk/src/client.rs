@@ -1,0 +1,234 @@
+//! The client: configuration, call options, and the calls themselves.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::connection::{self, Reply};
+use crate::{Decision, Degraded, Error};
+
+/// What a call answers when the agent cannot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailPolicy {
+    /// Allow: a limiter outage must not become an API outage (the default).
+    #[default]
+    Open,
+    /// Deny with a Retry-After: for checks where over-admission is worse than downtime.
+    Closed,
+}
+
+/// How a client behaves; `ClientConfig::default()` suits most services.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Longest a call waits for the agent (default 10 ms).
+    pub timeout: Duration,
+    /// What a call answers when the agent cannot (default open).
+    pub fail: FailPolicy,
+    /// The Retry-After a fail-closed answer carries (default 1 s).
+    pub closed_retry_after: Duration,
+    /// First reconnection delay; doubles on each failure (default 10 ms).
+    pub reconnect_min: Duration,
+    /// Longest reconnection delay (default 1 s).
+    pub reconnect_max: Duration,
+    /// Longest a connection attempt and its Hello may take (default 250 ms).
+    pub connect_timeout: Duration,
+    /// Checks queued for the socket at most; past it calls answer by their fail policy (default 8192).
+    pub queue: usize,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            timeout: Duration::from_millis(10),
+            fail: FailPolicy::Open,
+            closed_retry_after: Duration::from_secs(1),
+            reconnect_min: Duration::from_millis(10),
+            reconnect_max: Duration::from_secs(1),
+            connect_timeout: Duration::from_millis(250),
+            queue: 8192,
+        }
+    }
+}
+
+/// Per-call overrides of the client's configuration.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallOptions {
+    /// Overrides [`ClientConfig::timeout`].
+    pub timeout: Option<Duration>,
+    /// Overrides [`ClientConfig::fail`].
+    pub fail: Option<FailPolicy>,
+}
+
+/// Counts of calls the SDK answered by itself, for the service's own metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientStats {
+    /// Calls answered by the fail policy because there was no connection.
+    pub unavailable: u64,
+    /// Calls answered by the fail policy because the agent was late.
+    pub timeouts: u64,
+    /// Connections established (the first one included).
+    pub connects: u64,
+}
+
+pub(crate) struct Shared {
+    pub(crate) path: PathBuf,
+    pub(crate) config: ClientConfig,
+    pub(crate) pending: Mutex<HashMap<u32, oneshot::Sender<Reply>>>,
+    pub(crate) connected: AtomicBool,
+    pub(crate) connects: AtomicU64,
+    unavailable: AtomicU64,
+    timeouts: AtomicU64,
+    next_id: AtomicU32,
+}
+
+impl Shared {
+    pub(crate) fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u32, oneshot::Sender<Reply>>> {
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A handle to the local agent. Cheap to clone; all clones share one connection.
+#[derive(Clone)]
+pub struct Client {
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Vec<u8>>,
+}
+
+impl Client {
+    /// A client for the agent at `path` with the default configuration. Returns at once; the
+    /// connection is made (and remade) in the background, and calls answer by the fail policy
+    /// until it is up.
+    pub async fn connect(path: impl AsRef<Path>) -> Client {
+        Self::with_config(path, ClientConfig::default()).await
+    }
+
+    /// A client with a configuration. Waits up to `connect_timeout` for the first connection so that
+    /// the first calls reach the agent when it is up.
+    pub async fn with_config(path: impl AsRef<Path>, config: ClientConfig) -> Client {
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        let shared = Arc::new(Shared {
+            path: path.as_ref().to_path_buf(),
+            config,
+            pending: Mutex::new(HashMap::new()),
+            connected: AtomicBool::new(false),
+            connects: AtomicU64::new(0),
+            unavailable: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
+            next_id: AtomicU32::new(1),
+        });
+        let (ready_tx, ready_rx) = oneshot::channel();
+        tokio::spawn(connection::run(Arc::downgrade(&shared), rx, ready_tx));
+        let _ = tokio::time::timeout(shared.config.connect_timeout, ready_rx).await;
+        Client { shared, tx }
+    }
+
+    /// `allow(key, ruleId, cost)`: one item.
+    pub async fn allow(&self, key: &str, rule_id: &str, cost: u32) -> Result<Decision, Error> {
+        self.check(vec![Item::new(key, rule_id, cost)]).await
+    }
+
+    /// Several items at once: allowed only if every item is.
+    pub async fn check(&self, items: Vec<Item>) -> Result<Decision, Error> {
+        self.check_with(Check::Items(items), CallOptions::default()).await
+    }
+
+    /// Request attributes for the agent to match against its rules.
+    pub async fn check_request(&self, attributes: Attributes) -> Result<Decision, Error> {
+        self.check_with(Check::Attributes(attributes), CallOptions::default())
+            .await
+    }
+
+    /// Any check, with per-call options. Returns within the timeout, whatever the agent does.
+    pub async fn check_with(&self, check: Check, options: CallOptions) -> Result<Decision, Error> {
+        let timeout = options.timeout.unwrap_or(self.shared.config.timeout);
+        let policy = options.fail.unwrap_or(self.shared.config.fail);
+        let id = self.next_id();
+        let bytes = Frame::new(id, Body::Check(check))
+            .to_bytes()
+            .map_err(|e| Error::Invalid(e.to_string()))?;
+        if !self.shared.connected.load(Ordering::Acquire) {
+            return Ok(self.degraded(policy, Degraded::Unavailable));
+        }
+        let (reply_tx, reply_rx) = oneshot::channel();
+        self.shared.pending().insert(id, reply_tx);
+        let guard = PendingGuard {
+            shared: &self.shared,
+            id,
+        };
+        if self.tx.try_send(bytes).is_err() {
+            return Ok(self.degraded(policy, Degraded::Unavailable));
+        }
+        let result = tokio::time::timeout(timeout, reply_rx).await;
+        drop(guard);
+        match result {
+            Ok(Ok(Reply::Decision(d))) => Ok(Decision::from_agent(d)),
+            Ok(Ok(Reply::Error(e))) => match e.code {
+                // The agent's own trouble is not the caller's: answer by the policy.
+                ErrorCode::Overloaded | ErrorCode::Internal => {
+                    Ok(self.degraded(policy, Degraded::Unavailable))
+                }
+                code => Err(Error::Agent {
+                    code,
+                    message: e.message,
+                }),
+            },
+            Ok(Err(_)) => Ok(self.degraded(policy, Degraded::Unavailable)),
+            Err(_) => Ok(self.degraded(policy, Degraded::Timeout)),
+        }
+    }
+
+    /// Whether the client holds a live connection to the agent right now.
+    pub fn is_connected(&self) -> bool {
+        self.shared.connected.load(Ordering::Acquire)
+    }
+
+    /// Counts of degraded answers and connections, for the service's metrics.
+    pub fn stats(&self) -> ClientStats {
+        ClientStats {
+            unavailable: self.shared.unavailable.load(Ordering::Relaxed),
+            timeouts: self.shared.timeouts.load(Ordering::Relaxed),
+            connects: self.shared.connects.load(Ordering::Relaxed),
+        }
+    }
+
+    fn next_id(&self) -> u32 {
+        loop {
+            // Id 0 is reserved for connection-level frames (Hello, fatal errors).
+            let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+
+    fn degraded(&self, policy: FailPolicy, why: Degraded) -> Decision {
+        match why {
+            Degraded::Unavailable => &self.shared.unavailable,
+            Degraded::Timeout => &self.shared.timeouts,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let retry = self.shared.config.closed_retry_after.as_millis() as u64;
+        Decision::degraded(policy == FailPolicy::Open, why, retry, now)
+    }
+}
+
+/// Removes a call's pending entry however the call ends (answered, timed out, or dropped by its caller).
+struct PendingGuard<'a> {
+    shared: &'a Shared,
+    id: u32,
+}
+
+impl Drop for PendingGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.pending().remove(&self.id);
+    }
+}

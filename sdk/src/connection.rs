@@ -1,0 +1,192 @@
+//! The background task that owns the socket: connects and says Hello, writes queued checks in
+//! batches, dispatches answers by request id, and reconnects with backoff.
+
+use std::sync::atomic::Ordering;
+use std::sync::Weak;
+use std::time::Duration;
+
+use floodgate_protocol::{decode, Body, Decision, DecodeError, ErrorBody, Frame, VERSION};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::unix::OwnedReadHalf;
+use tokio::net::UnixStream;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::client::Shared;
+
+/// An agent's answer to one request.
+pub(crate) enum Reply {
+    Decision(Decision),
+    Error(ErrorBody),
+}
+
+/// Runs until every `Client` clone is dropped.
+pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, ready: oneshot::Sender<()>) {
+    let mut ready = Some(ready);
+    let mut backoff = None;
+    loop {
+        let Some(s) = shared.upgrade() else { return };
+        let (path, config) = (s.path.clone(), s.config.clone());
+        drop(s);
+        match tokio::time::timeout(config.connect_timeout, handshake(&path)).await {
+            Ok(Ok((stream, leftover))) => {
+                backoff = None;
+                let Some(s) = shared.upgrade() else { return };
+                s.connects.fetch_add(1, Ordering::Relaxed);
+                s.connected.store(true, Ordering::Release);
+                drop(s);
+                if let Some(r) = ready.take() {
+                    let _ = r.send(());
+                }
+                let closed = serve(&shared, stream, leftover, &mut rx).await;
+                if let Some(s) = shared.upgrade() {
+                    s.connected.store(false, Ordering::Release);
+                    // Dropping the senders tells every waiting call the connection is gone.
+                    s.pending().clear();
+                }
+                if closed {
+                    return;
+                }
+                tracing::debug!(path = %path.display(), "connection to the agent lost; reconnecting");
+            }
+            Ok(Err(e)) => tracing::debug!(path = %path.display(), error = %e, "cannot reach the agent"),
+            Err(_) => tracing::debug!(path = %path.display(), "connecting to the agent timed out"),
+        }
+        if let Some(r) = ready.take() {
+            let _ = r.send(());
+        }
+        let delay = backoff.map_or(config.reconnect_min, |d: Duration| {
+            (d * 2).min(config.reconnect_max)
+        });
+        backoff = Some(delay);
+        let sleep = tokio::time::sleep(delay);
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                _ = &mut sleep => break,
+                // Checks queued while disconnected: their callers already hold a fail-policy answer
+                // or will when their pending entry is gone.
+                msg = rx.recv() => if msg.is_none() { return },
+            }
+        }
+    }
+}
+
+async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u8>)> {
+    let mut stream = UnixStream::connect(path).await?;
+    let hello = Frame::new(
+        0,
+        Body::Hello {
+            min_version: VERSION,
+            max_version: VERSION,
+        },
+    );
+    let bytes = hello.to_bytes().map_err(std::io::Error::other)?;
+    stream.write_all(&bytes).await?;
+    let mut buf = Vec::with_capacity(256);
+    loop {
+        if stream.read_buf(&mut buf).await? == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "agent closed during Hello",
+            ));
+        }
+        match decode(&buf) {
+            Ok((
+                Frame {
+                    body: Body::HelloOk { .. },
+                    ..
+                },
+                used,
+            )) => {
+                buf.drain(..used);
+                return Ok((stream, buf));
+            }
+            Ok((
+                Frame {
+                    body: Body::Error(e), ..
+                },
+                _,
+            )) => {
+                return Err(std::io::Error::other(format!(
+                    "agent refused Hello: {}: {}",
+                    e.code, e.message
+                )))
+            }
+            Ok(_) => return Err(std::io::Error::other("unexpected answer to Hello")),
+            Err(DecodeError::Incomplete) => continue,
+            Err(e) => return Err(std::io::Error::other(e.to_string())),
+        }
+    }
+}
+
+/// Serves one connection; returns true when every client handle is gone (stop), false when the
+/// connection broke (reconnect).
+async fn serve(
+    shared: &Weak<Shared>,
+    stream: UnixStream,
+    leftover: Vec<u8>,
+    rx: &mut mpsc::Receiver<Vec<u8>>,
+) -> bool {
+    let (rd, mut wr) = stream.into_split();
+    let mut reader = tokio::spawn(read_loop(shared.clone(), rd, leftover));
+    let mut batch = Vec::with_capacity(16 * 1024);
+    let closed = loop {
+        tokio::select! {
+            msg = rx.recv() => {
+                let Some(first) = msg else { break true };
+                batch.clear();
+                batch.extend_from_slice(&first);
+                // Coalesce whatever else is queued into one write.
+                while batch.len() < 64 * 1024 {
+                    match rx.try_recv() {
+                        Ok(more) => batch.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                if wr.write_all(&batch).await.is_err() {
+                    break false;
+                }
+            }
+            _ = &mut reader => break false,
+        }
+    };
+    reader.abort();
+    closed
+}
+
+async fn read_loop(shared: Weak<Shared>, mut rd: OwnedReadHalf, mut buf: Vec<u8>) {
+    loop {
+        let mut pos = 0;
+        loop {
+            match decode(&buf[pos..]) {
+                Ok((frame, used)) => {
+                    pos += used;
+                    let reply = match frame.body {
+                        Body::Decision(d) => Reply::Decision(d),
+                        Body::Error(e) => Reply::Error(e),
+                        _ => continue,
+                    };
+                    let Some(s) = shared.upgrade() else { return };
+                    let waiter = s.pending().remove(&frame.request_id);
+                    if let Some(w) = waiter {
+                        let _ = w.send(reply);
+                    }
+                }
+                Err(DecodeError::Incomplete) => break,
+                Err(DecodeError::Rejected { frame_len, .. }) => pos += frame_len,
+                Err(e) => {
+                    tracing::warn!(error = %e, "agent sent a broken frame; reconnecting");
+                    return;
+                }
+            }
+        }
+        buf.drain(..pos);
+        if buf.capacity() - buf.len() < 4096 {
+            buf.reserve(16 * 1024);
+        }
+        match rd.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(_) => {}
+        }
+    }
+}

@@ -1,0 +1,78 @@
+//! A decision as the SDK returns it, with where it came from.
+
+use floodgate_protocol::{ItemDecision, Source};
+
+/// Why the SDK answered by itself instead of the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Degraded {
+    /// No connection to the agent (down, restarting, socket missing).
+    Unavailable,
+    /// The agent did not answer within the call's timeout.
+    Timeout,
+}
+
+/// Who decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Origin {
+    /// The agent, from this source.
+    Agent(Source),
+    /// The SDK's fail policy: allowed because the agent could not answer.
+    FailOpen(Degraded),
+    /// The SDK's fail policy: denied because the agent could not answer.
+    FailClosed(Degraded),
+}
+
+/// The answer to a check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Decision {
+    /// Whether the request may pass.
+    pub allowed: bool,
+    /// The binding rule's limit (0 when no rule applied or the SDK decided alone).
+    pub limit: u64,
+    /// Units left under the binding rule.
+    pub remaining: u64,
+    /// Unix ms at which the binding key is back to its full limit.
+    pub reset_at_ms: u64,
+    /// On a denial, milliseconds until retrying can succeed; always set when `allowed` is false.
+    pub retry_after_ms: Option<u64>,
+    /// Who decided.
+    pub origin: Origin,
+    /// Per-rule verdicts from the agent (empty when the SDK decided alone).
+    pub items: Vec<ItemDecision>,
+}
+
+impl Decision {
+    pub(crate) fn from_agent(d: floodgate_protocol::Decision) -> Self {
+        let c = d.combined;
+        Decision {
+            allowed: c.allowed,
+            limit: c.limit,
+            remaining: c.remaining,
+            reset_at_ms: c.reset_at_ms,
+            retry_after_ms: (!c.allowed).then_some(c.retry_after_ms.max(1)),
+            origin: Origin::Agent(c.source),
+            items: d.items,
+        }
+    }
+
+    pub(crate) fn degraded(allow: bool, why: Degraded, retry_after_ms: u64, now_ms: u64) -> Self {
+        Decision {
+            allowed: allow,
+            limit: 0,
+            remaining: 0,
+            reset_at_ms: if allow { now_ms } else { now_ms + retry_after_ms },
+            retry_after_ms: (!allow).then_some(retry_after_ms.max(1)),
+            origin: if allow {
+                Origin::FailOpen(why)
+            } else {
+                Origin::FailClosed(why)
+            },
+            items: Vec::new(),
+        }
+    }
+
+    /// Whether the agent decided (not the SDK's fail policy).
+    pub fn from_agent_answer(&self) -> bool {
+        matches!(self.origin, Origin::Agent(_))
+    }
+}

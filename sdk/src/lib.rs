@@ -1,0 +1,36 @@
+//! Floodgate's client SDK: ask the local agent whether a request may pass.
+//!
+//! One [`Client`] per process holds one multiplexed Unix-socket connection to the agent: many checks
+//! are in flight at once, each with its own request id. Every call returns within its timeout
+//! (default 10 ms). When the agent is unreachable or late, the call answers by its fail policy —
+//! open (allow) by default, closed (deny with a Retry-After) where configured — and the client
+//! reconnects in the background with backoff. Nothing here panics on what the agent sends.
+//!
+//! # Layout
+//! - `client`: [`Client`], [`ClientConfig`], [`CallOptions`].
+//! - `decision`: [`Decision`] and where it came from ([`Origin`]).
+//! - `error`: [`Error`].
+//! - `connection`: the background task that owns the socket, dispatches answers and reconnects.
+//!
+//! # Example
+//! ```no_run
+//! # async fn demo() -> Result<(), floodgate_sdk::Error> {
+//! use floodgate_sdk::Client;
+//!
+//! let client = Client::connect("/tmp/floodgate.sock").await;
+//! let d = client.allow("user:123", "api-per-user", 1).await?;
+//! if !d.allowed {
+//!     println!("429, retry in {} ms", d.retry_after_ms.unwrap_or(0));
+//! }
+//! # Ok(()) }
+//! ```
+
+mod client;
+mod connection;
+mod decision;
+mod error;
+
+pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy};
+pub use decision::{Decision, Degraded, Origin};
+pub use error::Error;
+pub use floodgate_protocol::{Attributes, Item, ItemDecision, Source};

@@ -1,0 +1,232 @@
+//! One real `floodgate agent` process on a temporary socket.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::eventually;
+
+/// The `floodgate` binary: `FLOODGATE_BIN`, else the one in the running test's or bench's target
+/// directory (rebuilt through cargo first when running under cargo).
+pub fn floodgate_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Ok(p) = std::env::var("FLOODGATE_BIN") {
+            return PathBuf::from(p);
+        }
+        let exe = std::env::current_exe().expect("current exe");
+        let mut dir = exe.parent().expect("exe dir").to_path_buf();
+        if dir.ends_with("deps") {
+            dir.pop();
+        }
+        let bin = dir.join("floodgate");
+        // Under cargo (tests, `cargo run` of the benches) build the binary first, so a test never runs
+        // a stale agent: `cargo test -p floodgate-tests` alone does not rebuild other packages' bins.
+        // Elsewhere, use what is there.
+        if let Ok(cargo) = std::env::var("CARGO") {
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--quiet", "-p", "floodgate-agent", "--bin", "floodgate"]);
+            if dir.ends_with("release") {
+                cmd.arg("--release");
+            }
+            let status = cmd.status().expect("cargo build of the floodgate binary");
+            assert!(status.success(), "cargo build of the floodgate binary failed");
+        }
+        assert!(
+            bin.exists(),
+            "no floodgate binary at {}; build it or set FLOODGATE_BIN",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
+}
+
+/// How to start an agent.
+#[derive(Default)]
+pub struct AgentBuilder {
+    redis: Option<String>,
+    rules: Option<String>,
+    socket: Option<PathBuf>,
+    args: Vec<String>,
+}
+
+impl AgentBuilder {
+    /// Use Redis at this URL (default: the embedded store).
+    pub fn redis(mut self, url: &str) -> Self {
+        self.redis = Some(url.into());
+        self
+    }
+
+    /// Rules file content (TOML or JSON); default: the built-in example.
+    pub fn rules(mut self, text: &str) -> Self {
+        self.rules = Some(text.into());
+        self
+    }
+
+    /// Serve this socket path instead of a fresh temporary one.
+    pub fn socket(mut self, path: &Path) -> Self {
+        self.socket = Some(path.into());
+        self
+    }
+
+    /// Extra command-line arguments.
+    pub fn arg(mut self, a: &str) -> Self {
+        self.args.push(a.into());
+        self
+    }
+
+    /// Spawns the agent without waiting for it (for tests that expect it to fail).
+    pub fn spawn(self) -> Agent {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = self
+            .socket
+            .clone()
+            .unwrap_or_else(|| dir.path().join("agent.sock"));
+        let log = dir.path().join("agent.log");
+        let mut cmd = Command::new(floodgate_bin());
+        cmd.arg("agent")
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--admin", "127.0.0.1:0"]);
+        if let Some(url) = &self.redis {
+            cmd.args(["--redis", url]);
+        }
+        if let Some(text) = &self.rules {
+            let path = dir.path().join(if text.trim_start().starts_with('{') {
+                "rules.json"
+            } else {
+                "rules.toml"
+            });
+            std::fs::write(&path, text).expect("write rules");
+            cmd.arg("--rules").arg(path);
+        }
+        cmd.args(&self.args);
+        // Keep the environment from leaking FLOODGATE_* settings into tests.
+        for (k, _) in std::env::vars() {
+            if k.starts_with("FLOODGATE_") && k != "FLOODGATE_BIN" {
+                cmd.env_remove(k);
+            }
+        }
+        let logfile = std::fs::File::create(&log).expect("agent log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(logfile))
+            .env("NO_COLOR", "1")
+            .spawn()
+            .expect("spawn floodgate agent");
+        Agent {
+            child: Some(child),
+            socket,
+            log,
+            _dir: dir,
+        }
+    }
+
+    /// Spawns the agent and waits until its socket accepts connections.
+    pub async fn start(self) -> Agent {
+        let mut agent = self.spawn();
+        agent.wait_ready().await;
+        agent
+    }
+}
+
+/// A running `floodgate agent`, killed on drop.
+pub struct Agent {
+    child: Option<Child>,
+    socket: PathBuf,
+    log: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    /// How to start one.
+    pub fn builder() -> AgentBuilder {
+        AgentBuilder::default()
+    }
+
+    /// Its socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Its process id, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// What it has logged so far (stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The admin address it logged.
+    pub async fn admin_addr(&self) -> std::net::SocketAddr {
+        eventually(
+            "the agent logs its admin address",
+            Duration::from_secs(10),
+            || async {
+                let log = self.log();
+                let line = log.lines().find(|l| l.contains("admin HTTP listening"))?;
+                let addr = line.split("addr=").nth(1)?.split_whitespace().next()?;
+                addr.parse().ok()
+            },
+        )
+        .await
+    }
+
+    /// Waits until the socket accepts connections (panics after 10 s, showing the log).
+    pub async fn wait_ready(&mut self) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if tokio::net::UnixStream::connect(&self.socket).await.is_ok() {
+                return;
+            }
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("agent exited with {status}; log:\n{}", self.log());
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "agent not ready in 10 s; log:\n{}",
+                self.log()
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Waits for the process to exit and returns its exit code (panics after 10 s).
+    pub async fn wait_exit(&mut self) -> Option<i32> {
+        let child = self.child.as_mut()?;
+        let status = eventually("the agent exits", Duration::from_secs(10), || {
+            let s = child.try_wait().ok().flatten();
+            async move { s }
+        })
+        .await;
+        self.child = None;
+        status.code()
+    }
+
+    /// Sends SIGTERM and waits for a clean exit.
+    pub async fn terminate(&mut self) -> Option<i32> {
+        if let Some(pid) = self.pid() {
+            crate::signal(pid, 15);
+        }
+        self.wait_exit().await
+    }
+
+    /// Kills with SIGKILL (leaves its socket file behind, like a crash).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

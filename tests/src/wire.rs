@@ -1,0 +1,57 @@
+//! A bare protocol connection for tests that send hand-made (or broken) frames.
+
+use std::path::Path;
+use std::time::Duration;
+
+use floodgate_protocol::{decode, DecodeError, Frame};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+/// A raw connection to an agent.
+pub struct RawConn {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+impl RawConn {
+    /// Connects.
+    pub async fn connect(path: &Path) -> std::io::Result<Self> {
+        Ok(RawConn {
+            stream: UnixStream::connect(path).await?,
+            buf: Vec::new(),
+        })
+    }
+
+    /// Writes bytes as they are.
+    pub async fn send_bytes(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.stream.write_all(bytes).await
+    }
+
+    /// Encodes and writes a frame.
+    pub async fn send(&mut self, frame: &Frame) -> std::io::Result<()> {
+        let bytes = frame.to_bytes().map_err(std::io::Error::other)?;
+        self.send_bytes(&bytes).await
+    }
+
+    /// The next frame, or `None` when the agent closed the connection. Panics after 5 s.
+    pub async fn recv(&mut self) -> Option<Frame> {
+        tokio::time::timeout(Duration::from_secs(5), async {
+            loop {
+                match decode(&self.buf) {
+                    Ok((frame, used)) => {
+                        self.buf.drain(..used);
+                        return Some(frame);
+                    }
+                    Err(DecodeError::Incomplete) => {}
+                    Err(e) => panic!("agent sent a bad frame: {e}"),
+                }
+                match self.stream.read_buf(&mut self.buf).await {
+                    Ok(0) | Err(_) => return None,
+                    Ok(_) => {}
+                }
+            }
+        })
+        .await
+        .expect("an answer or a close within 5 s")
+    }
+}

@@ -1,0 +1,106 @@
+//! The agent process itself: its socket (mode, stale file replaced, live one never stolen), its first
+//! log lines, its admin endpoints, and a clean SIGTERM.
+
+use std::os::unix::fs::PermissionsExt;
+use std::time::Duration;
+
+use floodgate_tests::Agent;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+#[tokio::test]
+async fn starts_on_the_embedded_default_and_says_so() {
+    let mut agent = Agent::builder().start().await;
+    let mode = std::fs::metadata(agent.socket()).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o660, "default socket mode");
+    let log = agent.log();
+    let first: Vec<&str> = log.lines().take(3).collect();
+    assert!(
+        first[0].contains("floodgate agent listening")
+            && first[0].contains(&agent.socket().display().to_string()),
+        "{log}"
+    );
+    assert!(first[1].contains("embedded in-memory store"), "{log}");
+    assert!(
+        first[2].contains("rules loaded") && first[2].contains("api-per-user"),
+        "{log}"
+    );
+
+    let addr = agent.admin_addr().await;
+    for (path, body) in [("/healthz", "ok"), ("/readyz", "ready")] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).await.unwrap();
+        assert!(
+            resp.starts_with("HTTP/1.1 200") && resp.contains(body),
+            "{path}: {resp}"
+        );
+    }
+
+    assert_eq!(agent.terminate().await, Some(0), "SIGTERM is a clean exit");
+    assert!(!agent.socket().exists(), "the socket is removed on the way out");
+}
+
+#[tokio::test]
+async fn a_stale_socket_is_replaced_and_a_live_one_is_not_stolen() {
+    let mut first = Agent::builder().arg("--socket-mode").arg("0600").start().await;
+    let socket = first.socket().to_path_buf();
+    assert_eq!(
+        std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    // A second agent on a live socket refuses to start and leaves the first one serving.
+    let mut second = Agent::builder().socket(&socket).spawn();
+    assert_ne!(second.wait_exit().await, Some(0));
+    assert!(
+        second.log().contains("served by a live agent"),
+        "{}",
+        second.log()
+    );
+    assert!(
+        tokio::net::UnixStream::connect(&socket).await.is_ok(),
+        "the first agent still serves"
+    );
+
+    // A crash leaves the socket file behind; the next agent replaces it.
+    first.kill();
+    assert!(socket.exists());
+    let third = Agent::builder().socket(&socket).start().await;
+    assert!(
+        third.log().contains("replacing a stale socket file"),
+        "{}",
+        third.log()
+    );
+
+    // A path that is not a socket is never removed.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("precious");
+    std::fs::write(&file, "data").unwrap();
+    let mut fourth = Agent::builder().socket(&file).spawn();
+    assert_ne!(fourth.wait_exit().await, Some(0));
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "data");
+}
+
+#[tokio::test]
+async fn a_redis_agent_is_not_ready_while_redis_is_away() {
+    // Nothing listens on this port: the agent starts (and fails open) but reports not ready.
+    let port = floodgate_tests::free_port();
+    let agent = Agent::builder()
+        .redis(&format!("redis://127.0.0.1:{port}"))
+        .start()
+        .await;
+    let addr = agent.admin_addr().await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let mut resp = String::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_string(&mut resp))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(resp.starts_with("HTTP/1.1 503"), "{resp}");
+}

@@ -1,0 +1,131 @@
+//! Allow and deny with their figures, through the SDK and a real agent on a real Redis (and on the
+//! embedded store): limit, remaining, resetAt and retryAfter; token-bucket burst and refill.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use floodgate_sdk::{Client, Origin, Source};
+use floodgate_tests::{Agent, RedisServer};
+
+const RULES: &str = r#"{"rules":[
+  {"id":"five-a-minute","dimension":"user","limit":5,"windowSeconds":60},
+  {"id":"bucket","dimension":"user","limit":10,"windowSeconds":1,"burst":5,"algorithm":"token_bucket"}
+]}"#;
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+}
+
+async fn limit_then_deny(client: &Client, source: Source) {
+    let before = now_ms();
+    for i in 0..5u64 {
+        let d = client.allow("user:alice", "five-a-minute", 1).await.unwrap();
+        assert!(d.allowed, "request {i}");
+        assert_eq!(d.origin, Origin::Agent(source));
+        assert_eq!(d.limit, 5);
+        assert_eq!(d.remaining, 4 - i);
+        assert_eq!(d.retry_after_ms, None);
+        // The key is back to its full limit when both windows it touches have passed: at most 2 × 60 s.
+        assert!(
+            d.reset_at_ms > before && d.reset_at_ms <= before + 120_000 + 1_000,
+            "{d:?}"
+        );
+    }
+    let d = client.allow("user:alice", "five-a-minute", 1).await.unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.remaining, 0);
+    assert_eq!(d.limit, 5);
+    let retry = d.retry_after_ms.expect("a denial always carries retryAfter");
+    // Five in this window, none before: one more fits once the window rolls and 1/5 of it has
+    // passed, so the wait is over 12 s and at most one window plus 12 s.
+    assert!((12_000..=72_000).contains(&retry), "retry {retry}");
+    // Another key is untouched.
+    let other = client.allow("user:bob", "five-a-minute", 2).await.unwrap();
+    assert!(other.allowed);
+    assert_eq!(other.remaining, 3);
+}
+
+async fn bucket_burst_and_refill(client: &Client) {
+    for i in 0..5u64 {
+        let d = client.allow("user:carol", "bucket", 1).await.unwrap();
+        assert!(d.allowed, "burst request {i}");
+        assert_eq!(d.limit, 5);
+        assert_eq!(d.remaining, 4 - i);
+    }
+    let d = client.allow("user:carol", "bucket", 1).await.unwrap();
+    assert!(!d.allowed, "the burst is spent");
+    let retry = d.retry_after_ms.unwrap();
+    // Refill is 10 per second: one token takes at most 100 ms (less if part of one has refilled).
+    assert!((1..=100).contains(&retry), "retry {retry}");
+    // The refill is a function of time, so this test has to let time pass; waiting the advertised
+    // retryAfter (+ 20 ms for the two clocks' read order) must be enough for one request.
+    tokio::time::sleep(Duration::from_millis(retry + 20)).await;
+    let d = client.allow("user:carol", "bucket", 1).await.unwrap();
+    assert!(d.allowed, "one token refilled after retryAfter: {d:?}");
+}
+
+#[tokio::test]
+async fn redis_store_allows_then_denies_with_figures() {
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(RULES)
+        .arg("--redis-timeout-ms")
+        .arg("500")
+        .start()
+        .await;
+    let client = Client::with_config(agent.socket(), generous()).await;
+    limit_then_deny(&client, Source::Redis).await;
+    bucket_burst_and_refill(&client).await;
+    // The counters live in Redis under the client's hash tag.
+    let mut conn = redis.conn();
+    let c: u64 = redis::cmd("HGET")
+        .arg("fg:{user:alice}:five-a-minute")
+        .arg("c")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(c, 5, "the rejected request consumed nothing");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg("fg:{user:alice}:five-a-minute")
+        .query(&mut conn)
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 120_000, "every key has a TTL, got {ttl}");
+}
+
+#[tokio::test]
+async fn embedded_store_allows_then_denies_with_figures() {
+    let agent = Agent::builder().rules(RULES).start().await;
+    let client = Client::with_config(agent.socket(), generous()).await;
+    limit_then_deny(&client, Source::Local).await;
+    bucket_burst_and_refill(&client).await;
+}
+
+#[tokio::test]
+async fn unknown_rules_and_bad_keys_are_errors_not_allows() {
+    let agent = Agent::builder().rules(RULES).start().await;
+    let client = Client::with_config(agent.socket(), generous()).await;
+    match client.allow("user:1", "no-such-rule", 1).await {
+        Err(floodgate_sdk::Error::Agent { code, message }) => {
+            assert_eq!(code, floodgate_protocol::ErrorCode::UnknownRule);
+            assert!(message.contains("no-such-rule"), "{message}");
+        }
+        other => panic!("expected an unknown-rule error, got {other:?}"),
+    }
+    for (key, cost) in [("{user:1}", 1), ("user:1", 0), ("", 1)] {
+        let e = client.allow(key, "five-a-minute", cost).await.unwrap_err();
+        assert!(
+            matches!(e, floodgate_sdk::Error::Invalid(_)),
+            "{key:?}/{cost}: {e:?}"
+        );
+    }
+    let long = "k".repeat(257);
+    assert!(client.allow(&long, "five-a-minute", 1).await.is_err());
+}
+
+/// A timeout that a loaded 2-core CI machine meets, so these tests check figures, not latency.
+fn generous() -> floodgate_sdk::ClientConfig {
+    floodgate_sdk::ClientConfig {
+        timeout: Duration::from_secs(2),
+        connect_timeout: Duration::from_secs(2),
+        ..Default::default()
+    }
+}

@@ -1,0 +1,81 @@
+//! Redis losing its script cache (SCRIPT FLUSH, then a full restart) mid-test: no check fails; the
+//! script is reloaded transparently and answers come from Redis again.
+
+use std::time::{Duration, Instant};
+
+use floodgate_sdk::{Client, ClientConfig, Origin, Source};
+use floodgate_tests::{eventually, Agent, RedisServer};
+
+const RULES: &str = r#"{"rules":[{"id":"r","dimension":"user","limit":1000000,"windowSeconds":60}]}"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_script_cache_is_reloaded_without_a_failed_check() {
+    let mut redis = RedisServer::start();
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(RULES)
+        .arg("--redis-timeout-ms")
+        .arg("1000")
+        .start()
+        .await;
+    let client = Client::with_config(
+        agent.socket(),
+        ClientConfig {
+            timeout: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(2),
+            ..Default::default()
+        },
+    )
+    .await;
+
+    let d = client.allow("user:1", "r", 1).await.unwrap();
+    assert_eq!(d.origin, Origin::Agent(Source::Redis));
+
+    // 1. The cache emptied under a live connection: the next EVALSHA gets NOSCRIPT and is retried.
+    let mut conn = redis.conn();
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut conn).unwrap();
+    for _ in 0..10 {
+        let d = client.allow("user:1", "r", 1).await.unwrap();
+        assert_eq!(
+            d.origin,
+            Origin::Agent(Source::Redis),
+            "answered by Redis after the flush, not by the fail mode"
+        );
+        assert!(d.allowed);
+    }
+    let info: String = redis::cmd("INFO").arg("commandstats").query(&mut conn).unwrap();
+    assert!(
+        info.contains("cmdstat_script|load") || info.contains("cmdstat_script:"),
+        "the script was reloaded: {info}"
+    );
+
+    // 2. A restart: the server is gone for a moment, then back empty on the same port. Every check
+    // still gets an answer (fail open while it is away), none waits past its timeout, and answers
+    // come from Redis again without operator action.
+    redis.kill();
+    let started = Instant::now();
+    let during = client.allow("user:1", "r", 1).await.unwrap();
+    assert!(during.allowed, "fail open while Redis is away: {during:?}");
+    assert_eq!(during.origin, Origin::Agent(Source::Fallback));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    redis.restart();
+    eventually(
+        "answers come from Redis again after the restart",
+        Duration::from_secs(10),
+        || {
+            let client = client.clone();
+            async move {
+                let d = client.allow("user:1", "r", 1).await.unwrap();
+                (d.origin == Origin::Agent(Source::Redis)).then_some(())
+            }
+        },
+    )
+    .await;
+    let mut conn = redis.conn();
+    let c: u64 = redis::cmd("HGET")
+        .arg("fg:{user:1}:r")
+        .arg("c")
+        .query(&mut conn)
+        .unwrap();
+    assert!(c >= 1, "counting resumed in the new server");
+}

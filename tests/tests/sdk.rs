@@ -1,0 +1,161 @@
+//! The SDK against real agent processes: fail open or closed within its timeout when the agent is
+//! away or late, reconnection after a restart, many checks in flight on one connection.
+
+use std::time::{Duration, Instant};
+
+use floodgate_protocol::{Check, Item};
+use floodgate_sdk::{CallOptions, Client, ClientConfig, Degraded, FailPolicy, Origin};
+use floodgate_tests::{eventually, signal, Agent};
+
+/// What a call may take beyond its timeout: one scheduler wake-up on a loaded 2-core machine.
+const MARGIN: Duration = Duration::from_millis(50);
+
+#[tokio::test]
+async fn no_agent_fails_open_by_default_and_closed_on_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let client = Client::connect(dir.path().join("nobody.sock")).await;
+    let started = Instant::now();
+    let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
+    assert!(started.elapsed() < ClientConfig::default().timeout + MARGIN);
+    assert!(d.allowed);
+    assert_eq!(d.origin, Origin::FailOpen(Degraded::Unavailable));
+
+    let closed = CallOptions {
+        fail: Some(FailPolicy::Closed),
+        ..Default::default()
+    };
+    let d = client
+        .check_with(Check::Items(vec![Item::new("user:1", "login", 1)]), closed)
+        .await
+        .unwrap();
+    assert!(!d.allowed);
+    assert_eq!(d.origin, Origin::FailClosed(Degraded::Unavailable));
+    assert_eq!(
+        d.retry_after_ms,
+        Some(1_000),
+        "a fail-closed denial still says when to retry"
+    );
+    assert_eq!(client.stats().unavailable, 2);
+}
+
+#[tokio::test]
+async fn a_stopped_agent_costs_the_timeout_and_no_more() {
+    let agent = Agent::builder().start().await;
+    let client = Client::with_config(
+        agent.socket(),
+        ClientConfig {
+            timeout: Duration::from_millis(20),
+            ..Default::default()
+        },
+    )
+    .await;
+    assert!(client
+        .allow("user:1", "api-per-user", 1)
+        .await
+        .unwrap()
+        .from_agent_answer());
+
+    let pid = agent.pid().unwrap();
+    signal(pid, 19); // SIGSTOP: the agent is alive but answers nothing.
+    let started = Instant::now();
+    let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
+    let took = started.elapsed();
+    signal(pid, 18); // SIGCONT
+    assert_eq!(d.origin, Origin::FailOpen(Degraded::Timeout));
+    assert!(
+        took >= Duration::from_millis(20) && took < Duration::from_millis(20) + MARGIN,
+        "took {took:?}"
+    );
+    assert_eq!(client.stats().timeouts, 1);
+    // The late answer is discarded, and the connection keeps working.
+    eventually(
+        "the agent answers again after SIGCONT",
+        Duration::from_secs(5),
+        || {
+            let client = client.clone();
+            async move {
+                client
+                    .allow("user:1", "api-per-user", 1)
+                    .await
+                    .unwrap()
+                    .from_agent_answer()
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn the_client_reconnects_after_an_agent_restart() {
+    let mut agent = Agent::builder().start().await;
+    let socket = agent.socket().to_path_buf();
+    let client = Client::connect(&socket).await;
+    assert!(client
+        .allow("user:1", "api-per-user", 1)
+        .await
+        .unwrap()
+        .from_agent_answer());
+
+    agent.kill();
+    // While it is gone every call answers by the policy at once.
+    eventually(
+        "the client notices the agent is gone",
+        Duration::from_secs(5),
+        || {
+            let client = client.clone();
+            async move { (!client.is_connected()).then_some(()) }
+        },
+    )
+    .await;
+    let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
+    assert_eq!(d.origin, Origin::FailOpen(Degraded::Unavailable));
+
+    // A new agent on the same path (the crashed one's socket file is stale and gets replaced).
+    let _again = Agent::builder().socket(&socket).start().await;
+    eventually("the client reconnects by itself", Duration::from_secs(5), || {
+        let client = client.clone();
+        async move {
+            client
+                .allow("user:1", "api-per-user", 1)
+                .await
+                .unwrap()
+                .from_agent_answer()
+                .then_some(())
+        }
+    })
+    .await;
+    assert!(client.stats().connects >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_checks_in_flight_on_one_connection() {
+    let agent = Agent::builder()
+        .rules(r#"{"rules":[{"id":"r","dimension":"user","limit":500,"windowSeconds":60}]}"#)
+        .start()
+        .await;
+    let client = Client::with_config(
+        agent.socket(),
+        ClientConfig {
+            timeout: Duration::from_secs(5),
+            ..Default::default()
+        },
+    )
+    .await;
+    let calls = (0..2_000).map(|i| {
+        let client = client.clone();
+        async move { client.allow(&format!("user:{}", i % 2), "r", 1).await.unwrap() }
+    });
+    let all = futures::future::join_all(calls).await;
+    assert!(
+        all.iter().all(|d| d.from_agent_answer()),
+        "every answer came from the agent"
+    );
+    // Two keys, 1,000 checks each, limit 500: exactly 500 admitted per key.
+    assert_eq!(all.iter().filter(|d| d.allowed).count(), 1_000);
+    assert_eq!(
+        client.stats().connects,
+        1,
+        "one multiplexed connection carried them all"
+    );
+}
