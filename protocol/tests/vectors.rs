@@ -1,0 +1,159 @@
+//! PROTOCOL.md's hex vectors, checked both ways: each named frame encodes to exactly its bytes, and
+//! the bytes decode back to the frame.
+
+use floodgate_protocol::{
+    decode, Attributes, Body, Check, Decision, ErrorBody, ErrorCode, Frame, Item, ItemDecision, Source,
+    Verdict,
+};
+
+const DOC: &str = include_str!("../PROTOCOL.md");
+
+fn vector(name: &str) -> Vec<u8> {
+    let marker = format!("<!-- vector: {name} -->");
+    let at = DOC
+        .find(&marker)
+        .unwrap_or_else(|| panic!("PROTOCOL.md has no vector {name}"));
+    let rest = &DOC[at + marker.len()..];
+    let start = rest.find("```hex").expect("a hex block after the marker") + "```hex".len();
+    let end = start + rest[start..].find("```").expect("the block ends");
+    rest[start..end]
+        .split_whitespace()
+        .map(|b| u8::from_str_radix(b, 16).unwrap_or_else(|_| panic!("bad hex {b:?} in vector {name}")))
+        .collect()
+}
+
+fn verdict(
+    allowed: bool,
+    log_only: bool,
+    source: Source,
+    limit: u64,
+    remaining: u64,
+    reset: u64,
+    retry: u64,
+) -> Verdict {
+    Verdict {
+        allowed,
+        log_only,
+        source,
+        limit,
+        remaining,
+        reset_at_ms: reset,
+        retry_after_ms: retry,
+    }
+}
+
+fn frames() -> Vec<(&'static str, Frame)> {
+    let allowed = verdict(true, false, Source::Redis, 100, 99, 1_700_000_120_000, 0);
+    let denied = verdict(false, false, Source::Cache, 5, 0, 1_700_000_060_000, 12_000);
+    let dry = verdict(false, true, Source::Local, 600, 0, 1_700_000_030_000, 500);
+    vec![
+        (
+            "hello",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 1,
+                },
+            ),
+        ),
+        ("hello_ok", Frame::new(0, Body::HelloOk { version: 1 })),
+        (
+            "check_one_item",
+            Frame::new(
+                7,
+                Body::Check(Check::Items(vec![Item::new("user:123", "api", 1)])),
+            ),
+        ),
+        (
+            "check_two_items",
+            Frame::new(
+                8,
+                Body::Check(Check::Items(vec![
+                    Item::new("user:123", "api", 1),
+                    Item::new("ip:203.0.113.5", "login", 3),
+                ])),
+            ),
+        ),
+        (
+            "check_attributes",
+            Frame::new(
+                9,
+                Body::Check(Check::Attributes(Attributes {
+                    endpoint: Some("/search".into()),
+                    tier: Some("free".into()),
+                    user: None,
+                    api_key: Some("abc".into()),
+                    ip: None,
+                    cost: 2,
+                })),
+            ),
+        ),
+        (
+            "decision_allowed",
+            Frame::new(
+                7,
+                Body::Decision(Decision {
+                    combined: allowed,
+                    items: vec![ItemDecision {
+                        rule_id: "api".into(),
+                        verdict: allowed,
+                    }],
+                }),
+            ),
+        ),
+        (
+            "decision_denied",
+            Frame::new(
+                8,
+                Body::Decision(Decision {
+                    combined: denied,
+                    items: vec![
+                        ItemDecision {
+                            rule_id: "login".into(),
+                            verdict: denied,
+                        },
+                        ItemDecision {
+                            rule_id: "ip-dry-run".into(),
+                            verdict: dry,
+                        },
+                    ],
+                }),
+            ),
+        ),
+        (
+            "error_unknown_rule",
+            Frame::new(
+                7,
+                Body::Error(ErrorBody {
+                    code: ErrorCode::UnknownRule,
+                    message: "unknown rule \"nope\"".into(),
+                }),
+            ),
+        ),
+        ("ping", Frame::new(3, Body::Ping)),
+        ("pong", Frame::new(3, Body::Pong)),
+    ]
+}
+
+#[test]
+fn every_vector_encodes_and_decodes_exactly() {
+    for (name, frame) in frames() {
+        let bytes = vector(name);
+        assert_eq!(frame.to_bytes().unwrap(), bytes, "encoding of {name}");
+        let (back, used) = decode(&bytes).unwrap_or_else(|e| panic!("decoding {name}: {e}"));
+        assert_eq!(back, frame, "decoding of {name}");
+        assert_eq!(used, bytes.len());
+    }
+}
+
+#[test]
+fn every_vector_in_the_page_is_checked() {
+    let named: Vec<&str> = frames().into_iter().map(|(n, _)| n).collect();
+    let in_doc = DOC.matches("<!-- vector: ").count();
+    assert_eq!(
+        in_doc,
+        named.len(),
+        "PROTOCOL.md has vectors this test does not build"
+    );
+}
