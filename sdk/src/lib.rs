@@ -14,15 +14,24 @@
 //!
 //! # Example
 //! ```no_run
-//! # async fn demo() -> Result<(), floodgate_sdk::Error> {
-//! use floodgate_sdk::Client;
+//! use floodgate_sdk::{Client, Item};
 //!
-//! let client = Client::connect("/tmp/floodgate.sock").await;
-//! let d = client.allow("user:123", "api-per-user", 1).await?;
-//! if !d.allowed {
-//!     println!("429, retry in {} ms", d.retry_after_ms.unwrap_or(0));
+//! async fn handle(client: &Client) -> Result<(), floodgate_sdk::Error> {
+//!     let d = client.allow("user:123", "api-per-user", 1).await?;
+//!     if !d.allowed {
+//!         println!("429, retry in {} ms", d.retry_after_ms.unwrap_or(0));
+//!     }
+//!     // Several limits at once: allowed only if all pass, and a denial consumes nothing.
+//!     let items = vec![Item::new("user:123", "api-per-user", 1), Item::new("ip:203.0.113.5", "login-per-ip", 1)];
+//!     let _d = client.check(items).await?;
+//!     Ok(())
 //! }
-//! # Ok(()) }
+//!
+//! # async fn main_() -> Result<(), floodgate_sdk::Error> {
+//! // One client per process; clones share its connection.
+//! let client = Client::connect("/tmp/floodgate.sock").await;
+//! handle(&client).await
+//! # }
 //! ```
 
 mod client;

@@ -45,3 +45,30 @@ pub fn signal(pid: u32, sig: i32) {
         .arg(pid.to_string())
         .status();
 }
+
+/// SIGSTOPs a process and waits until every one of its threads is stopped (state `T` in /proc), so
+/// that a test knows the process can no longer answer. Panics after 5 s.
+pub fn pause_process(pid: u32) {
+    signal(pid, 19);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("the process exists");
+        let all_stopped = tasks.filter_map(Result::ok).all(|t| {
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // The state follows the command name in parentheses: "pid (comm) T ...".
+            stat.rsplit_once(") ")
+                .map(|(_, rest)| rest.starts_with('T') || rest.starts_with('t'))
+                .unwrap_or(true)
+        });
+        if all_stopped {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// SIGCONTs a process paused by [`pause_process`].
+pub fn resume_process(pid: u32) {
+    signal(pid, 18);
+}

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_protocol::{Check, Item};
 use floodgate_sdk::{CallOptions, Client, ClientConfig, Degraded, FailPolicy, Origin};
-use floodgate_tests::{eventually, signal, Agent};
+use floodgate_tests::{eventually, pause_process, resume_process, Agent};
 
 /// What a call may take beyond its timeout: one scheduler wake-up on a loaded 2-core machine.
 const MARGIN: Duration = Duration::from_millis(50);
@@ -56,11 +56,11 @@ async fn a_stopped_agent_costs_the_timeout_and_no_more() {
         .from_agent_answer());
 
     let pid = agent.pid().unwrap();
-    signal(pid, 19); // SIGSTOP: the agent is alive but answers nothing.
+    pause_process(pid); // SIGSTOP: the agent is alive but answers nothing.
     let started = Instant::now();
     let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
     let took = started.elapsed();
-    signal(pid, 18); // SIGCONT
+    resume_process(pid);
     assert_eq!(d.origin, Origin::FailOpen(Degraded::Timeout));
     assert!(
         took >= Duration::from_millis(20) && took < Duration::from_millis(20) + MARGIN,
