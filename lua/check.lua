@@ -5,7 +5,8 @@
 -- first, and costs are committed only if every enforced item passes, so a rejected request consumes
 -- nothing. Items of rules in log mode (enforce = 0) are reported but never block the others.
 --
--- KEYS[i]  the item's state, fg:{<client key>}:<rule id>; all keys of one call share a hash tag
+-- KEYS[i]  the item's state, fg:{<client key>}:<rule id>. On a single node any keys may share a call;
+--          on a Redis Cluster (issue 3) one call must carry keys of one hash tag only.
 -- ARGV     6 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
 --          enforce (1 | 0)
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms

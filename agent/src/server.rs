@@ -2,7 +2,7 @@
 //! answers written as they complete).
 
 use std::io;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,6 +18,10 @@ use crate::engine::{Answer, Engine};
 /// Most checks one connection may have waiting on the store; past it the agent stops reading that
 /// connection until answers drain (backpressure instead of unbounded memory).
 pub const MAX_IN_FLIGHT: usize = 4096;
+
+/// Longest the agent waits for a client to take its answers; a client that stops reading is
+/// disconnected instead of pinning a task and its in-flight checks.
+pub const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Binds the agent socket at `path` with file mode `mode`.
 ///
@@ -47,9 +51,25 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
             }
         }
     }
-    let listener = UnixListener::bind(path)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
-    Ok(listener)
+    // Bind inside a private (0700) directory next to the target, set the mode, then rename into place:
+    // the socket appears at its path already with its final mode, so no peer can connect through a
+    // wider umask-derived mode in between.
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let staging = parent.join(format!(".floodgate-bind-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&staging);
+    std::fs::DirBuilder::new().mode(0o700).create(&staging)?;
+    let staged = staging.join("s");
+    let result = (|| {
+        let listener = UnixListener::bind(&staged)?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&staged, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&staging);
+    result
 }
 
 /// Accepts connections until `shutdown` turns true, then lets open connections answer what they have
@@ -86,16 +106,24 @@ pub async fn serve(listener: UnixListener, engine: Arc<Engine>, mut shutdown: wa
 /// Error for its request id and the connection goes on.
 pub async fn connection(stream: UnixStream, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>) {
     let (mut rd, mut wr) = stream.into_split();
-    let mut inbuf: Vec<u8> = Vec::with_capacity(16 * 1024);
-    let mut out: Vec<u8> = Vec::with_capacity(16 * 1024);
+    let mut inbuf: Vec<u8> = Vec::with_capacity(4 * 1024);
+    let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     let mut pending = FuturesUnordered::new();
     let mut closing = false;
+    // The Error to send last when the stream broke: in-flight checks are answered first, since their
+    // costs may already be committed.
+    let mut fatal: Option<Vec<u8>> = None;
     loop {
-        if !out.is_empty() {
-            if wr.write_all(&out).await.is_err() {
-                return;
+        if closing && pending.is_empty() {
+            if let Some(bytes) = fatal.take() {
+                out.extend_from_slice(&bytes);
             }
-            out.clear();
+        }
+        if !out.is_empty() {
+            match tokio::time::timeout(WRITE_TIMEOUT, wr.write_all(&out)).await {
+                Ok(Ok(())) => out.clear(),
+                _ => return,
+            }
         }
         if closing && pending.is_empty() {
             let _ = wr.shutdown().await;
@@ -109,11 +137,9 @@ pub async fn connection(stream: UnixStream, engine: Arc<Engine>, mut shutdown: w
                 match read {
                     Ok(0) | Err(_) => closing = true,
                     Ok(_) => {
-                        if let Err(fatal) = process(&mut inbuf, &mut out, &mut pending, &engine) {
-                            out.extend_from_slice(&fatal);
-                            let _ = wr.write_all(&out).await;
-                            let _ = wr.shutdown().await;
-                            return;
+                        if let Err(bytes) = process(&mut inbuf, &mut out, &mut pending, &engine) {
+                            fatal = Some(bytes);
+                            closing = true;
                         }
                     }
                 }

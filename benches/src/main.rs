@@ -79,6 +79,9 @@ struct RunArgs {
     /// Skip the baselines (they are needed for ratios).
     #[arg(long)]
     no_baselines: bool,
+    /// Repeat every scenario this many times and report medians (the machine is noisy).
+    #[arg(long, default_value_t = 1)]
+    runs: usize,
     /// Where to write the JSON results.
     #[arg(long, default_value = "target/loadgen.json")]
     json: PathBuf,
@@ -112,24 +115,57 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         _ => None,
     };
 
+    let mut tables = Vec::new();
+    for run in 0..args.runs.max(1) {
+        println!("run {} of {}", run + 1, args.runs.max(1));
+        tables.push(
+            run_once(
+                &args,
+                measure,
+                &echo_socket,
+                redis.as_ref(),
+                &memory_agent,
+                &redis_agent,
+            )
+            .await?,
+        );
+    }
+    let mut table = Table::median(&tables);
+    table.print();
+    if let Some(parent) = args.json.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(&args.json, report::json(&table, &tables)?)?;
+    println!("\nJSON written to {}", args.json.display());
+    Ok(())
+}
+
+async fn run_once(
+    args: &RunArgs,
+    measure: Duration,
+    echo_socket: &std::path::Path,
+    redis: Option<&RedisServer>,
+    memory_agent: &Option<Agent>,
+    redis_agent: &Option<Agent>,
+) -> anyhow::Result<Table> {
     let mut table = Table::default();
     for &clients in &args.clients {
         let run_one = async |name: &str, target: Target| -> anyhow::Result<Row> {
-            let before = match &redis {
+            let before = match redis {
                 Some(r) => Some(commandstats(r)?),
                 None => None,
             };
             let result = closed::run(&target, clients, args.pipeline, args.keys, measure).await?;
-            let redis_calls = match (&redis, before) {
+            let redis_calls = match (redis, before) {
                 (Some(r), Some(b)) => Some(commandstats(r)?.since(&b)),
                 _ => None,
             };
             Ok(Row::closed(name, clients, args.pipeline, result, redis_calls))
         };
         if !args.no_baselines {
-            let row = run_one("bare uds round trip", Target::Echo(echo_socket.clone())).await?;
+            let row = run_one("bare uds round trip", Target::Echo(echo_socket.to_path_buf())).await?;
             table.push(row);
-            let r = redis.as_ref().context("redis for the EVALSHA baseline")?;
+            let r = redis.context("redis for the EVALSHA baseline")?;
             let row = run_one("bare EVALSHA", Target::Evalsha(r.url())).await?;
             table.push(row);
         }
@@ -143,10 +179,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     }
     if args.open_rate > 0 {
-        let agents = [
-            ("agent, in-memory", &memory_agent),
-            ("agent, redis", &redis_agent),
-        ];
+        let agents = [("agent, in-memory", memory_agent), ("agent, redis", redis_agent)];
         for (name, agent) in agents {
             let Some(a) = agent else { continue };
             let result = open::run(
@@ -160,7 +193,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
         if !args.no_baselines {
             let result = open::run(
-                &echo_socket,
+                echo_socket,
                 args.open_rate,
                 args.open_connections,
                 args.keys,
@@ -174,11 +207,5 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ));
         }
     }
-    table.print();
-    if let Some(parent) = args.json.parent() {
-        std::fs::create_dir_all(parent)?;
-    }
-    std::fs::write(&args.json, table.json()?)?;
-    println!("\nJSON written to {}", args.json.display());
-    Ok(())
+    Ok(table)
 }

@@ -80,6 +80,7 @@ impl Row {
 pub struct Table {
     rows: Vec<Row>,
     ratios: Vec<Ratio>,
+    runs: usize,
 }
 
 /// A same-run ratio the targets are stated in.
@@ -135,9 +136,12 @@ impl Table {
         self.ratios = ratios;
     }
 
-    /// Prints the table and the ratios.
+    /// Prints the table and the ratios (medians of `runs` runs).
     pub fn print(&mut self) {
-        self.compute_ratios();
+        if self.ratios.is_empty() {
+            self.compute_ratios();
+        }
+        println!("\nmedians of {} run(s):", self.runs.max(1));
         println!(
             "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10}",
             "scenario",
@@ -201,8 +205,94 @@ impl Table {
         }
     }
 
-    /// The rows and ratios as JSON.
-    pub fn json(&self) -> anyhow::Result<String> {
-        Ok(serde_json::to_string_pretty(self)?)
+    /// The median of several runs of the same scenarios: each figure is the median of that figure
+    /// over the runs, and each ratio the median of the per-run ratios.
+    pub fn median(tables: &[Table]) -> Table {
+        let Some(first) = tables.first() else {
+            return Table::default();
+        };
+        let same = |a: &Row, b: &Row| {
+            a.scenario == b.scenario && a.mode == b.mode && a.clients == b.clients && a.pipeline == b.pipeline
+        };
+        let mut out = Table::default();
+        for row in &first.rows {
+            let runs: Vec<&Row> = tables
+                .iter()
+                .filter_map(|t| t.rows.iter().find(|r| same(r, row)))
+                .collect();
+            let med = |f: &dyn Fn(&Row) -> f64| median(runs.iter().map(|r| f(r)).collect());
+            let mut m = row.clone();
+            m.throughput_per_s = med(&|r| r.throughput_per_s);
+            m.p50_us = med(&|r| r.p50_us);
+            m.p99_us = med(&|r| r.p99_us);
+            m.p999_us = med(&|r| r.p999_us);
+            m.max_us = med(&|r| r.max_us);
+            m.checks = med(&|r| r.checks as f64) as u64;
+            m.all_checks = med(&|r| r.all_checks as f64) as u64;
+            if let Some(d) = &mut m.redis {
+                let per = |f: &dyn Fn(&RedisDelta) -> u64| {
+                    median(
+                        runs.iter()
+                            .filter_map(|r| r.redis.map(|x| f(&x) as f64 / r.all_checks.max(1) as f64))
+                            .collect(),
+                    )
+                };
+                // Stored back as totals for the median check count, so per-check columns stay right.
+                let n = m.all_checks as f64;
+                d.calls = (per(&|x| x.calls) * n) as u64;
+                d.evalsha = (per(&|x| x.evalsha) * n) as u64;
+                d.evalsha_usec = (per(&|x| x.evalsha_usec) * n) as u64;
+            }
+            out.rows.push(m);
+        }
+        let mut per_run: Vec<Vec<Ratio>> = tables
+            .iter()
+            .map(|t| {
+                let mut t = Table {
+                    rows: t.rows.clone(),
+                    ratios: Vec::new(),
+                    runs: 1,
+                };
+                t.compute_ratios();
+                t.ratios
+            })
+            .collect();
+        out.compute_ratios();
+        for q in &mut out.ratios {
+            let values: Vec<f64> = per_run
+                .iter_mut()
+                .filter_map(|rs| {
+                    rs.iter()
+                        .find(|r| r.clients == q.clients && r.what == q.what)
+                        .map(|r| r.value)
+                })
+                .collect();
+            q.value = median(values);
+        }
+        out.runs = tables.len();
+        out
     }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The JSON: the medians and every run.
+pub fn json(median: &Table, runs: &[Table]) -> anyhow::Result<String> {
+    #[derive(Serialize)]
+    struct Out<'a> {
+        median: &'a Table,
+        runs: &'a [Table],
+    }
+    Ok(serde_json::to_string_pretty(&Out { median, runs })?)
 }

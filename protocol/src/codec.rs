@@ -124,9 +124,12 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
     let len = u32::from_be_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
     let frame_len = LEN_PREFIX.saturating_add(len);
     if frame_len > MAX_FRAME {
+        // Name the request when its header has arrived, so the client can tell which call failed.
+        let request_id =
+            (buf.len() >= LEN_PREFIX + HEADER).then(|| u32::from_be_bytes([buf[6], buf[7], buf[8], buf[9]]));
         return Err(DecodeError::Fatal {
             code: ErrorCode::FrameTooLarge,
-            request_id: None,
+            request_id,
             reason: format!("frame of {frame_len} bytes exceeds the {MAX_FRAME}-byte limit"),
         });
     }
@@ -157,6 +160,7 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
     }
     let mut r = Reader {
         buf: &buf[LEN_PREFIX + HEADER..frame_len],
+        bad_text: None,
     };
     let body = match decode_body(frame_kind, &mut r) {
         Ok(body) => body,
@@ -175,6 +179,9 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
             request_id: Some(request_id),
             reason: format!("{} unexpected bytes after the body", r.buf.len()),
         });
+    }
+    if let Some(reason) = r.bad_text {
+        return Err(reject(ErrorCode::InvalidItem, reason));
     }
     Ok((Frame { request_id, body }, frame_len))
 }
@@ -227,7 +234,9 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
                     r.buf.len()
                 )));
             }
-            check.validate().map_err(Problem::Invalid)?;
+            if r.bad_text.is_none() {
+                check.validate().map_err(Problem::Invalid)?;
+            }
             Body::Check(check)
         }
         kind::DECISION => {
@@ -258,6 +267,9 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
 
 struct Reader<'a> {
     buf: &'a [u8],
+    /// Text that was not UTF-8: noted, and refused only once the whole body has parsed (a body
+    /// that does not parse is malformed, which closes the connection; bad text only refuses the item).
+    bad_text: Option<String>,
 }
 
 impl<'a> Reader<'a> {
@@ -296,7 +308,14 @@ impl<'a> Reader<'a> {
 
     fn string(&mut self, n: usize) -> Result<String, Problem> {
         let b = self.take(n)?;
-        String::from_utf8(b.to_vec()).map_err(|_| Problem::Invalid("text is not valid UTF-8".into()))
+        match std::str::from_utf8(b) {
+            Ok(s) => Ok(s.to_owned()),
+            Err(_) => {
+                self.bad_text
+                    .get_or_insert_with(|| "text is not valid UTF-8".into());
+                Ok(String::new())
+            }
+        }
     }
 
     fn str8(&mut self) -> Result<String, Problem> {

@@ -168,14 +168,13 @@ impl Client {
         match result {
             Ok(Ok(Reply::Decision(d))) => Ok(Decision::from_agent(d)),
             Ok(Ok(Reply::Error(e))) => match e.code {
-                // The agent's own trouble is not the caller's: answer by the policy.
-                ErrorCode::Overloaded | ErrorCode::Internal => {
-                    Ok(self.degraded(policy, Degraded::Unavailable))
-                }
-                code => Err(Error::Agent {
+                // Only a check the caller got wrong is an error; anything else (overload, an internal
+                // error, a code from a newer agent) is the agent's trouble: answer by the policy.
+                code @ (ErrorCode::UnknownRule | ErrorCode::InvalidItem) => Err(Error::Agent {
                     code,
                     message: e.message,
                 }),
+                _ => Ok(self.degraded(policy, Degraded::Unavailable)),
             },
             Ok(Err(_)) => Ok(self.degraded(policy, Degraded::Unavailable)),
             Err(_) => Ok(self.degraded(policy, Degraded::Timeout)),

@@ -29,7 +29,7 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
         drop(s);
         match tokio::time::timeout(config.connect_timeout, handshake(&path)).await {
             Ok(Ok((stream, leftover))) => {
-                backoff = None;
+                let up_since = std::time::Instant::now();
                 let Some(s) = shared.upgrade() else { return };
                 s.connects.fetch_add(1, Ordering::Relaxed);
                 s.connected.store(true, Ordering::Release);
@@ -45,6 +45,11 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
                 }
                 if closed {
                     return;
+                }
+                // Back off afresh only after a connection that lasted: an agent that accepts and
+                // then drops every connection must not be hammered every reconnect_min.
+                if up_since.elapsed() >= Duration::from_secs(1) {
+                    backoff = None;
                 }
                 tracing::debug!(path = %path.display(), "connection to the agent lost; reconnecting");
             }
@@ -93,11 +98,16 @@ async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u
         match decode(&buf) {
             Ok((
                 Frame {
-                    body: Body::HelloOk { .. },
+                    body: Body::HelloOk { version },
                     ..
                 },
                 used,
             )) => {
+                if version != VERSION {
+                    return Err(std::io::Error::other(format!(
+                        "agent chose version {version}; this SDK speaks {VERSION}"
+                    )));
+                }
                 buf.drain(..used);
                 return Ok((stream, buf));
             }
@@ -173,7 +183,18 @@ async fn read_loop(shared: Weak<Shared>, mut rd: OwnedReadHalf, mut buf: Vec<u8>
                     }
                 }
                 Err(DecodeError::Incomplete) => break,
-                Err(DecodeError::Rejected { frame_len, .. }) => pos += frame_len,
+                Err(DecodeError::Rejected {
+                    frame_len,
+                    request_id,
+                    ..
+                }) => {
+                    // An answer this SDK cannot read (bad text): its call answers by its fail policy
+                    // now instead of waiting out its timeout.
+                    pos += frame_len;
+                    if let Some(s) = shared.upgrade() {
+                        s.pending().remove(&request_id);
+                    }
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "agent sent a broken frame; reconnecting");
                     return;

@@ -177,11 +177,14 @@ impl Agent {
         .await
     }
 
-    /// Waits until the socket accepts connections (panics after 10 s, showing the log).
+    /// Waits until the socket accepts connections and the agent has logged its start (panics after
+    /// 10 s, showing the log).
     pub async fn wait_ready(&mut self) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         loop {
-            if tokio::net::UnixStream::connect(&self.socket).await.is_ok() {
+            if tokio::net::UnixStream::connect(&self.socket).await.is_ok()
+                && self.log().contains("rules loaded")
+            {
                 return;
             }
             if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {

@@ -8,7 +8,8 @@ use floodgate_tests::{Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[
   {"id":"five-a-minute","dimension":"user","limit":5,"windowSeconds":60},
-  {"id":"bucket","dimension":"user","limit":10,"windowSeconds":1,"burst":5,"algorithm":"token_bucket"}
+  {"id":"bucket","dimension":"user","limit":10,"windowSeconds":3600,"burst":5,"algorithm":"token_bucket"},
+  {"id":"fast-bucket","dimension":"user","limit":10,"windowSeconds":1,"burst":1,"algorithm":"token_bucket"}
 ]}"#;
 
 fn now_ms() -> u64 {
@@ -45,6 +46,8 @@ async fn limit_then_deny(client: &Client, source: Source) {
 }
 
 async fn bucket_burst_and_refill(client: &Client) {
+    // Burst: 5 at once from a bucket that refills one token per 360 s, so no refill can blur the
+    // figures however slow the machine is.
     for i in 0..5u64 {
         let d = client.allow("user:carol", "bucket", 1).await.unwrap();
         assert!(d.allowed, "burst request {i}");
@@ -54,12 +57,31 @@ async fn bucket_burst_and_refill(client: &Client) {
     let d = client.allow("user:carol", "bucket", 1).await.unwrap();
     assert!(!d.allowed, "the burst is spent");
     let retry = d.retry_after_ms.unwrap();
-    // Refill is 10 per second: one token takes at most 100 ms (less if part of one has refilled).
+    assert!(
+        (1..=360_000).contains(&retry),
+        "one token takes at most 360 s: {retry}"
+    );
+
+    // Refill: a bucket of 1 refilled at 10/s. Take the token, then ask until denied (a slow machine
+    // may let 100 ms pass between two calls, refilling it).
+    let mut denial = None;
+    for _ in 0..20 {
+        let d = client.allow("user:dave", "fast-bucket", 1).await.unwrap();
+        if !d.allowed {
+            denial = Some(d);
+            break;
+        }
+    }
+    let retry = denial
+        .expect("a bucket of 1 denies a second call")
+        .retry_after_ms
+        .unwrap();
+    // One token takes at most 100 ms (less if part of one has refilled).
     assert!((1..=100).contains(&retry), "retry {retry}");
     // The refill is a function of time, so this test has to let time pass; waiting the advertised
     // retryAfter (+ 20 ms for the two clocks' read order) must be enough for one request.
     tokio::time::sleep(Duration::from_millis(retry + 20)).await;
-    let d = client.allow("user:carol", "bucket", 1).await.unwrap();
+    let d = client.allow("user:dave", "fast-bucket", 1).await.unwrap();
     assert!(d.allowed, "one token refilled after retryAfter: {d:?}");
 }
 

@@ -7,8 +7,9 @@ use floodgate_protocol::{Check, Item};
 use floodgate_sdk::{CallOptions, Client, ClientConfig, Degraded, FailPolicy, Origin};
 use floodgate_tests::{eventually, pause_process, resume_process, Agent};
 
-/// What a call may take beyond its timeout: one scheduler wake-up on a loaded 2-core machine.
-const MARGIN: Duration = Duration::from_millis(50);
+/// What a call may take beyond its timeout: scheduler wake-ups on a loaded 2-core CI machine, where
+/// other test binaries run beside this one. Far below any timeout a caller would notice.
+const MARGIN: Duration = Duration::from_millis(250);
 
 #[tokio::test]
 async fn no_agent_fails_open_by_default_and_closed_on_request() {
@@ -49,11 +50,7 @@ async fn a_stopped_agent_costs_the_timeout_and_no_more() {
         },
     )
     .await;
-    assert!(client
-        .allow("user:1", "api-per-user", 1)
-        .await
-        .unwrap()
-        .from_agent_answer());
+    answered_by_agent(&client, "the agent answers").await;
 
     let pid = agent.pid().unwrap();
     pause_process(pid); // SIGSTOP: the agent is alive but answers nothing.
@@ -68,22 +65,7 @@ async fn a_stopped_agent_costs_the_timeout_and_no_more() {
     );
     assert_eq!(client.stats().timeouts, 1);
     // The late answer is discarded, and the connection keeps working.
-    eventually(
-        "the agent answers again after SIGCONT",
-        Duration::from_secs(5),
-        || {
-            let client = client.clone();
-            async move {
-                client
-                    .allow("user:1", "api-per-user", 1)
-                    .await
-                    .unwrap()
-                    .from_agent_answer()
-                    .then_some(())
-            }
-        },
-    )
-    .await;
+    answered_by_agent(&client, "the agent answers again after SIGCONT").await;
 }
 
 #[tokio::test]
@@ -91,11 +73,7 @@ async fn the_client_reconnects_after_an_agent_restart() {
     let mut agent = Agent::builder().start().await;
     let socket = agent.socket().to_path_buf();
     let client = Client::connect(&socket).await;
-    assert!(client
-        .allow("user:1", "api-per-user", 1)
-        .await
-        .unwrap()
-        .from_agent_answer());
+    answered_by_agent(&client, "the agent answers").await;
 
     agent.kill();
     // While it is gone every call answers by the policy at once.
@@ -113,25 +91,15 @@ async fn the_client_reconnects_after_an_agent_restart() {
 
     // A new agent on the same path (the crashed one's socket file is stale and gets replaced).
     let _again = Agent::builder().socket(&socket).start().await;
-    eventually("the client reconnects by itself", Duration::from_secs(5), || {
-        let client = client.clone();
-        async move {
-            client
-                .allow("user:1", "api-per-user", 1)
-                .await
-                .unwrap()
-                .from_agent_answer()
-                .then_some(())
-        }
-    })
-    .await;
+    answered_by_agent(&client, "the client reconnects by itself").await;
     assert!(client.stats().connects >= 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_checks_in_flight_on_one_connection() {
     let agent = Agent::builder()
-        .rules(r#"{"rules":[{"id":"r","dimension":"user","limit":500,"windowSeconds":60}]}"#)
+        // An hour-long window: the run cannot straddle a window edge (well, once in ~10,000 runs).
+        .rules(r#"{"rules":[{"id":"r","dimension":"user","limit":500,"windowSeconds":3600}]}"#)
         .start()
         .await;
     let client = Client::with_config(
@@ -158,4 +126,21 @@ async fn many_checks_in_flight_on_one_connection() {
         1,
         "one multiplexed connection carried them all"
     );
+}
+
+/// Waits until a check is answered by the agent itself (short timeouts may miss on a busy machine;
+/// what matters is that answers come back, not how fast the first one is).
+async fn answered_by_agent(client: &Client, what: &str) {
+    eventually(what, Duration::from_secs(5), || {
+        let client = client.clone();
+        async move {
+            client
+                .allow("user:1", "api-per-user", 1)
+                .await
+                .unwrap()
+                .from_agent_answer()
+                .then_some(())
+        }
+    })
+    .await;
 }

@@ -102,7 +102,9 @@ async fn bursts_at_a_window_edge_admit_well_under_twice_the_limit() {
     let next = sleep_until_window_offset(&mut conn, 2_000, 50);
     let second = burst(40).await;
     let done = redis_time_ms(&mut conn);
-    assert_eq!(first, 20);
+    // Exactly 20 when the burst lands inside its window; a burst straddling the edge (the machine
+    // stalled 300 ms) admits 20 plus the few the decayed estimate allows in the new window.
+    assert!((20..=22).contains(&first), "first burst admitted {first}");
     // The sliding estimate is 20 × (1 − f) + admitted, with f the elapsed fraction of the new window
     // when the burst lands: 2 or 3 at f ≈ 0.03-0.1. On a loaded 2-core machine the burst may land
     // late; even at f = 0.5 (1 s late) it admits at most 10, so 30 = 1.5× is a bound that holds under

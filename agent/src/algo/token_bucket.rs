@@ -41,7 +41,7 @@ pub fn token_bucket(
         }
         .max(1);
     }
-    let reset = now_ms + to_u64(((burst_f - tokens) / rate).ceil());
+    let reset = now_ms.saturating_add(to_u64(((burst_f - tokens) / rate).ceil()));
     let outcome = Outcome {
         allowed,
         limit: burst,
@@ -55,7 +55,7 @@ pub fn token_bucket(
             tokens,
             ts_ms: now_ms,
         },
-        reset + 1,
+        reset.saturating_add(1),
     )
 }
 

@@ -158,7 +158,7 @@ impl Rule {
             }
         }
         if let Some(p) = &self.matches.endpoint {
-            if p.is_empty() || p[..p.len() - 1].contains('*') {
+            if p.is_empty() || p.strip_suffix('*').unwrap_or(p).contains('*') {
                 return Err(format!(
                     "rule {}: endpoint pattern {p:?} must be exact or end in one '*'",
                     self.id
