@@ -22,6 +22,8 @@ pub struct LoopResult {
     pub elapsed: Duration,
     /// Checks answered in all, warm-up included (what Redis counters are divided by).
     pub all_checks: u64,
+    /// Checks (measured) the agent answered from its fail mode because the store was late or away.
+    pub fallbacks: u64,
 }
 
 /// Runs `clients` connections with `pipeline` checks in flight each, over `keys` keys.
@@ -41,6 +43,7 @@ pub async fn run(
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
             let mut checks = 0u64;
             let mut all = 0u64;
+            let mut fallbacks = 0u64;
             let mut k = c * 7919 % keys.max(1);
             let mut batch = vec![0; pipeline.max(1)];
             loop {
@@ -53,14 +56,15 @@ pub async fn run(
                     k = (k + 1) % keys.max(1);
                 }
                 let t = Instant::now();
-                conn.round_trip(&batch).await?;
+                let fell_back = conn.round_trip(&batch).await?;
                 all += batch.len() as u64;
                 if p == MEASURE {
+                    fallbacks += fell_back;
                     hist.saturating_record(t.elapsed().as_nanos() as u64);
                     checks += batch.len() as u64;
                 }
             }
-            anyhow::Ok((hist, checks, all))
+            anyhow::Ok((hist, checks, all, fallbacks))
         }));
     }
     tokio::time::sleep(measure / 4).await;
@@ -70,17 +74,19 @@ pub async fn run(
     phase.store(STOP, Ordering::Relaxed);
     let elapsed = started.elapsed();
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let (mut checks, mut all_checks) = (0, 0);
+    let (mut checks, mut all_checks, mut fallbacks) = (0, 0, 0);
     for t in tasks {
-        let (h, n, a) = t.await??;
+        let (h, n, a, f) = t.await??;
         hist.add(&h)?;
         checks += n;
         all_checks += a;
+        fallbacks += f;
     }
     Ok(LoopResult {
         hist,
         checks,
         elapsed,
         all_checks,
+        fallbacks,
     })
 }

@@ -11,6 +11,13 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// The echo server process, killed on drop.
 pub struct EchoProcess(Child);
 
+impl EchoProcess {
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
 impl Drop for EchoProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();

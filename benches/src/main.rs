@@ -79,6 +79,10 @@ struct RunArgs {
     /// Skip the baselines (they are needed for ratios).
     #[arg(long)]
     no_baselines: bool,
+    /// The Redis agent's store timeout (the agent's default is 5 ms); checks past it are answered by
+    /// the rule's fail mode and counted in the `fallback %` column.
+    #[arg(long, default_value_t = 5)]
+    redis_timeout_ms: u64,
     /// Repeat every scenario this many times and report medians (the machine is noisy).
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -103,7 +107,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
 
     let echo_socket = dir.path().join("echo.sock");
-    let _echo = echo::spawn(&echo_socket)?;
+    let echo = echo::spawn(&echo_socket)?;
     let redis = (want_redis || !args.no_baselines).then(RedisServer::start);
     let memory_agent = if want_memory {
         Some(Agent::builder().rules(RULES).start().await)
@@ -111,7 +115,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         None
     };
     let redis_agent = match (&redis, want_redis) {
-        (Some(r), true) => Some(Agent::builder().redis(&r.url()).rules(RULES).start().await),
+        (Some(r), true) => Some(
+            Agent::builder()
+                .redis(&r.url())
+                .rules(RULES)
+                .arg("--redis-timeout-ms")
+                .arg(&args.redis_timeout_ms.to_string())
+                .start()
+                .await,
+        ),
         _ => None,
     };
 
@@ -126,6 +138,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 redis.as_ref(),
                 &memory_agent,
                 &redis_agent,
+                Some(echo.pid()),
             )
             .await?,
         );
@@ -147,34 +160,52 @@ async fn run_once(
     redis: Option<&RedisServer>,
     memory_agent: &Option<Agent>,
     redis_agent: &Option<Agent>,
+    echo_pid: Option<u32>,
 ) -> anyhow::Result<Table> {
     let mut table = Table::default();
     for &clients in &args.clients {
-        let run_one = async |name: &str, target: Target| -> anyhow::Result<Row> {
+        let run_one = async |name: &str, target: Target, pid: Option<u32>| -> anyhow::Result<Row> {
             let before = match redis {
                 Some(r) => Some(commandstats(r)?),
                 None => None,
             };
+            let cpu_before = pid.and_then(cpu_ticks);
             let result = closed::run(&target, clients, args.pipeline, args.keys, measure).await?;
+            let cpu = match (pid.and_then(cpu_ticks), cpu_before) {
+                (Some(after), Some(before)) => Some(after.saturating_sub(before)),
+                _ => None,
+            };
             let redis_calls = match (redis, before) {
                 (Some(r), Some(b)) => Some(commandstats(r)?.since(&b)),
                 _ => None,
             };
-            Ok(Row::closed(name, clients, args.pipeline, result, redis_calls))
+            let mut row = Row::closed(name, clients, args.pipeline, result, redis_calls);
+            row.set_process_cpu(cpu);
+            Ok(row)
         };
         if !args.no_baselines {
-            let row = run_one("bare uds round trip", Target::Echo(echo_socket.to_path_buf())).await?;
+            let row = run_one(
+                "bare uds round trip",
+                Target::Echo(echo_socket.to_path_buf()),
+                echo_pid,
+            )
+            .await?;
             table.push(row);
             let r = redis.context("redis for the EVALSHA baseline")?;
-            let row = run_one("bare EVALSHA", Target::Evalsha(r.url())).await?;
+            let row = run_one("bare EVALSHA", Target::Evalsha(r.url()), None).await?;
             table.push(row);
         }
         if let Some(a) = &memory_agent {
-            let row = run_one("agent, in-memory", Target::Agent(a.socket().to_path_buf())).await?;
+            let row = run_one(
+                "agent, in-memory",
+                Target::Agent(a.socket().to_path_buf()),
+                a.pid(),
+            )
+            .await?;
             table.push(row);
         }
         if let Some(a) = &redis_agent {
-            let row = run_one("agent, redis", Target::Agent(a.socket().to_path_buf())).await?;
+            let row = run_one("agent, redis", Target::Agent(a.socket().to_path_buf()), a.pid()).await?;
             table.push(row);
         }
     }
@@ -207,5 +238,15 @@ async fn run_once(
             ));
         }
     }
+    table.compute_ratios();
     Ok(table)
+}
+
+/// CPU time (user + system) a process has used, in clock ticks (1/100 s), from /proc.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(") ")?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After "pid (comm) ", utime and stime are the 12th and 13th fields.
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }

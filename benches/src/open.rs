@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use floodgate_protocol::{decode, DecodeError};
+use floodgate_protocol::{decode, Body, DecodeError, Source};
 use hdrhistogram::Histogram;
 
 use crate::closed::LoopResult;
@@ -75,12 +75,13 @@ pub fn run(
             done_w.store(i, Ordering::Release);
             Ok(())
         });
-        let receiver = std::thread::spawn(move || -> anyhow::Result<(Histogram<u64>, u64)> {
+        let receiver = std::thread::spawn(move || -> anyhow::Result<(Histogram<u64>, u64, u64)> {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
             let mut buf = vec![0u8; 64 * 1024];
             let mut filled = 0;
             let mut received = 0u64;
             let mut measured = 0u64;
+            let mut fallbacks = 0u64;
             reader.set_read_timeout(Some(Duration::from_millis(100)))?;
             let give_up = end + Duration::from_secs(5);
             loop {
@@ -109,10 +110,12 @@ pub fn run(
                             pos += used;
                             received += 1;
                             let i = u64::from(frame.request_id).saturating_sub(1);
+                            let fell_back = matches!(&frame.body, Body::Decision(d) if d.combined.source == Source::Fallback);
                             let at = intended(i);
                             if at >= measure_from {
                                 hist.saturating_record(now.saturating_duration_since(at).as_nanos() as u64);
                                 measured += 1;
+                                fallbacks += u64::from(fell_back);
                             }
                         }
                         Err(DecodeError::Incomplete) => break,
@@ -123,22 +126,24 @@ pub fn run(
                 filled -= pos;
             }
             let _ = sent.load(Ordering::Relaxed);
-            Ok((hist, measured))
+            Ok((hist, measured, fallbacks))
         });
         handles.push((sender, receiver));
     }
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let mut checks = 0;
+    let (mut checks, mut fallbacks) = (0, 0);
     for (s, r) in handles {
         s.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
-        let (h, n) = r.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
+        let (h, n, f) = r.join().map_err(|_| anyhow::anyhow!("receiver panicked"))??;
         hist.add(&h)?;
         checks += n;
+        fallbacks += f;
     }
     Ok(LoopResult {
         hist,
         checks,
         elapsed: measure,
         all_checks: checks,
+        fallbacks,
     })
 }

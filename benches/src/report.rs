@@ -34,6 +34,10 @@ pub struct Row {
     pub all_checks: u64,
     /// Redis work during the scenario (closed loop).
     pub redis: Option<RedisDelta>,
+    /// Share of measured checks the agent answered from its fail mode (store late or away), %.
+    pub fallback_pct: f64,
+    /// CPU the server process (agent or echo) used per check, µs (from /proc, 10 ms ticks).
+    pub server_cpu_us_per_check: Option<f64>,
 }
 
 fn us(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
@@ -63,7 +67,20 @@ impl Row {
             checks: r.checks,
             all_checks: r.all_checks,
             redis,
+            server_cpu_us_per_check: None,
+            fallback_pct: if r.checks > 0 {
+                r.fallbacks as f64 * 100.0 / r.checks as f64
+            } else {
+                0.0
+            },
         }
+    }
+
+    /// Records the server process's CPU ticks over the whole scenario (warm-up included).
+    pub fn set_process_cpu(&mut self, ticks: Option<u64>) {
+        self.server_cpu_us_per_check = ticks
+            .filter(|_| self.all_checks > 0)
+            .map(|t| t as f64 * 10_000.0 / self.all_checks as f64);
     }
 
     /// An open-loop row.
@@ -108,7 +125,8 @@ impl Table {
             .find(|r| r.scenario == scenario && r.clients == clients && r.mode == "closed")
     }
 
-    fn compute_ratios(&mut self) {
+    /// Computes the same-run ratios from the rows.
+    pub fn compute_ratios(&mut self) {
         let mut ratios = Vec::new();
         let mut clients: Vec<usize> = self.rows.iter().map(|r| r.clients).collect();
         clients.sort_unstable();
@@ -143,7 +161,7 @@ impl Table {
         }
         println!("\nmedians of {} run(s):", self.runs.max(1));
         println!(
-            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10}",
+            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9}",
             "scenario",
             "mode",
             "clients",
@@ -154,11 +172,13 @@ impl Table {
             "p999 µs",
             "max µs",
             "EVALSHA/",
-            "redis µs/"
+            "redis µs/",
+            "server µs/",
+            "fallback"
         );
         println!(
-            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10}",
-            "", "", "", "", "", "", "", "", "", "check", "check"
+            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9}",
+            "", "", "", "", "", "", "", "", "", "check", "check", "check", "%"
         );
         for r in &self.rows {
             let (cmds, cpu) = match r.redis {
@@ -178,7 +198,7 @@ impl Table {
                 .map(|o| format!(" (offered {o}/s)"))
                 .unwrap_or_default();
             println!(
-                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10}{}",
+                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10} {:>10} {:>9.2}{}",
                 r.scenario,
                 r.mode,
                 r.clients,
@@ -190,6 +210,10 @@ impl Table {
                 r.max_us,
                 cmds,
                 cpu,
+                r.server_cpu_us_per_check
+                    .map(|c| format!("{c:.2}"))
+                    .unwrap_or_else(|| "-".into()),
+                r.fallback_pct,
                 offered
             );
         }
@@ -229,6 +253,10 @@ impl Table {
             m.max_us = med(&|r| r.max_us);
             m.checks = med(&|r| r.checks as f64) as u64;
             m.all_checks = med(&|r| r.all_checks as f64) as u64;
+            m.fallback_pct = med(&|r| r.fallback_pct);
+            if m.server_cpu_us_per_check.is_some() {
+                m.server_cpu_us_per_check = Some(med(&|r| r.server_cpu_us_per_check.unwrap_or(0.0)));
+            }
             if let Some(d) = &mut m.redis {
                 let per = |f: &dyn Fn(&RedisDelta) -> u64| {
                     median(

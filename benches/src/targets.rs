@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context};
 use floodgate_agent::store::CHECK_LUA;
-use floodgate_protocol::{decode, Body, Check, DecodeError, Frame, Item};
+use floodgate_protocol::{decode, Body, Check, DecodeError, Frame, Item, Source};
 use floodgate_tests::RedisServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
@@ -71,8 +71,9 @@ pub fn check_frame(id: u32, k: usize, out: &mut Vec<u8>) {
 }
 
 impl Conn {
-    /// Sends `keys.len()` checks at once and waits for all their answers.
-    pub async fn round_trip(&mut self, keys: &[usize]) -> anyhow::Result<()> {
+    /// Sends `keys.len()` checks at once and waits for all their answers; returns how many of them
+    /// the agent answered from its fail mode (source `fallback`: the store was late or away).
+    pub async fn round_trip(&mut self, keys: &[usize]) -> anyhow::Result<u64> {
         match self {
             Conn::Uds {
                 stream,
@@ -87,6 +88,7 @@ impl Conn {
                 }
                 stream.write_all(out).await?;
                 let mut answered = 0;
+                let mut fallbacks = 0;
                 while answered < keys.len() {
                     let mut pos = 0;
                     loop {
@@ -94,8 +96,14 @@ impl Conn {
                             Ok((frame, used)) => {
                                 pos += used;
                                 answered += 1;
-                                if let Body::Error(e) = frame.body {
-                                    bail!("target answered an error: {}: {}", e.code, e.message);
+                                match frame.body {
+                                    Body::Error(e) => {
+                                        bail!("target answered an error: {}: {}", e.code, e.message)
+                                    }
+                                    Body::Decision(d) if d.combined.source == Source::Fallback => {
+                                        fallbacks += 1
+                                    }
+                                    _ => {}
                                 }
                             }
                             Err(DecodeError::Incomplete) => break,
@@ -107,7 +115,7 @@ impl Conn {
                         bail!("target closed the connection");
                     }
                 }
-                Ok(())
+                Ok(fallbacks)
             }
             Conn::Redis { conn, script } => {
                 let calls = keys.iter().map(|&k| {
@@ -129,7 +137,7 @@ impl Conn {
                         bail!("EVALSHA denied or failed: {v:?}");
                     }
                 }
-                Ok(())
+                Ok(0)
             }
         }
     }

@@ -59,6 +59,12 @@ impl AgentBuilder {
         self
     }
 
+    /// Use Redis at this URL with a 1 s store timeout: for tests that check figures, where a 5 ms
+    /// timeout on a loaded CI machine would turn some answers into fail-mode answers.
+    pub fn patient_redis(self, url: &str) -> Self {
+        self.redis(url).arg("--redis-timeout-ms").arg("1000")
+    }
+
     /// Rules file content (TOML or JSON); default: the built-in example.
     pub fn rules(mut self, text: &str) -> Self {
         self.rules = Some(text.into());

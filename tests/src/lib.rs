@@ -29,6 +29,17 @@ pub use redis::{redis_time_ms, sleep_until_window_offset, RedisServer};
 pub use wait::eventually;
 pub use wire::RawConn;
 
+/// An SDK client with 2 s call and connect timeouts: for tests that check figures, not latency, where
+/// a fail-policy answer on a loaded machine would spoil the count.
+pub async fn patient_client(socket: &std::path::Path) -> floodgate_sdk::Client {
+    let config = floodgate_sdk::ClientConfig {
+        timeout: std::time::Duration::from_secs(2),
+        connect_timeout: std::time::Duration::from_secs(2),
+        ..Default::default()
+    };
+    floodgate_sdk::Client::with_config(socket, config).await
+}
+
 /// A free TCP port on 127.0.0.1 (bound and released; good enough for test processes).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

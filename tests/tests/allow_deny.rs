@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate_sdk::{Client, Origin, Source};
-use floodgate_tests::{Agent, RedisServer};
+use floodgate_tests::{patient_client, Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[
   {"id":"five-a-minute","dimension":"user","limit":5,"windowSeconds":60},
@@ -89,13 +89,11 @@ async fn bucket_burst_and_refill(client: &Client) {
 async fn redis_store_allows_then_denies_with_figures() {
     let redis = RedisServer::start();
     let agent = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("500")
         .start()
         .await;
-    let client = Client::with_config(agent.socket(), generous()).await;
+    let client = patient_client(agent.socket()).await;
     limit_then_deny(&client, Source::Redis).await;
     bucket_burst_and_refill(&client).await;
     // The counters live in Redis under the client's hash tag.
@@ -116,7 +114,7 @@ async fn redis_store_allows_then_denies_with_figures() {
 #[tokio::test]
 async fn embedded_store_allows_then_denies_with_figures() {
     let agent = Agent::builder().rules(RULES).start().await;
-    let client = Client::with_config(agent.socket(), generous()).await;
+    let client = patient_client(agent.socket()).await;
     limit_then_deny(&client, Source::Local).await;
     bucket_burst_and_refill(&client).await;
 }
@@ -124,7 +122,7 @@ async fn embedded_store_allows_then_denies_with_figures() {
 #[tokio::test]
 async fn unknown_rules_and_bad_keys_are_errors_not_allows() {
     let agent = Agent::builder().rules(RULES).start().await;
-    let client = Client::with_config(agent.socket(), generous()).await;
+    let client = patient_client(agent.socket()).await;
     match client.allow("user:1", "no-such-rule", 1).await {
         Err(floodgate_sdk::Error::Agent { code, message }) => {
             assert_eq!(code, floodgate_protocol::ErrorCode::UnknownRule);
@@ -141,13 +139,4 @@ async fn unknown_rules_and_bad_keys_are_errors_not_allows() {
     }
     let long = "k".repeat(257);
     assert!(client.allow(&long, "five-a-minute", 1).await.is_err());
-}
-
-/// A timeout that a loaded 2-core CI machine meets, so these tests check figures, not latency.
-fn generous() -> floodgate_sdk::ClientConfig {
-    floodgate_sdk::ClientConfig {
-        timeout: Duration::from_secs(2),
-        connect_timeout: Duration::from_secs(2),
-        ..Default::default()
-    }
 }

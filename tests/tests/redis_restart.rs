@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
-use floodgate_sdk::{Client, ClientConfig, Origin, Source};
-use floodgate_tests::{eventually, Agent, RedisServer};
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{eventually, patient_client, Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[{"id":"r","dimension":"user","limit":1000000,"windowSeconds":60}]}"#;
 
@@ -12,21 +12,11 @@ const RULES: &str = r#"{"rules":[{"id":"r","dimension":"user","limit":1000000,"w
 async fn an_empty_script_cache_is_reloaded_without_a_failed_check() {
     let mut redis = RedisServer::start();
     let agent = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("1000")
         .start()
         .await;
-    let client = Client::with_config(
-        agent.socket(),
-        ClientConfig {
-            timeout: Duration::from_secs(2),
-            connect_timeout: Duration::from_secs(2),
-            ..Default::default()
-        },
-    )
-    .await;
+    let client = patient_client(agent.socket()).await;
 
     let d = client.allow("user:1", "r", 1).await.unwrap();
     assert_eq!(d.origin, Origin::Agent(Source::Redis));

@@ -4,36 +4,22 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use floodgate_sdk::{Client, ClientConfig, Origin, Source};
-use floodgate_tests::{redis_time_ms, sleep_until_window_offset, Agent, RedisServer};
-
-fn config() -> ClientConfig {
-    // Generous timeouts: this test checks counts, and a fail-open answer would spoil the count.
-    ClientConfig {
-        timeout: Duration::from_secs(2),
-        connect_timeout: Duration::from_secs(2),
-        ..Default::default()
-    }
-}
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{patient_client, redis_time_ms, sleep_until_window_offset, Agent, RedisServer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_agents_64_clients_admit_exactly_the_limit() {
     const RULES: &str = r#"{"rules":[{"id":"hundred","dimension":"user","limit":100,"windowSeconds":60}]}"#;
     let redis = RedisServer::start();
     let a = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("1000")
         .start()
         .await;
     let b = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("1000")
         .start()
         .await;
 
@@ -50,7 +36,7 @@ async fn two_agents_64_clients_admit_exactly_the_limit() {
         let socket = if i % 2 == 0 { a.socket() } else { b.socket() }.to_path_buf();
         let (admitted, fallback) = (admitted.clone(), fallback.clone());
         tasks.push(tokio::spawn(async move {
-            let client = Client::with_config(&socket, config()).await;
+            let client = patient_client(&socket).await;
             for _ in 0..20 {
                 let d = client.allow("user:hot", "hundred", 1).await.unwrap();
                 if d.origin != Origin::Agent(Source::Redis) {
@@ -79,13 +65,11 @@ async fn bursts_at_a_window_edge_admit_well_under_twice_the_limit() {
     const RULES: &str = r#"{"rules":[{"id":"edge","dimension":"user","limit":20,"windowSeconds":2}]}"#;
     let redis = RedisServer::start();
     let agent = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("1000")
         .start()
         .await;
-    let client = Client::with_config(agent.socket(), config()).await;
+    let client = patient_client(agent.socket()).await;
     let mut conn = redis.conn();
 
     let burst = |n: usize| {

@@ -1,11 +1,8 @@
 //! The embedded store and Redis give the same answers for the same sequence: the Lua scripts and the
 //! Rust algorithms are the same maths.
 
-use std::time::Duration;
-
 use floodgate_protocol::Item;
-use floodgate_sdk::{Client, ClientConfig};
-use floodgate_tests::{Agent, RedisServer};
+use floodgate_tests::{patient_client, Agent, RedisServer};
 
 // Hour-long windows: the sequence runs in well under a second, so both stores see the same window
 // (the odds of an hour boundary falling inside the run are ~1 in 10,000, and the test then still
@@ -47,15 +44,7 @@ fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
 /// Runs the sequence against both agents step by step (one step to one, the same step to the other),
 /// so that both read their clocks a few ms apart at every step.
 async fn run_both(a: &Agent, b: &Agent) -> Vec<(Vec<Figures>, Vec<Figures>)> {
-    let config = || ClientConfig {
-        timeout: Duration::from_secs(2),
-        connect_timeout: Duration::from_secs(2),
-        ..Default::default()
-    };
-    let (ca, cb) = (
-        Client::with_config(a.socket(), config()).await,
-        Client::with_config(b.socket(), config()).await,
-    );
+    let (ca, cb) = (patient_client(a.socket()).await, patient_client(b.socket()).await);
     let mut out = Vec::new();
     for items in sequence() {
         let x = ca.check(items.clone()).await.unwrap();
@@ -70,10 +59,8 @@ async fn run_both(a: &Agent, b: &Agent) -> Vec<(Vec<Figures>, Vec<Figures>)> {
 async fn memory_and_redis_agree() {
     let redis = RedisServer::start();
     let on_redis = Agent::builder()
-        .redis(&redis.url())
+        .patient_redis(&redis.url())
         .rules(RULES)
-        .arg("--redis-timeout-ms")
-        .arg("1000")
         .start()
         .await;
     let embedded = Agent::builder().rules(RULES).start().await;
