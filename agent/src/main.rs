@@ -31,7 +31,11 @@ fn main() -> anyhow::Result<()> {
                 .with_env_filter(tracing_subscriber::EnvFilter::try_new(&config.log)?)
                 .with_writer(std::io::stderr)
                 .init();
-            let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            if config.threads > 0 {
+                builder.worker_threads(config.threads);
+            }
+            let runtime = builder.enable_all().build()?;
             runtime.block_on(async move {
                 let (tx, rx) = watch::channel(false);
                 let mut term = signal(SignalKind::terminate())?;

@@ -83,6 +83,9 @@ struct RunArgs {
     /// the rule's fail mode and counted in the `fallback %` column.
     #[arg(long, default_value_t = 5)]
     redis_timeout_ms: u64,
+    /// Worker threads of the agents under test (the agent's default is 1; 0: one per core).
+    #[arg(long, default_value_t = 1)]
+    agent_threads: usize,
     /// Repeat every scenario this many times and report medians (the machine is noisy).
     #[arg(long, default_value_t = 1)]
     runs: usize,
@@ -110,7 +113,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let echo = echo::spawn(&echo_socket)?;
     let redis = (want_redis || !args.no_baselines).then(RedisServer::start);
     let memory_agent = if want_memory {
-        Some(Agent::builder().rules(RULES).start().await)
+        Some(Agent::builder().rules(RULES).arg("--threads").arg(&args.agent_threads.to_string()).start().await)
     } else {
         None
     };
@@ -121,6 +124,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .rules(RULES)
                 .arg("--redis-timeout-ms")
                 .arg(&args.redis_timeout_ms.to_string())
+                .arg("--threads")
+                .arg(&args.agent_threads.to_string())
                 .start()
                 .await,
         ),
