@@ -8,7 +8,8 @@
 -- KEYS[i]  the item's state, fg:{<client key>}:<rule id>. On a single node any keys may share a call;
 --          on a Redis Cluster (issue 3) one call must carry keys of one hash tag only.
 -- ARGV     6 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
---          enforce (1 | 0)
+--          mode (1 enforce | 0 log | 2 write back: commit the cost whatever the verdict; used to
+--          return what agents admitted locally while Redis was away)
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -23,7 +24,7 @@ for i = 1, #KEYS do
   local window = tonumber(ARGV[a + 3])
   local burst = tonumber(ARGV[a + 4])
   local cost = tonumber(ARGV[a + 5])
-  local enforce = ARGV[a + 6] == '1'
+  local mode = ARGV[a + 6]
   local verdict, commit
   if algorithm == '1' then
     verdict, commit = sliding_window(KEYS[i], now, limit, window, cost)
@@ -33,9 +34,11 @@ for i = 1, #KEYS do
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
   for _, x in ipairs(verdict) do out[#out + 1] = x end
-  if commit then
+  if mode == '2' then
+    commit()
+  elseif verdict[1] == 1 then
     commits[#commits + 1] = commit
-  elseif enforce then
+  elseif mode == '1' then
     all_ok = false
   end
 end

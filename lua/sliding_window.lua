@@ -4,8 +4,9 @@
 -- a TTL at the end of the window after the current one, so nothing needs a clean-up job.
 --
 -- sliding_window(key, now, limit, window, cost) reads the state and returns the verdict
--- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and, when allowed, the write that commits
--- it. check.lua calls it for every item first and commits only if every enforced item passes.
+-- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and the write that would commit the cost.
+-- check.lua calls it for every item first and commits only if every enforced item passes (or, for a
+-- write-back of what agents admitted while Redis was away, unconditionally).
 --
 -- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
@@ -26,13 +27,13 @@ local function sliding_window(key, now, limit, window, cost)
   local elapsed = (now - start) / window
   local estimate = prev * (1 - elapsed) + cur
   local expire_at = start + 2 * window
+  local commit = function()
+    redis.call('HSET', key, 'w', idx, 'c', cur + cost, 'p', prev)
+    redis.call('PEXPIREAT', key, expire_at)
+  end
   if estimate + cost <= limit then
     local remaining = math.floor(limit - estimate - cost)
     if remaining < 0 then remaining = 0 end
-    local commit = function()
-      redis.call('HSET', key, 'w', idx, 'c', cur + cost, 'p', prev)
-      redis.call('PEXPIREAT', key, expire_at)
-    end
     return { 1, limit, remaining, expire_at, 0 }, commit
   end
 
@@ -54,5 +55,5 @@ local function sliding_window(key, now, limit, window, cost)
   if cur > 0 then reset = expire_at elseif prev > 0 then reset = start + window else reset = now end
   local remaining = math.floor(limit - estimate)
   if remaining < 0 then remaining = 0 end
-  return { 0, limit, remaining, reset, retry }, nil
+  return { 0, limit, remaining, reset, retry }, commit
 end

@@ -4,8 +4,9 @@
 -- bucket would be full again, which is the same as having no key, so nothing needs a clean-up job.
 --
 -- token_bucket(key, now, limit, window, burst, cost) returns the verdict
--- (allowed, limit = burst, remaining, reset_at_ms, retry_after_ms) and, when allowed, the write that
--- commits it. check.lua calls it for every item first and commits only if every enforced item passes.
+-- (allowed, limit = burst, remaining, reset_at_ms, retry_after_ms) and the write that would take the
+-- cost. check.lua calls it for every item first and commits only if every enforced item passes (or,
+-- for a write-back, unconditionally: the bucket may then go below zero, a debt that refills first).
 --
 -- The maths is mirrored line for line by agent/src/algo/token_bucket.rs (the embedded store).
 local function token_bucket(key, now, limit, window, burst, cost)
@@ -20,14 +21,14 @@ local function token_bucket(key, now, limit, window, burst, cost)
     if tokens > burst then tokens = burst end
   end
 
+  local after = tokens - cost
+  local after_reset = now + math.ceil((burst - after) / rate)
+  local commit = function()
+    redis.call('HSET', key, 't', after, 'ts', now)
+    redis.call('PEXPIREAT', key, after_reset + 1)
+  end
   if tokens >= cost then
-    tokens = tokens - cost
-    local reset = now + math.ceil((burst - tokens) / rate)
-    local commit = function()
-      redis.call('HSET', key, 't', tokens, 'ts', now)
-      redis.call('PEXPIREAT', key, reset + 1)
-    end
-    return { 1, burst, math.floor(tokens), reset, 0 }, commit
+    return { 1, burst, math.floor(after), after_reset, 0 }, commit
   end
 
   local retry
@@ -38,5 +39,6 @@ local function token_bucket(key, now, limit, window, burst, cost)
   end
   if retry < 1 then retry = 1 end
   local reset = now + math.ceil((burst - tokens) / rate)
-  return { 0, burst, math.floor(tokens), reset, retry }, nil
+  if tokens < 0 then tokens = 0 end
+  return { 0, burst, math.floor(tokens), reset, retry }, commit
 end

@@ -15,7 +15,36 @@ pub fn app(engine: Arc<Engine>) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .route("/v1/status", get(status))
         .with_state(engine)
+}
+
+/// The agent's state: store, breaker, fallback, live agents.
+async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Value> {
+    let rules: Vec<String> = engine.rules().iter().map(|r| r.id.clone()).collect();
+    let mut body = serde_json::json!({
+        "store": engine.store().describe(),
+        "storeErrors": engine.store_errors(),
+        "rules": rules,
+    });
+    if let Some(g) = engine.guard() {
+        let b = g.breaker.snapshot();
+        body["breaker"] = serde_json::json!({
+            "state": b.state,
+            "consecutiveFailures": b.consecutive_failures,
+            "openedTotal": b.opened_total,
+        });
+        body["fallback"] = serde_json::json!({
+            "active": b.state != crate::guard::BreakerState::Closed,
+            "decided": g.fallback.decided.load(std::sync::atomic::Ordering::Relaxed),
+            "pendingWriteBack": g.fallback.pending(),
+            "writtenBackUnits": g.fallback.written_back.load(std::sync::atomic::Ordering::Relaxed),
+            "ledgerDropped": g.fallback.ledger_dropped.load(std::sync::atomic::Ordering::Relaxed),
+        });
+        body["liveAgents"] = g.membership.live().into();
+        body["agentId"] = g.membership.config().id.clone().into();
+    }
+    axum::Json(body)
 }
 
 /// Ready when the store answers: always for the embedded store, a PING for Redis.

@@ -27,6 +27,26 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_REDIS_TIMEOUT_MS", default_value_t = 5)]
     pub redis_timeout_ms: u64,
 
+    /// Consecutive Redis failures (errors or timeouts) that open the circuit breaker.
+    #[arg(long, env = "FLOODGATE_BREAKER_FAILURES", default_value_t = 5)]
+    pub breaker_failures: u32,
+
+    /// How long an open breaker decides locally before it probes Redis again, in milliseconds.
+    #[arg(long, env = "FLOODGATE_BREAKER_COOLDOWN_MS", default_value_t = 2_000)]
+    pub breaker_cooldown_ms: u64,
+
+    /// Pin N, the live-agent count the fallback divides limits by (default: learned from heartbeats).
+    #[arg(long, env = "FLOODGATE_AGENTS")]
+    pub agents: Option<u64>,
+
+    /// This agent's id in the heartbeats (default: hostname:pid).
+    #[arg(long, env = "FLOODGATE_AGENT_ID")]
+    pub agent_id: Option<String>,
+
+    /// How often the agent writes its heartbeat, in milliseconds (it counts for 5 intervals).
+    #[arg(long, env = "FLOODGATE_HEARTBEAT_MS", default_value_t = 1_000)]
+    pub heartbeat_ms: u64,
+
     /// Rules file (TOML or JSON); without it the built-in example rules are loaded.
     #[arg(long, env = "FLOODGATE_RULES")]
     pub rules: Option<PathBuf>,

@@ -4,15 +4,18 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
+use std::time::Instant;
 
 use floodgate_protocol::{Check, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS};
 
 use crate::algo::Outcome;
+use crate::guard::{Guard, Permit, Transition};
 use crate::rules::{items_for, FailMode, Rule, RuleSet};
 use crate::store::{Clock, Planned, Store, StoreError};
 
-/// How long a fail-closed rule tells clients to wait while its store is away. Short enough that
-/// clients come back soon after Redis does, long enough not to invite a retry storm.
+/// The shortest Retry-After a fail-closed rule gives while its store is away (longer while the breaker's
+/// cool-down lasts). Short enough that clients come back soon after Redis does, long enough not to
+/// invite a retry storm.
 pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
 
 /// The answer to a check: at once (embedded store, errors) or after a store round trip.
@@ -23,21 +26,32 @@ pub enum Answer {
     Pending(Pin<Box<dyn Future<Output = Result<Decision, ErrorBody>> + Send>>),
 }
 
-/// The engine: a rule set (swapped whole) and a store.
+/// The engine: a rule set (swapped whole), a store, and for Redis the guard (breaker, fallback).
 pub struct Engine {
     rules: RwLock<Arc<RuleSet>>,
     store: Store,
+    guard: Option<Arc<Guard>>,
     clock: Clock,
     store_errors: AtomicU64,
     last_error_log_ms: AtomicU64,
 }
 
 impl Engine {
-    /// An engine over `rules` and `store`.
+    /// An engine over `rules` and `store`; a Redis store gets a guard with default settings.
     pub fn new(rules: RuleSet, store: Store) -> Arc<Self> {
+        let guard = match store {
+            Store::Redis(_) => Some(Arc::new(Guard::default())),
+            Store::Memory(_) => None,
+        };
+        Self::with_guard(rules, store, guard)
+    }
+
+    /// An engine with an explicit guard (used for Redis stores).
+    pub fn with_guard(rules: RuleSet, store: Store, guard: Option<Arc<Guard>>) -> Arc<Self> {
         Arc::new(Engine {
             rules: RwLock::new(Arc::new(rules)),
             store,
+            guard,
             clock: Clock::System,
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
@@ -59,6 +73,11 @@ impl Engine {
         &self.store
     }
 
+    /// The guard (breaker, fallback, membership) of a Redis store.
+    pub fn guard(&self) -> Option<&Arc<Guard>> {
+        self.guard.as_ref()
+    }
+
     /// Store failures since start (each decided by the rules' fail modes).
     pub fn store_errors(&self) -> u64 {
         self.store_errors.load(Ordering::Relaxed)
@@ -76,18 +95,38 @@ impl Engine {
                 items: Vec::new(),
             }));
         }
-        match &self.store {
-            Store::Memory(m) => {
+        match (&self.store, &self.guard) {
+            (Store::Memory(m), _) => {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, Source::Local)))
             }
-            Store::Redis(r) => {
+            (Store::Redis(r), guard) => {
+                let guard = guard.clone().unwrap_or_default();
+                let permit = guard.breaker.permit(Instant::now());
+                if permit == Permit::Refuse {
+                    return Answer::Ready(Ok(self.degraded(&plan, &guard)));
+                }
                 let r = r.clone();
                 let this = self.clone();
                 Answer::Pending(Box::pin(async move {
-                    match r.check(&plan).await {
+                    let result = r.check(&plan).await;
+                    match guard.breaker.record(permit, result.is_ok(), Instant::now()) {
+                        Some(Transition::Opened) => tracing::warn!(
+                            cooldown_ms = guard.breaker.cooldown_left(Instant::now()).as_millis() as u64,
+                            live_agents = guard.membership.live(),
+                            "circuit breaker open: deciding locally (fail-open rules at limit / live agents)"
+                        ),
+                        Some(Transition::Closed) => {
+                            tracing::info!("store answers again: circuit breaker closed")
+                        }
+                        None => {}
+                    }
+                    match result {
                         Ok(outcomes) => Ok(combine(&plan, &outcomes, Source::Redis)),
-                        Err(e) => Ok(this.store_failed(&plan, &e)),
+                        Err(e) => {
+                            this.note_store_error(&e);
+                            Ok(this.degraded(&plan, &guard))
+                        }
                     }
                 }))
             }
@@ -140,7 +179,7 @@ impl Engine {
         Ok(plan)
     }
 
-    fn store_failed(&self, plan: &[Planned], e: &StoreError) -> Decision {
+    fn note_store_error(&self, e: &StoreError) {
         self.store_errors.fetch_add(1, Ordering::Relaxed);
         let now = self.clock.now_ms();
         // At most one log line per second: a store outage at 100K checks/s must not flood the logs.
@@ -153,12 +192,38 @@ impl Engine {
         {
             tracing::warn!(error = %e, total = self.store_errors(), "store unavailable; rules' fail modes decide");
         }
-        let outcomes: Vec<Outcome> = plan.iter().map(|p| fail_outcome(&p.rule, now)).collect();
+    }
+
+    /// The answer while the store is away: fail-closed rules deny with a Retry-After; fail-open rules
+    /// are enforced locally at limit / N (all or nothing, like every store).
+    fn degraded(&self, plan: &[Planned], guard: &Guard) -> Decision {
+        let now = self.clock.now_ms();
+        let retry = FAIL_CLOSED_RETRY_MS.max(guard.breaker.cooldown_left(Instant::now()).as_millis() as u64);
+        let closed = |p: &Planned| p.rule.fail_mode == FailMode::Closed;
+        let blocked = plan.iter().any(|p| closed(p) && p.rule.enforced());
+        let open: Vec<Planned> = plan.iter().filter(|p| !closed(p)).cloned().collect();
+        let mut local = if blocked || open.is_empty() {
+            // The request is denied anyway: take nothing locally.
+            Vec::new()
+        } else {
+            guard.fallback.check(&open, guard.membership.live())
+        }
+        .into_iter();
+        let outcomes: Vec<Outcome> = plan
+            .iter()
+            .map(|p| {
+                if closed(p) {
+                    fail_outcome(&p.rule, now, retry)
+                } else {
+                    local.next().unwrap_or_else(|| fail_outcome(&p.rule, now, retry))
+                }
+            })
+            .collect();
         combine(plan, &outcomes, Source::Fallback)
     }
 }
 
-fn fail_outcome(rule: &Rule, now: u64) -> Outcome {
+fn fail_outcome(rule: &Rule, now: u64, retry_ms: u64) -> Outcome {
     let limit = display_limit(rule);
     match rule.fail_mode {
         FailMode::Open => Outcome {
@@ -172,8 +237,8 @@ fn fail_outcome(rule: &Rule, now: u64) -> Outcome {
             allowed: false,
             limit,
             remaining: 0,
-            reset_at_ms: now + FAIL_CLOSED_RETRY_MS,
-            retry_after_ms: FAIL_CLOSED_RETRY_MS,
+            reset_at_ms: now + retry_ms,
+            retry_after_ms: retry_ms,
         },
     }
 }

@@ -29,6 +29,7 @@ pub mod admin;
 pub mod algo;
 pub mod config;
 pub mod engine;
+pub mod guard;
 pub mod rules;
 pub mod server;
 pub mod store;
@@ -41,8 +42,10 @@ use tokio::sync::watch;
 
 use crate::config::{Admin, AgentConfig};
 use crate::engine::Engine;
+use crate::guard::membership::default_agent_id;
+use crate::guard::{BreakerConfig, BreakerState, Guard, MembershipConfig, Permit, Transition};
 use crate::rules::RuleSet;
-use crate::store::{MemoryStore, RedisConfig, RedisStore, Store};
+use crate::store::{MemoryStore, Planned, RedisConfig, RedisStore, Store};
 
 /// Runs the agent until `shutdown` turns true: binds the socket, serves it and the admin API, and
 /// removes the socket on the way out.
@@ -68,7 +71,34 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
     let ids: Vec<&str> = rules.iter().map(|r| r.id.as_str()).collect();
     tracing::info!(count = rules.len(), from = %rules_from, rules = %ids.join(", "), "rules loaded");
 
-    let engine = Engine::new(rules, store.clone());
+    let guard = match &store {
+        Store::Redis(_) => {
+            let membership = MembershipConfig {
+                id: config.agent_id.clone().unwrap_or_else(default_agent_id),
+                interval: Duration::from_millis(config.heartbeat_ms.max(10)),
+                ttl: Duration::from_millis(config.heartbeat_ms.max(10) * 5),
+                fixed: config.agents.filter(|n| *n > 0),
+            };
+            let breaker = BreakerConfig {
+                failures: config.breaker_failures.max(1),
+                cooldown: Duration::from_millis(config.breaker_cooldown_ms),
+            };
+            tracing::info!(
+                agent_id = %membership.id,
+                breaker_failures = breaker.failures,
+                cooldown_ms = config.breaker_cooldown_ms,
+                fixed_agents = ?membership.fixed,
+                "guard: circuit breaker, limit/N fallback, heartbeats"
+            );
+            Some(Arc::new(Guard::new(breaker, membership)))
+        }
+        Store::Memory(_) => None,
+    };
+    let engine = Engine::with_guard(rules, store.clone(), guard.clone());
+    let guard_task = match (&store, guard) {
+        (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(g, r.clone(), shutdown.clone()))),
+        _ => None,
+    };
     if let Store::Memory(m) = &store {
         let m = m.clone();
         let mut stop = shutdown.clone();
@@ -101,6 +131,110 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
 
     server::serve(listener, engine, shutdown).await;
     let _ = std::fs::remove_file(&config.socket);
+    if let Some(task) = guard_task {
+        // It leaves the heartbeat set and writes back what it still holds; bounded by its timeouts.
+        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    }
     tracing::info!("floodgate agent stopped");
     Ok(())
+}
+
+/// The guard's background work for a Redis store: the heartbeat (learning N), the write-back of what
+/// the fallback admitted once the breaker is closed again, and the fallback's expiry sweep.
+async fn guard_loop(guard: Arc<Guard>, redis: Arc<RedisStore>, mut shutdown: watch::Receiver<bool>) {
+    let interval = guard.membership.config().interval;
+    let mut beat = tokio::time::interval(interval);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut sweep = tokio::time::interval(Duration::from_secs(5));
+    let id = guard.membership.config().id.clone();
+    let ttl = guard.membership.config().ttl;
+    loop {
+        tokio::select! {
+            _ = beat.tick() => {
+                // While the breaker is open, the heartbeat doubles as its probe once the cool-down is
+                // over, so an agent without traffic recovers too.
+                let probe = match guard.breaker.snapshot().state {
+                    BreakerState::Closed => None,
+                    _ => Some(guard.breaker.permit(std::time::Instant::now())).filter(|p| *p == Permit::Probe),
+                };
+                let result = redis.heartbeat(&id, ttl, false).await;
+                if let Some(p) = probe {
+                    if guard.breaker.record(p, result.is_ok(), std::time::Instant::now()) == Some(Transition::Closed) {
+                        tracing::info!("store answers again (heartbeat probe): circuit breaker closed");
+                    }
+                }
+                match result {
+                    Ok(n) => {
+                        let before = guard.membership.live();
+                        guard.membership.observe(n);
+                        if n != before {
+                            tracing::info!(live_agents = n, "live agents changed");
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
+                }
+            }
+            _ = tick.tick() => {
+                if guard.breaker.snapshot().state == BreakerState::Closed && guard.fallback.pending() > 0 {
+                    write_back(&guard, &redis).await;
+                }
+            }
+            _ = sweep.tick() => guard.fallback.sweep(),
+            _ = server::stopped(&mut shutdown) => break,
+        }
+    }
+    if guard.breaker.snapshot().state == BreakerState::Closed {
+        write_back(&guard, &redis).await;
+    }
+    let _ = redis.heartbeat(&id, ttl, true).await;
+}
+
+fn now_window(p: &Planned) -> u64 {
+    crate::store::Clock::System.now_ms() / p.rule.window_ms()
+}
+
+async fn write_back(guard: &Guard, redis: &RedisStore) {
+    let entries = guard.fallback.drain_current();
+    if entries.is_empty() {
+        return;
+    }
+    let units: u64 = entries.iter().map(|e| e.units).sum();
+    let items: Vec<Planned> = entries
+        .into_iter()
+        .map(|e| Planned {
+            rule: e.rule,
+            key: e.key,
+            cost: e.units,
+        })
+        .collect();
+    match redis.write_back(&items).await {
+        Ok(()) => {
+            guard
+                .fallback
+                .written_back
+                .fetch_add(units, std::sync::atomic::Ordering::Relaxed);
+            tracing::info!(
+                keys = items.len(),
+                units,
+                "wrote back what the fallback admitted during the outage"
+            );
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, keys = items.len(), units, "write-back failed; will retry");
+            let entries = items
+                .into_iter()
+                .map(|p| {
+                    let window = now_window(&p);
+                    crate::guard::LedgerEntry {
+                        window,
+                        units: p.cost,
+                        rule: p.rule,
+                        key: p.key,
+                    }
+                })
+                .collect();
+            guard.fallback.restore(entries);
+        }
+    }
 }

@@ -13,6 +13,7 @@
 //! - `targets`: connections to the echo server, an agent, and bare EVALSHA.
 //! - `report`: percentiles, the table, the JSON.
 
+mod chaos;
 mod closed;
 mod echo;
 mod open;
@@ -50,6 +51,15 @@ enum Command {
         /// Socket path.
         #[arg(long)]
         socket: PathBuf,
+    },
+    /// The chaos scenario: a Redis outage under load, then an agent restart under load.
+    Chaos {
+        /// Checks/s offered (split over two agents).
+        #[arg(long, default_value_t = 10_000)]
+        rate: u64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/chaos.json")]
+        json: PathBuf,
     },
 }
 
@@ -100,6 +110,15 @@ fn main() -> anyhow::Result<()> {
         return echo::serve(&socket);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    if let Some(Command::Chaos { rate, json }) = cli.command {
+        let report = runtime.block_on(chaos::run(rate))?;
+        if let Some(parent) = json.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&json, serde_json::to_string_pretty(&report)?)?;
+        println!("JSON written to {}", json.display());
+        return Ok(());
+    }
     runtime.block_on(run(cli.run))
 }
 
@@ -113,7 +132,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let echo = echo::spawn(&echo_socket)?;
     let redis = (want_redis || !args.no_baselines).then(RedisServer::start);
     let memory_agent = if want_memory {
-        Some(Agent::builder().rules(RULES).arg("--threads").arg(&args.agent_threads.to_string()).start().await)
+        Some(
+            Agent::builder()
+                .rules(RULES)
+                .arg("--threads")
+                .arg(&args.agent_threads.to_string())
+                .start()
+                .await,
+        )
     } else {
         None
     };

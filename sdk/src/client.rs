@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
 use tokio::sync::{mpsc, oneshot};
@@ -39,7 +39,23 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     /// Checks queued for the socket at most; past it calls answer by their fail policy (default 8192).
     pub queue: usize,
+    /// A limit this process enforces by itself while the agent is away, for fail-open calls (off by
+    /// default): the service is not left unprotected when its agent is gone.
+    pub fallback_limit: Option<LocalLimit>,
 }
+
+/// A per-process limit per check key (items: every `(key, rule)` of the check; attributes: all of
+/// them), as a token bucket of `limit` refilled over `per`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalLimit {
+    /// Bucket capacity and refill per `per`.
+    pub limit: u32,
+    /// The refill period.
+    pub per: Duration,
+}
+
+/// Distinct keys the local limiter tracks before it starts over (bounded memory).
+const LOCAL_KEYS: usize = 100_000;
 
 impl Default for ClientConfig {
     fn default() -> Self {
@@ -51,6 +67,7 @@ impl Default for ClientConfig {
             reconnect_max: Duration::from_secs(1),
             connect_timeout: Duration::from_millis(250),
             queue: 8192,
+            fallback_limit: None,
         }
     }
 }
@@ -73,6 +90,8 @@ pub struct ClientStats {
     pub timeouts: u64,
     /// Connections established (the first one included).
     pub connects: u64,
+    /// Degraded calls the per-process fallback limit denied.
+    pub local_denied: u64,
 }
 
 pub(crate) struct Shared {
@@ -83,6 +102,8 @@ pub(crate) struct Shared {
     pub(crate) connects: AtomicU64,
     unavailable: AtomicU64,
     timeouts: AtomicU64,
+    local_denied: AtomicU64,
+    local: Mutex<HashMap<String, (f64, Instant)>>,
     next_id: AtomicU32,
 }
 
@@ -119,6 +140,8 @@ impl Client {
             connects: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
+            local_denied: AtomicU64::new(0),
+            local: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
         });
         let (ready_tx, ready_rx) = oneshot::channel();
@@ -147,12 +170,14 @@ impl Client {
     pub async fn check_with(&self, check: Check, options: CallOptions) -> Result<Decision, Error> {
         let timeout = options.timeout.unwrap_or(self.shared.config.timeout);
         let policy = options.fail.unwrap_or(self.shared.config.fail);
+        let local = self.shared.config.fallback_limit.map(|_| local_key(&check));
+        let local = local.as_ref().map(|(k, c)| (k.as_str(), *c));
         let id = self.next_id();
         let bytes = Frame::new(id, Body::Check(check))
             .to_bytes()
             .map_err(|e| Error::Invalid(e.to_string()))?;
         if !self.shared.connected.load(Ordering::Acquire) {
-            return Ok(self.degraded(policy, Degraded::Unavailable));
+            return Ok(self.degraded(policy, Degraded::Unavailable, local));
         }
         let (reply_tx, reply_rx) = oneshot::channel();
         self.shared.pending().insert(id, reply_tx);
@@ -161,7 +186,7 @@ impl Client {
             id,
         };
         if self.tx.try_send(bytes).is_err() {
-            return Ok(self.degraded(policy, Degraded::Unavailable));
+            return Ok(self.degraded(policy, Degraded::Unavailable, local));
         }
         let result = tokio::time::timeout(timeout, reply_rx).await;
         drop(guard);
@@ -174,10 +199,10 @@ impl Client {
                     code,
                     message: e.message,
                 }),
-                _ => Ok(self.degraded(policy, Degraded::Unavailable)),
+                _ => Ok(self.degraded(policy, Degraded::Unavailable, local)),
             },
-            Ok(Err(_)) => Ok(self.degraded(policy, Degraded::Unavailable)),
-            Err(_) => Ok(self.degraded(policy, Degraded::Timeout)),
+            Ok(Err(_)) => Ok(self.degraded(policy, Degraded::Unavailable, local)),
+            Err(_) => Ok(self.degraded(policy, Degraded::Timeout, local)),
         }
     }
 
@@ -192,6 +217,7 @@ impl Client {
             unavailable: self.shared.unavailable.load(Ordering::Relaxed),
             timeouts: self.shared.timeouts.load(Ordering::Relaxed),
             connects: self.shared.connects.load(Ordering::Relaxed),
+            local_denied: self.shared.local_denied.load(Ordering::Relaxed),
         }
     }
 
@@ -205,7 +231,7 @@ impl Client {
         }
     }
 
-    fn degraded(&self, policy: FailPolicy, why: Degraded) -> Decision {
+    fn degraded(&self, policy: FailPolicy, why: Degraded, local: Option<(&str, u32)>) -> Decision {
         match why {
             Degraded::Unavailable => &self.shared.unavailable,
             Degraded::Timeout => &self.shared.timeouts,
@@ -215,8 +241,71 @@ impl Client {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
+        if let (FailPolicy::Open, Some(limit), Some((key, cost))) =
+            (policy, self.shared.config.fallback_limit, local)
+        {
+            return self.local_limit(limit, key, cost, why, now);
+        }
         let retry = self.shared.config.closed_retry_after.as_millis() as u64;
         Decision::degraded(policy == FailPolicy::Open, why, retry, now)
+    }
+
+    /// The per-process fallback limit: a token bucket per check key.
+    fn local_limit(&self, limit: LocalLimit, key: &str, cost: u32, why: Degraded, now_ms: u64) -> Decision {
+        let capacity = f64::from(limit.limit.max(1));
+        let rate = capacity / limit.per.as_secs_f64().max(1e-3); // tokens per second
+        let now = Instant::now();
+        let mut map = self.shared.local.lock().unwrap_or_else(|p| p.into_inner());
+        if map.len() >= LOCAL_KEYS && !map.contains_key(key) {
+            map.clear();
+        }
+        let (tokens, at) = map.entry(key.to_string()).or_insert((capacity, now));
+        *tokens = (*tokens + now.duration_since(*at).as_secs_f64() * rate).min(capacity);
+        *at = now;
+        let cost = f64::from(cost);
+        let allowed = *tokens >= cost;
+        if allowed {
+            *tokens -= cost;
+        } else {
+            self.shared.local_denied.fetch_add(1, Ordering::Relaxed);
+        }
+        let retry_ms = if allowed {
+            0
+        } else {
+            (((cost - *tokens) / rate) * 1000.0).ceil().max(1.0) as u64
+        };
+        Decision::local(
+            allowed,
+            why,
+            limit.limit.into(),
+            tokens.max(0.0) as u64,
+            retry_ms,
+            now_ms,
+        )
+    }
+}
+
+/// The local limiter's key and cost for a check.
+fn local_key(check: &Check) -> (String, u32) {
+    match check {
+        Check::Items(items) => {
+            let mut k = String::new();
+            for i in items {
+                k.push_str(&i.rule_id);
+                k.push('\0');
+                k.push_str(&i.key);
+                k.push('\0');
+            }
+            (k, items.iter().map(|i| i.cost).max().unwrap_or(1))
+        }
+        Check::Attributes(a) => {
+            let mut k = String::from("attributes\0");
+            for (_, v) in a.fields() {
+                k.push_str(v.as_deref().unwrap_or(""));
+                k.push('\0');
+            }
+            (k, a.cost)
+        }
     }
 }
 

@@ -20,6 +20,8 @@ pub enum Origin {
     FailOpen(Degraded),
     /// The SDK's fail policy: denied because the agent could not answer.
     FailClosed(Degraded),
+    /// The SDK's per-process fallback limit decided (allowed or not) because the agent could not.
+    LocalLimit(Degraded),
 }
 
 /// The answer to a check.
@@ -67,6 +69,25 @@ impl Decision {
             } else {
                 Origin::FailClosed(why)
             },
+            items: Vec::new(),
+        }
+    }
+
+    pub(crate) fn local(
+        allowed: bool,
+        why: Degraded,
+        limit: u64,
+        remaining: u64,
+        retry_after_ms: u64,
+        now_ms: u64,
+    ) -> Self {
+        Decision {
+            allowed,
+            limit,
+            remaining,
+            reset_at_ms: now_ms + retry_after_ms,
+            retry_after_ms: (!allowed).then_some(retry_after_ms.max(1)),
+            origin: Origin::LocalLimit(why),
             items: Vec::new(),
         }
     }

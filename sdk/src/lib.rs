@@ -39,7 +39,7 @@ mod connection;
 mod decision;
 mod error;
 
-pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy};
+pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;
 pub use floodgate_protocol::{Attributes, Item, ItemDecision, Source};

@@ -6,6 +6,7 @@
 //! - `agent`: [`Agent`], one `floodgate agent` process.
 //! - `wire`: [`RawConn`], a bare protocol connection for sending hand-made frames.
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
+//! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //!
 //! # Example
 //! ```no_run
@@ -20,11 +21,13 @@
 //! ```
 
 mod agent;
+mod proxy;
 mod redis;
 mod wait;
 mod wire;
 
 pub use agent::{floodgate_bin, Agent, AgentBuilder};
+pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, RedisServer};
 pub use wait::eventually;
 pub use wire::RawConn;
@@ -82,4 +85,26 @@ pub fn pause_process(pid: u32) {
 /// SIGCONTs a process paused by [`pause_process`].
 pub fn resume_process(pid: u32) {
     signal(pid, 18);
+}
+
+/// A plain HTTP/1.1 GET against an agent's admin address: (status code, body). Panics after 5 s.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .expect("write request");
+        let mut resp = String::new();
+        s.read_to_string(&mut resp).await.expect("read response");
+        let code = resp.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = resp
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
+        (code, body)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), fut)
+        .await
+        .expect("admin answered within 5 s")
 }

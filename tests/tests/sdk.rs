@@ -144,3 +144,37 @@ async fn answered_by_agent(client: &Client, what: &str) {
     })
     .await;
 }
+
+#[tokio::test]
+async fn a_per_process_fallback_limit_protects_the_service_while_the_agent_is_away() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = ClientConfig {
+        fallback_limit: Some(floodgate_sdk::LocalLimit {
+            limit: 3,
+            per: Duration::from_secs(60),
+        }),
+        ..Default::default()
+    };
+    let client = Client::with_config(dir.path().join("nobody.sock"), config).await;
+    for i in 0..3 {
+        let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
+        assert!(d.allowed, "call {i} within the local limit");
+        assert_eq!(d.origin, Origin::LocalLimit(Degraded::Unavailable));
+    }
+    let d = client.allow("user:1", "api-per-user", 1).await.unwrap();
+    assert!(!d.allowed, "the fourth call is over the per-process limit");
+    // One token per 20 s: the wait is at most 20 s and always stated.
+    assert!((1..=20_000).contains(&d.retry_after_ms.unwrap()));
+    // Another key has its own budget; a fail-closed call ignores the local limit and denies.
+    assert!(client.allow("user:2", "api-per-user", 1).await.unwrap().allowed);
+    let closed = CallOptions {
+        fail: Some(FailPolicy::Closed),
+        ..Default::default()
+    };
+    let d = client
+        .check_with(Check::Items(vec![Item::new("user:3", "login", 1)]), closed)
+        .await
+        .unwrap();
+    assert_eq!(d.origin, Origin::FailClosed(Degraded::Unavailable));
+    assert_eq!(client.stats().local_denied, 1);
+}

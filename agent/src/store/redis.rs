@@ -8,6 +8,7 @@ use redis::{Client, ErrorKind, RedisError, Script};
 
 use super::{Planned, StoreError};
 use crate::algo::Outcome;
+use crate::guard::membership::{AGENTS_KEY, HEARTBEAT_LUA};
 use crate::rules::Algorithm;
 
 /// The check script, embedded at build time: the two algorithms' functions and the all-or-nothing
@@ -31,6 +32,7 @@ pub struct RedisConfig {
 pub struct RedisStore {
     conn: ConnectionManager,
     script: Script,
+    heartbeat: Script,
     timeout: Duration,
     url: String,
 }
@@ -49,6 +51,7 @@ impl RedisStore {
         Ok(RedisStore {
             conn,
             script: Script::new(CHECK_LUA),
+            heartbeat: Script::new(HEARTBEAT_LUA),
             timeout: config.timeout,
             url: redact(&config.url),
         })
@@ -67,6 +70,45 @@ impl RedisStore {
 
     /// Checks the items in one atomic script call; outcomes come back in item order.
     pub async fn check(&self, items: &[Planned]) -> Result<Vec<Outcome>, StoreError> {
+        self.run(items, false, self.timeout).await
+    }
+
+    /// Adds what agents admitted locally while Redis was away to the Redis counters, whatever the
+    /// verdict (the script's write-back mode), so the limit holds across the outage. Chunks of 64 items
+    /// keep each script call short.
+    pub async fn write_back(&self, items: &[Planned]) -> Result<(), StoreError> {
+        for chunk in items.chunks(64) {
+            // Not on the request path: a longer timeout than checks get.
+            self.run(chunk, true, self.timeout.max(Duration::from_millis(250)))
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Writes this agent's heartbeat (or removes it when `leaving`) and returns the live-agent count.
+    pub async fn heartbeat(&self, id: &str, ttl: Duration, leaving: bool) -> Result<u64, StoreError> {
+        let mut inv = self.heartbeat.prepare_invoke();
+        inv.key(AGENTS_KEY)
+            .arg(id)
+            .arg(ttl.as_millis() as u64)
+            .arg(if leaving { 1 } else { 0 });
+        let mut conn = self.conn.clone();
+        let n: u64 = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            inv.invoke_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))?
+        .map_err(classify)?;
+        Ok(n)
+    }
+
+    async fn run(
+        &self,
+        items: &[Planned],
+        write_back: bool,
+        timeout: Duration,
+    ) -> Result<Vec<Outcome>, StoreError> {
         let mut inv = self.script.prepare_invoke();
         for p in items {
             let r = &p.rule;
@@ -80,12 +122,16 @@ impl RedisStore {
                 .arg(r.window_ms())
                 .arg(r.burst())
                 .arg(p.cost)
-                .arg(if r.enforced() { 1 } else { 0 });
+                .arg(match (write_back, r.enforced()) {
+                    (true, _) => 2,
+                    (false, true) => 1,
+                    (false, false) => 0,
+                });
         }
         let mut conn = self.conn.clone();
-        let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
+        let reply: Vec<i64> = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
             .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(|_| StoreError::Timeout(timeout))?
             .map_err(classify)?;
         if reply.len() != items.len() * 5 {
             return Err(StoreError::Script(format!(

@@ -1,0 +1,224 @@
+//! The fallback limiter: while Redis is away, fail-open rules are enforced locally at limit / N (N =
+//! live agents), by the embedded store's own algorithms; what it admits is kept in a ledger and written
+//! back to Redis when the shard returns, so the limit holds across the outage instead of granting a
+//! fresh budget.
+
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::algo::Outcome;
+use crate::rules::Rule;
+use crate::store::{Clock, MemoryStore, Planned};
+
+/// Most (rule, key) pairs the ledger holds; past it new pairs are not recorded (and counted), so a
+/// flood of distinct keys during an outage cannot exhaust the agent. ~100 B each: ~100 MB at most.
+pub const LEDGER_CAP: usize = 1_000_000;
+
+/// Units one agent admitted locally for one (rule, key) in one window.
+#[derive(Debug, Clone)]
+pub struct LedgerEntry {
+    /// The rule as it was when admitted.
+    pub rule: Arc<Rule>,
+    /// The client key.
+    pub key: String,
+    /// The window index (local clock) the units belong to.
+    pub window: u64,
+    /// Units admitted.
+    pub units: u64,
+}
+
+/// The local limiter used while the store is away.
+pub struct Fallback {
+    store: MemoryStore,
+    clock: Clock,
+    scaled: Mutex<HashMap<(String, u64), Arc<Rule>>>,
+    ledger: Mutex<HashMap<(String, String), LedgerEntry>>,
+    /// Checks decided here.
+    pub decided: AtomicU64,
+    /// Units written back to Redis after recoveries.
+    pub written_back: AtomicU64,
+    /// (rule, key) pairs not recorded because the ledger was full.
+    pub ledger_dropped: AtomicU64,
+}
+
+impl Default for Fallback {
+    fn default() -> Self {
+        Self::new(Clock::System)
+    }
+}
+
+impl Fallback {
+    /// An empty fallback limiter.
+    pub fn new(clock: Clock) -> Self {
+        Fallback {
+            store: MemoryStore::new(clock.clone()),
+            clock,
+            scaled: Mutex::new(HashMap::new()),
+            ledger: Mutex::new(HashMap::new()),
+            decided: AtomicU64::new(0),
+            written_back: AtomicU64::new(0),
+            ledger_dropped: AtomicU64::new(0),
+        }
+    }
+
+    /// The rule with its limit (and burst) divided by `n`, at least 1; cached per (rule, n).
+    fn scaled(&self, rule: &Arc<Rule>, n: u64) -> Arc<Rule> {
+        if n <= 1 {
+            return rule.clone();
+        }
+        let mut cache = self.scaled.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (rule.id.clone(), n);
+        if let Some(r) = cache.get(&key) {
+            // A cached copy of an older version of the rule is rebuilt.
+            if r.window_seconds == rule.window_seconds
+                && r.algorithm == rule.algorithm
+                && r.limit == share(rule.limit, n)
+                && r.burst == rule.burst.map(|b| share(b, n))
+            {
+                return r.clone();
+            }
+        }
+        if cache.len() > 10_000 {
+            cache.clear();
+        }
+        let mut r = (**rule).clone();
+        r.limit = share(rule.limit, n);
+        r.burst = rule.burst.map(|b| share(b, n));
+        let r = Arc::new(r);
+        cache.insert(key, r.clone());
+        r
+    }
+
+    /// Decides the items locally at limit / `n`, all or nothing like every store, and records what it
+    /// admitted for the write-back.
+    pub fn check(&self, items: &[Planned], n: u64) -> Vec<Outcome> {
+        self.decided.fetch_add(1, Ordering::Relaxed);
+        let local: Vec<Planned> = items
+            .iter()
+            .map(|p| Planned {
+                rule: self.scaled(&p.rule, n),
+                key: p.key.clone(),
+                cost: p.cost,
+            })
+            .collect();
+        let outcomes = self.store.check(&local);
+        let committed = items
+            .iter()
+            .zip(&outcomes)
+            .all(|(p, o)| o.allowed || !p.rule.enforced());
+        if committed {
+            let now = self.clock.now_ms();
+            let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+            for (p, o) in items.iter().zip(&outcomes) {
+                if !o.allowed {
+                    continue;
+                }
+                let window = now / p.rule.window_ms();
+                let k = (p.rule.id.clone(), p.key.clone());
+                let full = ledger.len() >= LEDGER_CAP;
+                match ledger.get_mut(&k) {
+                    Some(e) if e.window == window => e.units += p.cost,
+                    Some(e) => {
+                        *e = LedgerEntry {
+                            rule: p.rule.clone(),
+                            key: p.key.clone(),
+                            window,
+                            units: p.cost,
+                        }
+                    }
+                    None if full => {
+                        self.ledger_dropped.fetch_add(1, Ordering::Relaxed);
+                    }
+                    None => {
+                        ledger.insert(
+                            k,
+                            LedgerEntry {
+                                rule: p.rule.clone(),
+                                key: p.key.clone(),
+                                window,
+                                units: p.cost,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        outcomes
+    }
+
+    /// Takes the ledger's entries whose window is still current: what must be written back. Older
+    /// entries are dropped: their windows are over, and Redis would expire them anyway.
+    pub fn drain_current(&self) -> Vec<LedgerEntry> {
+        let now = self.clock.now_ms();
+        let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+        ledger
+            .drain()
+            .map(|(_, e)| e)
+            .filter(|e| e.window == now / e.rule.window_ms())
+            .collect()
+    }
+
+    /// Puts entries back after a failed write-back (merging with what was admitted since), so a
+    /// write-back tried while Redis is still failing loses nothing.
+    pub fn restore(&self, entries: Vec<LedgerEntry>) {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+        for e in entries {
+            match ledger.get_mut(&(e.rule.id.clone(), e.key.clone())) {
+                Some(cur) if cur.window == e.window => cur.units += e.units,
+                Some(_) => {}
+                None => {
+                    ledger.insert((e.rule.id.clone(), e.key.clone()), e);
+                }
+            }
+        }
+    }
+
+    /// Entries waiting to be written back.
+    pub fn pending(&self) -> usize {
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Drops expired local state (the agent calls it on a timer).
+    pub fn sweep(&self) {
+        self.store.sweep();
+    }
+}
+
+fn share(limit: NonZeroU64, n: u64) -> NonZeroU64 {
+    NonZeroU64::new(limit.get() / n.max(1)).unwrap_or(NonZeroU64::MIN)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::RuleSet;
+
+    #[test]
+    fn enforces_limit_over_n_and_keeps_a_ledger_of_the_current_window() {
+        let rules =
+            RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":100,"windowSeconds":10}]}"#)
+                .unwrap();
+        let t = Arc::new(AtomicU64::new(1_000_000));
+        let f = Fallback::new(Clock::Manual(t.clone()));
+        let item = || {
+            vec![Planned {
+                rule: rules.get("r").unwrap().clone(),
+                key: "user:1".into(),
+                cost: 1,
+            }]
+        };
+        let admitted = (0..100).filter(|_| f.check(&item(), 4)[0].allowed).count();
+        assert_eq!(admitted, 25, "limit 100 over 4 agents");
+        let back = f.drain_current();
+        assert_eq!(back.len(), 1);
+        assert_eq!(back[0].units, 25);
+        assert_eq!(f.pending(), 0);
+
+        // Units of a window that has ended are not written back.
+        f.check(&item(), 4);
+        t.fetch_add(10_000, Ordering::Relaxed);
+        assert!(f.drain_current().is_empty());
+    }
+}
