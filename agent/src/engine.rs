@@ -102,7 +102,7 @@ impl Engine {
             }
             (Store::Redis(r), guard) => {
                 let guard = guard.clone().unwrap_or_default();
-                let permit = guard.breaker.permit(Instant::now());
+                let permit = guard.breaker.permit_traffic();
                 if permit == Permit::Refuse {
                     return Answer::Ready(Ok(self.degraded(&plan, &guard)));
                 }

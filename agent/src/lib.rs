@@ -149,34 +149,25 @@ async fn guard_loop(guard: Arc<Guard>, redis: Arc<RedisStore>, mut shutdown: wat
     let mut sweep = tokio::time::interval(Duration::from_secs(5));
     let id = guard.membership.config().id.clone();
     let ttl = guard.membership.config().ttl;
+    if let Err(e) = redis.preload().await {
+        tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
+    }
     loop {
         tokio::select! {
-            _ = beat.tick() => {
-                // While the breaker is open, the heartbeat doubles as its probe once the cool-down is
-                // over, so an agent without traffic recovers too.
-                let probe = match guard.breaker.snapshot().state {
-                    BreakerState::Closed => None,
-                    _ => Some(guard.breaker.permit(std::time::Instant::now())).filter(|p| *p == Permit::Probe),
-                };
-                let result = redis.heartbeat(&id, ttl, false).await;
-                if let Some(p) = probe {
-                    if guard.breaker.record(p, result.is_ok(), std::time::Instant::now()) == Some(Transition::Closed) {
-                        tracing::info!("store answers again (heartbeat probe): circuit breaker closed");
+            _ = beat.tick() => match redis.heartbeat(&id, ttl, false).await {
+                Ok(n) => {
+                    let before = guard.membership.live();
+                    guard.membership.observe(n);
+                    if n != before {
+                        tracing::info!(live_agents = n, "live agents changed");
                     }
                 }
-                match result {
-                    Ok(n) => {
-                        let before = guard.membership.live();
-                        guard.membership.observe(n);
-                        if n != before {
-                            tracing::info!(live_agents = n, "live agents changed");
-                        }
-                    }
-                    Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
-                }
-            }
+                Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
+            },
             _ = tick.tick() => {
-                if guard.breaker.snapshot().state == BreakerState::Closed && guard.fallback.pending() > 0 {
+                if guard.breaker.snapshot().state != BreakerState::Closed {
+                    probe(&guard, &redis).await;
+                } else if guard.fallback.pending() > 0 {
                     write_back(&guard, &redis).await;
                 }
             }
@@ -188,6 +179,20 @@ async fn guard_loop(guard: Arc<Guard>, redis: Arc<RedisStore>, mut shutdown: wat
         write_back(&guard, &redis).await;
     }
     let _ = redis.heartbeat(&id, ttl, true).await;
+}
+
+/// Once the cool-down is over, one background call decides whether the store is back: it loads the
+/// check script (a restarted Redis has an empty cache) with a timeout no check could afford, so a
+/// slow reconnection does not keep the breaker open, and no caller waits on it.
+async fn probe(guard: &Guard, redis: &RedisStore) {
+    let permit = guard.breaker.permit(std::time::Instant::now());
+    if permit != Permit::Probe {
+        return;
+    }
+    let ok = redis.preload().await.is_ok();
+    if guard.breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
+        tracing::info!("store answers again: circuit breaker closed");
+    }
 }
 
 fn now_window(p: &Planned) -> u64 {

@@ -60,6 +60,9 @@ enum Command {
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/chaos.json")]
         json: PathBuf,
+        /// The agents' Redis timeout in ms (the agent's default is 5).
+        #[arg(long, default_value_t = 5)]
+        redis_timeout_ms: u64,
     },
 }
 
@@ -110,8 +113,13 @@ fn main() -> anyhow::Result<()> {
         return echo::serve(&socket);
     }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    if let Some(Command::Chaos { rate, json }) = cli.command {
-        let report = runtime.block_on(chaos::run(rate))?;
+    if let Some(Command::Chaos {
+        rate,
+        redis_timeout_ms,
+        json,
+    }) = cli.command
+    {
+        let report = runtime.block_on(chaos::run(rate, redis_timeout_ms))?;
         if let Some(parent) = json.parent() {
             std::fs::create_dir_all(parent)?;
         }

@@ -118,6 +118,15 @@ impl Breaker {
         }
     }
 
+    /// May a check call the store? Only while closed: probes are the guard's own background calls
+    /// (with a longer timeout than a check can afford, and no caller waiting on them).
+    pub fn permit_traffic(&self) -> Permit {
+        match self.lock().state {
+            BreakerState::Closed => Permit::Call,
+            _ => Permit::Refuse,
+        }
+    }
+
     /// Reports the outcome of a permitted call; returns a transition when the state changed.
     pub fn record(&self, permit: Permit, ok: bool, now: Instant) -> Option<Transition> {
         let mut s = self.lock();

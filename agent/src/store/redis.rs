@@ -85,6 +85,20 @@ impl RedisStore {
         Ok(())
     }
 
+    /// Loads the check script (SCRIPT LOAD), so that a burst of checks after a start or a Redis restart
+    /// finds it cached instead of each paying NOSCRIPT and a reload within its timeout.
+    pub async fn preload(&self) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            self.script.prepare_invoke().load_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))?
+        .map_err(classify)?;
+        Ok(())
+    }
+
     /// Writes this agent's heartbeat (or removes it when `leaving`) and returns the live-agent count.
     pub async fn heartbeat(&self, id: &str, ttl: Duration, leaving: bool) -> Result<u64, StoreError> {
         let mut inv = self.heartbeat.prepare_invoke();
