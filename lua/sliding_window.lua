@@ -57,3 +57,30 @@ local function sliding_window(key, now, limit, window, cost)
   if remaining < 0 then remaining = 0 end
   return { 0, limit, remaining, reset, retry }, commit
 end
+
+-- sliding_window_write_back(key, now, window, units, target) adds units an agent admitted locally in
+-- window `target` while Redis was away: to the current count if that window is the current one, to
+-- the previous count if it is the one before (it still weighs on the estimate), else nowhere (its
+-- weight is gone).
+local function sliding_window_write_back(key, now, window, units, target)
+  local idx = math.floor(now / window)
+  local v = redis.call('HMGET', key, 'w', 'c', 'p')
+  local w = tonumber(v[1])
+  local cur = tonumber(v[2]) or 0
+  local prev = tonumber(v[3]) or 0
+  if w == nil then
+    cur, prev = 0, 0
+  elseif w ~= idx then
+    if w == idx - 1 then prev = cur else prev = 0 end
+    cur = 0
+  end
+  if target == idx then
+    cur = cur + units
+  elseif target == idx - 1 then
+    prev = prev + units
+  else
+    return
+  end
+  redis.call('HSET', key, 'w', idx, 'c', cur, 'p', prev)
+  redis.call('PEXPIREAT', key, idx * window + 2 * window)
+end

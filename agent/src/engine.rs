@@ -37,16 +37,15 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// An engine over `rules` and `store`; a Redis store gets a guard with default settings.
+    /// An engine over `rules` and `store`, without a guard: a Redis failure is decided by each rule's
+    /// fail mode alone (allow, or deny with a Retry-After). `crate::run` adds the guard and its loop.
     pub fn new(rules: RuleSet, store: Store) -> Arc<Self> {
-        let guard = match store {
-            Store::Redis(_) => Some(Arc::new(Guard::default())),
-            Store::Memory(_) => None,
-        };
-        Self::with_guard(rules, store, guard)
+        Self::with_guard(rules, store, None)
     }
 
-    /// An engine with an explicit guard (used for Redis stores).
+    /// An engine with a guard for its Redis store: breaker, limit/N fallback, membership. The guard's
+    /// background loop (`crate::run` starts it) probes and writes back; without it an open breaker
+    /// would never close.
     pub fn with_guard(rules: RuleSet, store: Store, guard: Option<Arc<Guard>>) -> Arc<Self> {
         Arc::new(Engine {
             rules: RwLock::new(Arc::new(rules)),
@@ -100,11 +99,30 @@ impl Engine {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, Source::Local)))
             }
-            (Store::Redis(r), guard) => {
-                let guard = guard.clone().unwrap_or_default();
+            (Store::Redis(r), None) => {
+                let r = r.clone();
+                let this = self.clone();
+                Answer::Pending(Box::pin(async move {
+                    match r.check(&plan).await {
+                        Ok(outcomes) => Ok(combine(&plan, &outcomes, Source::Redis)),
+                        Err(e) => {
+                            this.note_store_error(&e);
+                            let now = this.clock.now_ms();
+                            let outcomes: Vec<Outcome> = plan
+                                .iter()
+                                .map(|p| fail_outcome(&p.rule, now, FAIL_CLOSED_RETRY_MS))
+                                .collect();
+                            Ok(combine(&plan, &outcomes, Source::Fallback))
+                        }
+                    }
+                }))
+            }
+            (Store::Redis(r), Some(guard)) => {
+                let guard = guard.clone();
                 let permit = guard.breaker.permit_traffic();
                 if permit == Permit::Refuse {
-                    return Answer::Ready(Ok(self.degraded(&plan, &guard)));
+                    // Redis was not called: what the fallback admits is Redis's to learn later.
+                    return Answer::Ready(Ok(self.degraded(&plan, &guard, true)));
                 }
                 let r = r.clone();
                 let this = self.clone();
@@ -125,7 +143,10 @@ impl Engine {
                         Ok(outcomes) => Ok(combine(&plan, &outcomes, Source::Redis)),
                         Err(e) => {
                             this.note_store_error(&e);
-                            Ok(this.degraded(&plan, &guard))
+                            // A timed-out script may still have run (it is on the wire): admit locally
+                            // but do not write it back, or it would be counted twice.
+                            let certain = !matches!(e, StoreError::Timeout(_));
+                            Ok(this.degraded(&plan, &guard, certain))
                         }
                     }
                 }))
@@ -196,7 +217,7 @@ impl Engine {
 
     /// The answer while the store is away: fail-closed rules deny with a Retry-After; fail-open rules
     /// are enforced locally at limit / N (all or nothing, like every store).
-    fn degraded(&self, plan: &[Planned], guard: &Guard) -> Decision {
+    fn degraded(&self, plan: &[Planned], guard: &Guard, record: bool) -> Decision {
         let now = self.clock.now_ms();
         let retry = FAIL_CLOSED_RETRY_MS.max(guard.breaker.cooldown_left(Instant::now()).as_millis() as u64);
         let closed = |p: &Planned| p.rule.fail_mode == FailMode::Closed;
@@ -206,7 +227,7 @@ impl Engine {
             // The request is denied anyway: take nothing locally.
             Vec::new()
         } else {
-            guard.fallback.check(&open, guard.membership.live())
+            guard.fallback.check(&open, guard.membership.live(), record)
         }
         .into_iter();
         let outcomes: Vec<Outcome> = plan

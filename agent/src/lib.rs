@@ -45,7 +45,7 @@ use crate::engine::Engine;
 use crate::guard::membership::default_agent_id;
 use crate::guard::{BreakerConfig, BreakerState, Guard, MembershipConfig, Permit, Transition};
 use crate::rules::RuleSet;
-use crate::store::{MemoryStore, Planned, RedisConfig, RedisStore, Store};
+use crate::store::{MemoryStore, RedisConfig, RedisStore, Store};
 
 /// Runs the agent until `shutdown` turns true: binds the socket, serves it and the admin API, and
 /// removes the socket on the way out.
@@ -189,57 +189,51 @@ async fn probe(guard: &Guard, redis: &RedisStore) {
     if permit != Permit::Probe {
         return;
     }
-    let ok = redis.preload().await.is_ok();
+    let ok = redis.probe().await.is_ok();
     if guard.breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
         tracing::info!("store answers again: circuit breaker closed");
     }
 }
 
-fn now_window(p: &Planned) -> u64 {
-    crate::store::Clock::System.now_ms() / p.rule.window_ms()
-}
+/// Most ledger entries one write-back pass takes: bounded work per pass on the agent's thread.
+const WRITE_BACK_BATCH: usize = 10_000;
 
 async fn write_back(guard: &Guard, redis: &RedisStore) {
-    let entries = guard.fallback.drain_current();
+    let entries = guard.fallback.drain(WRITE_BACK_BATCH);
     if entries.is_empty() {
         return;
     }
     let units: u64 = entries.iter().map(|e| e.units).sum();
-    let items: Vec<Planned> = entries
-        .into_iter()
-        .map(|e| Planned {
-            rule: e.rule,
-            key: e.key,
-            cost: e.units,
-        })
-        .collect();
-    match redis.write_back(&items).await {
+    match redis.write_back(&entries).await {
         Ok(()) => {
             guard
                 .fallback
                 .written_back
                 .fetch_add(units, std::sync::atomic::Ordering::Relaxed);
             tracing::info!(
-                keys = items.len(),
+                keys = entries.len(),
                 units,
-                "wrote back what the fallback admitted during the outage"
+                "wrote back what the fallback admitted while Redis was away"
             );
         }
-        Err(e) => {
-            tracing::warn!(error = %e, keys = items.len(), units, "write-back failed; will retry");
-            let entries = items
-                .into_iter()
-                .map(|p| {
-                    let window = now_window(&p);
-                    crate::guard::LedgerEntry {
-                        window,
-                        units: p.cost,
-                        rule: p.rule,
-                        key: p.key,
-                    }
-                })
-                .collect();
-            guard.fallback.restore(entries);
+        Err((committed, e)) => {
+            // A timed-out chunk may have been applied: drop it rather than risk counting it twice.
+            let skip = if matches!(e, crate::store::StoreError::Timeout(_)) {
+                committed + 64
+            } else {
+                committed
+            };
+            let written: u64 = entries
+                .iter()
+                .take(skip.min(entries.len()))
+                .map(|e| e.units)
+                .sum();
+            guard
+                .fallback
+                .written_back
+                .fetch_add(written, std::sync::atomic::Ordering::Relaxed);
+            tracing::warn!(error = %e, keys = entries.len(), "write-back failed part-way; retrying the rest");
+            guard.fallback.restore(entries.into_iter().skip(skip).collect());
         }
     }
 }

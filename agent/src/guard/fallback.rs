@@ -68,32 +68,28 @@ impl Fallback {
         if n <= 1 {
             return rule.clone();
         }
+        let mut r = (**rule).clone();
+        r.limit = share(rule.limit, n);
+        r.burst = rule.burst.map(|b| share(b, n));
         let mut cache = self.scaled.lock().unwrap_or_else(|p| p.into_inner());
         let key = (rule.id.clone(), n);
-        if let Some(r) = cache.get(&key) {
-            // A cached copy of an older version of the rule is rebuilt.
-            if r.window_seconds == rule.window_seconds
-                && r.algorithm == rule.algorithm
-                && r.limit == share(rule.limit, n)
-                && r.burst == rule.burst.map(|b| share(b, n))
-            {
-                return r.clone();
+        // A cached copy of another version of the rule (any field) is replaced.
+        if let Some(cached) = cache.get(&key) {
+            if **cached == r {
+                return cached.clone();
             }
         }
         if cache.len() > 10_000 {
             cache.clear();
         }
-        let mut r = (**rule).clone();
-        r.limit = share(rule.limit, n);
-        r.burst = rule.burst.map(|b| share(b, n));
         let r = Arc::new(r);
         cache.insert(key, r.clone());
         r
     }
 
-    /// Decides the items locally at limit / `n`, all or nothing like every store, and records what it
-    /// admitted for the write-back.
-    pub fn check(&self, items: &[Planned], n: u64) -> Vec<Outcome> {
+    /// Decides the items locally at limit / `n`, all or nothing like every store, and (when `record`)
+    /// keeps what it admitted for the write-back.
+    pub fn check(&self, items: &[Planned], n: u64, record: bool) -> Vec<Outcome> {
         self.decided.fetch_add(1, Ordering::Relaxed);
         let local: Vec<Planned> = items
             .iter()
@@ -108,7 +104,7 @@ impl Fallback {
             .iter()
             .zip(&outcomes)
             .all(|(p, o)| o.allowed || !p.rule.enforced());
-        if committed {
+        if committed && record {
             let now = self.clock.now_ms();
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
             for (p, o) in items.iter().zip(&outcomes) {
@@ -148,16 +144,15 @@ impl Fallback {
         outcomes
     }
 
-    /// Takes the ledger's entries whose window is still current: what must be written back. Older
-    /// entries are dropped: their windows are over, and Redis would expire them anyway.
-    pub fn drain_current(&self) -> Vec<LedgerEntry> {
+    /// Takes up to `max` ledger entries that still count in Redis: those of the current window and of
+    /// the one before (a sliding window still weighs it). Older entries are dropped: Redis would have
+    /// expired them anyway. Bounded, so a huge ledger never stalls the agent's thread for long.
+    pub fn drain(&self, max: usize) -> Vec<LedgerEntry> {
         let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
-        ledger
-            .drain()
-            .map(|(_, e)| e)
-            .filter(|e| e.window == now / e.rule.window_ms())
-            .collect()
+        ledger.retain(|_, e| e.window + 1 >= now / e.rule.window_ms());
+        let keys: Vec<(String, String)> = ledger.keys().take(max).cloned().collect();
+        keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
     }
 
     /// Puts entries back after a failed write-back (merging with what was admitted since), so a
@@ -167,6 +162,8 @@ impl Fallback {
         for e in entries {
             match ledger.get_mut(&(e.rule.id.clone(), e.key.clone())) {
                 Some(cur) if cur.window == e.window => cur.units += e.units,
+                // Units of the window before the one now recorded for this key are dropped: one
+                // entry per key keeps the ledger bounded (noted in the README).
                 Some(_) => {}
                 None => {
                     ledger.insert((e.rule.id.clone(), e.key.clone()), e);
@@ -209,16 +206,28 @@ mod tests {
                 cost: 1,
             }]
         };
-        let admitted = (0..100).filter(|_| f.check(&item(), 4)[0].allowed).count();
+        let admitted = (0..100).filter(|_| f.check(&item(), 4, true)[0].allowed).count();
         assert_eq!(admitted, 25, "limit 100 over 4 agents");
-        let back = f.drain_current();
+        let back = f.drain(10);
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].units, 25);
         assert_eq!(f.pending(), 0);
 
-        // Units of a window that has ended are not written back.
-        f.check(&item(), 4);
+        // Units of the window before still count (a sliding window weighs it); older ones do not.
+        t.fetch_add(20_000, Ordering::Relaxed); // a fresh window for this key
+        assert!(f.check(&item(), 4, true)[0].allowed);
         t.fetch_add(10_000, Ordering::Relaxed);
-        assert!(f.drain_current().is_empty());
+        assert_eq!(
+            f.drain(10).len(),
+            1,
+            "the previous window's units are still written back"
+        );
+        f.check(&item(), 4, true);
+        t.fetch_add(20_000, Ordering::Relaxed);
+        assert!(f.drain(10).is_empty(), "units two windows old are dropped");
+
+        // A timed-out check (record = false) admits without a ledger entry.
+        f.check(&item(), 4, false);
+        assert_eq!(f.pending(), 0);
     }
 }

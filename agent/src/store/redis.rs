@@ -9,6 +9,7 @@ use redis::{Client, ErrorKind, RedisError, Script};
 use super::{Planned, StoreError};
 use crate::algo::Outcome;
 use crate::guard::membership::{AGENTS_KEY, HEARTBEAT_LUA};
+use crate::guard::LedgerEntry;
 use crate::rules::Algorithm;
 
 /// The check script, embedded at build time: the two algorithms' functions and the all-or-nothing
@@ -70,18 +71,52 @@ impl RedisStore {
 
     /// Checks the items in one atomic script call; outcomes come back in item order.
     pub async fn check(&self, items: &[Planned]) -> Result<Vec<Outcome>, StoreError> {
-        self.run(items, false, self.timeout).await
+        self.run(items, None, self.timeout).await
     }
 
     /// Adds what agents admitted locally while Redis was away to the Redis counters, whatever the
-    /// verdict (the script's write-back mode), so the limit holds across the outage. Chunks of 64 items
-    /// keep each script call short.
-    pub async fn write_back(&self, items: &[Planned]) -> Result<(), StoreError> {
-        for chunk in items.chunks(64) {
+    /// verdict (the script's write-back mode), each into the window it was admitted in, so the limit
+    /// holds across the outage. Chunks of 64 keep each script call short. On failure, returns how many
+    /// entries were committed before the failing chunk, and the error.
+    pub async fn write_back(&self, entries: &[LedgerEntry]) -> Result<(), (usize, StoreError)> {
+        for (n, chunk) in entries.chunks(64).enumerate() {
+            let items: Vec<Planned> = chunk
+                .iter()
+                .map(|e| Planned {
+                    rule: e.rule.clone(),
+                    key: e.key.clone(),
+                    cost: e.units,
+                })
+                .collect();
+            let windows: Vec<u64> = chunk.iter().map(|e| e.window).collect();
             // Not on the request path: a longer timeout than checks get.
-            self.run(chunk, true, self.timeout.max(Duration::from_millis(250)))
-                .await?;
+            let timeout = self.timeout.max(Duration::from_millis(250));
+            if let Err(e) = self.run(&items, Some(&windows), timeout).await {
+                return Err((n * 64, e));
+            }
         }
+        Ok(())
+    }
+
+    /// The breaker's probe: loads the check script (a restarted Redis has an empty cache; a slow
+    /// reconnection gets 250 ms), then runs one check-shaped call under the checks' own timeout, so the
+    /// breaker closes only when checks would succeed too.
+    pub async fn probe(&self) -> Result<(), StoreError> {
+        self.preload().await?;
+        let mut inv = self.script.prepare_invoke();
+        inv.key("fg:{floodgate:probe}:probe");
+        inv.arg(1)
+            .arg(1u64 << 50)
+            .arg(1_000)
+            .arg(1u64 << 50)
+            .arg(1)
+            .arg(0)
+            .arg(0);
+        let mut conn = self.conn.clone();
+        let _: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(classify)?;
         Ok(())
     }
 
@@ -120,11 +155,11 @@ impl RedisStore {
     async fn run(
         &self,
         items: &[Planned],
-        write_back: bool,
+        write_back: Option<&[u64]>,
         timeout: Duration,
     ) -> Result<Vec<Outcome>, StoreError> {
         let mut inv = self.script.prepare_invoke();
-        for p in items {
+        for (i, p) in items.iter().enumerate() {
             let r = &p.rule;
             let algorithm = match r.algorithm {
                 Algorithm::SlidingWindow => 1,
@@ -137,10 +172,11 @@ impl RedisStore {
                 .arg(r.burst())
                 .arg(p.cost)
                 .arg(match (write_back, r.enforced()) {
-                    (true, _) => 2,
-                    (false, true) => 1,
-                    (false, false) => 0,
-                });
+                    (Some(_), _) => 2,
+                    (None, true) => 1,
+                    (None, false) => 0,
+                })
+                .arg(write_back.and_then(|w| w.get(i).copied()).unwrap_or(0));
         }
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
