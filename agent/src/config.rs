@@ -31,6 +31,11 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_BREAKER_FAILURES", default_value_t = 5)]
     pub breaker_failures: u32,
 
+    /// How long a failure streak must last before it opens the breaker, in milliseconds (one stall
+    /// times out every pipelined check at once; that alone should not open it).
+    #[arg(long, env = "FLOODGATE_BREAKER_MIN_STREAK_MS", default_value_t = 100)]
+    pub breaker_min_streak_ms: u64,
+
     /// How long an open breaker decides locally before it probes Redis again, in milliseconds.
     #[arg(long, env = "FLOODGATE_BREAKER_COOLDOWN_MS", default_value_t = 2_000)]
     pub breaker_cooldown_ms: u64,

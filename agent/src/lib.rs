@@ -82,6 +82,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
             let breaker = BreakerConfig {
                 failures: config.breaker_failures.max(1),
                 cooldown: Duration::from_millis(config.breaker_cooldown_ms),
+                min_streak: Duration::from_millis(config.breaker_min_streak_ms),
             };
             tracing::info!(
                 agent_id = %membership.id,

@@ -1,5 +1,11 @@
-//! A circuit breaker: after K consecutive failures stop calling for a cool-down, then let one probe
-//! through (half-open) and close on its success.
+//! A circuit breaker: after K consecutive failures spanning a minimum time, stop calling for a
+//! cool-down, then let one probe through (half-open) and close on its success.
+//!
+//! Why the minimum time: checks are pipelined, so one 5 ms stall of Redis times out every check in
+//! flight at once — 64 "consecutive" failures from one hiccup. Measured at 64 clients, a plain
+//! K-in-a-row breaker opened on such stalls and answered 87 % of checks locally with Redis healthy.
+//! A failure streak must also last `min_streak` (default 100 ms) before the breaker opens; until then
+//! each failed check is still answered by the fallback, at once.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -11,6 +17,8 @@ pub struct BreakerConfig {
     pub failures: u32,
     /// How long an open breaker refuses calls before it probes (default 2 s).
     pub cooldown: Duration,
+    /// How long a failure streak must last before it opens the breaker (default 100 ms).
+    pub min_streak: Duration,
 }
 
 impl Default for BreakerConfig {
@@ -18,6 +26,7 @@ impl Default for BreakerConfig {
         BreakerConfig {
             failures: 5,
             cooldown: Duration::from_secs(2),
+            min_streak: Duration::from_millis(100),
         }
     }
 }
@@ -69,6 +78,7 @@ pub struct BreakerSnapshot {
 struct Inner {
     state: BreakerState,
     failures: u32,
+    streak_since: Instant,
     open_until: Instant,
     probe_out: bool,
     opened_total: u64,
@@ -89,6 +99,7 @@ impl Breaker {
             inner: Mutex::new(Inner {
                 state: BreakerState::Closed,
                 failures: 0,
+                streak_since: Instant::now(),
                 open_until: Instant::now(),
                 probe_out: false,
                 opened_total: 0,
@@ -151,8 +162,14 @@ impl Breaker {
                 None
             }
             (Permit::Call, false) => {
+                if s.failures == 0 {
+                    s.streak_since = now;
+                }
                 s.failures += 1;
-                if s.state == BreakerState::Closed && s.failures >= self.config.failures {
+                if s.state == BreakerState::Closed
+                    && s.failures >= self.config.failures
+                    && now.saturating_duration_since(s.streak_since) >= self.config.min_streak
+                {
                     s.state = BreakerState::Open;
                     s.open_until = now + self.config.cooldown;
                     s.opened_total += 1;
@@ -189,10 +206,30 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_burst_of_failures_from_one_stall_does_not_open_it() {
+        let b = Breaker::new(BreakerConfig::default());
+        let t0 = Instant::now();
+        // 64 checks in flight time out together: a streak of 64, but under 1 ms long.
+        for i in 0..64 {
+            assert_eq!(
+                b.record(Permit::Call, false, t0 + Duration::from_micros(i * 10)),
+                None
+            );
+        }
+        assert_eq!(b.snapshot().state, BreakerState::Closed);
+        // Failures still coming 100 ms later: a real outage.
+        assert_eq!(
+            b.record(Permit::Call, false, t0 + Duration::from_millis(100)),
+            Some(Transition::Opened)
+        );
+    }
+
+    #[test]
     fn opens_after_k_failures_probes_after_the_cooldown_and_closes_on_success() {
         let b = Breaker::new(BreakerConfig {
             failures: 3,
             cooldown: Duration::from_secs(2),
+            min_streak: Duration::ZERO,
         });
         let t0 = Instant::now();
         for i in 0..2 {
