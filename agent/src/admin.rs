@@ -40,6 +40,7 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
             "pendingWriteBack": g.fallback.pending(),
             "writtenBackUnits": g.fallback.written_back.load(std::sync::atomic::Ordering::Relaxed),
             "ledgerDropped": g.fallback.ledger_dropped.load(std::sync::atomic::Ordering::Relaxed),
+            "storeFull": g.fallback.store_full.load(std::sync::atomic::Ordering::Relaxed),
         });
         body["liveAgents"] = g.membership.live().into();
         body["agentId"] = g.membership.config().id.clone().into();

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::algo::Outcome;
@@ -15,6 +15,9 @@ use crate::store::{Clock, MemoryStore, Planned};
 /// Most (rule, key) pairs the ledger holds; past it new pairs are not recorded (and counted), so a
 /// flood of distinct keys during an outage cannot exhaust the agent. ~100 B each: ~100 MB at most.
 pub const LEDGER_CAP: usize = 1_000_000;
+
+/// Most (rule, key) states the fallback's local store holds (~150 B each: ~150 MB at most).
+pub const STORE_CAP: usize = 1_000_000;
 
 /// Units one agent admitted locally for one (rule, key) in one window.
 #[derive(Debug, Clone)]
@@ -41,6 +44,10 @@ pub struct Fallback {
     pub written_back: AtomicU64,
     /// (rule, key) pairs not recorded because the ledger was full.
     pub ledger_dropped: AtomicU64,
+    /// Checks answered without local state because the local store was full.
+    pub store_full: AtomicU64,
+    full: AtomicBool,
+    store_cap: usize,
 }
 
 impl Default for Fallback {
@@ -60,6 +67,9 @@ impl Fallback {
             decided: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
             ledger_dropped: AtomicU64::new(0),
+            store_full: AtomicU64::new(0),
+            full: AtomicBool::new(false),
+            store_cap: STORE_CAP,
         }
     }
 
@@ -90,7 +100,31 @@ impl Fallback {
     /// Decides the items locally at limit / `n`, all or nothing like every store, and (when `record`)
     /// keeps what it admitted for the write-back.
     pub fn check(&self, items: &[Planned], n: u64, record: bool) -> Vec<Outcome> {
-        self.decided.fetch_add(1, Ordering::Relaxed);
+        let decided = self.decided.fetch_add(1, Ordering::Relaxed);
+        // Bounded memory: every 1,024 checks look at the local store's size; while it holds more
+        // than STORE_CAP keys (a flood of distinct keys during an outage), answer plain fail-open
+        // without local state, until the sweep has expired enough of them.
+        if decided % 1_024 == 0 {
+            self.full
+                .store(self.store.len() >= self.store_cap, Ordering::Relaxed);
+        }
+        if self.full.load(Ordering::Relaxed) {
+            self.store_full.fetch_add(1, Ordering::Relaxed);
+            let now = self.clock.now_ms();
+            return items
+                .iter()
+                .map(|p| {
+                    let limit = p.rule.limit.get();
+                    Outcome {
+                        allowed: true,
+                        limit,
+                        remaining: limit,
+                        reset_at_ms: now + p.rule.window_ms(),
+                        retry_after_ms: 0,
+                    }
+                })
+                .collect();
+        }
         let local: Vec<Planned> = items
             .iter()
             .map(|p| Planned {
@@ -191,6 +225,31 @@ fn share(limit: NonZeroU64, n: u64) -> NonZeroU64 {
 mod tests {
     use super::*;
     use crate::rules::RuleSet;
+
+    #[test]
+    fn a_flood_of_keys_cannot_grow_the_local_store_past_its_cap() {
+        let rules =
+            RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":1,"windowSeconds":60}]}"#)
+                .unwrap();
+        let mut f = Fallback::new(Clock::Manual(Arc::new(AtomicU64::new(1_000_000))));
+        f.store_cap = 2_000;
+        let rule = rules.get("r").unwrap().clone();
+        for i in 0..10_000 {
+            let item = [Planned {
+                rule: rule.clone(),
+                key: format!("user:{i}"),
+                cost: 1,
+            }];
+            assert!(f.check(&item, 1, true)[0].allowed);
+        }
+        // Checked every 1,024 checks: the store stops growing within one period of the cap.
+        assert!(
+            f.store.len() < 2_000 + 1_024,
+            "local store holds {}",
+            f.store.len()
+        );
+        assert!(f.store_full.load(Ordering::Relaxed) > 0);
+    }
 
     #[test]
     fn enforces_limit_over_n_and_keeps_a_ledger_of_the_current_window() {
