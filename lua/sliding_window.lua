@@ -10,7 +10,9 @@
 --
 -- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
-local function sliding_window(key, now, limit, window, cost)
+-- The key's counts as of window `idx`: the stored window rolled forward (the current count becomes
+-- the previous one after one window; both are gone after two).
+local function sliding_window_state(key, now, window)
   local idx = math.floor(now / window)
   local v = redis.call('HMGET', key, 'w', 'c', 'p')
   local w = tonumber(v[1])
@@ -22,6 +24,11 @@ local function sliding_window(key, now, limit, window, cost)
     if w == idx - 1 then prev = cur else prev = 0 end
     cur = 0
   end
+  return idx, cur, prev
+end
+
+local function sliding_window(key, now, limit, window, cost)
+  local idx, cur, prev = sliding_window_state(key, now, window)
 
   local start = idx * window
   local elapsed = (now - start) / window
@@ -63,17 +70,7 @@ end
 -- the previous count if it is the one before (it still weighs on the estimate), else nowhere (its
 -- weight is gone).
 local function sliding_window_write_back(key, now, window, units, target)
-  local idx = math.floor(now / window)
-  local v = redis.call('HMGET', key, 'w', 'c', 'p')
-  local w = tonumber(v[1])
-  local cur = tonumber(v[2]) or 0
-  local prev = tonumber(v[3]) or 0
-  if w == nil then
-    cur, prev = 0, 0
-  elseif w ~= idx then
-    if w == idx - 1 then prev = cur else prev = 0 end
-    cur = 0
-  end
+  local idx, cur, prev = sliding_window_state(key, now, window)
   if target == idx then
     cur = cur + units
   elseif target == idx - 1 then

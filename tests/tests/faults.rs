@@ -55,14 +55,7 @@ impl Load {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut tasks = Vec::new();
         for socket in sockets {
-            let client = Client::with_config(
-                socket,
-                ClientConfig {
-                    timeout: CALL_TIMEOUT,
-                    ..Default::default()
-                },
-            )
-            .await;
+            let client = client(socket).await;
             for _ in 0..per_agent {
                 let (client, samples, stop) = (client.clone(), samples.clone(), stop.clone());
                 tasks.push(tokio::spawn(async move {
@@ -137,6 +130,30 @@ fn assert_fallback_answered(during: &[&Sample]) {
     );
 }
 
+/// An SDK client with the load's timeout.
+async fn client(socket: &std::path::Path) -> Client {
+    Client::with_config(
+        socket,
+        ClientConfig {
+            timeout: CALL_TIMEOUT,
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Waits until a check on `key` is answered by Redis again (the breaker closed, the store back).
+async fn redis_answers(client: &Client, key: &str, rule: &str, what: &str) {
+    eventually(what, Duration::from_secs(10), || {
+        let client = client.clone();
+        async move {
+            let d = client.allow(key, rule, 1).await.ok()?;
+            (d.origin == Origin::Agent(Source::Redis)).then_some(())
+        }
+    })
+    .await;
+}
+
 fn no_panics(agents: &[&Agent]) {
     for a in agents {
         assert!(
@@ -163,22 +180,8 @@ async fn redis_killed_under_load_falls_back_to_limit_over_n_and_recovers() {
     tokio::time::sleep(Duration::from_secs(2)).await;
     let up_at = Instant::now();
     redis.restart();
-    let client = Client::with_config(
-        a.socket(),
-        ClientConfig {
-            timeout: CALL_TIMEOUT,
-            ..Default::default()
-        },
-    )
-    .await;
-    eventually("answers come from Redis again", Duration::from_secs(10), || {
-        let client = client.clone();
-        async move {
-            (client.allow("user:other", "fleet", 1).await.ok()?.origin == Origin::Agent(Source::Redis))
-                .then_some(())
-        }
-    })
-    .await;
+    let client = client(a.socket()).await;
+    redis_answers(&client, "user:other", "fleet", "answers come from Redis again").await;
     let recovered_in = up_at.elapsed();
     let samples = load.finish().await;
 
@@ -248,24 +251,12 @@ async fn a_paused_redis_is_slow_not_dead_and_calls_stay_bounded() {
     tokio::time::sleep(Duration::from_millis(500)).await; // traffic while Redis is stopped
     resume_process(pid);
     let resumed_at = Instant::now();
-    let client = Client::with_config(
-        a.socket(),
-        ClientConfig {
-            timeout: CALL_TIMEOUT,
-            ..Default::default()
-        },
-    )
-    .await;
-    eventually(
+    let client = client(a.socket()).await;
+    redis_answers(
+        &client,
+        "user:x",
+        "fleet",
         "answers come from Redis again after SIGCONT",
-        Duration::from_secs(10),
-        || {
-            let client = client.clone();
-            async move {
-                (client.allow("user:x", "fleet", 1).await.ok()?.origin == Origin::Agent(Source::Redis))
-                    .then_some(())
-            }
-        },
     )
     .await;
     let samples = load.finish().await; // asserts no error and no call past timeout + margin
@@ -294,26 +285,8 @@ async fn latency_injected_between_agent_and_redis_opens_the_breaker_and_recovers
     let redis = RedisServer::start();
     let proxy = Proxy::start(redis.port());
     let a = agent(&proxy.url()).start().await;
-    let client = Client::with_config(
-        a.socket(),
-        ClientConfig {
-            timeout: CALL_TIMEOUT,
-            ..Default::default()
-        },
-    )
-    .await;
-    eventually(
-        "answers from Redis through the proxy",
-        Duration::from_secs(10),
-        || {
-            let client = client.clone();
-            async move {
-                (client.allow("user:p", "fleet", 1).await.ok()?.origin == Origin::Agent(Source::Redis))
-                    .then_some(())
-            }
-        },
-    )
-    .await;
+    let client = client(a.socket()).await;
+    redis_answers(&client, "user:p", "fleet", "answers from Redis through the proxy").await;
 
     // 50 ms per answer against a 20 ms store timeout: every check times out, the breaker opens.
     proxy.set_delay(Duration::from_millis(50));
@@ -326,16 +299,11 @@ async fn latency_injected_between_agent_and_redis_opens_the_breaker_and_recovers
     assert_ne!(status(&a).await["breaker"]["state"], "closed");
 
     proxy.set_delay(Duration::ZERO);
-    eventually(
+    redis_answers(
+        &client,
+        "user:p",
+        "fleet",
         "answers from Redis once the latency is gone",
-        Duration::from_secs(10),
-        || {
-            let client = client.clone();
-            async move {
-                (client.allow("user:p", "fleet", 1).await.ok()?.origin == Origin::Agent(Source::Redis))
-                    .then_some(())
-            }
-        },
     )
     .await;
     no_panics(&[&a]);
@@ -345,14 +313,7 @@ async fn latency_injected_between_agent_and_redis_opens_the_breaker_and_recovers
 async fn fail_closed_rules_reject_with_retry_after_while_redis_is_away() {
     let mut redis = RedisServer::start();
     let a = agent(&redis.url()).start().await;
-    let client = Client::with_config(
-        a.socket(),
-        ClientConfig {
-            timeout: CALL_TIMEOUT,
-            ..Default::default()
-        },
-    )
-    .await;
+    let client = client(a.socket()).await;
     eventually("login checks answered by Redis", Duration::from_secs(10), || {
         let client = client.clone();
         async move {
@@ -426,14 +387,7 @@ async fn what_the_fallback_admitted_is_written_back_to_redis() {
         .arg("1")
         .start()
         .await;
-    let client = Client::with_config(
-        a.socket(),
-        ClientConfig {
-            timeout: CALL_TIMEOUT,
-            ..Default::default()
-        },
-    )
-    .await;
+    let client = client(a.socket()).await;
     for _ in 0..10 {
         assert_eq!(
             client.allow("user:w", "hour", 1).await.unwrap().origin,
