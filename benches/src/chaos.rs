@@ -3,34 +3,20 @@
 //! the share answered by the fallback, the admitted rate against the limit, the time from Redis's
 //! return to answers from Redis, and SDK errors and p99 across an agent restart.
 
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use floodgate_protocol::{decode, Body, DecodeError, Source};
+use floodgate_protocol::Source;
 use floodgate_sdk::{Client, Origin};
 use floodgate_tests::{Agent, RedisServer};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::targets::check_frame;
+use crate::open::{drive, Answer as Sample};
 
 /// The chaos rule: 5,000 per second on one hot key, offered 10,000/s.
 const RULES: &str = r#"{"rules":[{"id":"bench","dimension":"user","limit":5000,"windowSeconds":1}]}"#;
 const LIMIT_PER_S: f64 = 5_000.0;
-
-/// One answered request of the open loop.
-#[derive(Clone, Copy)]
-struct Sample {
-    /// Intended send time, from the start.
-    at: Duration,
-    latency: Duration,
-    source: Option<Source>,
-    allowed: bool,
-}
 
 /// Figures of one phase.
 #[derive(Debug, Serialize)]
@@ -94,8 +80,8 @@ pub async fn run(rate: u64, redis_timeout_ms: u64) -> anyhow::Result<Report> {
     );
     let t0 = Instant::now() + Duration::from_millis(20);
     let per_agent = rate / 2;
-    let sa = spawn_open(a.socket(), per_agent, t0, end);
-    let sb = spawn_open(b.socket(), per_agent, t0, end);
+    let sa = drive(a.socket(), per_agent as f64, Duration::ZERO, t0, end, |_| 0)?;
+    let sb = drive(b.socket(), per_agent as f64, Duration::ZERO, t0, end, |_| 0)?;
     sleep_until(t0 + kill_at).await;
     redis.kill();
     sleep_until(t0 + restart_at).await;
@@ -163,97 +149,6 @@ fn phase(name: &'static str, samples: &[Sample], from: Duration, to: Duration) -
         admitted_per_s: admitted,
         admitted_over_limit: admitted / LIMIT_PER_S,
     }
-}
-
-/// An open loop on one connection: sends at `rate` from `t0` to `t0 + end`, records every answer.
-fn spawn_open(
-    socket: &Path,
-    rate: u64,
-    t0: Instant,
-    end: Duration,
-) -> std::thread::JoinHandle<anyhow::Result<Vec<Sample>>> {
-    let socket = socket.to_path_buf();
-    std::thread::spawn(move || {
-        let stream = UnixStream::connect(&socket)?;
-        let mut reader = stream.try_clone()?;
-        let mut writer = stream;
-        let interval = 1e9 / rate as f64;
-        let intended = move |i: u64| Duration::from_nanos((i as f64 * interval) as u64);
-        let total = (end.as_secs_f64() * rate as f64) as u64;
-        let done = Arc::new(AtomicBool::new(false));
-        let done_w = done.clone();
-        let sender = std::thread::spawn(move || -> anyhow::Result<()> {
-            let mut i = 0u64;
-            let mut out = Vec::with_capacity(4096);
-            while i < total {
-                let now = Instant::now();
-                let next = t0 + intended(i);
-                if next > now {
-                    // Sleep rather than spin: two spinning senders would take both cores from the
-                    // agents and Redis they measure (a late send still counts: latency is measured
-                    // from the intended time).
-                    std::thread::sleep(next - now);
-                    continue;
-                }
-                out.clear();
-                while i < total && t0 + intended(i) <= now {
-                    check_frame((i + 1) as u32, 0, &mut out);
-                    i += 1;
-                }
-                writer.write_all(&out)?;
-            }
-            done_w.store(true, Ordering::Release);
-            Ok(())
-        });
-        let mut samples = Vec::with_capacity(total as usize);
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut filled = 0;
-        reader.set_read_timeout(Some(Duration::from_millis(100)))?;
-        let give_up = t0 + end + Duration::from_secs(5);
-        while (samples.len() as u64) < total && Instant::now() < give_up {
-            match reader.read(&mut buf[filled..]) {
-                Ok(0) => break,
-                Ok(n) => filled += n,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    continue
-                }
-                Err(e) => return Err(e.into()),
-            }
-            let now = Instant::now();
-            let mut pos = 0;
-            loop {
-                match decode(&buf[pos..filled]) {
-                    Ok((frame, used)) => {
-                        pos += used;
-                        let i = u64::from(frame.request_id).saturating_sub(1);
-                        let at = intended(i);
-                        let (source, allowed) = match &frame.body {
-                            Body::Decision(d) => (Some(d.combined.source), d.combined.allowed),
-                            _ => (None, false),
-                        };
-                        samples.push(Sample {
-                            at,
-                            latency: now.saturating_duration_since(t0 + at),
-                            source,
-                            allowed,
-                        });
-                    }
-                    Err(DecodeError::Incomplete) => break,
-                    Err(e) => anyhow::bail!("bad frame: {e}"),
-                }
-            }
-            buf.copy_within(pos..filled, 0);
-            filled -= pos;
-        }
-        sender.join().map_err(|_| anyhow::anyhow!("sender panicked"))??;
-        let _ = done.load(Ordering::Acquire);
-        Ok(samples)
-    })
 }
 
 /// SDK calls at 2,000/s while the agent is killed (kill -9) and restarted a second later.
