@@ -6,6 +6,7 @@
 //! - [`server`]: the socket (safe binding, pipelined connections).
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts.
 //! - [`store`]: the in-memory store and the Redis store behind one interface.
+//! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, heartbeats (N).
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files, attribute matching.
 //! - [`admin`]: the admin HTTP router.
