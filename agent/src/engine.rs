@@ -128,16 +128,15 @@ impl Engine {
                 let this = self.clone();
                 Answer::Pending(Box::pin(async move {
                     let result = r.check(&plan).await;
-                    match guard.breaker.record(permit, result.is_ok(), Instant::now()) {
-                        Some(Transition::Opened) => tracing::warn!(
+                    // Traffic only ever opens the breaker; the guard's background probe closes it.
+                    if guard.breaker.record(permit, result.is_ok(), Instant::now())
+                        == Some(Transition::Opened)
+                    {
+                        tracing::warn!(
                             cooldown_ms = guard.breaker.cooldown_left(Instant::now()).as_millis() as u64,
                             live_agents = guard.membership.live(),
                             "circuit breaker open: deciding locally (fail-open rules at limit / live agents)"
-                        ),
-                        Some(Transition::Closed) => {
-                            tracing::info!("store answers again: circuit breaker closed")
-                        }
-                        None => {}
+                        );
                     }
                     match result {
                         Ok(outcomes) => Ok(combine(&plan, &outcomes, Source::Redis)),

@@ -221,7 +221,7 @@ async fn write_back(guard: &Guard, redis: &RedisStore) {
         Err((committed, e)) => {
             // A timed-out chunk may have been applied: drop it rather than risk counting it twice.
             let skip = if matches!(e, crate::store::StoreError::Timeout(_)) {
-                committed + 64
+                committed + crate::store::WRITE_BACK_CHUNK
             } else {
                 committed
             };

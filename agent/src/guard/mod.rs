@@ -19,12 +19,6 @@ pub struct Guard {
     pub membership: Membership,
 }
 
-impl Default for Guard {
-    fn default() -> Self {
-        Guard::new(BreakerConfig::default(), MembershipConfig::default())
-    }
-}
-
 impl Guard {
     /// A guard with these settings.
     pub fn new(breaker: BreakerConfig, membership: MembershipConfig) -> Self {

@@ -9,7 +9,7 @@ mod redis;
 use std::sync::Arc;
 
 pub use self::memory::{Clock, MemoryStore};
-pub use self::redis::{RedisConfig, RedisStore, CHECK_LUA};
+pub use self::redis::{RedisConfig, RedisStore, CHECK_LUA, WRITE_BACK_CHUNK};
 
 use crate::rules::Rule;
 

@@ -20,6 +20,9 @@ pub const CHECK_LUA: &str = concat!(
     include_str!("../../../lua/check.lua"),
 );
 
+/// Ledger entries one write-back script call carries (keeps each call short).
+pub const WRITE_BACK_CHUNK: usize = 64;
+
 /// How to reach Redis.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
@@ -79,7 +82,7 @@ impl RedisStore {
     /// holds across the outage. Chunks of 64 keep each script call short. On failure, returns how many
     /// entries were committed before the failing chunk, and the error.
     pub async fn write_back(&self, entries: &[LedgerEntry]) -> Result<(), (usize, StoreError)> {
-        for (n, chunk) in entries.chunks(64).enumerate() {
+        for (n, chunk) in entries.chunks(WRITE_BACK_CHUNK).enumerate() {
             let items: Vec<Planned> = chunk
                 .iter()
                 .map(|e| Planned {
@@ -92,7 +95,7 @@ impl RedisStore {
             // Not on the request path: a longer timeout than checks get.
             let timeout = self.timeout.max(Duration::from_millis(250));
             if let Err(e) = self.run(&items, Some(&windows), timeout).await {
-                return Err((n * 64, e));
+                return Err((n * WRITE_BACK_CHUNK, e));
             }
         }
         Ok(())
