@@ -1,17 +1,24 @@
--- Floodgate check: every item of one request, atomically, with Redis TIME as the clock.
+-- Floodgate check: one or more checks, each all or nothing, atomically, with Redis TIME as the clock.
 --
 -- The agent runs this script as sliding_window.lua .. token_bucket.lua .. check.lua (one script, one
--- SHA), so that one call can mix algorithms and still be all or nothing: every item is evaluated
--- first, and costs are committed only if every enforced item passes, so a rejected request consumes
--- nothing. Items of rules in log mode (enforce = 0) are reported but never block the others.
+-- SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
+-- group per check: the agent may carry several concurrent checks for one shard in one call, which
+-- spreads the script's fixed cost); within a group every item is evaluated first, and costs are
+-- committed only if every enforced item passes, so a rejected check consumes nothing. Items of rules
+-- in log mode (mode 0) are reported but never block the others.
 --
--- KEYS[i]  the item's state, fg:{<client key>}:<rule id>. On a single node any keys may share a call;
---          on a Redis Cluster (issue 3) one call must carry keys of one hash tag only.
--- ARGV     7 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
---          mode (1 enforce | 0 log | 2 write back: add the cost whatever the verdict; used to return
---          what agents admitted locally while Redis was away), window (mode 2: the window index the
---          units were admitted in; 0 otherwise)
+-- KEYS[i]  the item's state: fg:{<tag>}:<rule>:<bucket> (sliding window: the prefix of its window
+--          hashes, which share its hash tag) or fg:{<tag>}:<rule>:k:<client key> (token bucket). On a
+--          Redis Cluster one call carries keys of one hash tag only.
+-- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
+--          mode, target window, field (the client key), last (1 = the item ends its group).
+--          mode 1 enforce | 0 log: check and commit as above.
+--          mode 2 add: add the cost to the target window whatever the verdict (what agents admitted
+--            locally while Redis was away; a token bucket may go below zero, a debt refilled first).
+--          mode 3 take back: remove the cost from the target window (a check consumed it here but
+--            was rejected on another shard); a token bucket gets the tokens back.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
+--          (modes 2 and 3: 1, limit, units applied, now, 0)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
@@ -19,35 +26,53 @@ local commits = {}
 local all_ok = true
 
 for i = 1, #KEYS do
-  local a = (i - 1) * 7
+  local a = (i - 1) * 9
   local algorithm = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
   local window = tonumber(ARGV[a + 3])
   local burst = tonumber(ARGV[a + 4])
   local cost = tonumber(ARGV[a + 5])
   local mode = ARGV[a + 6]
-  local verdict, commit
-  if mode == '2' and algorithm == '1' then
-    sliding_window_write_back(KEYS[i], now, window, cost, tonumber(ARGV[a + 7]))
-    verdict, commit = { 1, limit, 0, 0, 0 }, function() end
-  elseif algorithm == '1' then
-    verdict, commit = sliding_window(KEYS[i], now, limit, window, cost)
-  elseif algorithm == '2' then
-    verdict, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
-  else
+  local target = tonumber(ARGV[a + 7])
+  local field = ARGV[a + 8]
+  if algorithm ~= '1' and algorithm ~= '2' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
-  for _, x in ipairs(verdict) do out[#out + 1] = x end
-  if mode == '2' then
-    commit()
-  elseif verdict[1] == 1 then
-    commits[#commits + 1] = commit
-  elseif mode == '1' then
-    all_ok = false
+  if mode == '2' or mode == '3' then
+    local units = cost
+    if mode == '3' then units = -cost end
+    local applied = 0
+    if algorithm == '1' then
+      applied = sliding_window_adjust(KEYS[i], field, now, window, units, target)
+    elseif mode == '2' then
+      local _, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
+      commit()
+      applied = cost
+    else
+      token_bucket_give_back(KEYS[i], now, limit, window, burst, cost)
+      applied = -cost
+    end
+    for _, x in ipairs({ 1, limit, applied, now, 0 }) do out[#out + 1] = x end
+  else
+    local verdict, commit
+    if algorithm == '1' then
+      verdict, commit = sliding_window(KEYS[i], field, now, limit, window, cost)
+    else
+      verdict, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
+    end
+    for _, x in ipairs(verdict) do out[#out + 1] = x end
+    if verdict[1] == 1 then
+      commits[#commits + 1] = commit
+    elseif mode == '1' then
+      all_ok = false
+    end
   end
-end
-
-if all_ok then
-  for _, commit in ipairs(commits) do commit() end
+  if ARGV[a + 9] == '1' then
+    if all_ok then
+      for _, commit in ipairs(commits) do commit() end
+    end
+    commits = {}
+    all_ok = true
+  end
 end
 return out

@@ -1,42 +1,45 @@
 -- Floodgate sliding-window counter: estimate = previous * (1 - elapsed fraction of the window) + current.
 --
--- State per (client key, rule): a hash {w = window index, c = current count, p = previous count} with
--- a TTL at the end of the window after the current one, so nothing needs a clean-up job.
+-- Layout (BENCHMARKS.md measures it): counts live as fields of small hashes, one hash per
+-- (rule, bucket of clients, window index): key = <prefix>:<window index>, field = the client key,
+-- value = units admitted in that window. The prefix, fg:{<tag>}:<rule>:<bucket>, is what the agent
+-- passes in KEYS; the window hashes share its hash tag, so they live in its slot. A hash expires at the
+-- end of the window after its own (when it stops weighing on the estimate), so nothing needs a
+-- clean-up job, and Redis keeps each small hash as one compact listpack: ~20 B per client and window
+-- instead of ~100 B of per-key overhead for one key per client.
 --
--- sliding_window(key, now, limit, window, cost) reads the state and returns the verdict
+-- sliding_window(prefix, field, now, limit, window, cost) reads the state and returns the verdict
 -- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and the write that would commit the cost.
--- check.lua calls it for every item first and commits only if every enforced item passes (or, for a
--- write-back of what agents admitted while Redis was away, unconditionally).
+-- check.lua calls it for every item of a check first and commits only if every enforced item passes.
 --
 -- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
--- The key's counts as of window `idx`: the stored window rolled forward (the current count becomes
--- the previous one after one window; both are gone after two).
-local function sliding_window_state(key, now, window)
-  local idx = math.floor(now / window)
-  local v = redis.call('HMGET', key, 'w', 'c', 'p')
-  local w = tonumber(v[1])
-  local cur = tonumber(v[2]) or 0
-  local prev = tonumber(v[3]) or 0
-  if w == nil then
-    cur, prev = 0, 0
-  elseif w ~= idx then
-    if w == idx - 1 then prev = cur else prev = 0 end
-    cur = 0
-  end
-  return idx, cur, prev
+local function sliding_window_counts(prefix, field, idx)
+  local cur = tonumber(redis.call('HGET', prefix .. ':' .. idx, field)) or 0
+  local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
+  return cur, prev
 end
 
-local function sliding_window(key, now, limit, window, cost)
-  local idx, cur, prev = sliding_window_state(key, now, window)
+-- Adds `units` to the client's count of window `idx`. The hash's expiry is set by whoever creates it,
+-- and a client whose count was 0 may be that creator; later writes leave it alone (one call fewer).
+local function sliding_window_add(prefix, field, idx, window, units, was)
+  local key = prefix .. ':' .. idx
+  redis.call('HINCRBY', key, field, units)
+  if was == 0 then
+    redis.call('PEXPIREAT', key, (idx + 2) * window)
+  end
+end
+
+local function sliding_window(prefix, field, now, limit, window, cost)
+  local idx = math.floor(now / window)
+  local cur, prev = sliding_window_counts(prefix, field, idx)
 
   local start = idx * window
   local elapsed = (now - start) / window
   local estimate = prev * (1 - elapsed) + cur
   local expire_at = start + 2 * window
   local commit = function()
-    redis.call('HSET', key, 'w', idx, 'c', cur + cost, 'p', prev)
-    redis.call('PEXPIREAT', key, expire_at)
+    sliding_window_add(prefix, field, idx, window, cost, cur)
   end
   if estimate + cost <= limit then
     local remaining = math.floor(limit - estimate - cost)
@@ -65,19 +68,23 @@ local function sliding_window(key, now, limit, window, cost)
   return { 0, limit, remaining, reset, retry }, commit
 end
 
--- sliding_window_write_back(key, now, window, units, target) adds units an agent admitted locally in
--- window `target` while Redis was away: to the current count if that window is the current one, to
--- the previous count if it is the one before (it still weighs on the estimate), else nowhere (its
--- weight is gone).
-local function sliding_window_write_back(key, now, window, units, target)
-  local idx, cur, prev = sliding_window_state(key, now, window)
-  if target == idx then
-    cur = cur + units
-  elseif target == idx - 1 then
-    prev = prev + units
-  else
-    return
+-- Adds (units > 0) or takes back (units < 0) units counted in window `target`: if that window still
+-- weighs on the estimate (the current one or the one before), else nowhere. Used to write back what
+-- agents admitted locally (fallback, batched counting) and to take back what a check consumed on one
+-- shard when another shard rejected it. A take-back never goes below zero.
+local function sliding_window_adjust(prefix, field, now, window, units, target)
+  local idx = math.floor(now / window)
+  if target ~= idx and target ~= idx - 1 then
+    return 0
   end
-  redis.call('HSET', key, 'w', idx, 'c', cur, 'p', prev)
-  redis.call('PEXPIREAT', key, idx * window + 2 * window)
+  local key = prefix .. ':' .. target
+  local was = tonumber(redis.call('HGET', key, field)) or 0
+  if units < 0 and -units > was then
+    units = -was
+  end
+  if units == 0 then
+    return 0
+  end
+  sliding_window_add(prefix, field, target, window, units, was)
+  return units
 end

@@ -1,6 +1,7 @@
 -- Floodgate token bucket: capacity `burst`, refilled at limit / window tokens per millisecond.
 --
--- State per (client key, rule): a hash {t = tokens, ts = last update in ms}. The key expires when its
+-- State per (client key, rule): a hash {t = tokens, ts = last update in ms} at fg:{<tag>}:<rule>:k:<client
+-- key>, the tag being the client's (so one client's keys share a slot). The key expires when its
 -- bucket would be full again, which is the same as having no key, so nothing needs a clean-up job.
 --
 -- token_bucket(key, now, limit, window, burst, cost) returns the verdict
@@ -9,8 +10,7 @@
 -- for a write-back, unconditionally: the bucket may then go below zero, a debt that refills first).
 --
 -- The maths is mirrored line for line by agent/src/algo/token_bucket.rs (the embedded store).
-local function token_bucket(key, now, limit, window, burst, cost)
-  local rate = limit / window
+local function token_bucket_tokens(key, now, rate, burst)
   local v = redis.call('HMGET', key, 't', 'ts')
   local tokens = tonumber(v[1])
   local ts = tonumber(v[2])
@@ -20,6 +20,12 @@ local function token_bucket(key, now, limit, window, burst, cost)
     tokens = tokens + (now - ts) * rate
     if tokens > burst then tokens = burst end
   end
+  return tokens
+end
+
+local function token_bucket(key, now, limit, window, burst, cost)
+  local rate = limit / window
+  local tokens = token_bucket_tokens(key, now, rate, burst)
 
   local after = tokens - cost
   local after_reset = now + math.ceil((burst - after) / rate)
@@ -41,4 +47,17 @@ local function token_bucket(key, now, limit, window, burst, cost)
   local reset = now + math.ceil((burst - tokens) / rate)
   if tokens < 0 then tokens = 0 end
   return { 0, burst, math.floor(tokens), reset, retry }, commit
+end
+
+-- Gives `units` back (a check that consumed them was rejected on another shard): the bucket never
+-- holds more than `burst`.
+local function token_bucket_give_back(key, now, limit, window, burst, units)
+  local rate = limit / window
+  local tokens = token_bucket_tokens(key, now, rate, burst) + units
+  if tokens >= burst then
+    redis.call('DEL', key)
+    return
+  end
+  redis.call('HSET', key, 't', tokens, 'ts', now)
+  redis.call('PEXPIREAT', key, now + math.ceil((burst - tokens) / rate) + 1)
 end

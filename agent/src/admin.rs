@@ -9,6 +9,7 @@ use axum::Router;
 
 use crate::engine::Engine;
 use crate::store::Store;
+use std::sync::atomic::Ordering::Relaxed;
 
 /// The admin router; tests call it without a socket.
 pub fn app(engine: Arc<Engine>) -> Router {
@@ -27,20 +28,41 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         "storeErrors": engine.store_errors(),
         "rules": rules,
     });
+    let cache = engine.cache();
+    body["rejectionCache"] = serde_json::json!({
+        "entries": cache.len(),
+        "hits": cache.hits.load(Relaxed),
+        "evicted": cache.evicted.load(Relaxed),
+    });
+    let tb = engine.taken_back();
+    body["takenBack"] = serde_json::json!({
+        "requestedUnits": tb.requested.load(Relaxed),
+        "doneUnits": tb.done.load(Relaxed),
+        "failedUnits": tb.failed.load(Relaxed),
+    });
     if let Some(g) = engine.guard() {
-        let b = g.breaker.snapshot();
-        body["breaker"] = serde_json::json!({
-            "state": b.state,
-            "consecutiveFailures": b.consecutive_failures,
-            "openedTotal": b.opened_total,
-        });
+        let breakers: Vec<serde_json::Value> = g
+            .breakers
+            .iter()
+            .enumerate()
+            .map(|(shard, b)| {
+                let b = b.snapshot();
+                serde_json::json!({
+                    "shard": shard,
+                    "state": b.state,
+                    "consecutiveFailures": b.consecutive_failures,
+                    "openedTotal": b.opened_total,
+                })
+            })
+            .collect();
+        body["breakers"] = breakers.into();
         body["fallback"] = serde_json::json!({
-            "active": b.state != crate::guard::BreakerState::Closed,
-            "decided": g.fallback.decided.load(std::sync::atomic::Ordering::Relaxed),
+            "active": !g.all_closed(),
+            "decided": g.fallback.decided.load(Relaxed),
             "pendingWriteBack": g.fallback.pending(),
-            "writtenBackUnits": g.fallback.written_back.load(std::sync::atomic::Ordering::Relaxed),
-            "ledgerDropped": g.fallback.ledger_dropped.load(std::sync::atomic::Ordering::Relaxed),
-            "storeFull": g.fallback.store_full.load(std::sync::atomic::Ordering::Relaxed),
+            "writtenBackUnits": g.fallback.written_back.load(Relaxed),
+            "ledgerDropped": g.fallback.ledger_dropped.load(Relaxed),
+            "storeFull": g.fallback.store_full.load(Relaxed),
         });
         body["liveAgents"] = g.membership.live().into();
         body["agentId"] = g.membership.config().id.clone().into();

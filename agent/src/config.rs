@@ -19,9 +19,27 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
     pub admin: Admin,
 
-    /// Redis URL (`redis://host:port/db`); without it the agent uses its embedded in-memory store.
+    /// Redis URL (`redis://host:port/db`), or several separated by commas: independent shards (each
+    /// hash tag placed by rendezvous hashing), or with `--redis-cluster` the seeds of one Redis
+    /// Cluster. Without it the agent uses its embedded in-memory store.
     #[arg(long, env = "FLOODGATE_REDIS")]
     pub redis: Option<String>,
+
+    /// Treat the `--redis` URLs as seed nodes of one Redis Cluster (MOVED and ASK are followed).
+    #[arg(long, env = "FLOODGATE_REDIS_CLUSTER")]
+    pub redis_cluster: bool,
+
+    /// Buckets per (rule, window) of the Redis key layout; the same on every agent of a fleet.
+    #[arg(long, env = "FLOODGATE_REDIS_BUCKETS", default_value_t = crate::store::layout::DEFAULT_BUCKETS)]
+    pub redis_buckets: u32,
+
+    /// Hash tags (bucket groups) of the Redis key layout; the same on every agent of a fleet.
+    #[arg(long, env = "FLOODGATE_REDIS_TAGS", default_value_t = crate::store::layout::DEFAULT_TAGS)]
+    pub redis_tags: u32,
+
+    /// Most (rule, key) rejections cached locally (0 turns the cache off).
+    #[arg(long, env = "FLOODGATE_REJECTION_CACHE", default_value_t = crate::cache::DEFAULT_CAP)]
+    pub rejection_cache: usize,
 
     /// Longest a check waits for Redis before the rule's fail mode decides, in milliseconds.
     #[arg(long, env = "FLOODGATE_REDIS_TIMEOUT_MS", default_value_t = 5)]
@@ -74,6 +92,19 @@ pub enum Admin {
     Off,
     /// Served at this address (port 0 picks a free one, logged at start).
     At(SocketAddr),
+}
+
+impl AgentConfig {
+    /// The `--redis` URLs, split at commas.
+    pub fn redis_urls(&self) -> Vec<String> {
+        self.redis
+            .iter()
+            .flat_map(|s| s.split(','))
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect()
+    }
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {

@@ -7,6 +7,7 @@
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts.
 //! - [`store`]: the in-memory store and the Redis store behind one interface.
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, heartbeats (N).
+//! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files, attribute matching.
 //! - [`admin`]: the admin HTTP router.
@@ -28,6 +29,7 @@
 
 pub mod admin;
 pub mod algo;
+pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod guard;
@@ -46,7 +48,7 @@ use crate::engine::Engine;
 use crate::guard::membership::default_agent_id;
 use crate::guard::{BreakerConfig, BreakerState, Guard, MembershipConfig, Permit, Transition};
 use crate::rules::RuleSet;
-use crate::store::{MemoryStore, RedisConfig, RedisStore, Store};
+use crate::store::{Adjust, Layout, MemoryStore, RedisConfig, RedisStore, Store};
 
 /// Runs the agent until `shutdown` turns true: binds the socket, serves it and the admin API, and
 /// removes the socket on the way out.
@@ -59,9 +61,11 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         ),
     };
     let store = match &config.redis {
-        Some(url) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
-            url: url.clone(),
+        Some(_) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
+            urls: config.redis_urls(),
+            cluster: config.redis_cluster,
             timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
+            layout: Layout::new(config.redis_buckets, config.redis_tags),
         })?)),
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };
@@ -73,7 +77,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
     tracing::info!(count = rules.len(), from = %rules_from, rules = %ids.join(", "), "rules loaded");
 
     let guard = match &store {
-        Store::Redis(_) => {
+        Store::Redis(r) => {
             let membership = MembershipConfig {
                 id: config.agent_id.clone().unwrap_or_else(default_agent_id),
                 interval: Duration::from_millis(config.heartbeat_ms.max(10)),
@@ -92,13 +96,18 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
                 fixed_agents = ?membership.fixed,
                 "guard: circuit breaker, limit/N fallback, heartbeats"
             );
-            Some(Arc::new(Guard::new(breaker, membership)))
+            Some(Arc::new(Guard::new(breaker, membership, r.shard_count())))
         }
         Store::Memory(_) => None,
     };
-    let engine = Engine::with_guard(rules, store.clone(), guard.clone());
+    let engine = Engine::with_guard(rules, store.clone(), guard.clone(), config.rejection_cache);
     let guard_task = match (&store, guard) {
-        (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(g, r.clone(), shutdown.clone()))),
+        (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(
+            g,
+            r.clone(),
+            engine.clone(),
+            shutdown.clone(),
+        ))),
         _ => None,
     };
     if let Store::Memory(m) = &store {
@@ -143,7 +152,12 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
 
 /// The guard's background work for a Redis store: the heartbeat (learning N), the write-back of what
 /// the fallback admitted once the breaker is closed again, and the fallback's expiry sweep.
-async fn guard_loop(guard: Arc<Guard>, redis: Arc<RedisStore>, mut shutdown: watch::Receiver<bool>) {
+async fn guard_loop(
+    guard: Arc<Guard>,
+    redis: Arc<RedisStore>,
+    engine: Arc<Engine>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let interval = guard.membership.config().interval;
     let mut beat = tokio::time::interval(interval);
     beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -167,75 +181,73 @@ async fn guard_loop(guard: Arc<Guard>, redis: Arc<RedisStore>, mut shutdown: wat
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
             },
             _ = tick.tick() => {
-                if guard.breaker.snapshot().state != BreakerState::Closed {
-                    probe(&guard, &redis).await;
-                } else if guard.fallback.pending() > 0 {
+                for shard in 0..guard.breakers.len() {
+                    if guard.breaker(shard).snapshot().state != BreakerState::Closed {
+                        probe(&guard, &redis, shard).await;
+                    }
+                }
+                if guard.fallback.pending() > 0 {
                     write_back(&guard, &redis).await;
                 }
             }
-            _ = sweep.tick() => guard.fallback.sweep(),
+            _ = sweep.tick() => {
+                guard.fallback.sweep();
+                engine.cache().sweep(crate::store::Clock::System.now_ms());
+            }
             _ = server::stopped(&mut shutdown) => break,
         }
     }
-    if guard.breaker.snapshot().state == BreakerState::Closed {
-        write_back(&guard, &redis).await;
-    }
+    write_back(&guard, &redis).await;
     let _ = redis.heartbeat(&id, ttl, true).await;
 }
 
 /// Once the cool-down is over, one background call decides whether the store is back: it loads the
 /// check script (a restarted Redis has an empty cache) with a timeout no check could afford, so a
 /// slow reconnection does not keep the breaker open, and no caller waits on it.
-async fn probe(guard: &Guard, redis: &RedisStore) {
-    let permit = guard.breaker.permit(std::time::Instant::now());
+async fn probe(guard: &Guard, redis: &RedisStore, shard: usize) {
+    let breaker = guard.breaker(shard);
+    let permit = breaker.permit(std::time::Instant::now());
     if permit != Permit::Probe {
         return;
     }
-    let ok = redis.probe().await.is_ok();
-    if guard.breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
-        tracing::info!("store answers again: circuit breaker closed");
+    let ok = redis.probe(shard).await.is_ok();
+    if breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
+        tracing::info!(shard, "store answers again: circuit breaker closed");
     }
 }
 
 /// Most ledger entries one write-back pass takes: bounded work per pass on the agent's thread.
 const WRITE_BACK_BATCH: usize = 10_000;
 
+/// Writes back what the fallback admitted, for the shards whose breaker is closed (the rest waits).
 async fn write_back(guard: &Guard, redis: &RedisStore) {
     let entries = guard.fallback.drain(WRITE_BACK_BATCH);
     if entries.is_empty() {
         return;
     }
-    let units: u64 = entries.iter().map(|e| e.units).sum();
-    match redis.write_back(&entries).await {
-        Ok(()) => {
-            guard
-                .fallback
-                .written_back
-                .fetch_add(units, std::sync::atomic::Ordering::Relaxed);
-            tracing::info!(
-                keys = entries.len(),
-                units,
-                "wrote back what the fallback admitted while Redis was away"
-            );
-        }
-        Err((committed, e)) => {
-            // A timed-out chunk may have been applied: drop it rather than risk counting it twice.
-            let skip = if matches!(e, crate::store::StoreError::Timeout(_)) {
-                committed + crate::store::WRITE_BACK_CHUNK
-            } else {
-                committed
-            };
-            let written: u64 = entries
-                .iter()
-                .take(skip.min(entries.len()))
-                .map(|e| e.units)
-                .sum();
-            guard
-                .fallback
-                .written_back
-                .fetch_add(written, std::sync::atomic::Ordering::Relaxed);
-            tracing::warn!(error = %e, keys = entries.len(), "write-back failed part-way; retrying the rest");
-            guard.fallback.restore(entries.into_iter().skip(skip).collect());
+    let (ready, waiting): (Vec<_>, Vec<_>) = entries
+        .into_iter()
+        .partition(|e| guard.breaker(redis.route(&e.key).shard).snapshot().state == BreakerState::Closed);
+    guard.fallback.restore(waiting);
+    if ready.is_empty() {
+        return;
+    }
+    let keys = ready.len();
+    let done = redis.adjust(ready, Adjust::Add).await;
+    guard
+        .fallback
+        .written_back
+        .fetch_add(done.units, std::sync::atomic::Ordering::Relaxed);
+    match done.error {
+        None => tracing::info!(
+            keys,
+            units = done.units,
+            "wrote back what the fallback admitted while Redis was away"
+        ),
+        Some(e) => {
+            // A timed-out call may have been applied: it is dropped rather than risk counting twice.
+            tracing::warn!(error = %e, keys, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
+            guard.fallback.restore(done.retry);
         }
     }
 }

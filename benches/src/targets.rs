@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use floodgate_agent::store::CHECK_LUA;
+use floodgate_agent::store::{Layout, CHECK_LUA};
 use floodgate_protocol::{decode, Body, Check, DecodeError, Frame, Item, Source};
 use floodgate_tests::RedisServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -121,13 +121,23 @@ impl Conn {
                 let calls = keys.iter().map(|&k| {
                     let mut conn = conn.clone();
                     let mut inv = script.prepare_invoke();
-                    inv.key(format!("fg:{{user:{k}}}:bench"));
-                    // algorithm, limit, window_ms, burst, cost, enforce: as the agent sends them.
+                    let key = format!("user:{k}");
+                    let layout = Layout::default();
+                    inv.key(format!(
+                        "fg:{{{}}}:bench/{}",
+                        layout.tag(&key),
+                        layout.bucket(&key)
+                    ));
+                    // algorithm, limit, window_ms, burst, cost, enforce, target window, field, last:
+                    // as the agent sends them.
                     inv.arg(1)
                         .arg(1_000_000_000_000u64)
                         .arg(60_000)
                         .arg(1_000_000_000_000u64)
                         .arg(1)
+                        .arg(1)
+                        .arg(0)
+                        .arg(key)
                         .arg(1);
                     async move { inv.invoke_async::<Vec<i64>>(&mut conn).await }
                 });

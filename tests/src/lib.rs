@@ -28,7 +28,7 @@ mod wire;
 
 pub use agent::{floodgate_bin, Agent, AgentBuilder};
 pub use proxy::Proxy;
-pub use redis::{redis_time_ms, sleep_until_window_offset, RedisServer};
+pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, RedisServer};
 pub use wait::eventually;
 pub use wire::RawConn;
 

@@ -150,3 +150,18 @@ pub fn sleep_until_window_offset(conn: &mut redis::Connection, window_ms: u64, o
     std::thread::sleep(Duration::from_millis(target - now));
     target
 }
+
+/// A sliding-window client's count in the current window and the window hash's TTL in ms, read the
+/// way the scripts lay them out (`floodgate_agent::store::Layout`, default buckets and tags).
+pub fn window_count(conn: &mut redis::Connection, rule_id: &str, key: &str, window_ms: u64) -> (u64, i64) {
+    let layout = floodgate_agent::store::Layout::default();
+    let idx = redis_time_ms(conn) / window_ms;
+    let hash = format!(
+        "fg:{{{}}}:{rule_id}/{}:{idx}",
+        layout.tag(key),
+        layout.bucket(key)
+    );
+    let count: Option<u64> = redis::cmd("HGET").arg(&hash).arg(key).query(conn).expect("HGET");
+    let ttl: i64 = redis::cmd("PTTL").arg(&hash).query(conn).expect("PTTL");
+    (count.unwrap_or(0), ttl)
+}

@@ -4,7 +4,7 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use floodgate_sdk::{Client, Origin, Source};
-use floodgate_tests::{patient_client, Agent, RedisServer};
+use floodgate_tests::{patient_client, window_count, Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[
   {"id":"five-a-minute","dimension":"user","limit":5,"windowSeconds":60},
@@ -96,18 +96,10 @@ async fn redis_store_allows_then_denies_with_figures() {
     let client = patient_client(agent.socket()).await;
     limit_then_deny(&client, Source::Redis).await;
     bucket_burst_and_refill(&client).await;
-    // The counters live in Redis under the client's hash tag.
+    // The counters live in Redis as fields of the client's bucket hash of this window.
     let mut conn = redis.conn();
-    let c: u64 = redis::cmd("HGET")
-        .arg("fg:{user:alice}:five-a-minute")
-        .arg("c")
-        .query(&mut conn)
-        .unwrap();
+    let (c, ttl) = window_count(&mut conn, "five-a-minute", "user:alice", 60_000);
     assert_eq!(c, 5, "the rejected request consumed nothing");
-    let ttl: i64 = redis::cmd("PTTL")
-        .arg("fg:{user:alice}:five-a-minute")
-        .query(&mut conn)
-        .unwrap();
     assert!(ttl > 0 && ttl <= 120_000, "every key has a TTL, got {ttl}");
 }
 

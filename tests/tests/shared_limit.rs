@@ -39,7 +39,8 @@ async fn two_agents_64_clients_admit_exactly_the_limit() {
             let client = patient_client(&socket).await;
             for _ in 0..20 {
                 let d = client.allow("user:hot", "hundred", 1).await.unwrap();
-                if d.origin != Origin::Agent(Source::Redis) {
+                // Redis decides, or an agent's rejection cache repeats a rejection Redis made.
+                if !matches!(d.origin, Origin::Agent(Source::Redis | Source::Cache)) {
                     fallback.fetch_add(1, Ordering::Relaxed);
                 }
                 if d.allowed {
@@ -54,7 +55,7 @@ async fn two_agents_64_clients_admit_exactly_the_limit() {
     assert_eq!(
         fallback.load(Ordering::Relaxed),
         0,
-        "every answer came from Redis"
+        "every answer came from Redis or a rejection it made"
     );
     // 1,280 offered, limit 100: the atomic script admits exactly 100, not one more, not one less.
     assert_eq!(admitted.load(Ordering::Relaxed), 100);

@@ -9,10 +9,10 @@ pub use breaker::{Breaker, BreakerConfig, BreakerSnapshot, BreakerState, Permit,
 pub use fallback::{Fallback, LedgerEntry};
 pub use membership::{Membership, MembershipConfig};
 
-/// What guards one Redis store: its breaker, the fallback limiter and fleet membership.
+/// What guards one Redis store: a breaker per shard, the fallback limiter and fleet membership.
 pub struct Guard {
-    /// The store's circuit breaker (one shard for now).
-    pub breaker: Breaker,
+    /// One circuit breaker per shard (a Redis Cluster is one shard: redis-rs follows its failovers).
+    pub breakers: Vec<Breaker>,
     /// The local limiter used while the breaker is not closed.
     pub fallback: Fallback,
     /// N, the live agents.
@@ -20,12 +20,24 @@ pub struct Guard {
 }
 
 impl Guard {
-    /// A guard with these settings.
-    pub fn new(breaker: BreakerConfig, membership: MembershipConfig) -> Self {
+    /// A guard for `shards` shards with these settings.
+    pub fn new(breaker: BreakerConfig, membership: MembershipConfig, shards: usize) -> Self {
         Guard {
-            breaker: Breaker::new(breaker),
+            breakers: (0..shards.max(1)).map(|_| Breaker::new(breaker)).collect(),
             fallback: Fallback::default(),
             membership: Membership::new(membership),
         }
+    }
+
+    /// The breaker of a shard.
+    pub fn breaker(&self, shard: usize) -> &Breaker {
+        &self.breakers[shard % self.breakers.len()]
+    }
+
+    /// Whether every shard's breaker is closed.
+    pub fn all_closed(&self) -> bool {
+        self.breakers
+            .iter()
+            .all(|b| b.snapshot().state == BreakerState::Closed)
     }
 }

@@ -3,13 +3,16 @@
 //! Both run the same algorithms (`crate::algo` in Rust, `lua/` in Redis) with all-or-nothing semantics
 //! within one call: costs are committed only if every enforced item passes.
 
+pub mod layout;
 mod memory;
 mod redis;
+pub mod shards;
 
 use std::sync::Arc;
 
+pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
-pub use self::redis::{RedisConfig, RedisStore, CHECK_LUA, WRITE_BACK_CHUNK};
+pub use self::redis::{Adjust, Adjusted, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA};
 
 use crate::rules::Rule;
 
@@ -56,7 +59,7 @@ impl Store {
     pub fn describe(&self) -> String {
         match self {
             Store::Memory(_) => "embedded in-memory store".into(),
-            Store::Redis(r) => format!("redis at {}", r.describe()),
+            Store::Redis(r) => format!("redis: {}", r.describe()),
         }
     }
 }

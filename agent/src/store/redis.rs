@@ -1,11 +1,13 @@
-//! The Redis store: one atomic Lua script call per algorithm per check, EVALSHA with a transparent
-//! reload on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode.
+//! The Redis store: one atomic Lua script call per check (per shard), EVALSHA with a transparent reload
+//! on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode. Independent nodes
+//! or a Redis Cluster (`shards`), keys laid out by `layout`.
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
-use redis::{Client, ErrorKind, RedisError, Script};
+use redis::{ErrorKind, RedisError, Script, ScriptInvocation};
 
+use super::layout::Layout;
+use super::shards::Shards;
 use super::{Planned, StoreError};
 use crate::algo::Outcome;
 use crate::guard::membership::{AGENTS_KEY, HEARTBEAT_LUA};
@@ -20,179 +22,128 @@ pub const CHECK_LUA: &str = concat!(
     include_str!("../../../lua/check.lua"),
 );
 
-/// Ledger entries one write-back script call carries (keeps each call short).
-pub const WRITE_BACK_CHUNK: usize = 64;
+/// Entries one adjustment script call carries (keeps each call short: Redis runs one script at a time).
+pub const ADJUST_CHUNK: usize = 64;
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
 pub struct RedisConfig {
-    /// `redis://host:port/db`.
-    pub url: String,
+    /// `redis://host:port/db`: one node, several independent shards, or a cluster's seed nodes.
+    pub urls: Vec<String>,
+    /// Whether `urls` are seeds of one Redis Cluster.
+    pub cluster: bool,
     /// Longest a check may wait for Redis before the rule's fail mode decides.
     pub timeout: Duration,
+    /// Buckets and hash tags; the same on every agent of a fleet.
+    pub layout: Layout,
+}
+
+impl RedisConfig {
+    /// One node at `url`, the default layout.
+    pub fn single(url: &str, timeout: Duration) -> Self {
+        RedisConfig {
+            urls: vec![url.to_string()],
+            cluster: false,
+            timeout,
+            layout: Layout::default(),
+        }
+    }
+}
+
+/// Where an item goes: the shard (whose breaker guards it) and the call group (items one script call
+/// may carry together: a whole node, or on a cluster one hash tag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Route {
+    /// The shard index.
+    pub shard: usize,
+    /// The call group.
+    pub call: u32,
+}
+
+/// What an adjustment does to the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjust {
+    /// Add units whatever the verdict (what agents admitted locally).
+    Add,
+    /// Take units back (a check consumed them here but was rejected elsewhere).
+    TakeBack,
+}
+
+/// What an adjustment did: units applied, entries to try again (the call failed), and the error.
+#[derive(Debug, Default)]
+pub struct Adjusted {
+    /// Units applied by calls that succeeded.
+    pub units: u64,
+    /// Entries of calls that failed surely (not applied): try them again later.
+    pub retry: Vec<LedgerEntry>,
+    /// Units of calls that timed out: they may or may not have been applied, and are not retried
+    /// (counting them twice would be worse).
+    pub unknown: u64,
+    /// The last error.
+    pub error: Option<StoreError>,
 }
 
 /// Redis as the shared counter store.
 pub struct RedisStore {
-    conn: ConnectionManager,
+    shards: Shards,
+    layout: Layout,
     script: Script,
     heartbeat: Script,
     timeout: Duration,
-    url: String,
 }
 
 impl RedisStore {
     /// Prepares a store. Connects lazily: an agent starts (and fails open) even while Redis is away.
     pub fn new(config: &RedisConfig) -> Result<Self, StoreError> {
-        let client = Client::open(config.url.as_str()).map_err(|e| StoreError::Connection(e.to_string()))?;
-        let manager_config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_millis(500)))
-            .set_number_of_retries(3)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config)
-            .map_err(|e| StoreError::Connection(e.to_string()))?;
         Ok(RedisStore {
-            conn,
+            shards: Shards::new(&config.urls, config.cluster, config.layout.tags())?,
+            layout: config.layout,
             script: Script::new(CHECK_LUA),
             heartbeat: Script::new(HEARTBEAT_LUA),
             timeout: config.timeout,
-            url: redact(&config.url),
         })
     }
 
-    /// The URL without its password, for logs.
-    pub fn describe(&self) -> &str {
-        &self.url
+    /// The nodes or the cluster, without passwords, for logs.
+    pub fn describe(&self) -> String {
+        self.shards.describe()
     }
 
-    /// Redis key of a (rule, key) pair. The client key is the hash tag, so all of one client's
-    /// counters share a slot; keys never contain braces (the protocol refuses them).
-    pub fn redis_key(rule_id: &str, key: &str) -> String {
-        format!("fg:{{{key}}}:{rule_id}")
+    /// How many shards (each with its own breaker).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
     }
 
-    /// Checks the items in one atomic script call; outcomes come back in item order.
+    /// The key layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Where a client key's counters live.
+    pub fn route(&self, key: &str) -> Route {
+        let tag = self.layout.tag(key);
+        let shard = self.shards.shard_of_tag(tag);
+        let call = if self.shards.is_cluster() {
+            tag
+        } else {
+            shard as u32
+        };
+        Route { shard, call }
+    }
+
+    /// Checks the items of one check in one atomic script call; outcomes come back in item order.
+    /// Every item must have the same route (the engine groups them).
     pub async fn check(&self, items: &[Planned]) -> Result<Vec<Outcome>, StoreError> {
-        self.run(items, None, self.timeout).await
-    }
-
-    /// Adds what agents admitted locally while Redis was away to the Redis counters, whatever the
-    /// verdict (the script's write-back mode), each into the window it was admitted in, so the limit
-    /// holds across the outage. Chunks of 64 keep each script call short. On failure, returns how many
-    /// entries were committed before the failing chunk, and the error.
-    pub async fn write_back(&self, entries: &[LedgerEntry]) -> Result<(), (usize, StoreError)> {
-        for (n, chunk) in entries.chunks(WRITE_BACK_CHUNK).enumerate() {
-            let items: Vec<Planned> = chunk
-                .iter()
-                .map(|e| Planned {
-                    rule: e.rule.clone(),
-                    key: e.key.clone(),
-                    cost: e.units,
-                })
-                .collect();
-            let windows: Vec<u64> = chunk.iter().map(|e| e.window).collect();
-            // Not on the request path: a longer timeout than checks get.
-            let timeout = self.timeout.max(Duration::from_millis(250));
-            if let Err(e) = self.run(&items, Some(&windows), timeout).await {
-                return Err((n * WRITE_BACK_CHUNK, e));
-            }
-        }
-        Ok(())
-    }
-
-    /// The breaker's probe: loads the check script (a restarted Redis has an empty cache; a slow
-    /// reconnection gets 250 ms), then runs one check-shaped call under the checks' own timeout, so the
-    /// breaker closes only when checks would succeed too.
-    pub async fn probe(&self) -> Result<(), StoreError> {
-        self.preload().await?;
-        let mut inv = self.script.prepare_invoke();
-        inv.key("fg:{floodgate:probe}:probe");
-        inv.arg(1)
-            .arg(1u64 << 50)
-            .arg(1_000)
-            .arg(1u64 << 50)
-            .arg(1)
-            .arg(0)
-            .arg(0);
-        let mut conn = self.conn.clone();
-        let _: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(classify)?;
-        Ok(())
-    }
-
-    /// Loads the check script (SCRIPT LOAD), so that a burst of checks after a start or a Redis restart
-    /// finds it cached instead of each paying NOSCRIPT and a reload within its timeout.
-    pub async fn preload(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(250)),
-            self.script.prepare_invoke().load_async(&mut conn),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))?
-        .map_err(classify)?;
-        Ok(())
-    }
-
-    /// Writes this agent's heartbeat (or removes it when `leaving`) and returns the live-agent count.
-    pub async fn heartbeat(&self, id: &str, ttl: Duration, leaving: bool) -> Result<u64, StoreError> {
-        let mut inv = self.heartbeat.prepare_invoke();
-        inv.key(AGENTS_KEY)
-            .arg(id)
-            .arg(ttl.as_millis() as u64)
-            .arg(if leaving { 1 } else { 0 });
-        let mut conn = self.conn.clone();
-        let n: u64 = tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(250)),
-            inv.invoke_async(&mut conn),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))?
-        .map_err(classify)?;
-        Ok(n)
-    }
-
-    async fn run(
-        &self,
-        items: &[Planned],
-        write_back: Option<&[u64]>,
-        timeout: Duration,
-    ) -> Result<Vec<Outcome>, StoreError> {
+        let Some(first) = items.first() else {
+            return Ok(Vec::new());
+        };
+        let shard = self.route(&first.key).shard;
         let mut inv = self.script.prepare_invoke();
         for (i, p) in items.iter().enumerate() {
-            let r = &p.rule;
-            let algorithm = match r.algorithm {
-                Algorithm::SlidingWindow => 1,
-                Algorithm::TokenBucket => 2,
-            };
-            inv.key(Self::redis_key(&r.id, &p.key));
-            inv.arg(algorithm)
-                .arg(r.limit.get())
-                .arg(r.window_ms())
-                .arg(r.burst())
-                .arg(p.cost)
-                .arg(match (write_back, r.enforced()) {
-                    (Some(_), _) => 2,
-                    (None, true) => 1,
-                    (None, false) => 0,
-                })
-                .arg(write_back.and_then(|w| w.get(i).copied()).unwrap_or(0));
+            let mode = if p.rule.enforced() { 1 } else { 0 };
+            self.push(&mut inv, p, mode, 0, i + 1 == items.len());
         }
-        let mut conn = self.conn.clone();
-        let reply: Vec<i64> = tokio::time::timeout(timeout, inv.invoke_async(&mut conn))
-            .await
-            .map_err(|_| StoreError::Timeout(timeout))?
-            .map_err(classify)?;
-        if reply.len() != items.len() * 5 {
-            return Err(StoreError::Script(format!(
-                "script returned {} values for {} items",
-                reply.len(),
-                items.len()
-            )));
-        }
+        let reply = self.invoke(&inv, shard, items.len(), self.timeout).await?;
         let u = |x: i64| x.max(0) as u64;
         Ok(reply
             .chunks_exact(5)
@@ -206,17 +157,172 @@ impl RedisStore {
             .collect())
     }
 
-    /// PING with the store timeout, for readiness.
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
+    /// Adds (`Adjust::Add`: what the fallback admitted while a shard was away, each into the window
+    /// it was admitted in, so the limit holds across the outage) or takes back (`Adjust::TakeBack`)
+    /// units, grouped by call and in chunks of [`ADJUST_CHUNK`]. Not on the request path: a longer
+    /// timeout than checks get.
+    pub async fn adjust(&self, entries: Vec<LedgerEntry>, how: Adjust) -> Adjusted {
+        let mut groups: Vec<(Route, Vec<LedgerEntry>)> = Vec::new();
+        for e in entries {
+            let route = self.route(&e.key);
+            match groups.iter_mut().find(|(r, _)| r.call == route.call) {
+                Some((_, g)) => g.push(e),
+                None => groups.push((route, vec![e])),
+            }
+        }
+        let timeout = self.timeout.max(Duration::from_millis(250));
+        let mut done = Adjusted::default();
+        for (route, group) in groups {
+            for chunk in group.chunks(ADJUST_CHUNK) {
+                let mut inv = self.script.prepare_invoke();
+                for e in chunk {
+                    let p = Planned {
+                        rule: e.rule.clone(),
+                        key: e.key.clone(),
+                        cost: e.units,
+                    };
+                    let mode = match how {
+                        Adjust::Add => 2,
+                        Adjust::TakeBack => 3,
+                    };
+                    self.push(&mut inv, &p, mode, e.window, true);
+                }
+                let units: u64 = chunk.iter().map(|e| e.units).sum();
+                match self.invoke(&inv, route.shard, chunk.len(), timeout).await {
+                    Ok(_) => done.units += units,
+                    Err(e) => {
+                        if matches!(e, StoreError::Timeout(_)) {
+                            done.unknown += units;
+                        } else {
+                            done.retry.extend(chunk.iter().cloned());
+                        }
+                        done.error = Some(e);
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    /// The breaker's probe for one shard: loads the check script (a restarted Redis has an empty
+    /// cache; a slow reconnection gets 250 ms), then runs one check-shaped call under the checks' own
+    /// timeout, so the breaker closes only when checks would succeed too.
+    pub async fn probe(&self, shard: usize) -> Result<(), StoreError> {
+        let mut conn = self.shards.conn(shard).await?;
         tokio::time::timeout(
-            self.timeout.max(Duration::from_millis(100)),
-            redis::cmd("PING").query_async::<String>(&mut conn),
+            self.timeout.max(Duration::from_millis(250)),
+            self.script.prepare_invoke().load_async(&mut conn),
         )
         .await
         .map_err(|_| StoreError::Timeout(self.timeout))?
         .map_err(classify)?;
+        // A key of a tag this shard holds, so a cluster routes it like a check.
+        let tag = (0..self.layout.tags())
+            .find(|t| self.shards.shard_of_tag(*t) == shard)
+            .unwrap_or(0);
+        let mut inv = self.script.prepare_invoke();
+        inv.key(format!("fg:{{{tag}}}:probe"))
+            .arg(1)
+            .arg(1u64 << 50)
+            .arg(1_000)
+            .arg(1u64 << 50)
+            .arg(1)
+            .arg(0)
+            .arg(0)
+            .arg("probe")
+            .arg(1);
+        self.invoke(&inv, shard, 1, self.timeout).await.map(|_| ())
+    }
+
+    /// Loads the check script (SCRIPT LOAD) on every shard, so that a burst of checks after a start or
+    /// a Redis restart finds it cached instead of each paying NOSCRIPT and a reload within its timeout.
+    pub async fn preload(&self) -> Result<(), StoreError> {
+        for shard in 0..self.shards.len() {
+            let mut conn = self.shards.conn(shard).await?;
+            tokio::time::timeout(
+                self.timeout.max(Duration::from_millis(250)),
+                self.script.prepare_invoke().load_async(&mut conn),
+            )
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(classify)?;
+        }
         Ok(())
+    }
+
+    /// Writes this agent's heartbeat (or removes it when `leaving`) and returns the live-agent count.
+    /// The set lives on the shard that holds tag 0.
+    pub async fn heartbeat(&self, id: &str, ttl: Duration, leaving: bool) -> Result<u64, StoreError> {
+        let mut inv = self.heartbeat.prepare_invoke();
+        inv.key(AGENTS_KEY)
+            .arg(id)
+            .arg(ttl.as_millis() as u64)
+            .arg(if leaving { 1 } else { 0 });
+        let mut conn = self.shards.conn(self.shards.shard_of_tag(0)).await?;
+        let n: u64 = tokio::time::timeout(
+            self.timeout.max(Duration::from_millis(250)),
+            inv.invoke_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))?
+        .map_err(classify)?;
+        Ok(n)
+    }
+
+    /// PING every shard with the store timeout, for readiness.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        for shard in 0..self.shards.len() {
+            let mut conn = self.shards.conn(shard).await?;
+            tokio::time::timeout(
+                self.timeout.max(Duration::from_millis(100)),
+                redis::cmd("PING").query_async::<String>(&mut conn),
+            )
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(classify)?;
+        }
+        Ok(())
+    }
+
+    fn push(&self, inv: &mut ScriptInvocation<'_>, p: &Planned, mode: u8, target: u64, last: bool) {
+        let r = &p.rule;
+        let algorithm = match r.algorithm {
+            Algorithm::SlidingWindow => 1,
+            Algorithm::TokenBucket => 2,
+        };
+        inv.key(self.layout.state_key(r, &p.key));
+        inv.arg(algorithm)
+            .arg(r.limit.get())
+            .arg(r.window_ms())
+            .arg(r.burst())
+            .arg(p.cost)
+            .arg(mode)
+            .arg(target)
+            .arg(p.key.as_str())
+            .arg(if last { 1 } else { 0 });
+    }
+
+    async fn invoke(
+        &self,
+        inv: &ScriptInvocation<'_>,
+        shard: usize,
+        items: usize,
+        timeout: Duration,
+    ) -> Result<Vec<i64>, StoreError> {
+        let call = async {
+            let mut conn = self.shards.conn(shard).await?;
+            inv.invoke_async::<Vec<i64>>(&mut conn).await.map_err(classify)
+        };
+        let reply = tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| StoreError::Timeout(timeout))??;
+        if reply.len() != items * 5 {
+            return Err(StoreError::Script(format!(
+                "script returned {} values for {items} items",
+                reply.len()
+            )));
+        }
+        Ok(reply)
     }
 }
 
@@ -230,28 +336,5 @@ fn classify(e: RedisError) -> StoreError {
             ErrorKind::Server(_) => StoreError::Server(e.to_string()),
             _ => StoreError::Script(e.to_string()),
         }
-    }
-}
-
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_carry_the_client_as_hash_tag() {
-        assert_eq!(RedisStore::redis_key("api", "user:1"), "fg:{user:1}:api");
-    }
-
-    #[test]
-    fn passwords_stay_out_of_logs() {
-        assert_eq!(redact("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
     }
 }

@@ -1,0 +1,215 @@
+//! The Redis deployment behind the store: independent nodes, each hash tag placed by rendezvous
+//! hashing (adding a node moves only the tags it wins, ~1/(n+1) of them), or one Redis Cluster
+//! (redis-rs routes each call by its keys' slot and follows MOVED and ASK).
+
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Client, Cmd, Pipeline, RedisFuture, Value};
+use tokio::sync::OnceCell;
+
+use super::layout::fnv1a;
+use super::StoreError;
+
+/// One connection to wherever a call goes: a node's connection manager or the cluster connection.
+#[derive(Clone)]
+pub enum Conn {
+    /// One node (reconnects by itself).
+    Node(ConnectionManager),
+    /// The cluster (routes by slot, refreshes its slot map on MOVED).
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Node(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Node(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Node(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The nodes, or the cluster.
+pub enum Shards {
+    /// Independent nodes; `by_tag[tag]` is the node that holds the tag.
+    Nodes {
+        /// One connection per node, in the order given.
+        nodes: Vec<(String, ConnectionManager)>,
+        /// Tag → node index.
+        by_tag: Vec<usize>,
+    },
+    /// A Redis Cluster, connected on first use (an agent starts while Redis is away).
+    Cluster {
+        /// The seed nodes, for logs.
+        seeds: Vec<String>,
+        /// The client that builds the connection.
+        client: Box<ClusterClient>,
+        /// The connection, once made.
+        conn: OnceCell<ClusterConnection>,
+    },
+}
+
+impl Shards {
+    /// Connects lazily to `urls`: independent nodes, or the seeds of one cluster.
+    pub fn new(urls: &[String], cluster: bool, tags: u32) -> Result<Self, StoreError> {
+        let err = |e: redis::RedisError| StoreError::Connection(e.to_string());
+        if urls.is_empty() {
+            return Err(StoreError::Connection("no Redis URL given".into()));
+        }
+        if cluster {
+            let client = ClusterClient::builder(urls.iter().map(String::as_str))
+                .connection_timeout(Duration::from_millis(500))
+                .retries(2)
+                .build()
+                .map_err(err)?;
+            return Ok(Shards::Cluster {
+                seeds: urls.iter().map(|u| redact(u)).collect(),
+                client: Box::new(client),
+                conn: OnceCell::new(),
+            });
+        }
+        let mut nodes = Vec::with_capacity(urls.len());
+        for url in urls {
+            let client = Client::open(url.as_str()).map_err(err)?;
+            let config = redis::aio::ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(Duration::from_millis(500)))
+                .set_number_of_retries(3)
+                .set_min_delay(Duration::from_millis(10))
+                .set_max_delay(Duration::from_millis(500));
+            let conn = ConnectionManager::new_lazy_with_config(client, config).map_err(err)?;
+            nodes.push((redact(url), conn));
+        }
+        let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
+        let by_tag = (0..tags).map(|t| rendezvous(&names, t)).collect();
+        Ok(Shards::Nodes { nodes, by_tag })
+    }
+
+    /// How many shards have breakers of their own: one per node; a cluster is one (redis-rs follows
+    /// its failovers).
+    pub fn len(&self) -> usize {
+        match self {
+            Shards::Nodes { nodes, .. } => nodes.len(),
+            Shards::Cluster { .. } => 1,
+        }
+    }
+
+    /// Always false: a store has at least one shard.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether this is a Redis Cluster (one script call may carry keys of one tag only).
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Shards::Cluster { .. })
+    }
+
+    /// The shard that holds a tag.
+    pub fn shard_of_tag(&self, tag: u32) -> usize {
+        match self {
+            Shards::Nodes { by_tag, .. } => by_tag[tag as usize % by_tag.len()],
+            Shards::Cluster { .. } => 0,
+        }
+    }
+
+    /// The connection for a shard (for a cluster, its one connection, made on first use).
+    pub async fn conn(&self, shard: usize) -> Result<Conn, StoreError> {
+        match self {
+            Shards::Nodes { nodes, .. } => Ok(Conn::Node(nodes[shard % nodes.len()].1.clone())),
+            Shards::Cluster { client, conn, .. } => conn
+                .get_or_try_init(|| client.get_async_connection())
+                .await
+                .map(|c| Conn::Cluster(c.clone()))
+                .map_err(|e| StoreError::Connection(e.to_string())),
+        }
+    }
+
+    /// For logs: the nodes or the cluster's seeds, without passwords.
+    pub fn describe(&self) -> String {
+        match self {
+            Shards::Nodes { nodes, .. } if nodes.len() == 1 => nodes[0].0.clone(),
+            Shards::Nodes { nodes, .. } => {
+                let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
+                format!("{} shards: {}", nodes.len(), names.join(", "))
+            }
+            Shards::Cluster { seeds, .. } => format!("a cluster (seeds {})", seeds.join(", ")),
+        }
+    }
+}
+
+/// The node that wins a tag: the highest hash of (node name, tag). Names, not positions, decide, so
+/// the order of URLs does not matter and a new node takes only the tags it now wins.
+pub fn rendezvous(names: &[&str], tag: u32) -> usize {
+    let score = |name: &str| {
+        let mut bytes = name.as_bytes().to_vec();
+        bytes.extend_from_slice(&tag.to_le_bytes());
+        // FNV-1a's last bytes mix poorly; a final avalanche (splitmix64) spreads them.
+        let mut z = fnv1a(&bytes).wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    (0..names.len()).max_by_key(|&i| score(names[i])).unwrap_or(0)
+}
+
+/// The URL without its password, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(redact("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    #[test]
+    fn a_new_node_takes_only_the_tags_it_wins() {
+        let three = ["redis://a:1", "redis://b:1", "redis://c:1"];
+        let four = ["redis://a:1", "redis://b:1", "redis://c:1", "redis://d:1"];
+        let tags = 4096;
+        let mut per_node = [0u32; 3];
+        let mut moved = 0;
+        for t in 0..tags {
+            let before = rendezvous(&three, t);
+            let after = rendezvous(&four, t);
+            per_node[before] += 1;
+            if before != after {
+                // A tag only ever moves to the new node.
+                assert_eq!(after, 3, "tag {t} moved between old nodes");
+                moved += 1;
+            }
+        }
+        // Ideal: 1/4 of the tags move, and each of 3 nodes holds 1/3. Binomial sd ~28 and ~30 here,
+        // so ±10 % of the expected count is more than 3 sigma.
+        assert!((922..1126).contains(&moved), "{moved} of {tags} tags moved");
+        assert!(per_node.iter().all(|n| (1228..1502).contains(n)), "{per_node:?}");
+    }
+}
