@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! - `redis`: [`RedisServer`], one `redis-server` process (kill, restart, pause).
+//! - `cluster`: [`Shards`] (independent servers) and [`Cluster`] (a Redis Cluster of real nodes).
 //! - `agent`: [`Agent`], one `floodgate agent` process.
 //! - `wire`: [`RawConn`], a bare protocol connection for sending hand-made frames.
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
@@ -21,12 +22,14 @@
 //! ```
 
 mod agent;
+mod cluster;
 mod proxy;
 mod redis;
 mod wait;
 mod wire;
 
 pub use agent::{floodgate_bin, Agent, AgentBuilder};
+pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, RedisServer};
 pub use wait::eventually;

@@ -23,10 +23,15 @@ impl RedisServer {
 
     /// Starts a server with extra arguments (e.g. `["--maxmemory", "10mb"]`).
     pub fn start_with(extra: &[&str]) -> Self {
+        Self::start_on(free_port(), extra)
+    }
+
+    /// Starts a server on this port with extra arguments.
+    pub fn start_on(port: u16, extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let mut s = RedisServer {
             child: None,
-            port: free_port(),
+            port,
             dir,
             extra: extra.iter().map(|s| s.to_string()).collect(),
         };

@@ -1,0 +1,120 @@
+//! Several real `redis-server`s: independent shards, or a Redis Cluster built with
+//! `redis-cli --cluster create`, all on free loopback ports and killed on drop.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::RedisServer;
+
+/// `n` independent Redis servers (client-side sharding).
+pub struct Shards {
+    /// The servers.
+    pub servers: Vec<RedisServer>,
+}
+
+impl Shards {
+    /// Starts `n` servers.
+    pub fn start(n: usize) -> Self {
+        Shards {
+            servers: (0..n).map(|_| RedisServer::start()).collect(),
+        }
+    }
+
+    /// The URLs separated by commas, as `--redis` takes them.
+    pub fn urls(&self) -> String {
+        let urls: Vec<String> = self.servers.iter().map(RedisServer::url).collect();
+        urls.join(",")
+    }
+}
+
+/// A Redis Cluster of `n` masters, no replicas, every slot assigned.
+pub struct Cluster {
+    /// The nodes.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl Cluster {
+    /// Starts `n` cluster-enabled servers, joins them with `redis-cli --cluster create`, and waits
+    /// until every node reports `cluster_state:ok`. `REDIS_CLI_BIN` names another redis-cli.
+    pub fn start(n: usize) -> Self {
+        let nodes: Vec<RedisServer> = (0..n)
+            .map(|_| {
+                RedisServer::start_on(
+                    cluster_port(),
+                    &["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                )
+            })
+            .collect();
+        let cli = std::env::var("REDIS_CLI_BIN").unwrap_or_else(|_| "redis-cli".into());
+        let addrs: Vec<String> = nodes.iter().map(|s| format!("127.0.0.1:{}", s.port())).collect();
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {cli} (install redis-tools or set REDIS_CLI_BIN): {e}"));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = Cluster { nodes };
+        // There is no event to await from outside: poll CLUSTER INFO (gossip settles within ~1 s).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let ok = cluster.nodes.iter().all(|s| {
+                let mut conn = s.conn();
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut conn)
+                    .unwrap_or_default();
+                info.contains("cluster_state:ok")
+            });
+            if ok {
+                return cluster;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not reach cluster_state:ok in 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The seed URLs separated by commas, as `--redis` takes them with `--redis-cluster`.
+    pub fn urls(&self) -> String {
+        let urls: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();
+        urls.join(",")
+    }
+}
+
+/// A free port whose cluster-bus port (+10,000) is free too.
+fn cluster_port() -> u16 {
+    loop {
+        let port = crate::free_port();
+        if port < 55_535 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+}
+
+/// Keys in a server (DBSIZE).
+pub fn dbsize(server: &RedisServer) -> u64 {
+    redis::cmd("DBSIZE").query(&mut server.conn()).expect("DBSIZE")
+}
+
+/// Calls of one command a server has run since start (INFO commandstats), e.g. `evalsha`.
+pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut server.conn())
+        .expect("INFO commandstats");
+    let prefix = format!("cmdstat_{command}:calls=");
+    info.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
