@@ -1,10 +1,11 @@
-//! The admin HTTP API (loopback by default): health and readiness for now.
+//! The admin HTTP API (loopback by default): health, readiness, status, batched execution and its
+//! run-time tuning.
 
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::get;
+use axum::routing::{get, put};
 use axum::Router;
 
 use crate::engine::Engine;
@@ -17,6 +18,8 @@ pub fn app(engine: Arc<Engine>) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/v1/status", get(status))
+        .route("/v1/batch", get(batch))
+        .route("/v1/batch/flush-interval", put(set_flush_interval))
         .with_state(engine)
 }
 
@@ -68,6 +71,108 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         body["agentId"] = g.membership.config().id.clone().into();
     }
     axum::Json(body)
+}
+
+/// Batched execution: each rule's mode as configured and as it runs now, flush intervals, tracked
+/// keys and pending units, promoted hot keys, and the flush figures.
+async fn batch(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Value> {
+    let b = engine.batcher();
+    let n = engine.live_agents();
+    let tracked: std::collections::HashMap<String, (usize, u64, u64)> = b
+        .snapshot()
+        .into_iter()
+        .map(|(id, keys, pending, unlearned)| (id, (keys, pending, unlearned)))
+        .collect();
+    let redis = matches!(engine.store(), Store::Redis(_));
+    let rules: Vec<serde_json::Value> = engine
+        .rules()
+        .iter()
+        .map(|r| {
+            let (keys, pending, unlearned) = tracked.get(&r.id).copied().unwrap_or_default();
+            let effective = if redis && engine.batched_by_rule(r, n) {
+                "batched"
+            } else {
+                "sync"
+            };
+            serde_json::json!({
+                "id": r.id,
+                "execution": r.execution,
+                "effective": effective,
+                "flushIntervalMs": b.flush_ms(r),
+                "trackedKeys": keys,
+                "pendingUnits": pending,
+                "unlearnedUnits": unlearned,
+            })
+        })
+        .collect();
+    let hot: Vec<serde_json::Value> = engine
+        .hot_keys()
+        .promoted()
+        .into_iter()
+        .map(|(rule, key, rate)| serde_json::json!({"rule": rule, "key": key, "checksPerSecond": rate}))
+        .collect();
+    let s = &b.stats;
+    axum::Json(serde_json::json!({
+        "liveAgents": n,
+        "defaultFlushIntervalMs": b.default_flush_ms(),
+        "rules": rules,
+        "hotKeys": hot,
+        "hotKeyRate": engine.hot_keys().threshold(),
+        "trackedKeys": b.keys(),
+        "stats": {
+            "admitted": s.admitted.load(Relaxed),
+            "deniedLimit": s.denied_limit.load(Relaxed),
+            "deniedShare": s.denied_share.load(Relaxed),
+            "flushes": s.flushes.load(Relaxed),
+            "entries": s.entries.load(Relaxed),
+            "units": s.units.load(Relaxed),
+            "errors": s.errors.load(Relaxed),
+            "uncertainUnits": s.uncertain_units.load(Relaxed),
+            "full": s.full.load(Relaxed),
+        },
+    }))
+}
+
+/// `PUT /v1/batch/flush-interval` with `{"ms": 50}` (the default) or `{"ms": 50, "rule": "api"}`
+/// (one rule): takes effect at the next flush, without a restart.
+async fn set_flush_interval(
+    State(engine): State<Arc<Engine>>,
+    body: axum::body::Bytes,
+) -> (StatusCode, axum::Json<serde_json::Value>) {
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Body {
+        ms: u64,
+        #[serde(default)]
+        rule: Option<String>,
+    }
+    let bad = |msg: String| {
+        (
+            StatusCode::BAD_REQUEST,
+            axum::Json(serde_json::json!({ "error": msg })),
+        )
+    };
+    let body: Body = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => return bad(format!("expected {{\"ms\": N, \"rule\"?: id}}: {e}")),
+    };
+    if !(1..=60_000).contains(&body.ms) {
+        return bad(format!("ms must be 1 to 60000, not {}", body.ms));
+    }
+    if let Some(id) = &body.rule {
+        if engine.rules().get(id).is_none() {
+            return (
+                StatusCode::NOT_FOUND,
+                axum::Json(serde_json::json!({ "error": format!("unknown rule {id:?}") })),
+            );
+        }
+    }
+    engine.batcher().set_flush_ms(body.rule.as_deref(), body.ms);
+    tracing::info!(rule = ?body.rule, ms = body.ms, "flush interval changed");
+    (
+        StatusCode::OK,
+        axum::Json(serde_json::json!({ "rule": body.rule, "flushIntervalMs": body.ms })),
+    )
 }
 
 /// Ready when the store answers: always for the embedded store, a PING for Redis.

@@ -37,6 +37,25 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_REDIS_TAGS", default_value_t = crate::store::layout::DEFAULT_TAGS)]
     pub redis_tags: u32,
 
+    /// Default flush interval of batched rules in milliseconds (a rule's flushIntervalMs overrides
+    /// it; both can be changed at run time through the admin API).
+    #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = crate::batch::DEFAULT_FLUSH_MS)]
+    pub flush_interval_ms: u64,
+
+    /// Most (rule, key) counters tracked for batched rules; past it new keys run sync.
+    #[arg(long, env = "FLOODGATE_BATCH_MAX_KEYS", default_value_t = crate::batch::DEFAULT_MAX_KEYS)]
+    pub batch_max_keys: usize,
+
+    /// Sync checks per second of one (rule, key) on this agent that promote it to batched execution
+    /// while it stays hot (0 turns promotion off).
+    #[arg(long, env = "FLOODGATE_HOT_KEY_RATE", default_value_t = crate::engine::DEFAULT_HOT_KEY_RATE)]
+    pub hot_key_rate: u64,
+
+    /// Accuracy target of `auto` rules: batched when the expected over-admission stays within this
+    /// fraction of the limit.
+    #[arg(long, env = "FLOODGATE_ACCURACY", default_value_t = crate::engine::DEFAULT_ACCURACY)]
+    pub accuracy: f64,
+
     /// Most (rule, key) rejections cached locally (0 turns the cache off).
     #[arg(long, env = "FLOODGATE_REJECTION_CACHE", default_value_t = crate::cache::DEFAULT_CAP)]
     pub rejection_cache: usize,

@@ -9,9 +9,10 @@ use std::time::Instant;
 use floodgate_protocol::{Check, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS};
 
 use crate::algo::Outcome;
+use crate::batch::{Batcher, Denial, HotKeys};
 use crate::cache::RejectionCache;
-use crate::guard::{Guard, LedgerEntry, Permit, Transition};
-use crate::rules::{items_for, FailMode, Rule, RuleSet};
+use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
+use crate::rules::{items_for, Algorithm, Execution, FailMode, Rule, RuleSet};
 use crate::store::{Adjust, Clock, Planned, RedisStore, Route, Store, StoreError};
 
 /// The shortest Retry-After a fail-closed rule gives while its store is away (longer while the breaker's
@@ -27,13 +28,51 @@ pub enum Answer {
     Pending(Pin<Box<dyn Future<Output = Result<Decision, ErrorBody>> + Send>>),
 }
 
-/// The engine: a rule set (swapped whole), a store, and for Redis the guard (breaker, fallback).
+/// The engine's tunables (the agent's flags fill them; defaults in one place).
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Most cached rejections (0 turns the cache off).
+    pub cache_cap: usize,
+    /// Default flush interval of batched rules, in ms.
+    pub flush_ms: u64,
+    /// Most batched counters tracked; past it new keys run sync.
+    pub max_batched_keys: usize,
+    /// Sync checks per second of one (rule, key) on this agent that promote it to batched (0: off).
+    pub hot_key_rate: u64,
+    /// The accuracy target of `auto`: batched when the expected over-admission stays within this
+    /// fraction of the limit.
+    pub accuracy: f64,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            cache_cap: crate::cache::DEFAULT_CAP,
+            flush_ms: crate::batch::DEFAULT_FLUSH_MS,
+            max_batched_keys: crate::batch::DEFAULT_MAX_KEYS,
+            hot_key_rate: DEFAULT_HOT_KEY_RATE,
+            accuracy: DEFAULT_ACCURACY,
+        }
+    }
+}
+
+/// Sync checks per second of one key on one agent that make it hot: ~1 % of a Redis core's checks.
+pub const DEFAULT_HOT_KEY_RATE: u64 = 2_000;
+
+/// The default accuracy target of `auto` (5 % of the limit).
+pub const DEFAULT_ACCURACY: f64 = 0.05;
+
+/// The engine: a rule set (swapped whole), a store, and for Redis the guard (breaker, fallback),
+/// the batched counters and the rejection cache.
 pub struct Engine {
     rules: RwLock<Arc<RuleSet>>,
     store: Store,
     guard: Option<Arc<Guard>>,
     clock: Clock,
     cache: RejectionCache,
+    batcher: Arc<Batcher>,
+    hot: HotKeys,
+    accuracy: f64,
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
     last_error_log_ms: AtomicU64,
@@ -43,25 +82,27 @@ impl Engine {
     /// An engine over `rules` and `store`, without a guard: a Redis failure is decided by each rule's
     /// fail mode alone (allow, or deny with a Retry-After). `crate::run` adds the guard and its loop.
     pub fn new(rules: RuleSet, store: Store) -> Arc<Self> {
-        Self::with_guard(rules, store, None, crate::cache::DEFAULT_CAP)
+        Self::with_guard(rules, store, None, EngineOptions::default())
     }
 
     /// An engine with a guard for its Redis store: breaker, limit/N fallback, membership. The guard's
     /// background loop (`crate::run` starts it) probes and writes back; without it an open breaker
     /// would never close.
-    /// `cache_cap` bounds the rejection cache (0 turns it off).
     pub fn with_guard(
         rules: RuleSet,
         store: Store,
         guard: Option<Arc<Guard>>,
-        cache_cap: usize,
+        options: EngineOptions,
     ) -> Arc<Self> {
         Arc::new(Engine {
             rules: RwLock::new(Arc::new(rules)),
             store,
             guard,
             clock: Clock::System,
-            cache: RejectionCache::new(cache_cap),
+            cache: RejectionCache::new(options.cache_cap),
+            batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),
+            hot: HotKeys::new(options.hot_key_rate),
+            accuracy: options.accuracy,
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
@@ -86,6 +127,69 @@ impl Engine {
     /// The guard (breaker, fallback, membership) of a Redis store.
     pub fn guard(&self) -> Option<&Arc<Guard>> {
         self.guard.as_ref()
+    }
+
+    /// The batched counters.
+    pub fn batcher(&self) -> &Arc<Batcher> {
+        &self.batcher
+    }
+
+    /// The hot-key detector.
+    pub fn hot_keys(&self) -> &HotKeys {
+        &self.hot
+    }
+
+    /// Live agents (N): learned from heartbeats, 1 without a guard.
+    pub fn live_agents(&self) -> u64 {
+        self.guard.as_ref().map_or(1, |g| g.membership.live().max(1))
+    }
+
+    /// Whether `rule` runs batched for `n` live agents, by its execution mode (`auto`: when the
+    /// expected over-admission, n × interval × rate plus one check per agent and flush, stays within
+    /// the accuracy target). Sliding window only.
+    pub fn batched_by_rule(&self, rule: &Rule, n: u64) -> bool {
+        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+            return false;
+        }
+        match rule.execution {
+            Execution::Sync => false,
+            Execution::Batched => true,
+            Execution::Auto => {
+                let limit = rule.limit.get() as f64;
+                let interval = self.batcher.flush_ms(rule) as f64;
+                let expected = n as f64 * interval / rule.window_ms() as f64 * limit + n as f64;
+                expected <= self.accuracy * limit
+            }
+        }
+    }
+
+    /// Whether this item runs batched now: by its rule, or because its key is hot; never while its
+    /// shard's breaker is open (the fallback decides then) or when the batcher is full.
+    fn runs_batched(&self, r: &RedisStore, p: &Planned, n: u64, now: u64) -> bool {
+        if p.rule.algorithm != Algorithm::SlidingWindow {
+            return false;
+        }
+        if let Some(g) = &self.guard {
+            if g.breaker(r.route(&p.key).shard).snapshot().state != BreakerState::Closed {
+                return false;
+            }
+        }
+        let by_rule = self.batched_by_rule(&p.rule, n);
+        let hot = !by_rule && self.hot.is_hot(&p.rule.id, &p.key, now);
+        if !(by_rule || hot) {
+            if self.hot.note(&p.rule.id, &p.key, now) {
+                tracing::info!(rule = %p.rule.id, key = %p.key, threshold = self.hot.threshold(), "hot key promoted to batched execution");
+            }
+            return false;
+        }
+        if hot {
+            self.hot.keep(&p.rule.id, &p.key, now);
+        }
+        if !self.batcher.has_room() {
+            self.batcher.stats.full.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 
     /// The rejection cache.
@@ -133,8 +237,40 @@ impl Engine {
         if let Some(d) = self.cached(&plan, now) {
             return Answer::Ready(Ok(d));
         }
+        let mut out: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
+        let n = self.live_agents();
+        let batched: Vec<usize> = (0..plan.len())
+            .filter(|&i| self.runs_batched(r, &plan[i], n, now))
+            .collect();
+        let mut taken: Vec<(usize, u64)> = Vec::new();
+        if !batched.is_empty() {
+            let items: Vec<&Planned> = batched.iter().map(|&i| &plan[i]).collect();
+            let mut denied = false;
+            for (&i, (o, d, window)) in batched.iter().zip(self.batcher.check(&items, n)) {
+                let p = &plan[i];
+                match d {
+                    None => taken.push((i, window)),
+                    Some(Denial::Limit) if p.rule.enforced() => {
+                        denied = true;
+                        self.cache.put(&p.rule, &p.key, p.cost, o, now);
+                    }
+                    Some(_) => denied |= p.rule.enforced(),
+                }
+                out[i] = Some((o, Source::Local));
+            }
+            // Rejected (the batcher took nothing), or nothing left for Redis: answered locally.
+            if denied || batched.len() == plan.len() {
+                if denied {
+                    taken.clear();
+                }
+                return Answer::Ready(Ok(finish(&plan, out)));
+            }
+        }
         let mut groups: Vec<Group> = Vec::new();
         for (i, p) in plan.iter().enumerate() {
+            if out[i].is_some() {
+                continue;
+            }
             let route = r.route(&p.key);
             match groups.iter_mut().find(|g| g.route.call == route.call) {
                 Some(g) => g.items.push(i),
@@ -151,19 +287,37 @@ impl Engine {
             }
             if groups.iter().all(|g| g.permit == Some(Permit::Refuse)) {
                 // Redis was not called: what the fallback admits is Redis's to learn later.
-                let all: Vec<usize> = (0..plan.len()).collect();
-                let mut out = vec![None; plan.len()];
-                self.degraded(&plan, &all, guard, true, &mut out);
+                let rest: Vec<usize> = groups.iter().flat_map(|g| g.items.iter().copied()).collect();
+                self.degraded(&plan, &rest, guard, true, &mut out);
+                self.undo_if_denied(&plan, &out, &taken);
                 return Answer::Ready(Ok(finish(&plan, out)));
             }
         }
         let (r, this) = (r.clone(), self.clone());
-        Answer::Pending(Box::pin(
-            async move { Ok(this.redis_groups(&r, plan, groups).await) },
-        ))
+        Answer::Pending(Box::pin(async move {
+            Ok(this.redis_groups(&r, plan, groups, out, taken).await)
+        }))
     }
 
-    async fn redis_groups(&self, r: &Arc<RedisStore>, plan: Vec<Planned>, groups: Vec<Group>) -> Decision {
+    /// A check rejected after batched items were counted locally: they are taken back (exactly: they
+    /// have not left the agent unless a flush ran in between, and then the next flush carries less).
+    fn undo_if_denied(&self, plan: &[Planned], out: &[Option<(Outcome, Source)>], taken: &[(usize, u64)]) {
+        if taken.is_empty() || !denied(plan, out) {
+            return;
+        }
+        for &(i, window) in taken {
+            self.batcher.undo(&plan[i], window);
+        }
+    }
+
+    async fn redis_groups(
+        &self,
+        r: &Arc<RedisStore>,
+        plan: Vec<Planned>,
+        groups: Vec<Group>,
+        mut out: Vec<Option<(Outcome, Source)>>,
+        taken: Vec<(usize, u64)>,
+    ) -> Decision {
         let calls = groups
             .iter()
             .filter(|g| g.permit != Some(Permit::Refuse))
@@ -172,7 +326,6 @@ impl Engine {
                 async move { r.check(&items).await }
             });
         let mut results = futures::future::join_all(calls).await.into_iter();
-        let mut out: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
         // Items left to the fallback, and whether its admissions are Redis's to learn (a timed-out
         // script may still have run: admit locally but do not write it back, or it counts twice).
         let mut degraded: Vec<(usize, bool)> = Vec::new();
@@ -216,16 +369,11 @@ impl Engine {
                 }
             }
         }
-        let denied = |out: &[Option<(Outcome, Source)>]| {
-            out.iter()
-                .zip(&plan)
-                .any(|(o, p)| p.rule.enforced() && o.is_some_and(|(o, _)| !o.allowed))
-        };
         if !degraded.is_empty() {
             let now = self.clock.now_ms();
             match &self.guard {
                 // Rejected already: the fallback need not take anything.
-                _ if denied(&out) => {
+                _ if denied(&plan, &out) => {
                     for &(i, _) in &degraded {
                         out[i] = Some((
                             fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS),
@@ -250,9 +398,10 @@ impl Engine {
                 }
             }
         }
-        if denied(&out) && !committed.is_empty() {
+        if denied(&plan, &out) && !committed.is_empty() {
             self.take_back(r, &plan, &committed, &out);
         }
+        self.undo_if_denied(&plan, &out, &taken);
         let now = self.clock.now_ms();
         for (p, o) in plan.iter().zip(&out) {
             if let Some((o, Source::Redis)) = o {
@@ -448,6 +597,13 @@ pub struct TakenBack {
     pub done: AtomicU64,
     /// Units whose take-back failed or timed out (they stay counted until their window ends).
     pub failed: AtomicU64,
+}
+
+/// Whether an enforced item of the check is rejected.
+fn denied(plan: &[Planned], out: &[Option<(Outcome, Source)>]) -> bool {
+    out.iter()
+        .zip(plan)
+        .any(|(o, p)| p.rule.enforced() && o.is_some_and(|(o, _)| !o.allowed))
 }
 
 /// An item a check did not look at because another item rejected it: its rule's plain figures.

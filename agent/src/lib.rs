@@ -7,6 +7,7 @@
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts.
 //! - [`store`]: the in-memory store and the Redis store behind one interface.
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, heartbeats (N).
+//! - [`batch`]: batched execution (local counters, flushes, hot keys).
 //! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files, attribute matching.
@@ -29,6 +30,7 @@
 
 pub mod admin;
 pub mod algo;
+pub mod batch;
 pub mod cache;
 pub mod config;
 pub mod engine;
@@ -44,7 +46,7 @@ use anyhow::Context;
 use tokio::sync::watch;
 
 use crate::config::{Admin, AgentConfig};
-use crate::engine::Engine;
+use crate::engine::{Engine, EngineOptions};
 use crate::guard::membership::default_agent_id;
 use crate::guard::{BreakerConfig, BreakerState, Guard, MembershipConfig, Permit, Transition};
 use crate::rules::RuleSet;
@@ -100,7 +102,14 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         }
         Store::Memory(_) => None,
     };
-    let engine = Engine::with_guard(rules, store.clone(), guard.clone(), config.rejection_cache);
+    let options = EngineOptions {
+        cache_cap: config.rejection_cache,
+        flush_ms: config.flush_interval_ms.max(1),
+        max_batched_keys: config.batch_max_keys,
+        hot_key_rate: config.hot_key_rate,
+        accuracy: config.accuracy,
+    };
+    let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
     let guard_task = match (&store, guard) {
         (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(
             g,
@@ -140,14 +149,75 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         });
     }
 
-    server::serve(listener, engine, shutdown).await;
+    let flusher = match &store {
+        Store::Redis(r) => Some(tokio::spawn(flush_loop(
+            engine.clone(),
+            r.clone(),
+            shutdown.clone(),
+        ))),
+        Store::Memory(_) => None,
+    };
+
+    server::serve(listener, engine.clone(), shutdown).await;
     let _ = std::fs::remove_file(&config.socket);
+    if let (Some(task), Store::Redis(r)) = (flusher, &store) {
+        // In-flight checks are answered; what batched rules admitted since the last flush goes now.
+        let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+        let sent = flush(&engine, r, true).await;
+        tracing::info!(entries = sent, "flushed batched counts on the way out");
+    }
     if let Some(task) = guard_task {
         // It leaves the heartbeat set and writes back what it still holds; bounded by its timeouts.
         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
     }
     tracing::info!("floodgate agent stopped");
     Ok(())
+}
+
+/// How often the flusher looks for rules whose flush is due (the shortest useful interval).
+const FLUSH_TICK: Duration = Duration::from_millis(5);
+
+/// Flushes batched rules' counts when due, until shutdown.
+async fn flush_loop(engine: Arc<Engine>, redis: Arc<RedisStore>, mut shutdown: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(FLUSH_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { flush(&engine, &redis, false).await; }
+            _ = server::stopped(&mut shutdown) => break,
+        }
+    }
+}
+
+/// One flush: the entries of every due rule (all when `force`), sent per shard, the replies applied.
+/// Returns the number of entries sent.
+async fn flush(engine: &Engine, redis: &RedisStore, force: bool) -> usize {
+    let batcher = engine.batcher();
+    if batcher.keys() == 0 {
+        return 0;
+    }
+    let rules: Vec<Arc<rules::Rule>> = engine.rules().iter().cloned().collect();
+    let entries = batcher.take_due(&rules, force);
+    let sent = entries.len();
+    if sent == 0 {
+        return 0;
+    }
+    let started = std::time::Instant::now();
+    for (chunk, reply) in redis.flush(entries).await {
+        match reply {
+            Ok(r) => {
+                let rtt = started.elapsed().as_millis() as u64;
+                batcher.learn_clock(r.now_ms, crate::store::Clock::System.now_ms(), rtt);
+                batcher.apply(&chunk, Ok(&r.learned));
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, entries = chunk.len(), "flush failed");
+                let surely = !matches!(e, crate::store::StoreError::Timeout(_));
+                batcher.apply(&chunk, Err(surely));
+            }
+        }
+    }
+    sent
 }
 
 /// The guard's background work for a Redis store: the heartbeat (learning N), the write-back of what

@@ -31,7 +31,7 @@ mod wire;
 pub use agent::{floodgate_bin, Agent, AgentBuilder};
 pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
-pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, RedisServer};
+pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
 pub use wait::eventually;
 pub use wire::RawConn;
 
@@ -92,10 +92,19 @@ pub fn resume_process(pid: u32) {
 
 /// A plain HTTP/1.1 GET against an agent's admin address: (status code, body). Panics after 5 s.
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    http_request(addr, "GET", path, "").await
+}
+
+/// A plain HTTP/1.1 request with a JSON body (empty for none): (status code, body). Panics after 5 s.
+pub async fn http_request(addr: std::net::SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(format!("{head}{body}").as_bytes())
             .await
             .expect("write request");
         let mut resp = String::new();

@@ -138,14 +138,18 @@ impl Drop for RedisServer {
 }
 
 /// Redis `TIME` in Unix ms: the clock the scripts decide by.
-pub fn redis_time_ms(conn: &mut redis::Connection) -> u64 {
+pub fn redis_time_ms(conn: &mut impl redis::ConnectionLike) -> u64 {
     let (s, us): (u64, u64) = redis::cmd("TIME").query(conn).expect("TIME");
     s * 1000 + us / 1000
 }
 
 /// Sleeps until Redis's clock reaches `offset_ms` into a window of `window_ms` (the next such point).
 /// Tests of window edges must place requests at wall-clock points; there is no event to await.
-pub fn sleep_until_window_offset(conn: &mut redis::Connection, window_ms: u64, offset_ms: u64) -> u64 {
+pub fn sleep_until_window_offset(
+    conn: &mut impl redis::ConnectionLike,
+    window_ms: u64,
+    offset_ms: u64,
+) -> u64 {
     let now = redis_time_ms(conn);
     let start = now - now % window_ms;
     let mut target = start + offset_ms;
@@ -158,9 +162,24 @@ pub fn sleep_until_window_offset(conn: &mut redis::Connection, window_ms: u64, o
 
 /// A sliding-window client's count in the current window and the window hash's TTL in ms, read the
 /// way the scripts lay them out (`floodgate_agent::store::Layout`, default buckets and tags).
-pub fn window_count(conn: &mut redis::Connection, rule_id: &str, key: &str, window_ms: u64) -> (u64, i64) {
-    let layout = floodgate_agent::store::Layout::default();
+pub fn window_count(
+    conn: &mut impl redis::ConnectionLike,
+    rule_id: &str,
+    key: &str,
+    window_ms: u64,
+) -> (u64, i64) {
     let idx = redis_time_ms(conn) / window_ms;
+    window_count_at(conn, rule_id, key, idx)
+}
+
+/// A sliding-window client's count in window `idx` and the window hash's TTL in ms.
+pub fn window_count_at(
+    conn: &mut impl redis::ConnectionLike,
+    rule_id: &str,
+    key: &str,
+    idx: u64,
+) -> (u64, i64) {
+    let layout = floodgate_agent::store::Layout::default();
     let hash = format!(
         "fg:{{{}}}:{rule_id}/{}:{idx}",
         layout.tag(key),

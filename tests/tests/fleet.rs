@@ -156,7 +156,10 @@ async fn a_multi_item_check_rejected_by_one_item_leaves_the_others_unchanged() {
         .await
         .unwrap();
     assert!(!d.allowed);
-    assert!(!d.items[1].verdict.allowed, "the second item is the one that rejected");
+    assert!(
+        !d.items[1].verdict.allowed,
+        "the second item is the one that rejected"
+    );
     eventually("the take-back lands", Duration::from_secs(5), || {
         let (mut conn, a) = (shards.servers[sa].conn(), a.clone());
         async move { (window_count(&mut conn, "ten", &a, 60_000).0 == 1).then_some(()) }

@@ -70,9 +70,16 @@ pub enum FailMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum Execution {
-    /// One atomic script per check (the only mode built so far; batched and auto come with sharding).
+    /// One atomic script per check: exact, one Redis round trip. For low limits (login, OTP).
     #[default]
     Sync,
+    /// Counted by each agent from its local view and flushed to Redis every flush interval, learning
+    /// the global totals back: 10-100× fewer Redis calls, over-admission bounded by the agents'
+    /// shares. Sliding window only (a token-bucket rule runs sync).
+    Batched,
+    /// Batched when the expected error (agents × interval × rate) stays within the accuracy target,
+    /// else sync; decided per check, as the live-agent count and the flush interval change.
+    Auto,
 }
 
 /// Which requests a rule applies to, for attribute checks.
@@ -117,6 +124,9 @@ pub struct Rule {
     /// Where counting happens.
     #[serde(default)]
     pub execution: Execution,
+    /// Flush interval of a batched rule in milliseconds (default: the agent's, 100 ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub flush_interval_ms: Option<NonZeroU64>,
     /// Build keys with the endpoint too (`apikey:abc:endpoint:/search`), so each endpoint counts apart.
     #[serde(default)]
     pub per_endpoint: bool,
@@ -155,6 +165,11 @@ impl Rule {
         if let Some(b) = self.burst {
             if b.get() > 1 << 50 {
                 return Err(format!("rule {}: burst {b} is too large", self.id));
+            }
+        }
+        if let Some(f) = self.flush_interval_ms {
+            if f.get() > 60_000 {
+                return Err(format!("rule {}: flushIntervalMs {f} is over a minute", self.id));
             }
         }
         if let Some(p) = &self.matches.endpoint {
@@ -294,8 +309,12 @@ mod tests {
                 "rule id",
             ),
             (
-                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1,"execution":"batched"}]}"#,
-                "batched",
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1,"execution":"eventually"}]}"#,
+                "eventually",
+            ),
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1,"flushIntervalMs":0}]}"#,
+                "nonzero",
             ),
             (
                 r#"{"rules":[{"id":"a","dimension":"planet","limit":5,"windowSeconds":1}]}"#,

@@ -12,7 +12,10 @@ use std::sync::Arc;
 
 pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
-pub use self::redis::{Adjust, Adjusted, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA};
+pub use self::redis::{
+    Adjust, Adjusted, FlushReply, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA, FLUSH_CHUNK,
+    FLUSH_LUA,
+};
 
 use crate::rules::Rule;
 

@@ -10,6 +10,7 @@ use super::layout::Layout;
 use super::shards::Shards;
 use super::{Planned, StoreError};
 use crate::algo::Outcome;
+use crate::batch::{FlushEntry, Learned};
 use crate::guard::membership::{AGENTS_KEY, HEARTBEAT_LUA};
 use crate::guard::LedgerEntry;
 use crate::rules::Algorithm;
@@ -21,6 +22,16 @@ pub const CHECK_LUA: &str = concat!(
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/check.lua"),
 );
+
+/// The flush script of batched rules (see `lua/flush.lua`).
+pub const FLUSH_LUA: &str = concat!(
+    include_str!("../../../lua/sliding_window.lua"),
+    include_str!("../../../lua/flush.lua"),
+);
+
+/// Entries one flush script call carries: ~1 µs of Redis time each, so a call stays well under a
+/// millisecond and never holds up the checks queued behind it.
+pub const FLUSH_CHUNK: usize = 256;
 
 /// Entries one adjustment script call carries (keeps each call short: Redis runs one script at a time).
 pub const ADJUST_CHUNK: usize = 64;
@@ -88,8 +99,18 @@ pub struct RedisStore {
     shards: Shards,
     layout: Layout,
     script: Script,
+    flush: Script,
     heartbeat: Script,
     timeout: Duration,
+}
+
+/// A flush call's answer: Redis's clock, and what each entry learned.
+#[derive(Debug, Clone)]
+pub struct FlushReply {
+    /// Redis `TIME` in ms when the call ran.
+    pub now_ms: u64,
+    /// Per entry, in order.
+    pub learned: Vec<Learned>,
 }
 
 impl RedisStore {
@@ -99,6 +120,7 @@ impl RedisStore {
             shards: Shards::new(&config.urls, config.cluster, config.layout.tags())?,
             layout: config.layout,
             script: Script::new(CHECK_LUA),
+            flush: Script::new(FLUSH_LUA),
             heartbeat: Script::new(HEARTBEAT_LUA),
             timeout: config.timeout,
         })
@@ -204,6 +226,63 @@ impl RedisStore {
         done
     }
 
+    /// Sends a flush: entries grouped by call and in chunks of [`FLUSH_CHUNK`], all calls at once.
+    /// Each chunk comes back with its own result (a failing shard does not fail the others).
+    pub async fn flush(
+        &self,
+        entries: Vec<FlushEntry>,
+    ) -> Vec<(Vec<FlushEntry>, Result<FlushReply, StoreError>)> {
+        let mut groups: Vec<(Route, Vec<FlushEntry>)> = Vec::new();
+        for e in entries {
+            let route = self.route(&e.key);
+            match groups
+                .iter_mut()
+                .find(|(r, g)| r.call == route.call && g.len() < FLUSH_CHUNK)
+            {
+                Some((_, g)) => g.push(e),
+                None => groups.push((route, vec![e])),
+            }
+        }
+        // Not on the request path: a longer timeout than checks get.
+        let timeout = self.timeout.max(Duration::from_millis(250));
+        let calls = groups.into_iter().map(|(route, chunk)| async move {
+            let mut inv = self.flush.prepare_invoke();
+            for e in &chunk {
+                inv.key(self.layout.state_key(&e.rule, &e.key))
+                    .arg(e.rule.window_ms())
+                    .arg(e.target)
+                    .arg(e.units)
+                    .arg(e.key.as_str());
+            }
+            let call = async {
+                let mut conn = self.shards.conn(route.shard).await?;
+                inv.invoke_async::<Vec<u64>>(&mut conn).await.map_err(classify)
+            };
+            let reply = match tokio::time::timeout(timeout, call).await {
+                Err(_) => Err(StoreError::Timeout(timeout)),
+                Ok(Err(e)) => Err(e),
+                Ok(Ok(v)) if v.len() != 1 + 3 * chunk.len() => Err(StoreError::Script(format!(
+                    "flush returned {} values for {} entries",
+                    v.len(),
+                    chunk.len()
+                ))),
+                Ok(Ok(v)) => Ok(FlushReply {
+                    now_ms: v[0],
+                    learned: v[1..]
+                        .chunks_exact(3)
+                        .map(|x| Learned {
+                            window: x[0],
+                            cur: x[1],
+                            prev: x[2],
+                        })
+                        .collect(),
+                }),
+            };
+            (chunk, reply)
+        });
+        futures::future::join_all(calls).await
+    }
+
     /// The breaker's probe for one shard: loads the check script (a restarted Redis has an empty
     /// cache; a slow reconnection gets 250 ms), then runs one check-shaped call under the checks' own
     /// timeout, so the breaker closes only when checks would succeed too.
@@ -234,18 +313,20 @@ impl RedisStore {
         self.invoke(&inv, shard, 1, self.timeout).await.map(|_| ())
     }
 
-    /// Loads the check script (SCRIPT LOAD) on every shard, so that a burst of checks after a start or
+    /// Loads the check and flush scripts (SCRIPT LOAD) on every shard, so that a burst of checks after a start or
     /// a Redis restart finds it cached instead of each paying NOSCRIPT and a reload within its timeout.
     pub async fn preload(&self) -> Result<(), StoreError> {
         for shard in 0..self.shards.len() {
             let mut conn = self.shards.conn(shard).await?;
-            tokio::time::timeout(
-                self.timeout.max(Duration::from_millis(250)),
-                self.script.prepare_invoke().load_async(&mut conn),
-            )
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
-            .map_err(classify)?;
+            for script in [&self.script, &self.flush] {
+                tokio::time::timeout(
+                    self.timeout.max(Duration::from_millis(250)),
+                    script.prepare_invoke().load_async(&mut conn),
+                )
+                .await
+                .map_err(|_| StoreError::Timeout(self.timeout))?
+                .map_err(classify)?;
+            }
         }
         Ok(())
     }
