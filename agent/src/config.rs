@@ -37,6 +37,11 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_REDIS_TAGS", default_value_t = crate::store::layout::DEFAULT_TAGS)]
     pub redis_tags: u32,
 
+    /// Most check items one coalesced script call carries: sync checks that arrive together for one
+    /// shard share a call (1 turns coalescing off: one call per check).
+    #[arg(long, env = "FLOODGATE_COALESCE", default_value_t = crate::store::DEFAULT_COALESCE)]
+    pub coalesce: usize,
+
     /// Default flush interval of batched rules in milliseconds (a rule's flushIntervalMs overrides
     /// it; both can be changed at run time through the admin API).
     #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = crate::batch::DEFAULT_FLUSH_MS)]

@@ -323,7 +323,7 @@ impl Engine {
             .filter(|g| g.permit != Some(Permit::Refuse))
             .map(|g| {
                 let items: Vec<Planned> = g.items.iter().map(|&i| plan[i].clone()).collect();
-                async move { r.check(&items).await }
+                async move { r.check(items).await }
             });
         let mut results = futures::future::join_all(calls).await.into_iter();
         // Items left to the fallback, and whether its admissions are Redis's to learn (a timed-out

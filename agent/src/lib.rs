@@ -68,6 +68,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
             cluster: config.redis_cluster,
             timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
             layout: Layout::new(config.redis_buckets, config.redis_tags),
+            coalesce: config.coalesce,
         })?)),
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };

@@ -3,6 +3,7 @@
 //! Both run the same algorithms (`crate::algo` in Rust, `lua/` in Redis) with all-or-nothing semantics
 //! within one call: costs are committed only if every enforced item passes.
 
+mod coalesce;
 pub mod layout;
 mod memory;
 mod redis;
@@ -13,8 +14,8 @@ use std::sync::Arc;
 pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
 pub use self::redis::{
-    Adjust, Adjusted, FlushReply, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA, FLUSH_CHUNK,
-    FLUSH_LUA,
+    Adjust, Adjusted, FlushReply, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA, DEFAULT_COALESCE,
+    FLUSH_CHUNK, FLUSH_LUA,
 };
 
 use crate::rules::Rule;

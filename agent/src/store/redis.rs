@@ -2,10 +2,12 @@
 //! on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode. Independent nodes
 //! or a Redis Cluster (`shards`), keys laid out by `layout`.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use redis::{ErrorKind, RedisError, Script, ScriptInvocation};
 
+use super::coalesce;
 use super::layout::Layout;
 use super::shards::Shards;
 use super::{Planned, StoreError};
@@ -33,6 +35,10 @@ pub const FLUSH_LUA: &str = concat!(
 /// millisecond and never holds up the checks queued behind it.
 pub const FLUSH_CHUNK: usize = 256;
 
+/// Check items one coalesced script call carries by default: 64 × ~1-3 µs keeps a call well under a
+/// millisecond of Redis time.
+pub const DEFAULT_COALESCE: usize = 64;
+
 /// Entries one adjustment script call carries (keeps each call short: Redis runs one script at a time).
 pub const ADJUST_CHUNK: usize = 64;
 
@@ -47,6 +53,8 @@ pub struct RedisConfig {
     pub timeout: Duration,
     /// Buckets and hash tags; the same on every agent of a fleet.
     pub layout: Layout,
+    /// Most check items one coalesced script call carries (1: one call per check).
+    pub coalesce: usize,
 }
 
 impl RedisConfig {
@@ -57,6 +65,7 @@ impl RedisConfig {
             cluster: false,
             timeout,
             layout: Layout::default(),
+            coalesce: DEFAULT_COALESCE,
         }
     }
 }
@@ -102,6 +111,8 @@ pub struct RedisStore {
     flush: Script,
     heartbeat: Script,
     timeout: Duration,
+    coalesce: usize,
+    workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
 }
 
 /// A flush call's answer: Redis's clock, and what each entry learned.
@@ -123,6 +134,8 @@ impl RedisStore {
             flush: Script::new(FLUSH_LUA),
             heartbeat: Script::new(HEARTBEAT_LUA),
             timeout: config.timeout,
+            coalesce: config.coalesce,
+            workers: OnceLock::new(),
         })
     }
 
@@ -153,29 +166,94 @@ impl RedisStore {
         Route { shard, call }
     }
 
-    /// Checks the items of one check in one atomic script call; outcomes come back in item order.
-    /// Every item must have the same route (the engine groups them).
-    pub async fn check(&self, items: &[Planned]) -> Result<Vec<Outcome>, StoreError> {
+    /// Checks the items of one check atomically (all or nothing); outcomes come back in item order.
+    /// Every item must have the same route (the engine groups them). With coalescing on, checks that
+    /// arrive together for one call group share a script call (`coalesce`), each still all or
+    /// nothing; the wait is bounded by the store timeout either way.
+    pub async fn check(self: &Arc<Self>, items: Vec<Planned>) -> Result<Vec<Outcome>, StoreError> {
         let Some(first) = items.first() else {
             return Ok(Vec::new());
         };
-        let shard = self.route(&first.key).shard;
-        let mut inv = self.script.prepare_invoke();
-        for (i, p) in items.iter().enumerate() {
-            let mode = if p.rule.enforced() { 1 } else { 0 };
-            self.push(&mut inv, p, mode, 0, i + 1 == items.len());
+        let route = self.route(&first.key);
+        if self.coalesce <= 1 {
+            let mut reply = self.run_batch_direct(route.shard, vec![items]).await?;
+            return Ok(reply.pop().unwrap_or_default());
         }
-        let reply = self.invoke(&inv, shard, items.len(), self.timeout).await?;
+        let workers = self.workers.get_or_init(|| {
+            let calls = if self.shards.is_cluster() {
+                self.layout.tags() as usize
+            } else {
+                self.shards.len()
+            };
+            (0..calls)
+                .map(|call| {
+                    let shard = if self.shards.is_cluster() { 0 } else { call };
+                    coalesce::spawn(Arc::downgrade(self), shard, self.coalesce)
+                })
+                .collect()
+        });
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        workers[route.call as usize % workers.len()]
+            .send(coalesce::Job { items, reply: tx })
+            .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
+        match tokio::time::timeout(self.timeout, rx).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Runs queued checks of one call group as one script call and answers each.
+    pub(crate) async fn run_batch(&self, shard: usize, batch: Vec<coalesce::Job>) {
+        // A check whose caller gave up (its timeout passed) is not sent: nobody would learn whether
+        // it counted.
+        let batch: Vec<coalesce::Job> = batch.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if batch.is_empty() {
+            return;
+        }
+        let (checks, replies): (Vec<Vec<Planned>>, Vec<_>) =
+            batch.into_iter().map(|j| (j.items, j.reply)).unzip();
+        match self.run_batch_direct(shard, checks).await {
+            Ok(outcomes) => {
+                for (reply, o) in replies.into_iter().zip(outcomes) {
+                    let _ = reply.send(Ok(o));
+                }
+            }
+            Err(e) => {
+                for reply in replies {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// One script call for several checks (each all or nothing): outcomes per check, in order.
+    async fn run_batch_direct(
+        &self,
+        shard: usize,
+        checks: Vec<Vec<Planned>>,
+    ) -> Result<Vec<Vec<Outcome>>, StoreError> {
+        let mut inv = self.script.prepare_invoke();
+        let mut total = 0;
+        for items in &checks {
+            for (i, p) in items.iter().enumerate() {
+                let mode = if p.rule.enforced() { 1 } else { 0 };
+                self.push(&mut inv, p, mode, 0, i + 1 == items.len());
+            }
+            total += items.len();
+        }
+        let reply = self.invoke(&inv, shard, total, self.timeout).await?;
         let u = |x: i64| x.max(0) as u64;
-        Ok(reply
-            .chunks_exact(5)
-            .map(|v| Outcome {
-                allowed: v[0] == 1,
-                limit: u(v[1]),
-                remaining: u(v[2]),
-                reset_at_ms: u(v[3]),
-                retry_after_ms: u(v[4]),
-            })
+        let mut outcomes = reply.chunks_exact(5).map(|v| Outcome {
+            allowed: v[0] == 1,
+            limit: u(v[1]),
+            remaining: u(v[2]),
+            reset_at_ms: u(v[3]),
+            retry_after_ms: u(v[4]),
+        });
+        Ok(checks
+            .iter()
+            .map(|items| outcomes.by_ref().take(items.len()).collect())
             .collect())
     }
 
