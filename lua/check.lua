@@ -4,8 +4,10 @@
 -- SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
 -- group per check: the agent may carry several concurrent checks for one shard in one call, which
 -- spreads the script's fixed cost); within a group every item is evaluated first, and costs are
--- committed only if every enforced item passes, so a rejected check consumes nothing. Items of rules
--- in log mode (mode 0) are reported but never block the others.
+-- kept only if every enforced item passes, so a rejected check consumes nothing: a sliding window
+-- counts an admitted cost at once and undoes it if the check fails, a token bucket writes its cost
+-- only once the check passed. Items of rules in log mode (mode 0) are reported but never block the
+-- others.
 --
 -- KEYS[i]  the item's state: fg:{<tag>}:<rule>:<bucket> (sliding window: the prefix of its window
 --          hashes, which share its hash tag) or fg:{<tag>}:<rule>:k:<client key> (token bucket). On a
@@ -23,6 +25,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
 local commits = {}
+local undos = {}
 local all_ok = true
 
 for i = 1, #KEYS do
@@ -54,24 +57,29 @@ for i = 1, #KEYS do
     end
     for _, x in ipairs({ 1, limit, applied, now, 0 }) do out[#out + 1] = x end
   else
-    local verdict, commit
+    local verdict
     if algorithm == '1' then
-      verdict, commit = sliding_window(KEYS[i], field, now, limit, window, cost)
+      local undo
+      verdict, undo = sliding_window(KEYS[i], field, now, limit, window, cost)
+      if verdict[1] == 1 then undos[#undos + 1] = undo end
     else
+      local commit
       verdict, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
+      if verdict[1] == 1 then commits[#commits + 1] = commit end
     end
     for _, x in ipairs(verdict) do out[#out + 1] = x end
-    if verdict[1] == 1 then
-      commits[#commits + 1] = commit
-    elseif mode == '1' then
+    if verdict[1] ~= 1 and mode == '1' then
       all_ok = false
     end
   end
   if ARGV[a + 9] == '1' then
     if all_ok then
       for _, commit in ipairs(commits) do commit() end
+    else
+      for _, undo in ipairs(undos) do undo() end
     end
     commits = {}
+    undos = {}
     all_ok = true
   end
 end

@@ -8,9 +8,11 @@
 -- clean-up job, and Redis keeps each small hash as one compact listpack: ~20 B per client and window
 -- instead of ~100 B of per-key overhead for one key per client.
 --
--- sliding_window(prefix, field, now, limit, window, cost) reads the state and returns the verdict
--- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and the write that would commit the cost.
--- check.lua calls it for every item of a check first and commits only if every enforced item passes.
+-- sliding_window(prefix, field, now, limit, window, cost) counts the cost at once (HINCRBY returns
+-- the count before it, so an admitted check costs two commands: the increment and a read of the
+-- previous window), takes it back at once if the check is denied, and returns the verdict
+-- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and the undo that takes an admitted cost
+-- back. check.lua undoes every admitted item of a check that another item rejects.
 --
 -- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
@@ -32,20 +34,30 @@ end
 
 local function sliding_window(prefix, field, now, limit, window, cost)
   local idx = math.floor(now / window)
-  local cur, prev = sliding_window_counts(prefix, field, idx)
+  local key = prefix .. ':' .. idx
+  local cur = redis.call('HINCRBY', key, field, cost) - cost
+  if cur == 0 then
+    redis.call('PEXPIREAT', key, (idx + 2) * window)
+  end
+  local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
 
   local start = idx * window
   local elapsed = (now - start) / window
   local estimate = prev * (1 - elapsed) + cur
   local expire_at = start + 2 * window
-  local commit = function()
-    sliding_window_add(prefix, field, idx, window, cost, cur)
+  local undo = function()
+    if cur == 0 then
+      redis.call('HDEL', key, field)
+    else
+      redis.call('HINCRBY', key, field, -cost)
+    end
   end
   if estimate + cost <= limit then
     local remaining = math.floor(limit - estimate - cost)
     if remaining < 0 then remaining = 0 end
-    return { 1, limit, remaining, expire_at, 0 }, commit
+    return { 1, limit, remaining, expire_at, 0 }, undo
   end
+  undo()
 
   local retry
   if cost > limit then
@@ -65,7 +77,7 @@ local function sliding_window(prefix, field, now, limit, window, cost)
   if cur > 0 then reset = expire_at elseif prev > 0 then reset = start + window else reset = now end
   local remaining = math.floor(limit - estimate)
   if remaining < 0 then remaining = 0 end
-  return { 0, limit, remaining, reset, retry }, commit
+  return { 0, limit, remaining, reset, retry }, function() end
 end
 
 -- Adds (units > 0) or takes back (units < 0) units counted in window `target`: if that window still

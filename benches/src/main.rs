@@ -209,13 +209,19 @@ async fn run_once(
                 None => None,
             };
             let cpu_before = pid.and_then(cpu_ticks);
+            let redis_cpu_before = redis.and_then(RedisServer::pid).and_then(cpu_ticks);
             let result = closed::run(&target, clients, args.pipeline, args.keys, measure).await?;
             let cpu = match (pid.and_then(cpu_ticks), cpu_before) {
                 (Some(after), Some(before)) => Some(after.saturating_sub(before)),
                 _ => None,
             };
             let redis_calls = match (redis, before) {
-                (Some(r), Some(b)) => Some(commandstats(r)?.since(&b)),
+                (Some(r), Some(b)) => {
+                    let mut d = commandstats(r)?.since(&b);
+                    let after = r.pid().and_then(cpu_ticks);
+                    d.process_ticks = after.zip(redis_cpu_before).map_or(0, |(a, b)| a.saturating_sub(b));
+                    Some(d)
+                }
                 _ => None,
             };
             let mut row = Row::closed(name, clients, args.pipeline, result, redis_calls);

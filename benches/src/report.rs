@@ -161,7 +161,7 @@ impl Table {
         }
         println!("\nmedians of {} run(s):", self.runs.max(1));
         println!(
-            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9}",
+            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9}",
             "scenario",
             "mode",
             "clients",
@@ -173,20 +173,22 @@ impl Table {
             "max µs",
             "EVALSHA/",
             "redis µs/",
+            "redis CPU",
             "server µs/",
             "fallback"
         );
         println!(
-            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>9}",
-            "", "", "", "", "", "", "", "", "", "check", "check", "check", "%"
+            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9}",
+            "", "", "", "", "", "", "", "", "", "check", "check", "µs/check", "check", "%"
         );
         for r in &self.rows {
-            let (cmds, cpu) = match r.redis {
+            let (cmds, cpu, proc_cpu) = match r.redis {
                 Some(d) if r.all_checks > 0 && d.evalsha > 0 => (
                     format!("{:.2}", d.evalsha as f64 / r.all_checks as f64),
                     format!("{:.2}", d.evalsha_usec as f64 / r.all_checks as f64),
+                    format!("{:.2}", d.process_ticks as f64 * 10_000.0 / r.all_checks as f64),
                 ),
-                _ => ("-".into(), "-".into()),
+                _ => ("-".into(), "-".into(), "-".into()),
             };
             let depth = if r.mode == "open" {
                 "-".to_string()
@@ -198,7 +200,7 @@ impl Table {
                 .map(|o| format!(" (offered {o}/s)"))
                 .unwrap_or_default();
             println!(
-                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10} {:>10} {:>9.2}{}",
+                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10} {:>10} {:>10} {:>9.2}{}",
                 r.scenario,
                 r.mode,
                 r.clients,
@@ -210,6 +212,7 @@ impl Table {
                 r.max_us,
                 cmds,
                 cpu,
+                proc_cpu,
                 r.server_cpu_us_per_check
                     .map(|c| format!("{c:.2}"))
                     .unwrap_or_else(|| "-".into()),
@@ -270,6 +273,7 @@ impl Table {
                 d.calls = (per(&|x| x.calls) * n) as u64;
                 d.evalsha = (per(&|x| x.evalsha) * n) as u64;
                 d.evalsha_usec = (per(&|x| x.evalsha_usec) * n) as u64;
+                d.process_ticks = (per(&|x| x.process_ticks) * n) as u64;
             }
             out.rows.push(m);
         }

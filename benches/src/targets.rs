@@ -170,6 +170,9 @@ pub struct RedisDelta {
     pub evalsha: u64,
     /// Redis CPU µs spent in EVALSHA, script-internal commands included.
     pub evalsha_usec: u64,
+    /// CPU the redis-server process used (user + system, 10 ms ticks, from /proc): its whole cost,
+    /// network syscalls included, which `INFO commandstats` does not count.
+    pub process_ticks: u64,
 }
 
 /// Reads INFO commandstats.
