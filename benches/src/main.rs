@@ -11,11 +11,14 @@
 //! - `open`: the open loop (blocking threads, intended-time latency).
 //! - `echo`: the bare Unix-socket server used as the baseline.
 //! - `targets`: connections to the echo server, an agent, and bare EVALSHA.
+//! - `fleet`: issue 3's figures (commands per check batched vs sync, over-admission with N agents,
+//!   memory per key).
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
 mod closed;
 mod echo;
+mod fleet;
 mod open;
 mod report;
 mod targets;
@@ -64,6 +67,57 @@ enum Command {
         #[arg(long, default_value_t = 5)]
         redis_timeout_ms: u64,
     },
+    /// Redis commands per 1,000 checks, sync (coalescing off and on) vs batched, open loop.
+    Commands {
+        /// Offered checks/s.
+        #[arg(long, default_value_t = 100_000)]
+        rate: u64,
+        /// Distinct keys.
+        #[arg(long, default_value_t = 10_000)]
+        keys: usize,
+        /// Seconds measured per mode (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 4.0)]
+        seconds: f64,
+        /// Connections the open loop spreads its requests over.
+        #[arg(long, default_value_t = 4)]
+        connections: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/commands.json")]
+        json: PathBuf,
+    },
+    /// Over-admission of a batched rule with N agents on one key offered twice its limit.
+    Accuracy {
+        /// Agent counts, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4,8")]
+        agents: Vec<usize>,
+        /// The limit per 2 s window.
+        #[arg(long, default_value_t = 2_000)]
+        limit: u64,
+        /// Whole windows measured.
+        #[arg(long, default_value_t = 5)]
+        windows: u64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/accuracy.json")]
+        json: PathBuf,
+    },
+    /// Redis memory per tracked pair and agent RSS per batched key.
+    Memory {
+        /// Distinct keys.
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/memory.json")]
+        json: PathBuf,
+    },
+}
+
+fn write_json(path: &std::path::Path, value: &impl serde::Serialize) -> anyhow::Result<()> {
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    std::fs::write(path, serde_json::to_string_pretty(value)?)?;
+    println!("JSON written to {}", path.display());
+    Ok(())
 }
 
 #[derive(clap::Args, Clone)]
@@ -127,7 +181,32 @@ fn main() -> anyhow::Result<()> {
         println!("JSON written to {}", json.display());
         return Ok(());
     }
-    runtime.block_on(run(cli.run))
+    match cli.command {
+        Some(Command::Commands {
+            rate,
+            keys,
+            seconds,
+            connections,
+            json,
+        }) => {
+            let rows = runtime.block_on(fleet::commands(rate, keys, seconds, connections))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Accuracy {
+            agents,
+            limit,
+            windows,
+            json,
+        }) => {
+            let rows = runtime.block_on(fleet::accuracy(&agents, limit, windows))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Memory { keys, json }) => {
+            let rows = runtime.block_on(fleet::memory(keys))?;
+            write_json(&json, &rows)
+        }
+        _ => runtime.block_on(run(cli.run)),
+    }
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
@@ -219,7 +298,9 @@ async fn run_once(
                 (Some(r), Some(b)) => {
                     let mut d = commandstats(r)?.since(&b);
                     let after = r.pid().and_then(cpu_ticks);
-                    d.process_ticks = after.zip(redis_cpu_before).map_or(0, |(a, b)| a.saturating_sub(b));
+                    d.process_ticks = after
+                        .zip(redis_cpu_before)
+                        .map_or(0, |(a, b)| a.saturating_sub(b));
                     Some(d)
                 }
                 _ => None,

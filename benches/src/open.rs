@@ -135,14 +135,11 @@ pub fn run(
         handles.push(drive(socket, per_connection, offset, t0, warmup + measure, key)?);
     }
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let (mut checks, mut fallbacks) = (0, 0);
+    let (mut checks, mut fallbacks, mut all_checks) = (0, 0, 0);
     for h in handles {
-        for a in h
-            .join()
-            .map_err(|_| anyhow::anyhow!("load thread panicked"))??
-            .into_iter()
-            .filter(|a| a.at >= warmup)
-        {
+        let answers = h.join().map_err(|_| anyhow::anyhow!("load thread panicked"))??;
+        all_checks += answers.len() as u64;
+        for a in answers.into_iter().filter(|a| a.at >= warmup) {
             hist.saturating_record(a.latency.as_nanos() as u64);
             checks += 1;
             fallbacks += u64::from(a.source == Some(Source::Fallback));
@@ -152,7 +149,7 @@ pub fn run(
         hist,
         checks,
         elapsed: measure,
-        all_checks: checks,
+        all_checks,
         fallbacks,
     })
 }

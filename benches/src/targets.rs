@@ -202,6 +202,11 @@ pub fn commandstats(redis: &RedisServer) -> anyhow::Result<CommandStats> {
 }
 
 impl CommandStats {
+    /// Every command's (calls, µs) since the server started.
+    pub fn entries(&self) -> impl Iterator<Item = (&String, &(u64, u64))> {
+        self.0.iter()
+    }
+
     /// What happened since `before`.
     pub fn since(&self, before: &CommandStats) -> RedisDelta {
         let mut d = RedisDelta::default();

@@ -2,16 +2,22 @@
 //! what to send, and what a reply teaches.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::counter::{Counter, Denial};
+use super::counter::Denial;
+use super::map::CounterMap;
 use crate::algo::Outcome;
 use crate::rules::Rule;
 use crate::store::{Clock, Planned};
 
 /// The default flush interval (the design's ~100 ms).
 pub const DEFAULT_FLUSH_MS: u64 = 100;
+
+/// Most entries one flush pass carries (writes and learns of all rules): bounds the pass's memory and
+/// Redis time (~256 calls). What does not fit waits for the next pass: unwritten units stay pending,
+/// unlearned keys stay stale (one check per key and slot until learned).
+pub const MAX_FLUSH_ENTRIES: usize = 65_536;
 
 /// Most (rule, key) counters an agent tracks by default; past it new keys run sync (~100 B each).
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
@@ -31,7 +37,7 @@ pub struct FlushEntry {
     /// Units to add.
     pub units: u64,
     /// For a learn, the rule's learn sequence number.
-    pub seq: u64,
+    pub seq: u32,
     /// Whether this entry learns (reads) rather than writes.
     pub learn: bool,
 }
@@ -51,10 +57,10 @@ pub struct Learned {
 struct RuleCounters {
     window_ms: u64,
     /// Learns of this rule so far (+1): counts learned before the last learn are stale.
-    seq: AtomicU64,
+    seq: AtomicU32,
     /// The flush slot (Redis time / interval) of the last write, and of the last learn.
     slots: Mutex<(u64, u64)>,
-    shards: Vec<Mutex<HashMap<Box<str>, Counter>>>,
+    shards: Vec<Mutex<CounterMap>>,
 }
 
 /// Counters in figures, for the admin API and benchmarks.
@@ -214,13 +220,10 @@ impl Batcher {
             let mut shard = rc.shards[shard_of(&p.key)]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner());
-            let c = match shard.get_mut(p.key.as_str()) {
-                Some(c) => c,
-                None => {
-                    self.keys.fetch_add(1, Ordering::Relaxed);
-                    shard.entry(p.key.as_str().into()).or_default()
-                }
-            };
+            let (c, new) = shard.get_or_insert(&p.key);
+            if new {
+                self.keys.fetch_add(1, Ordering::Relaxed);
+            }
             let (o, d) = if denied && p.rule.enforced() {
                 // Already rejected: report without counting.
                 let mut probe = c.clone();
@@ -311,12 +314,14 @@ impl Batcher {
             for shard in &rc.shards {
                 let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
                 if learn {
-                    let before = shard.len();
-                    shard.retain(|_, c| c.active || c.busy() || c.window + 2 > idx);
-                    self.keys.fetch_sub(before - shard.len(), Ordering::Relaxed);
+                    let dropped = shard.retain(|c| c.active || c.busy() || c.window + 2 > idx);
+                    self.keys.fetch_sub(dropped, Ordering::Relaxed);
                 }
                 for (key, c) in shard.iter_mut() {
-                    if write && c.pending_cur + c.pending_prev > 0 {
+                    if out.len() >= MAX_FLUSH_ENTRIES {
+                        break;
+                    }
+                    if write && c.pending() > 0 {
                         for (target, units) in c.take() {
                             if units > 0 {
                                 out.push(FlushEntry {
@@ -354,7 +359,7 @@ impl Batcher {
         out
     }
 
-    /// Applies a flush reply: sent units acknowledged and the learned counts (`Ok`), sent units
+    /// Applies a flush reply: written units stay written and learns set the learned counts (`Ok`), written units
     /// pending again (`Err(true)`: the call surely failed), or given up as uncertain (`Err(false)`:
     /// it timed out and may have been applied).
     pub fn apply(&self, entries: &[FlushEntry], reply: Result<&[Learned], bool>) {
@@ -382,7 +387,8 @@ impl Batcher {
                 }
                 // A learn that failed teaches nothing: the counts stay as stale as they are.
                 Err(_) if e.learn => {}
-                Ok(_) | Err(false) => c.acknowledge(e.target, e.units),
+                // Written, or maybe written (a timeout): it stays counted as written.
+                Ok(_) | Err(false) => {}
                 Err(true) => c.resend(e.target, e.units),
             }
         }
@@ -400,7 +406,7 @@ impl Batcher {
                     let s = s.lock().unwrap_or_else(|p| p.into_inner());
                     keys += s.len();
                     for c in s.values() {
-                        pending += c.pending_cur + c.pending_prev + c.sent_cur + c.sent_prev;
+                        pending += c.pending();
                         let (cur, prev) = c.unlearned();
                         unlearned += cur + prev;
                     }
@@ -418,9 +424,9 @@ impl Batcher {
 fn new_counters(window_ms: u64, slot: u64) -> Arc<RuleCounters> {
     Arc::new(RuleCounters {
         window_ms,
-        seq: AtomicU64::new(1),
+        seq: AtomicU32::new(1),
         slots: Mutex::new((slot, u64::MAX)),
-        shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+        shards: (0..SHARDS).map(|_| Mutex::new(CounterMap::default())).collect(),
     })
 }
 

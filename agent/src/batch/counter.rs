@@ -3,29 +3,26 @@
 
 use crate::algo::{sliding_window, Outcome, WindowState};
 
-/// What the agent knows of one (rule, key): windows are Redis-clock window indexes.
+/// What the agent knows of one (rule, key): windows are Redis-clock window indexes. Counts are
+/// `u32` (batched rules have limits below 2³², `Engine::batched_by_rule`): 40 bytes a key.
 #[derive(Debug, Clone, Default)]
 pub struct Counter {
     /// The window `*_cur` counts.
     pub window: u64,
-    /// Global count of `window` at the last flush reply (ours included up to that flush).
-    pub learned_cur: u64,
+    /// Global count of `window` at the last learn (ours included up to the write before it).
+    pub learned_cur: u32,
     /// Global count of the window before.
-    pub learned_prev: u64,
-    /// Admitted here for `window`, not sent yet.
-    pub pending_cur: u64,
-    /// Admitted here for the window before, not sent yet.
-    pub pending_prev: u64,
-    /// Sent in the flush in flight, for `window`.
-    pub sent_cur: u64,
-    /// Sent in the flush in flight, for the window before.
-    pub sent_prev: u64,
-    /// Written to Redis, not yet in a learned count, for `window`.
-    pub written_cur: u64,
-    /// Written to Redis, not yet in a learned count, for the window before.
-    pub written_prev: u64,
-    /// The flush (sequence number) the learned counts came from; 0 = never learned.
-    pub learned_seq: u64,
+    pub learned_prev: u32,
+    /// Admitted here for `window`, not written yet.
+    pub pending_cur: u32,
+    /// Admitted here for the window before, not written yet.
+    pub pending_prev: u32,
+    /// Written (or being written) to Redis, not yet in a learned count, for `window`.
+    pub written_cur: u32,
+    /// Written (or being written) to Redis, not yet in a learned count, for the window before.
+    pub written_prev: u32,
+    /// The learn (sequence number) the learned counts came from; 0 = never learned.
+    pub learned_seq: u32,
     /// Checked since the last learn (so the next learn refreshes its counts).
     pub active: bool,
 }
@@ -39,10 +36,14 @@ pub enum Denial {
     Share,
 }
 
+fn narrow(x: u64) -> u32 {
+    x.min(u64::from(u32::MAX)) as u32
+}
+
 impl Counter {
     /// Moves the counter to window `idx` (Redis clock): the current counts become the previous ones
-    /// after one window; both are gone after two. Unsent units of a window that no longer weighs are
-    /// dropped (the script would ignore them too).
+    /// after one window; both are gone after two. Unwritten units of a window that no longer weighs
+    /// are dropped (the script would ignore them too).
     pub fn roll(&mut self, idx: u64) {
         if idx <= self.window {
             return;
@@ -50,17 +51,14 @@ impl Counter {
         if idx == self.window + 1 {
             self.learned_prev = self.learned_cur;
             self.pending_prev = self.pending_cur;
-            self.sent_prev = self.sent_cur;
             self.written_prev = self.written_cur;
         } else {
             self.learned_prev = 0;
             self.pending_prev = 0;
-            self.sent_prev = 0;
             self.written_prev = 0;
         }
         self.learned_cur = 0;
         self.pending_cur = 0;
-        self.sent_cur = 0;
         self.written_cur = 0;
         self.window = idx;
     }
@@ -82,15 +80,15 @@ impl Counter {
         cost: u64,
         now_ms: u64,
         n: u64,
-        seq: u64,
+        seq: u32,
     ) -> (Outcome, Option<Denial>) {
         self.roll(now_ms / window_ms);
         self.active = true;
         let (unlearned_cur, unlearned_prev) = self.unlearned();
         let state = WindowState {
             window: self.window,
-            cur: self.learned_cur + unlearned_cur,
-            prev: self.learned_prev + unlearned_prev,
+            cur: u64::from(self.learned_cur) + unlearned_cur,
+            prev: u64::from(self.learned_prev) + unlearned_prev,
         };
         let (outcome, _, _) = sliding_window(Some(state), limit, window_ms, cost, now_ms);
         if !outcome.allowed {
@@ -98,7 +96,7 @@ impl Counter {
         }
         let elapsed = (now_ms - self.window * window_ms) as f64 / window_ms as f64;
         let weight = 1.0 - elapsed;
-        let learned = self.learned_prev as f64 * weight + self.learned_cur as f64;
+        let learned = f64::from(self.learned_prev) * weight + f64::from(self.learned_cur);
         let unlearned = unlearned_prev as f64 * weight + unlearned_cur as f64;
         let fresh = self.learned_seq > 0 && self.learned_seq + 1 >= seq;
         let share = if fresh {
@@ -112,41 +110,47 @@ impl Counter {
             denied.allowed = false;
             return (denied, Some(Denial::Share));
         }
-        self.pending_cur += cost;
+        self.pending_cur = narrow(u64::from(self.pending_cur) + cost);
         (outcome, None)
     }
 
     /// Units admitted here and not in the learned counts: (this window, the one before).
     pub fn unlearned(&self) -> (u64, u64) {
         (
-            self.pending_cur + self.sent_cur + self.written_cur,
-            self.pending_prev + self.sent_prev + self.written_prev,
+            u64::from(self.pending_cur) + u64::from(self.written_cur),
+            u64::from(self.pending_prev) + u64::from(self.written_prev),
         )
+    }
+
+    /// Units admitted here and not written yet.
+    pub fn pending(&self) -> u64 {
+        u64::from(self.pending_cur) + u64::from(self.pending_prev)
     }
 
     /// Takes back `cost` admitted at window `window` (the check was rejected by another item).
     pub fn undo(&mut self, window: u64, cost: u64) {
         if window == self.window {
-            self.pending_cur = self.pending_cur.saturating_sub(cost);
+            self.pending_cur = narrow(u64::from(self.pending_cur).saturating_sub(cost));
         } else if window + 1 == self.window {
-            self.pending_prev = self.pending_prev.saturating_sub(cost);
+            self.pending_prev = narrow(u64::from(self.pending_prev).saturating_sub(cost));
         }
     }
 
-    /// Whether anything waits to be sent, acknowledged or learned.
+    /// Whether anything waits to be written or learned.
     pub fn busy(&self) -> bool {
         let (cur, prev) = self.unlearned();
         cur + prev > 0
     }
 
-    /// The units to write now, as (window, units) pairs; moves them from pending to sent.
+    /// The units to write now, as (window, units) pairs; they count as written from now on (a write
+    /// that surely failed gives them back with [`Counter::resend`]).
     pub fn take(&mut self) -> [(u64, u64); 2] {
         let out = [
-            (self.window, self.pending_cur),
-            (self.window.wrapping_sub(1), self.pending_prev),
+            (self.window, u64::from(self.pending_cur)),
+            (self.window.wrapping_sub(1), u64::from(self.pending_prev)),
         ];
-        self.sent_cur += self.pending_cur;
-        self.sent_prev += self.pending_prev;
+        self.written_cur = self.written_cur.saturating_add(self.pending_cur);
+        self.written_prev = self.written_prev.saturating_add(self.pending_prev);
         self.pending_cur = 0;
         self.pending_prev = 0;
         out
@@ -154,43 +158,30 @@ impl Counter {
 
     /// A learn reply: Redis was at window `idx` and held `cur` for it and `prev` for the one before,
     /// every unit this counter wrote before the learn was sent included.
-    pub fn learn(&mut self, idx: u64, cur: u64, prev: u64, seq: u64) {
+    pub fn learn(&mut self, idx: u64, cur: u64, prev: u64, seq: u32) {
         self.roll(idx);
         if idx == self.window {
-            self.learned_cur = cur;
-            self.learned_prev = prev;
+            self.learned_cur = narrow(cur);
+            self.learned_prev = narrow(prev);
             self.written_cur = 0;
             self.written_prev = 0;
             self.learned_seq = seq;
         } else if idx + 1 == self.window {
-            self.learned_prev = cur;
+            self.learned_prev = narrow(cur);
             self.written_prev = 0;
         }
     }
 
-    /// Sent units that reached Redis (or may have: a timed-out write is not sent again): they count
-    /// as written until a learn includes them.
-    pub fn acknowledge(&mut self, target: u64, units: u64) {
-        if target == self.window {
-            let u = units.min(self.sent_cur);
-            self.sent_cur -= u;
-            self.written_cur += u;
-        } else if target.wrapping_add(1) == self.window {
-            let u = units.min(self.sent_prev);
-            self.sent_prev -= u;
-            self.written_prev += u;
-        }
-    }
-
-    /// A flush that surely failed: its units are pending again.
+    /// A write that surely failed: its units are pending again.
     pub fn resend(&mut self, target: u64, units: u64) {
+        let units = narrow(units);
         if target == self.window {
-            let u = units.min(self.sent_cur);
-            self.sent_cur -= u;
+            let u = units.min(self.written_cur);
+            self.written_cur -= u;
             self.pending_cur += u;
         } else if target.wrapping_add(1) == self.window {
-            let u = units.min(self.sent_prev);
-            self.sent_prev -= u;
+            let u = units.min(self.written_prev);
+            self.written_prev -= u;
             self.pending_prev += u;
         }
     }
@@ -209,7 +200,6 @@ mod tests {
         assert_eq!(c.admit(100, W, 1, 10_001, 4, 1).1, Some(Denial::Share));
         let sent = c.take();
         assert_eq!(sent[0], (10, 1));
-        c.acknowledge(10, 1);
         // Redis holds 1 (ours) + 39 from other agents.
         c.learn(10, 40, 0, 2);
         assert_eq!(c.unlearned(), (0, 0));
@@ -225,7 +215,6 @@ mod tests {
         let mut c = Counter::default();
         c.admit(10, W, 1, 5_000, 1, 1);
         c.take();
-        c.acknowledge(5, 1);
         c.learn(5, 1, 0, 2);
         let admitted = (0..20)
             .filter(|i| c.admit(10, W, 1, 5_001 + i, 1, 2).1.is_none())
@@ -267,18 +256,16 @@ mod tests {
         c.admit(100, W, 3, 2_500, 1, 1);
         let sent = c.take();
         assert_eq!(sent[0], (2, 3));
-        // The window rolls before the write is acknowledged and learned.
+        // The window rolls before the write is learned.
         c.roll(3);
-        assert_eq!((c.sent_prev, c.sent_cur), (3, 0));
-        c.acknowledge(2, 3);
-        assert_eq!((c.sent_prev, c.written_prev), (0, 3));
+        assert_eq!((c.written_prev, c.written_cur), (3, 0));
         c.learn(3, 0, 3, 2);
         assert_eq!((c.written_prev, c.learned_prev, c.learned_cur), (0, 3, 0));
         // A failed flush puts units back to pending.
         c.admit(100, W, 2, 3_100, 1, 2);
         let sent = c.take();
         c.resend(sent[0].0, sent[0].1);
-        assert_eq!((c.pending_cur, c.sent_cur), (2, 0));
+        assert_eq!((c.pending_cur, c.written_cur), (2, 0));
         c.undo(3, 2);
         assert!(!c.busy());
     }
@@ -296,7 +283,7 @@ mod simulation {
         const W: u64 = 2_000;
         let mut agents: Vec<Counter> = (0..4).map(|_| Counter::default()).collect();
         let mut redis: HashMap<u64, u64> = HashMap::new();
-        let mut seq = [1u64; 4];
+        let mut seq = [1u32; 4];
         let mut admitted: HashMap<u64, u64> = HashMap::new();
         let start = 100 * W;
         for t in start..start + 4 * W {
@@ -307,7 +294,6 @@ mod simulation {
                         if units > 0 && target + 1 >= t / W {
                             *redis.entry(target).or_default() += units;
                         }
-                        c.acknowledge(target, units);
                     }
                 }
                 if t % 100 == 50 + d {

@@ -4,6 +4,7 @@
 mod batcher;
 mod counter;
 mod hot;
+mod map;
 
 pub use batcher::{BatchStats, Batcher, FlushEntry, Learned, DEFAULT_FLUSH_MS, DEFAULT_MAX_KEYS};
 pub use counter::{Counter, Denial};

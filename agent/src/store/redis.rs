@@ -39,6 +39,9 @@ pub const FLUSH_CHUNK: usize = 256;
 /// millisecond of Redis time.
 pub const DEFAULT_COALESCE: usize = 64;
 
+/// Flush calls in flight at once.
+pub const FLUSH_CONCURRENCY: usize = 4;
+
 /// Entries one adjustment script call carries (keeps each call short: Redis runs one script at a time).
 pub const ADJUST_CHUNK: usize = 64;
 
@@ -304,7 +307,7 @@ impl RedisStore {
         done
     }
 
-    /// Sends a flush: entries grouped by call and in chunks of [`FLUSH_CHUNK`], all calls at once.
+    /// Sends a flush: entries grouped by call and in chunks of [`FLUSH_CHUNK`], a few calls at once.
     /// Each chunk comes back with its own result (a failing shard does not fail the others).
     pub async fn flush(
         &self,
@@ -358,7 +361,13 @@ impl RedisStore {
             };
             (chunk, reply)
         });
-        futures::future::join_all(calls).await
+        // A few calls at a time: a flush of many keys must not queue hundreds of calls (and their
+        // buffers) at once ahead of the checks.
+        futures::stream::StreamExt::collect(futures::stream::StreamExt::buffer_unordered(
+            futures::stream::iter(calls),
+            FLUSH_CONCURRENCY,
+        ))
+        .await
     }
 
     /// The breaker's probe for one shard: loads the check script (a restarted Redis has an empty
