@@ -1,15 +1,17 @@
 -- Floodgate flush: what one agent admitted locally for batched rules since its last flush, added to
 -- the shared counts in one call, and the global counts read back.
 --
--- The agent runs this script as sliding_window.lua .. flush.lua (one script, one SHA). Entries with
--- 0 units only read: the agent learns the global count of every key it checked since the last flush.
+-- The agent runs this script as sliding_window.lua .. flush.lua (one script, one SHA). An entry with
+-- units is a write (one HINCRBY, and the hash's expiry if this client was new in it); an entry with
+-- 0 units is a learn, which reads the global counts back (two HGETs). Agents write at the start of a
+-- flush slot and learn half a slot later, when every agent's write is in.
 --
 -- KEYS[i]  the entry's sliding-window prefix, fg:{<tag>}:<rule>/<bucket> (on a Redis Cluster one call
 --          carries keys of one hash tag only)
 -- ARGV     4 per entry: window_ms, target window (the units' window, agent's estimate of the Redis
 --          clock), units, field (the client key)
--- returns  1 + 3 per entry: Redis now in ms, then per entry the current window index, its global
---          count and the previous window's (the units just added included)
+-- returns  1 + 3 per entry: Redis now in ms, then per entry the current window index and, for a
+--          learn, its global count and the previous window's (0 and 0 for a write)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = { now }
@@ -19,11 +21,19 @@ for i = 1, #KEYS do
   local target = tonumber(ARGV[a + 2])
   local units = tonumber(ARGV[a + 3])
   local field = ARGV[a + 4]
-  if units > 0 then
-    sliding_window_adjust(KEYS[i], field, now, window, units, target)
-  end
   local idx = math.floor(now / window)
-  local cur, prev = sliding_window_counts(KEYS[i], field, idx)
+  local cur, prev = 0, 0
+  if units > 0 then
+    -- A window that no longer weighs on the estimate takes nothing.
+    if target == idx or target == idx - 1 then
+      local key = KEYS[i] .. ':' .. target
+      if redis.call('HINCRBY', key, field, units) == units then
+        redis.call('PEXPIREAT', key, (target + 2) * window)
+      end
+    end
+  else
+    cur, prev = sliding_window_counts(KEYS[i], field, idx)
+  end
   out[#out + 1] = idx
   out[#out + 1] = cur
   out[#out + 1] = prev

@@ -198,7 +198,7 @@ async fn flush(engine: &Engine, redis: &RedisStore, force: bool) -> usize {
         return 0;
     }
     let rules: Vec<Arc<rules::Rule>> = engine.rules().iter().cloned().collect();
-    let entries = batcher.take_due(&rules, force);
+    let entries = batcher.take_due(&rules, engine.live_agents(), force);
     let sent = entries.len();
     if sent == 0 {
         return 0;

@@ -69,9 +69,12 @@ enum Command {
     },
     /// Redis commands per 1,000 checks, sync (coalescing off and on) vs batched, open loop.
     Commands {
-        /// Offered checks/s.
+        /// Offered checks/s for the batched rule.
         #[arg(long, default_value_t = 100_000)]
         rate: u64,
+        /// Offered checks/s for the sync rule (what one agent's sync path sustains here).
+        #[arg(long, default_value_t = 30_000)]
+        sync_rate: u64,
         /// Distinct keys.
         #[arg(long, default_value_t = 10_000)]
         keys: usize,
@@ -150,6 +153,9 @@ struct RunArgs {
     /// the rule's fail mode and counted in the `fallback %` column.
     #[arg(long, default_value_t = 5)]
     redis_timeout_ms: u64,
+    /// The Redis agent's `--coalesce` (most check items per script call; 1 turns coalescing off).
+    #[arg(long, default_value_t = floodgate_agent::store::DEFAULT_COALESCE)]
+    coalesce: usize,
     /// Worker threads of the agents under test (the agent's default is 1; 0: one per core).
     #[arg(long, default_value_t = 1)]
     agent_threads: usize,
@@ -184,12 +190,13 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Some(Command::Commands {
             rate,
+            sync_rate,
             keys,
             seconds,
             connections,
             json,
         }) => {
-            let rows = runtime.block_on(fleet::commands(rate, keys, seconds, connections))?;
+            let rows = runtime.block_on(fleet::commands(rate, sync_rate, keys, seconds, connections))?;
             write_json(&json, &rows)
         }
         Some(Command::Accuracy {
@@ -237,6 +244,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 .rules(RULES)
                 .arg("--redis-timeout-ms")
                 .arg(&args.redis_timeout_ms.to_string())
+                .arg("--coalesce")
+                .arg(&args.coalesce.to_string())
                 .arg("--threads")
                 .arg(&args.agent_threads.to_string())
                 .start()
@@ -369,7 +378,7 @@ async fn run_once(
 }
 
 /// CPU time (user + system) a process has used, in clock ticks (1/100 s), from /proc.
-fn cpu_ticks(pid: u32) -> Option<u64> {
+pub(crate) fn cpu_ticks(pid: u32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = stat.rsplit_once(") ")?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();

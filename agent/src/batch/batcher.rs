@@ -272,10 +272,11 @@ impl Batcher {
 
     /// The entries of every rule whose flush is due now (Redis clock): at the start of each flush
     /// slot (time / interval) a write of what was admitted since the last one; half a slot later,
-    /// when every agent has written, a learn of each key checked or written since the last learn.
+    /// when every agent has written, a learn of the keys that need one (`Counter::needs_learn`: near
+    /// their share, or not learned for `LEARN_EVERY` passes).
     /// With `force` (shutdown), a write of everything pending. Idle counters whose windows have
     /// passed are dropped at each learn.
-    pub fn take_due(&self, rules: &[Arc<Rule>], force: bool) -> Vec<FlushEntry> {
+    pub fn take_due(&self, rules: &[Arc<Rule>], n: u64, force: bool) -> Vec<FlushEntry> {
         let redis_now = self.redis_now_ms();
         let mut out = Vec::new();
         for rule in rules {
@@ -335,7 +336,7 @@ impl Batcher {
                             }
                         }
                     }
-                    if learn && (c.active || c.busy()) {
+                    if learn && c.needs_learn(rule.limit.get(), rc.window_ms, redis_now, n, seq) {
                         c.active = false;
                         out.push(FlushEntry {
                             rule: rule.clone(),

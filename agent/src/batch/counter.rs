@@ -36,6 +36,11 @@ pub enum Denial {
     Share,
 }
 
+/// Learns a counter may miss while it is far from its limit: a key that has used less than half its
+/// share since it last learned is learned at most every 10 slots (1 s at 100 ms), so keys far from
+/// their limits cost a write per slot and a read per second, not a read per slot.
+pub const LEARN_EVERY: u32 = 10;
+
 fn narrow(x: u64) -> u32 {
     x.min(u64::from(u32::MAX)) as u32
 }
@@ -98,7 +103,7 @@ impl Counter {
         let weight = 1.0 - elapsed;
         let learned = f64::from(self.learned_prev) * weight + f64::from(self.learned_cur);
         let unlearned = unlearned_prev as f64 * weight + unlearned_cur as f64;
-        let fresh = self.learned_seq > 0 && self.learned_seq + 1 >= seq;
+        let fresh = self.learned_seq > 0 && self.learned_seq + LEARN_EVERY >= seq;
         let share = if fresh {
             (limit as f64 - learned) / n.max(1) as f64
         } else {
@@ -112,6 +117,28 @@ impl Counter {
         }
         self.pending_cur = narrow(u64::from(self.pending_cur) + cost);
         (outcome, None)
+    }
+
+    /// Whether the learn pass `seq` should read this counter back: it was checked or has unlearned
+    /// units, and it never learned, learned `LEARN_EVERY` passes ago, or has used half its share
+    /// (then it learns every pass: near the limit the view must be one slot old at most).
+    pub fn needs_learn(&self, limit: u64, window_ms: u64, now_ms: u64, n: u64, seq: u32) -> bool {
+        if !(self.active || self.busy()) {
+            return false;
+        }
+        if self.learned_seq == 0 || self.learned_seq + LEARN_EVERY <= seq {
+            return true;
+        }
+        let idx = now_ms / window_ms;
+        if idx != self.window {
+            return true;
+        }
+        let weight = 1.0 - (now_ms - self.window * window_ms) as f64 / window_ms as f64;
+        let learned = f64::from(self.learned_prev) * weight + f64::from(self.learned_cur);
+        let (cur, prev) = self.unlearned();
+        let unlearned = prev as f64 * weight + cur as f64;
+        let share = (limit as f64 - learned) / n.max(1) as f64;
+        unlearned * 2.0 >= share
     }
 
     /// Units admitted here and not in the learned counts: (this window, the one before).
@@ -245,9 +272,28 @@ mod tests {
         let mut c = Counter::default();
         c.roll(3);
         c.learn(3, 10, 0, 5);
-        // Two flushes later without a refresh (the key was idle): stale.
-        assert_eq!(c.admit(100, W, 1, 3_000, 1, 7).1, None);
-        assert_eq!(c.admit(100, W, 1, 3_001, 1, 7).1, Some(Denial::Share));
+        // LEARN_EVERY + 1 passes later without a refresh (the key was idle): stale.
+        let seq = 5 + LEARN_EVERY + 1;
+        assert_eq!(c.admit(100, W, 1, 3_000, 1, seq).1, None);
+        assert_eq!(c.admit(100, W, 1, 3_001, 1, seq).1, Some(Denial::Share));
+    }
+
+    #[test]
+    fn keys_far_from_their_limit_learn_less_often() {
+        let mut c = Counter::default();
+        c.roll(3);
+        c.learn(3, 10, 0, 5);
+        c.admit(1_000, W, 1, 3_100, 4, 5);
+        // 1 unit used of a share of (1000 − 10) / 4: far; learned 1 pass ago.
+        assert!(!c.needs_learn(1_000, W, 3_150, 4, 6));
+        assert!(c.needs_learn(1_000, W, 3_150, 4, 5 + LEARN_EVERY), "stale");
+        for i in 0..130 {
+            c.admit(1_000, W, 1, 3_200 + i, 4, 6);
+        }
+        assert!(c.needs_learn(1_000, W, 3_400, 4, 6), "half the share used: near");
+        c.learn(3, 500, 0, 6);
+        let idle = Counter::default();
+        assert!(!idle.needs_learn(1_000, W, 3_400, 4, 7), "never checked");
     }
 
     #[test]
