@@ -24,8 +24,10 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
+local n = 0
 local commits = {}
-local undos = {}
+-- Admitted sliding-window items of the current group, to undo if the group fails.
+local undo_keys, undo_fields, undo_costs, undo_was, undos = {}, {}, {}, {}, 0
 local all_ok = true
 
 for i = 1, #KEYS do
@@ -33,15 +35,15 @@ for i = 1, #KEYS do
   local algorithm = ARGV[a + 1]
   local limit = tonumber(ARGV[a + 2])
   local window = tonumber(ARGV[a + 3])
-  local burst = tonumber(ARGV[a + 4])
   local cost = tonumber(ARGV[a + 5])
   local mode = ARGV[a + 6]
-  local target = tonumber(ARGV[a + 7])
   local field = ARGV[a + 8]
   if algorithm ~= '1' and algorithm ~= '2' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
   if mode == '2' or mode == '3' then
+    local burst = tonumber(ARGV[a + 4])
+    local target = tonumber(ARGV[a + 7])
     local units = cost
     if mode == '3' then units = -cost end
     local applied = 0
@@ -55,31 +57,34 @@ for i = 1, #KEYS do
       token_bucket_give_back(KEYS[i], now, limit, window, burst, cost)
       applied = -cost
     end
-    for _, x in ipairs({ 1, limit, applied, now, 0 }) do out[#out + 1] = x end
-  else
-    local verdict
-    if algorithm == '1' then
-      local undo
-      verdict, undo = sliding_window(KEYS[i], field, now, limit, window, cost)
-      if verdict[1] == 1 then undos[#undos + 1] = undo end
-    else
-      local commit
-      verdict, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
-      if verdict[1] == 1 then commits[#commits + 1] = commit end
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, 0
+  elseif algorithm == '1' then
+    local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry
+    if ok == 1 then
+      undos = undos + 1
+      undo_keys[undos], undo_fields[undos], undo_costs[undos], undo_was[undos] = key, field, cost, was
+    elseif mode == '1' then
+      all_ok = false
     end
-    for _, x in ipairs(verdict) do out[#out + 1] = x end
-    if verdict[1] ~= 1 and mode == '1' then
+  else
+    local verdict, commit = token_bucket(KEYS[i], now, limit, window, tonumber(ARGV[a + 4]), cost)
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = verdict[1], verdict[2], verdict[3], verdict[4], verdict[5]
+    if verdict[1] == 1 then
+      commits[#commits + 1] = commit
+    elseif mode == '1' then
       all_ok = false
     end
   end
+  n = n + 5
   if ARGV[a + 9] == '1' then
     if all_ok then
       for _, commit in ipairs(commits) do commit() end
     else
-      for _, undo in ipairs(undos) do undo() end
+      for u = 1, undos do sliding_window_undo(undo_keys[u], undo_fields[u], undo_costs[u], undo_was[u]) end
     end
     commits = {}
-    undos = {}
+    undos = 0
     all_ok = true
   end
 end

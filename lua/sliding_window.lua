@@ -10,9 +10,11 @@
 --
 -- sliding_window(prefix, field, now, limit, window, cost) counts the cost at once (HINCRBY returns
 -- the count before it, so an admitted check costs two commands: the increment and a read of the
--- previous window), takes it back at once if the check is denied, and returns the verdict
--- (allowed, limit, remaining, reset_at_ms, retry_after_ms) and the undo that takes an admitted cost
--- back. check.lua undoes every admitted item of a check that another item rejects.
+-- previous window), takes it back at once if the check is denied, and returns the verdict as
+-- allowed (1 | 0), remaining, reset_at_ms, retry_after_ms, then the window hash and the count before
+-- the increment, which sliding_window_undo needs to take an admitted cost back (check.lua undoes
+-- every admitted item of a check that another item rejects). Plain values, no tables or closures:
+-- this is the per-check hot path, and Lua allocations cost as much as the Redis commands here.
 --
 -- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
@@ -32,6 +34,14 @@ local function sliding_window_add(prefix, field, idx, window, units, was)
   end
 end
 
+local function sliding_window_undo(key, field, cost, was)
+  if was == 0 then
+    redis.call('HDEL', key, field)
+  else
+    redis.call('HINCRBY', key, field, -cost)
+  end
+end
+
 local function sliding_window(prefix, field, now, limit, window, cost)
   local idx = math.floor(now / window)
   local key = prefix .. ':' .. idx
@@ -42,22 +52,14 @@ local function sliding_window(prefix, field, now, limit, window, cost)
   local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
 
   local start = idx * window
-  local elapsed = (now - start) / window
-  local estimate = prev * (1 - elapsed) + cur
+  local estimate = prev * (1 - (now - start) / window) + cur
   local expire_at = start + 2 * window
-  local undo = function()
-    if cur == 0 then
-      redis.call('HDEL', key, field)
-    else
-      redis.call('HINCRBY', key, field, -cost)
-    end
-  end
   if estimate + cost <= limit then
     local remaining = math.floor(limit - estimate - cost)
     if remaining < 0 then remaining = 0 end
-    return { 1, limit, remaining, expire_at, 0 }, undo
+    return 1, remaining, expire_at, 0, key, cur
   end
-  undo()
+  sliding_window_undo(key, field, cost, cur)
 
   local retry
   if cost > limit then
@@ -77,7 +79,7 @@ local function sliding_window(prefix, field, now, limit, window, cost)
   if cur > 0 then reset = expire_at elseif prev > 0 then reset = start + window else reset = now end
   local remaining = math.floor(limit - estimate)
   if remaining < 0 then remaining = 0 end
-  return { 0, limit, remaining, reset, retry }, function() end
+  return 0, remaining, reset, retry, key, cur
 end
 
 -- Adds (units > 0) or takes back (units < 0) units counted in window `target`: if that window still
