@@ -89,7 +89,9 @@ pub async fn commands(
         // Batched units still pending are not Redis's cost yet; the next flush is (at most 100 ms).
         tokio::time::sleep(Duration::from_millis(200)).await;
         let after = command_counts(&redis)?;
-        let cpu = crate::cpu_ticks(redis_pid).unwrap_or(0).saturating_sub(cpu_before);
+        let cpu = crate::cpu_ticks(redis_pid)
+            .unwrap_or(0)
+            .saturating_sub(cpu_before);
         let n = result.all_checks.max(1) as f64;
         let row = CommandsRow {
             scenario: name.into(),
@@ -392,4 +394,64 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
         );
     }
     Ok(rows)
+}
+
+/// Where keys live on independent shards, and how many move when a node is added.
+#[derive(Debug, Serialize)]
+pub struct PlacementRow {
+    nodes_before: usize,
+    keys: usize,
+    buckets: u32,
+    share_per_node_pct: Vec<f64>,
+    moved_keys: usize,
+    moved_pct: f64,
+    ideal_moved_pct: f64,
+    moved_to_new_node_only: bool,
+}
+
+/// Places `keys` client keys (`user:0..`) on `nodes` independent shards with the default layout,
+/// then on `nodes + 1`, and counts the keys whose shard changed (rendezvous hashing: only those the
+/// new node wins, ideally 1 / (nodes + 1)).
+pub fn placement(keys: usize, nodes: usize) -> PlacementRow {
+    use floodgate_agent::store::shards::rendezvous;
+    use floodgate_agent::store::Layout;
+    let layout = Layout::default();
+    let names: Vec<String> = (0..=nodes)
+        .map(|i| format!("redis://10.0.0.{}:6379", i + 1))
+        .collect();
+    let before: Vec<&str> = names[..nodes].iter().map(String::as_str).collect();
+    let after: Vec<&str> = names.iter().map(String::as_str).collect();
+    let by_bucket_before: Vec<usize> = (0..layout.buckets()).map(|b| rendezvous(&before, b)).collect();
+    let by_bucket_after: Vec<usize> = (0..layout.buckets()).map(|b| rendezvous(&after, b)).collect();
+    let mut per_node = vec![0usize; nodes];
+    let (mut moved, mut only_new) = (0, true);
+    for k in 0..keys {
+        let b = layout.bucket(&format!("user:{k}")) as usize;
+        per_node[by_bucket_before[b]] += 1;
+        if by_bucket_before[b] != by_bucket_after[b] {
+            moved += 1;
+            only_new &= by_bucket_after[b] == nodes;
+        }
+    }
+    let row = PlacementRow {
+        nodes_before: nodes,
+        keys,
+        buckets: layout.buckets(),
+        share_per_node_pct: per_node.iter().map(|&n| n as f64 * 100.0 / keys as f64).collect(),
+        moved_keys: moved,
+        moved_pct: moved as f64 * 100.0 / keys as f64,
+        ideal_moved_pct: 100.0 / (nodes + 1) as f64,
+        moved_to_new_node_only: only_new,
+    };
+    println!(
+        "  {nodes} → {} nodes, {keys} keys over {} buckets: shares before {:?} %; moved {} keys = {:.2} % (ideal {:.2} %), all to the new node: {}",
+        nodes + 1,
+        row.buckets,
+        row.share_per_node_pct.iter().map(|p| format!("{p:.1}")).collect::<Vec<_>>(),
+        row.moved_keys,
+        row.moved_pct,
+        row.ideal_moved_pct,
+        row.moved_to_new_node_only
+    );
+    row
 }

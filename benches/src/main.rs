@@ -103,6 +103,18 @@ enum Command {
         #[arg(long, default_value = "target/bench/accuracy.json")]
         json: PathBuf,
     },
+    /// Key placement on independent shards and the keys that move when one node is added.
+    Placement {
+        /// Distinct keys.
+        #[arg(long, default_value_t = 1_000_000)]
+        keys: usize,
+        /// Node counts before adding one, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "3,4,8")]
+        nodes: Vec<usize>,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/placement.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -206,6 +218,10 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let rows = runtime.block_on(fleet::accuracy(&agents, limit, windows))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Placement { keys, nodes, json }) => {
+            let rows: Vec<_> = nodes.iter().map(|&n| fleet::placement(keys, n)).collect();
             write_json(&json, &rows)
         }
         Some(Command::Memory { keys, json }) => {

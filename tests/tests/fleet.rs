@@ -106,7 +106,7 @@ fn keys_on_two_shards(shards: &Shards) -> (String, String, usize, usize) {
     let layout = Layout::default();
     let urls: Vec<String> = shards.servers.iter().map(RedisServer::url).collect();
     let names: Vec<&str> = urls.iter().map(String::as_str).collect();
-    let shard = |k: &str| rendezvous(&names, layout.tag(k));
+    let shard = |k: &str| rendezvous(&names, layout.bucket(k));
     let a = "user:a".to_string();
     let b = (0..)
         .map(|i| format!("user:b{i}"))

@@ -4,8 +4,9 @@
 //! 16,384 buckets each hash holds ~61 clients, which Redis keeps as one compact listpack (≤ 128
 //! entries by default), so a tracked pair costs ~20 B per window instead of ~100 B of per-key
 //! overhead (BENCHMARKS.md has the measurement). The hash tag is a bucket group (`tag = bucket %
-//! tags`): every key of one client shares it, so a multi-rule check for one client is one script call
-//! on one shard, and a flush needs at most one call per tag on a Redis Cluster.
+//! tags`): every key of one client shares it (and its bucket), so a multi-rule check for one client
+//! is one script call on one shard, and a flush needs at most one call per tag on a Redis Cluster.
+//! Independent nodes place buckets, not tags (finer, so the nodes' shares are even).
 
 use crate::rules::{Algorithm, Rule};
 
@@ -42,6 +43,11 @@ impl Layout {
     /// The number of hash tags.
     pub fn tags(&self) -> u32 {
         self.tags
+    }
+
+    /// The number of buckets.
+    pub fn buckets(&self) -> u32 {
+        self.buckets
     }
 
     /// The client key's bucket: FNV-1a, stable across agents, builds and platforms.

@@ -131,7 +131,7 @@ impl RedisStore {
     /// Prepares a store. Connects lazily: an agent starts (and fails open) even while Redis is away.
     pub fn new(config: &RedisConfig) -> Result<Self, StoreError> {
         Ok(RedisStore {
-            shards: Shards::new(&config.urls, config.cluster, config.layout.tags())?,
+            shards: Shards::new(&config.urls, config.cluster, config.layout.buckets())?,
             layout: config.layout,
             script: Script::new(CHECK_LUA),
             flush: Script::new(FLUSH_LUA),
@@ -159,8 +159,9 @@ impl RedisStore {
 
     /// Where a client key's counters live.
     pub fn route(&self, key: &str) -> Route {
-        let tag = self.layout.tag(key);
-        let shard = self.shards.shard_of_tag(tag);
+        let bucket = self.layout.bucket(key);
+        let tag = bucket % self.layout.tags();
+        let shard = self.shards.shard_of_bucket(bucket);
         let call = if self.shards.is_cluster() {
             tag
         } else {
@@ -382,12 +383,9 @@ impl RedisStore {
         .await
         .map_err(|_| StoreError::Timeout(self.timeout))?
         .map_err(classify)?;
-        // A key of a tag this shard holds, so a cluster routes it like a check.
-        let tag = (0..self.layout.tags())
-            .find(|t| self.shards.shard_of_tag(*t) == shard)
-            .unwrap_or(0);
+        // The call goes to this shard's connection (a cluster routes it by the key's slot).
         let mut inv = self.script.prepare_invoke();
-        inv.key(format!("fg:{{{tag}}}:probe"))
+        inv.key("fg:{probe}:probe")
             .arg(1)
             .arg(1u64 << 50)
             .arg(1_000)
@@ -419,14 +417,14 @@ impl RedisStore {
     }
 
     /// Writes this agent's heartbeat (or removes it when `leaving`) and returns the live-agent count.
-    /// The set lives on the shard that holds tag 0.
+    /// The set lives on the shard that holds bucket 0.
     pub async fn heartbeat(&self, id: &str, ttl: Duration, leaving: bool) -> Result<u64, StoreError> {
         let mut inv = self.heartbeat.prepare_invoke();
         inv.key(AGENTS_KEY)
             .arg(id)
             .arg(ttl.as_millis() as u64)
             .arg(if leaving { 1 } else { 0 });
-        let mut conn = self.shards.conn(self.shards.shard_of_tag(0)).await?;
+        let mut conn = self.shards.conn(self.shards.shard_of_bucket(0)).await?;
         let n: u64 = tokio::time::timeout(
             self.timeout.max(Duration::from_millis(250)),
             inv.invoke_async(&mut conn),

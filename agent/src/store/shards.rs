@@ -1,6 +1,7 @@
-//! The Redis deployment behind the store: independent nodes, each hash tag placed by rendezvous
-//! hashing (adding a node moves only the tags it wins, ~1/(n+1) of them), or one Redis Cluster
-//! (redis-rs routes each call by its keys' slot and follows MOVED and ASK).
+//! The Redis deployment behind the store: independent nodes, each bucket of clients placed by
+//! rendezvous hashing (adding a node moves only the buckets it wins, ~1/(n+1) of them; 16,384 buckets
+//! keep the nodes' shares within a percent or so), or one Redis Cluster (redis-rs routes each call by
+//! its keys' slot — the hash tag — and follows MOVED and ASK).
 
 use std::time::Duration;
 
@@ -52,12 +53,12 @@ impl ConnectionLike for Conn {
 
 /// The nodes, or the cluster.
 pub enum Shards {
-    /// Independent nodes; `by_tag[tag]` is the node that holds the tag.
+    /// Independent nodes; `by_bucket[bucket]` is the node that holds the bucket.
     Nodes {
         /// One connection per node, in the order given.
         nodes: Vec<(String, ConnectionManager)>,
-        /// Tag → node index.
-        by_tag: Vec<usize>,
+        /// Bucket → node index.
+        by_bucket: Vec<usize>,
     },
     /// A Redis Cluster, connected on first use (an agent starts while Redis is away).
     Cluster {
@@ -72,7 +73,7 @@ pub enum Shards {
 
 impl Shards {
     /// Connects lazily to `urls`: independent nodes, or the seeds of one cluster.
-    pub fn new(urls: &[String], cluster: bool, tags: u32) -> Result<Self, StoreError> {
+    pub fn new(urls: &[String], cluster: bool, buckets: u32) -> Result<Self, StoreError> {
         let err = |e: redis::RedisError| StoreError::Connection(e.to_string());
         if urls.is_empty() {
             return Err(StoreError::Connection("no Redis URL given".into()));
@@ -101,8 +102,8 @@ impl Shards {
             nodes.push((redact(url), conn));
         }
         let names: Vec<&str> = nodes.iter().map(|(n, _)| n.as_str()).collect();
-        let by_tag = (0..tags).map(|t| rendezvous(&names, t)).collect();
-        Ok(Shards::Nodes { nodes, by_tag })
+        let by_bucket = (0..buckets).map(|b| rendezvous(&names, b)).collect();
+        Ok(Shards::Nodes { nodes, by_bucket })
     }
 
     /// How many shards have breakers of their own: one per node; a cluster is one (redis-rs follows
@@ -124,10 +125,10 @@ impl Shards {
         matches!(self, Shards::Cluster { .. })
     }
 
-    /// The shard that holds a tag.
-    pub fn shard_of_tag(&self, tag: u32) -> usize {
+    /// The shard that holds a bucket.
+    pub fn shard_of_bucket(&self, bucket: u32) -> usize {
         match self {
-            Shards::Nodes { by_tag, .. } => by_tag[tag as usize % by_tag.len()],
+            Shards::Nodes { by_bucket, .. } => by_bucket[bucket as usize % by_bucket.len()],
             Shards::Cluster { .. } => 0,
         }
     }
@@ -157,12 +158,12 @@ impl Shards {
     }
 }
 
-/// The node that wins a tag: the highest hash of (node name, tag). Names, not positions, decide, so
+/// The node that wins a bucket: the highest hash of (node name, bucket). Names, not positions, decide, so
 /// the order of URLs does not matter and a new node takes only the tags it now wins.
-pub fn rendezvous(names: &[&str], tag: u32) -> usize {
+pub fn rendezvous(names: &[&str], bucket: u32) -> usize {
     let score = |name: &str| {
         let mut bytes = name.as_bytes().to_vec();
-        bytes.extend_from_slice(&tag.to_le_bytes());
+        bytes.extend_from_slice(&bucket.to_le_bytes());
         // FNV-1a's last bytes mix poorly; a final avalanche (splitmix64) spreads them.
         let mut z = fnv1a(&bytes).wrapping_add(0x9e37_79b9_7f4a_7c15);
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -191,7 +192,7 @@ mod tests {
     }
 
     #[test]
-    fn a_new_node_takes_only_the_tags_it_wins() {
+    fn a_new_node_takes_only_the_buckets_it_wins() {
         let three = ["redis://a:1", "redis://b:1", "redis://c:1"];
         let four = ["redis://a:1", "redis://b:1", "redis://c:1", "redis://d:1"];
         let tags = 4096;
