@@ -83,6 +83,32 @@ impl Cluster {
         }
     }
 
+    /// Moves `slots` hash slots from node `from` to node `to` with `redis-cli --cluster reshard`
+    /// (keys migrate with their slots; clients meet ASK during the move and MOVED after it).
+    pub fn reshard(&self, from: usize, to: usize, slots: u32) {
+        let id = |i: usize| -> String {
+            redis::cmd("CLUSTER")
+                .arg("MYID")
+                .query(&mut self.nodes[i].conn())
+                .expect("CLUSTER MYID")
+        };
+        let cli = std::env::var("REDIS_CLI_BIN").unwrap_or_else(|_| "redis-cli".into());
+        let out = Command::new(&cli)
+            .arg("--cluster")
+            .arg("reshard")
+            .arg(format!("127.0.0.1:{}", self.nodes[from].port()))
+            .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
+            .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
+            .output()
+            .expect("redis-cli --cluster reshard");
+        assert!(
+            out.status.success(),
+            "reshard failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// The seed URLs separated by commas, as `--redis` takes them with `--redis-cluster`.
     pub fn urls(&self) -> String {
         let urls: Vec<String> = self.nodes.iter().map(RedisServer::url).collect();

@@ -172,3 +172,64 @@ async fn a_multi_item_check_rejected_by_one_item_leaves_the_others_unchanged() {
     // The whole check's figures are the binding item's: the rejection.
     assert!(d.retry_after_ms.is_some());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counts_follow_their_slots_when_the_cluster_reshards() {
+    const FIVE: &str = r#"{"rules":[{"id":"five","dimension":"user","limit":5,"windowSeconds":60},
+        {"id":"many","dimension":"user","limit":1000000,"windowSeconds":60}]}"#;
+    let cluster = Cluster::start(3);
+    let agent = Agent::builder()
+        .patient_redis(&cluster.urls())
+        .arg("--redis-cluster")
+        .rules(FIVE)
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    // Counts are per 60 s window: keep the run (a few seconds) inside one.
+    let mut conn = cluster.nodes[0].conn();
+    if redis_time_ms(&mut conn) % 60_000 > 45_000 {
+        sleep_until_window_offset(&mut conn, 60_000, 0);
+    }
+    let keys: Vec<String> = (0..100).map(|i| format!("user:r{i}")).collect();
+    for k in &keys {
+        for _ in 0..3 {
+            assert!(client.allow(k, "five", 1).await.unwrap().allowed);
+        }
+    }
+    // Load on other keys while a third of the slots moves: the agent meets ASK and MOVED.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load = {
+        let (client, stop) = (client.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut answered = 0u64;
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let d = client
+                    .allow(&format!("user:l{}", i % 500), "many", 1)
+                    .await
+                    .unwrap();
+                assert_eq!(
+                    d.origin,
+                    Origin::Agent(Source::Redis),
+                    "answered by Redis during the move: {d:?}"
+                );
+                answered += 1;
+                i += 1;
+            }
+            answered
+        })
+    };
+    // Every slot of node 0 goes to node 1 (redis-cli runs on this worker; the load on the other).
+    tokio::task::block_in_place(|| cluster.reshard(0, 1, 5461));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let answered = load.await.unwrap();
+    assert!(answered > 0);
+    assert_eq!(dbsize(&cluster.nodes[0]), 0, "node 0 gave all its keys away");
+    // The counts moved with their slots: two more checks each, then the limit.
+    for k in &keys {
+        for n in 4..=6 {
+            let d = client.allow(k, "five", 1).await.unwrap();
+            assert_eq!(d.allowed, n <= 5, "{k} check {n}: {d:?}");
+        }
+    }
+}
