@@ -455,3 +455,122 @@ pub fn placement(keys: usize, nodes: usize) -> PlacementRow {
     );
     row
 }
+
+/// What rejected cross-shard checks leave behind.
+#[derive(Debug, Serialize)]
+pub struct CompensationRow {
+    checks: u64,
+    clients: usize,
+    rejected: u64,
+    units_taken_back: u64,
+    take_back_failed: u64,
+    max_transient_over_count: u64,
+    residual_over_count: u64,
+}
+
+/// `checks` two-item checks on 3 shards, `clients` at a time: item 1 on a hot key of a generous rule,
+/// item 2 on a key (another shard) whose rule is spent, so every check is rejected after item 1's
+/// shard committed. Reports the hot key's count as Redis holds it: sampled during the load (units
+/// committed and not yet taken back) and after (what stayed). The rejection cache is off, or it
+/// would answer item 2 locally and nothing would need taking back, and so is hot-key promotion (the
+/// hot key would be counted locally and taken back exactly).
+pub async fn compensation(checks: u64, clients: usize) -> anyhow::Result<CompensationRow> {
+    use floodgate_agent::store::shards::rendezvous;
+    use floodgate_agent::store::Layout;
+    use floodgate_protocol::Item;
+    let shards = floodgate_tests::Shards::start(3);
+    let agent = Agent::builder()
+        .redis(&shards.urls())
+        .rules(
+            r#"{"rules":[{"id":"many","dimension":"user","limit":1000000000,"windowSeconds":60},
+                {"id":"one","dimension":"user","limit":1,"windowSeconds":60}]}"#,
+        )
+        .arg("--redis-timeout-ms")
+        .arg("200")
+        .arg("--rejection-cache")
+        .arg("0")
+        // The hot key would be promoted to batched execution (and taken back locally, exactly).
+        .arg("--hot-key-rate")
+        .arg("0")
+        .start()
+        .await;
+    let layout = Layout::default();
+    let urls: Vec<String> = shards.servers.iter().map(RedisServer::url).collect();
+    let names: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let shard = |k: &str| rendezvous(&names, layout.bucket(k));
+    let hot = "user:hot".to_string();
+    let spent = (0..)
+        .map(|i| format!("user:spent{i}"))
+        .find(|k| shard(k) != shard(&hot))
+        .context("a key on another shard")?;
+    let client = floodgate_sdk::Client::connect(agent.socket()).await;
+    let mut conn = shards.servers[shard(&hot)].conn();
+    let start = sleep_until_window_offset(&mut conn, 60_000, 0);
+    let window = start / 60_000;
+    client.allow(&spent, "one", 1).await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let sampler = {
+        let (stop, url) = (stop.clone(), urls[shard(&hot)].clone());
+        tokio::task::spawn_blocking(move || -> anyhow::Result<u64> {
+            let mut conn = redis::Client::open(url)?.get_connection()?;
+            let mut max = 0;
+            while !stop.load(Ordering::Relaxed) {
+                max = max.max(window_count_at(&mut conn, "many", "user:hot", window).0);
+            }
+            Ok(max)
+        })
+    };
+    let per_client = checks / clients as u64;
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (client, hot, spent) = (client.clone(), hot.clone(), spent.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut rejected = 0;
+            for _ in 0..per_client {
+                let d = client
+                    .check(vec![Item::new(&hot, "many", 1), Item::new(&spent, "one", 1)])
+                    .await?;
+                rejected += u64::from(!d.allowed);
+            }
+            anyhow::Ok(rejected)
+        }));
+    }
+    let mut rejected = 0;
+    for t in tasks {
+        rejected += t.await??;
+    }
+    // Take-backs are off the request path: wait until the agent says each one finished.
+    let admin = agent.admin_addr().await;
+    let status = loop {
+        let (_, body) = floodgate_tests::http_get(admin, "/v1/status").await;
+        let v: serde_json::Value = serde_json::from_str(&body)?;
+        let tb = &v["takenBack"];
+        let (req, done, failed) = (
+            tb["requestedUnits"].as_u64().unwrap_or(0),
+            tb["doneUnits"].as_u64().unwrap_or(0),
+            tb["failedUnits"].as_u64().unwrap_or(0),
+        );
+        if req == done + failed {
+            break (done, failed);
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    stop.store(true, Ordering::Relaxed);
+    let max = sampler.await??;
+    let residual = window_count_at(&mut conn, "many", "user:hot", window).0;
+    let row = CompensationRow {
+        checks: per_client * clients as u64,
+        clients,
+        rejected,
+        units_taken_back: status.0,
+        take_back_failed: status.1,
+        max_transient_over_count: max,
+        residual_over_count: residual,
+    };
+    println!(
+        "  {} cross-shard checks ({} clients), {} rejected; taken back {} units ({} failed); hot key's count: max {} while in flight, {} after",
+        row.checks, clients, row.rejected, row.units_taken_back, row.take_back_failed, row.max_transient_over_count, row.residual_over_count
+    );
+    Ok(row)
+}

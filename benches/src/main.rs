@@ -103,6 +103,18 @@ enum Command {
         #[arg(long, default_value = "target/bench/accuracy.json")]
         json: PathBuf,
     },
+    /// What rejected cross-shard checks leave behind (the take-back's residual over-count).
+    Compensation {
+        /// Two-item checks sent.
+        #[arg(long, default_value_t = 20_000)]
+        checks: u64,
+        /// Concurrent clients.
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/compensation.json")]
+        json: PathBuf,
+    },
     /// Key placement on independent shards and the keys that move when one node is added.
     Placement {
         /// Distinct keys.
@@ -219,6 +231,14 @@ fn main() -> anyhow::Result<()> {
         }) => {
             let rows = runtime.block_on(fleet::accuracy(&agents, limit, windows))?;
             write_json(&json, &rows)
+        }
+        Some(Command::Compensation {
+            checks,
+            clients,
+            json,
+        }) => {
+            let row = runtime.block_on(fleet::compensation(checks, clients))?;
+            write_json(&json, &row)
         }
         Some(Command::Placement { keys, nodes, json }) => {
             let rows: Vec<_> = nodes.iter().map(|&n| fleet::placement(keys, n)).collect();
