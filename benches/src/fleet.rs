@@ -376,6 +376,32 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
         );
     }
     {
+        // The original design's layout: two string counters per client (this window and the one
+        // before), each with a TTL.
+        let redis = RedisServer::start();
+        let mut conn = redis.conn();
+        let before = used_memory(&redis)?;
+        for chunk in (0..keys).collect::<Vec<_>>().chunks(1_000) {
+            let mut pipe = redis::pipe();
+            for k in chunk {
+                for w in [29_403_954u64, 29_403_955] {
+                    let key = format!("rl:{{user:{k}}}:bench:{w}");
+                    pipe.cmd("SET")
+                        .arg(&key)
+                        .arg(3)
+                        .arg("PXAT")
+                        .arg(1_796_300_000_000u64)
+                        .ignore();
+                }
+            }
+            pipe.query::<()>(&mut conn)?;
+        }
+        push(
+            "Redis, two string keys per client with TTLs (the seed's), written directly",
+            used_memory(&redis)? - before,
+        );
+    }
+    {
         let redis = RedisServer::start();
         let agent = Agent::builder()
             .redis(&redis.url())
