@@ -348,59 +348,39 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
             used_memory(&redis)? - before,
         );
     }
-    {
-        // The layout before this issue: one hash {w, c, p} per (client, rule) with a TTL.
-        let redis = RedisServer::start();
-        let mut conn = redis.conn();
-        let before = used_memory(&redis)?;
-        for chunk in (0..keys).collect::<Vec<_>>().chunks(1_000) {
-            let mut pipe = redis::pipe();
-            for k in chunk {
-                let key = format!("fg:{{user:{k}}}:bench");
-                pipe.cmd("HSET")
-                    .arg(&key)
-                    .arg("w")
-                    .arg(29_403_955u64)
-                    .arg("c")
-                    .arg(1)
-                    .arg("p")
-                    .arg(0)
-                    .ignore();
-                pipe.cmd("PEXPIREAT").arg(&key).arg(1_796_300_000_000u64).ignore();
-            }
-            pipe.query::<()>(&mut conn)?;
+    // The layout before this issue: one hash {w, c, p} per (client, rule) with a TTL.
+    let bytes = write_directly(keys, |pipe, k| {
+        let key = format!("fg:{{user:{k}}}:bench");
+        pipe.cmd("HSET")
+            .arg(&key)
+            .arg("w")
+            .arg(29_403_955u64)
+            .arg("c")
+            .arg(1)
+            .arg("p")
+            .arg(0);
+        pipe.cmd("PEXPIREAT").arg(&key).arg(1_796_300_000_000u64);
+    })?;
+    push(
+        "Redis, one hash per client (the layout before), written directly",
+        bytes,
+    );
+    // The original design's layout: two string counters per client (this window and the one before),
+    // each with a TTL.
+    let bytes = write_directly(keys, |pipe, k| {
+        for w in [29_403_954u64, 29_403_955] {
+            let key = format!("rl:{{user:{k}}}:bench:{w}");
+            pipe.cmd("SET")
+                .arg(&key)
+                .arg(3)
+                .arg("PXAT")
+                .arg(1_796_300_000_000u64);
         }
-        push(
-            "Redis, one hash per client (the layout before), written directly",
-            used_memory(&redis)? - before,
-        );
-    }
-    {
-        // The original design's layout: two string counters per client (this window and the one
-        // before), each with a TTL.
-        let redis = RedisServer::start();
-        let mut conn = redis.conn();
-        let before = used_memory(&redis)?;
-        for chunk in (0..keys).collect::<Vec<_>>().chunks(1_000) {
-            let mut pipe = redis::pipe();
-            for k in chunk {
-                for w in [29_403_954u64, 29_403_955] {
-                    let key = format!("rl:{{user:{k}}}:bench:{w}");
-                    pipe.cmd("SET")
-                        .arg(&key)
-                        .arg(3)
-                        .arg("PXAT")
-                        .arg(1_796_300_000_000u64)
-                        .ignore();
-                }
-            }
-            pipe.query::<()>(&mut conn)?;
-        }
-        push(
-            "Redis, two string keys per client with TTLs (the seed's), written directly",
-            used_memory(&redis)? - before,
-        );
-    }
+    })?;
+    push(
+        "Redis, two string keys per client with TTLs (the seed's), written directly",
+        bytes,
+    );
     {
         let redis = RedisServer::start();
         let agent = Agent::builder()
@@ -599,4 +579,19 @@ pub async fn compensation(checks: u64, clients: usize) -> anyhow::Result<Compens
         row.checks, clients, row.rejected, row.units_taken_back, row.take_back_failed, row.max_transient_over_count, row.residual_over_count
     );
     Ok(row)
+}
+
+/// Redis memory used by writing `keys` clients' state with `write` on a fresh server, pipelined.
+fn write_directly(keys: usize, write: impl Fn(&mut redis::Pipeline, usize)) -> anyhow::Result<i64> {
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    let before = used_memory(&redis)?;
+    for start in (0..keys).step_by(1_000) {
+        let mut pipe = redis::pipe();
+        for k in start..(start + 1_000).min(keys) {
+            write(&mut pipe, k);
+        }
+        pipe.query::<()>(&mut conn)?;
+    }
+    Ok(used_memory(&redis)? - before)
 }

@@ -131,6 +131,11 @@ impl AgentBuilder {
         }
     }
 
+    /// An agent on this Redis (patient: 1 s store timeout) with these rules, started.
+    pub async fn patient(url: &str, rules: &str) -> Agent {
+        Agent::builder().patient_redis(url).rules(rules).start().await
+    }
+
     /// Spawns the agent and waits until its socket accepts connections.
     pub async fn start(self) -> Agent {
         let mut agent = self.spawn();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{
     eventually, http_get, http_request, patient_client, redis_time_ms, sleep_until_window_offset,
-    window_count, window_count_at, Agent, Cluster, RedisServer,
+    window_count, window_count_at, Agent, AgentBuilder, Cluster, RedisServer,
 };
 
 const WINDOW_MS: u64 = 2_000;
@@ -142,11 +142,7 @@ async fn four_agents_on_a_cluster_stay_within_five_percent() {
 async fn a_flush_interval_change_takes_effect_without_restart() {
     const KEY: &str = "user:f";
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = AgentBuilder::patient(&redis.url(), RULES).await;
     let admin = agent.admin_addr().await;
     let client = patient_client(agent.socket()).await;
     let mut conn = redis.conn();

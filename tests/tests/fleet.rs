@@ -9,7 +9,7 @@ use floodgate_protocol::Item;
 use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{
     command_calls, dbsize, eventually, patient_client, redis_time_ms, sleep_until_window_offset,
-    window_count, Agent, Cluster, RedisServer, Shards,
+    window_count, Agent, AgentBuilder, Cluster, RedisServer, Shards,
 };
 
 const RULES: &str = r#"{"rules":[
@@ -42,13 +42,8 @@ async fn spread_and_hold(agent: &Agent, servers: &[&RedisServer]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_shards_hold_limits_and_each_holds_keys() {
     let shards = Shards::start(3);
-    let agent = Agent::builder()
-        .patient_redis(&shards.urls())
-        .rules(RULES)
-        .start()
-        .await;
-    let servers: Vec<&RedisServer> = shards.servers.iter().collect();
-    spread_and_hold(&agent, &servers).await;
+    let agent = AgentBuilder::patient(&shards.urls(), RULES).await;
+    spread_and_hold(&agent, &shards.servers.iter().collect::<Vec<_>>()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -60,18 +55,13 @@ async fn a_three_node_cluster_holds_limits_and_each_node_holds_keys() {
         .rules(RULES)
         .start()
         .await;
-    let servers: Vec<&RedisServer> = cluster.nodes.iter().collect();
-    spread_and_hold(&agent, &servers).await;
+    spread_and_hold(&agent, &cluster.nodes.iter().collect::<Vec<_>>()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cached_rejection_is_answered_without_redis() {
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = AgentBuilder::patient(&redis.url(), RULES).await;
     let client = patient_client(agent.socket()).await;
     assert!(client.allow("user:abuser", "one", 1).await.unwrap().allowed);
     let first = client.allow("user:abuser", "one", 1).await.unwrap();
@@ -121,11 +111,7 @@ fn keys_on_two_shards(shards: &Shards) -> (String, String, usize, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multi_item_check_rejected_by_one_item_leaves_the_others_unchanged() {
     let shards = Shards::start(3);
-    let agent = Agent::builder()
-        .patient_redis(&shards.urls())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = AgentBuilder::patient(&shards.urls(), RULES).await;
     let client = patient_client(agent.socket()).await;
     let (a, b, sa, sb) = keys_on_two_shards(&shards);
     // Counts are read in the current 60 s window: keep the run (~1 s) inside one.
