@@ -154,17 +154,26 @@ impl Engine {
         match rule.execution {
             Execution::Sync => false,
             Execution::Batched => true,
-            Execution::Auto => {
-                let limit = rule.limit.get() as f64;
-                let interval = self.batcher.flush_ms(rule) as f64;
-                let expected = n as f64 * interval / rule.window_ms() as f64 * limit + n as f64;
-                expected <= self.accuracy * limit
-            }
+            Execution::Auto => self.accurate_enough(rule, n),
         }
     }
 
-    /// Whether this item runs batched now: by its rule, or because its key is hot; never while its
-    /// shard's breaker is open (the fallback decides then) or when the batcher is full.
+    /// Whether batching `rule` keeps the expected over-admission (n × interval × rate, plus one check
+    /// per agent and slot) within the accuracy target: `auto` rules and hot-key promotion ask this.
+    fn accurate_enough(&self, rule: &Rule, n: u64) -> bool {
+        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+            return false;
+        }
+        let limit = rule.limit.get() as f64;
+        let interval = self.batcher.flush_ms(rule) as f64;
+        let expected = n as f64 * interval / rule.window_ms() as f64 * limit + n as f64;
+        expected <= self.accuracy * limit
+    }
+
+    /// Whether this item runs batched now: by its rule, or because its key is hot (only where
+    /// batching the rule would meet the accuracy target: a login rule of 5 per 10 minutes stays sync
+    /// however hot); never while its shard's breaker is open (the fallback decides then) or when the
+    /// batcher is full.
     fn runs_batched(&self, r: &RedisStore, p: &Planned, n: u64, now: u64) -> bool {
         if p.rule.algorithm != Algorithm::SlidingWindow {
             return false;
@@ -175,9 +184,10 @@ impl Engine {
             }
         }
         let by_rule = self.batched_by_rule(&p.rule, n);
-        let hot = !by_rule && self.hot.is_hot(&p.rule.id, &p.key, now);
+        let promotable = !by_rule && self.hot.threshold() > 0 && self.accurate_enough(&p.rule, n);
+        let hot = promotable && self.hot.is_hot(&p.rule.id, &p.key, now);
         if !(by_rule || hot) {
-            if self.hot.note(&p.rule.id, &p.key, now) {
+            if promotable && self.hot.note(&p.rule.id, &p.key, now) {
                 tracing::info!(rule = %p.rule.id, key = %p.key, threshold = self.hot.threshold(), "hot key promoted to batched execution");
             }
             return false;
@@ -288,14 +298,21 @@ impl Engine {
             if groups.iter().all(|g| g.permit == Some(Permit::Refuse)) {
                 // Redis was not called: what the fallback admits is Redis's to learn later.
                 let rest: Vec<usize> = groups.iter().flat_map(|g| g.items.iter().copied()).collect();
-                self.degraded(&plan, &rest, guard, true, &mut out);
+                let rest: Vec<(usize, bool)> = rest.into_iter().map(|i| (i, true)).collect();
+                self.degraded(&plan, &rest, guard, &mut out);
                 self.undo_if_denied(&plan, &out, &taken);
                 return Answer::Ready(Ok(finish(&plan, out)));
             }
         }
         let (r, this) = (r.clone(), self.clone());
+        // Spawned, not just awaited: if the caller's connection goes away mid-check, the check still
+        // finishes, so that what it counted is undone or taken back when it is rejected.
+        let task = tokio::spawn(async move { this.redis_groups(&r, plan, groups, out, taken).await });
         Answer::Pending(Box::pin(async move {
-            Ok(this.redis_groups(&r, plan, groups, out, taken).await)
+            task.await.map_err(|e| ErrorBody {
+                code: ErrorCode::Internal,
+                message: format!("check task failed: {e}"),
+            })
         }))
     }
 
@@ -381,13 +398,9 @@ impl Engine {
                         ));
                     }
                 }
-                Some(guard) => {
-                    let (certain, uncertain): (Vec<_>, Vec<_>) = degraded.iter().partition(|(_, c)| *c);
-                    let certain: Vec<usize> = certain.into_iter().map(|(i, _)| i).collect();
-                    let uncertain: Vec<usize> = uncertain.into_iter().map(|(i, _)| i).collect();
-                    self.degraded(&plan, &certain, guard, true, &mut out);
-                    self.degraded(&plan, &uncertain, guard, false, &mut out);
-                }
+                // One fallback call for all of them (all or nothing), recording only the items whose
+                // Redis call surely failed.
+                Some(guard) => self.degraded(&plan, &degraded, guard, &mut out),
                 None => {
                     for &(i, _) in &degraded {
                         out[i] = Some((
@@ -533,14 +546,14 @@ impl Engine {
     }
 
     /// The answer for items whose shard is away: fail-closed rules deny with a Retry-After; fail-open
-    /// rules are enforced locally at limit / N (all or nothing, like every store); `record` keeps what
-    /// the fallback admits for the write-back.
+    /// rules are enforced locally at limit / N (all or nothing, like every store). Each item comes
+    /// with its record flag: whether what the fallback admits for it is Redis's to learn (written
+    /// back), false when its Redis call timed out and may have run.
     fn degraded(
         &self,
         plan: &[Planned],
-        items: &[usize],
+        items: &[(usize, bool)],
         guard: &Guard,
-        record: bool,
         out: &mut [Option<(Outcome, Source)>],
     ) {
         if items.is_empty() {
@@ -557,17 +570,24 @@ impl Engine {
             FAIL_CLOSED_RETRY_MS.max(cooldown)
         };
         let closed = |p: &Planned| p.rule.fail_mode == FailMode::Closed;
-        let blocked = items.iter().any(|&i| closed(&plan[i]) && plan[i].rule.enforced());
-        let open: Vec<usize> = items.iter().copied().filter(|&i| !closed(&plan[i])).collect();
+        let blocked = items
+            .iter()
+            .any(|&(i, _)| closed(&plan[i]) && plan[i].rule.enforced());
+        let open: Vec<(usize, bool)> = items
+            .iter()
+            .copied()
+            .filter(|&(i, _)| !closed(&plan[i]))
+            .collect();
         let mut local = if blocked || open.is_empty() {
             // The request is denied anyway: take nothing locally.
             Vec::new()
         } else {
-            let planned: Vec<Planned> = open.iter().map(|&i| plan[i].clone()).collect();
-            guard.fallback.check(&planned, guard.membership.live(), record)
+            let planned: Vec<Planned> = open.iter().map(|&(i, _)| plan[i].clone()).collect();
+            let record: Vec<bool> = open.iter().map(|&(_, r)| r).collect();
+            guard.fallback.check(&planned, guard.membership.live(), &record)
         }
         .into_iter();
-        for &i in items {
+        for &(i, _) in items {
             let p = &plan[i];
             let o = if closed(p) {
                 fail_outcome(&p.rule, now, retry(p))

@@ -203,12 +203,10 @@ async fn flush(engine: &Engine, redis: &RedisStore, force: bool) -> usize {
     if sent == 0 {
         return 0;
     }
-    let started = std::time::Instant::now();
     for (chunk, reply) in redis.flush(entries).await {
         match reply {
             Ok(r) => {
-                let rtt = started.elapsed().as_millis() as u64;
-                batcher.learn_clock(r.now_ms, crate::store::Clock::System.now_ms(), rtt);
+                batcher.learn_clock(r.now_ms, r.sent_ms, r.answered_ms);
                 batcher.apply(&chunk, Ok(&r.learned));
             }
             Err(e) => {

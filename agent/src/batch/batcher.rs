@@ -58,6 +58,8 @@ struct RuleCounters {
     window_ms: u64,
     /// Learns of this rule so far (+1): counts learned before the last learn are stale.
     seq: AtomicU32,
+    /// The shard the next flush pass starts at.
+    cursor: AtomicUsize,
     /// The flush slot (Redis time / interval) of the last write, and of the last learn.
     slots: Mutex<(u64, u64)>,
     shards: Vec<Mutex<CounterMap>>,
@@ -92,6 +94,7 @@ pub struct Batcher {
     default_flush_ms: AtomicU64,
     overrides: RwLock<HashMap<String, u64>>,
     offset_ms: AtomicI64,
+    last_now_ms: AtomicU64,
     keys: AtomicUsize,
     max_keys: usize,
     clock: Clock,
@@ -113,6 +116,7 @@ impl Batcher {
             default_flush_ms: AtomicU64::new(flush_ms.max(1)),
             overrides: RwLock::new(HashMap::new()),
             offset_ms: AtomicI64::new(0),
+            last_now_ms: AtomicU64::new(0),
             keys: AtomicUsize::new(0),
             max_keys,
             clock: Clock::System,
@@ -172,14 +176,61 @@ impl Batcher {
     }
 
     /// Redis time estimated from the local clock and the offset learned from flush replies.
+    /// Never goes backwards (a corrected offset or a stepped wall clock would otherwise move
+    /// counters' windows back and forth).
     pub fn redis_now_ms(&self) -> u64 {
-        (self.clock.now_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64
+        let estimate = (self.clock.now_ms() as i64 + self.offset_ms.load(Ordering::Relaxed)).max(0) as u64;
+        self.last_now_ms
+            .fetch_max(estimate, Ordering::Relaxed)
+            .max(estimate)
     }
 
-    /// Records Redis's clock as read by a flush that took `rtt_ms` and ended at local `local_ms`.
-    pub fn learn_clock(&self, redis_ms: u64, local_ms: u64, rtt_ms: u64) {
-        let offset = redis_ms as i64 - (local_ms as i64 - (rtt_ms / 2) as i64);
-        self.offset_ms.store(offset, Ordering::Relaxed);
+    /// Records Redis's clock as read by one flush call sent at local `sent_ms` and answered at
+    /// `answered_ms`: Redis read it about halfway.
+    pub fn learn_clock(&self, redis_ms: u64, sent_ms: u64, answered_ms: u64) {
+        let midpoint = sent_ms + answered_ms.saturating_sub(sent_ms) / 2;
+        self.offset_ms
+            .store(redis_ms as i64 - midpoint as i64, Ordering::Relaxed);
+    }
+
+    /// Drops the counters of rules no longer in the set (a rule removed or renamed by a reload).
+    fn forget_removed(&self, rules: &[Arc<Rule>]) {
+        let known =
+            |map: &HashMap<String, Arc<RuleCounters>>| map.keys().all(|id| rules.iter().any(|r| &r.id == id));
+        if known(&self.rules.read().unwrap_or_else(|p| p.into_inner())) {
+            return;
+        }
+        let mut map = self.rules.write().unwrap_or_else(|p| p.into_inner());
+        let mut gone = 0;
+        map.retain(|id, rc| {
+            let keep = rules.iter().any(|r| &r.id == id);
+            if !keep {
+                gone += rc
+                    .shards
+                    .iter()
+                    .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+                    .sum::<usize>();
+            }
+            keep
+        });
+        drop(map);
+        self.forget_keys(gone);
+    }
+
+    fn forget_keys(&self, n: usize) {
+        let _ = self.keys.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| {
+            Some(k.saturating_sub(n))
+        });
+    }
+
+    /// The counters of a rule as they are, if their window is still the rule's (a flush reply for a
+    /// rule whose window has since changed teaches nothing).
+    fn existing(&self, rule: &Rule) -> Option<Arc<RuleCounters>> {
+        let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
+        rules
+            .get(&rule.id)
+            .filter(|c| c.window_ms == rule.window_ms())
+            .cloned()
     }
 
     fn counters(&self, rule: &Rule) -> Arc<RuleCounters> {
@@ -200,7 +251,7 @@ impl Batcher {
                 .iter()
                 .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
                 .sum();
-            self.keys.fetch_sub(old, Ordering::Relaxed);
+            self.forget_keys(old);
             *c = new_counters(window_ms, self.redis_now_ms() / self.flush_ms(rule));
         }
         c.clone()
@@ -261,7 +312,9 @@ impl Batcher {
 
     /// Takes back an admitted item (its check was rejected by another item).
     pub fn undo(&self, p: &Planned, window: u64) {
-        let rc = self.counters(&p.rule);
+        let Some(rc) = self.existing(&p.rule) else {
+            return;
+        };
         let mut shard = rc.shards[shard_of(&p.key)]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
@@ -278,15 +331,11 @@ impl Batcher {
     /// passed are dropped at each learn.
     pub fn take_due(&self, rules: &[Arc<Rule>], n: u64, force: bool) -> Vec<FlushEntry> {
         let redis_now = self.redis_now_ms();
+        let cap = if force { usize::MAX } else { MAX_FLUSH_ENTRIES };
         let mut out = Vec::new();
+        self.forget_removed(rules);
         for rule in rules {
-            let Some(rc) = self
-                .rules
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(&rule.id)
-                .cloned()
-            else {
+            let Some(rc) = self.existing(rule) else {
                 continue;
             };
             let interval = self.flush_ms(rule);
@@ -312,14 +361,22 @@ impl Batcher {
                 0
             };
             let idx = redis_now / rc.window_ms;
-            for shard in &rc.shards {
-                let mut shard = shard.lock().unwrap_or_else(|p| p.into_inner());
+            // A pass that hits the cap stops at a shard; the next one starts there, so no shard's
+            // keys wait behind the others' for more than a few passes.
+            let first = rc.cursor.load(Ordering::Relaxed);
+            for k in 0..SHARDS {
+                let s = (first + k) % SHARDS;
+                if out.len() >= cap {
+                    rc.cursor.store(s, Ordering::Relaxed);
+                    break;
+                }
+                let mut shard = rc.shards[s].lock().unwrap_or_else(|p| p.into_inner());
                 if learn {
                     let dropped = shard.retain(|c| c.active || c.busy() || c.window + 2 > idx);
-                    self.keys.fetch_sub(dropped, Ordering::Relaxed);
+                    self.forget_keys(dropped);
                 }
                 for (key, c) in shard.iter_mut() {
-                    if out.len() >= MAX_FLUSH_ENTRIES {
+                    if out.len() >= cap {
                         break;
                     }
                     if write && c.pending() > 0 {
@@ -373,7 +430,9 @@ impl Batcher {
             Ok(_) => 0,
         };
         for (i, e) in entries.iter().enumerate() {
-            let rc = self.counters(&e.rule);
+            let Some(rc) = self.existing(&e.rule) else {
+                continue;
+            };
             let mut shard = rc.shards[shard_of(&e.key)]
                 .lock()
                 .unwrap_or_else(|p| p.into_inner());
@@ -426,6 +485,7 @@ fn new_counters(window_ms: u64, slot: u64) -> Arc<RuleCounters> {
     Arc::new(RuleCounters {
         window_ms,
         seq: AtomicU32::new(1),
+        cursor: AtomicUsize::new(0),
         slots: Mutex::new((slot, u64::MAX)),
         shards: (0..SHARDS).map(|_| Mutex::new(CounterMap::default())).collect(),
     })

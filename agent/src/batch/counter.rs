@@ -88,6 +88,9 @@ impl Counter {
         seq: u32,
     ) -> (Outcome, Option<Denial>) {
         self.roll(now_ms / window_ms);
+        // A learn may have moved the counter to Redis's window while this agent's clock estimate is
+        // a little behind: count the check at the window's start, never before it.
+        let now_ms = now_ms.max(self.window * window_ms);
         self.active = true;
         let (unlearned_cur, unlearned_prev) = self.unlearned();
         let state = WindowState {
@@ -133,7 +136,7 @@ impl Counter {
         if idx != self.window {
             return true;
         }
-        let weight = 1.0 - (now_ms - self.window * window_ms) as f64 / window_ms as f64;
+        let weight = 1.0 - now_ms.saturating_sub(self.window * window_ms) as f64 / window_ms as f64;
         let learned = f64::from(self.learned_prev) * weight + f64::from(self.learned_cur);
         let (cur, prev) = self.unlearned();
         let unlearned = prev as f64 * weight + cur as f64;
@@ -205,11 +208,11 @@ impl Counter {
         if target == self.window {
             let u = units.min(self.written_cur);
             self.written_cur -= u;
-            self.pending_cur += u;
+            self.pending_cur = self.pending_cur.saturating_add(u);
         } else if target.wrapping_add(1) == self.window {
             let u = units.min(self.written_prev);
             self.written_prev -= u;
-            self.pending_prev += u;
+            self.pending_prev = self.pending_prev.saturating_add(u);
         }
     }
 }
@@ -276,6 +279,18 @@ mod tests {
         let seq = 5 + LEARN_EVERY + 1;
         assert_eq!(c.admit(100, W, 1, 3_000, 1, seq).1, None);
         assert_eq!(c.admit(100, W, 1, 3_001, 1, seq).1, Some(Denial::Share));
+    }
+
+    #[test]
+    fn a_clock_estimate_behind_the_learned_window_does_not_underflow() {
+        let mut c = Counter::default();
+        // Redis is in window 5; this agent's estimate still says 4,999 ms.
+        c.learn(5, 399, 0, 3);
+        let (o, d) = c.admit(400, W, 1, 4_999, 1, 3);
+        assert_eq!(d, None);
+        assert_eq!(o.remaining, 0, "counted at the window's start: 399 + 1 of 400");
+        assert_eq!(c.admit(400, W, 1, 4_999, 1, 3).1, Some(Denial::Limit));
+        assert!(c.needs_learn(400, W, 4_999, 1, 3));
     }
 
     #[test]

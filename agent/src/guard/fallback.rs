@@ -97,9 +97,9 @@ impl Fallback {
         r
     }
 
-    /// Decides the items locally at limit / `n`, all or nothing like every store, and (when `record`)
-    /// keeps what it admitted for the write-back.
-    pub fn check(&self, items: &[Planned], n: u64, record: bool) -> Vec<Outcome> {
+    /// Decides the items locally at limit / `n`, all or nothing like every store, and keeps what it
+    /// admitted for the write-back, for the items whose `record` flag is set (one flag per item).
+    pub fn check(&self, items: &[Planned], n: u64, record: &[bool]) -> Vec<Outcome> {
         let decided = self.decided.fetch_add(1, Ordering::Relaxed);
         // Bounded memory: every 1,024 checks look at the local store's size; while it holds more
         // than STORE_CAP keys (a flood of distinct keys during an outage), answer plain fail-open
@@ -138,11 +138,11 @@ impl Fallback {
             .iter()
             .zip(&outcomes)
             .all(|(p, o)| o.allowed || !p.rule.enforced());
-        if committed && record {
+        if committed && record.iter().any(|r| *r) {
             let now = self.clock.now_ms();
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
-            for (p, o) in items.iter().zip(&outcomes) {
-                if !o.allowed {
+            for ((p, o), rec) in items.iter().zip(&outcomes).zip(record) {
+                if !o.allowed || !rec {
                     continue;
                 }
                 let window = now / p.rule.window_ms();
@@ -240,7 +240,7 @@ mod tests {
                 key: format!("user:{i}"),
                 cost: 1,
             }];
-            assert!(f.check(&item, 1, true)[0].allowed);
+            assert!(f.check(&item, 1, &[true])[0].allowed);
         }
         // Checked every 1,024 checks: the store stops growing within one period of the cap.
         assert!(
@@ -265,7 +265,9 @@ mod tests {
                 cost: 1,
             }]
         };
-        let admitted = (0..100).filter(|_| f.check(&item(), 4, true)[0].allowed).count();
+        let admitted = (0..100)
+            .filter(|_| f.check(&item(), 4, &[true])[0].allowed)
+            .count();
         assert_eq!(admitted, 25, "limit 100 over 4 agents");
         let back = f.drain(10);
         assert_eq!(back.len(), 1);
@@ -274,19 +276,19 @@ mod tests {
 
         // Units of the window before still count (a sliding window weighs it); older ones do not.
         t.fetch_add(20_000, Ordering::Relaxed); // a fresh window for this key
-        assert!(f.check(&item(), 4, true)[0].allowed);
+        assert!(f.check(&item(), 4, &[true])[0].allowed);
         t.fetch_add(10_000, Ordering::Relaxed);
         assert_eq!(
             f.drain(10).len(),
             1,
             "the previous window's units are still written back"
         );
-        f.check(&item(), 4, true);
+        f.check(&item(), 4, &[true]);
         t.fetch_add(20_000, Ordering::Relaxed);
         assert!(f.drain(10).is_empty(), "units two windows old are dropped");
 
         // A timed-out check (record = false) admits without a ledger entry.
-        f.check(&item(), 4, false);
+        f.check(&item(), 4, &[false]);
         assert_eq!(f.pending(), 0);
     }
 }

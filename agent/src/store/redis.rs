@@ -123,6 +123,11 @@ pub struct RedisStore {
 pub struct FlushReply {
     /// Redis `TIME` in ms when the call ran.
     pub now_ms: u64,
+    /// Local clock (ms) when the call was sent and when it was answered: Redis's clock was read in
+    /// between, which is what the clock offset is learned from.
+    pub sent_ms: u64,
+    /// See `sent_ms`.
+    pub answered_ms: u64,
     /// Per entry, in order.
     pub learned: Vec<Learned>,
 }
@@ -340,6 +345,7 @@ impl RedisStore {
                 let mut conn = self.shards.conn(route.shard).await?;
                 inv.invoke_async::<Vec<u64>>(&mut conn).await.map_err(classify)
             };
+            let sent_ms = super::Clock::System.now_ms();
             let reply = match tokio::time::timeout(timeout, call).await {
                 Err(_) => Err(StoreError::Timeout(timeout)),
                 Ok(Err(e)) => Err(e),
@@ -350,6 +356,8 @@ impl RedisStore {
                 ))),
                 Ok(Ok(v)) => Ok(FlushReply {
                     now_ms: v[0],
+                    sent_ms,
+                    answered_ms: super::Clock::System.now_ms(),
                     learned: v[1..]
                         .chunks_exact(3)
                         .map(|x| Learned {
