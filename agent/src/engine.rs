@@ -305,6 +305,13 @@ impl Engine {
             }
         }
         let (r, this) = (r.clone(), self.clone());
+        if groups.len() == 1 && taken.is_empty() {
+            // One atomic script call and nothing counted elsewhere: nothing to undo if the caller
+            // goes away, so no task of its own.
+            return Answer::Pending(Box::pin(async move {
+                Ok(this.redis_groups(&r, plan, groups, out, taken).await)
+            }));
+        }
         // Spawned, not just awaited: if the caller's connection goes away mid-check, the check still
         // finishes, so that what it counted is undone or taken back when it is rejected.
         let task = tokio::spawn(async move { this.redis_groups(&r, plan, groups, out, taken).await });
