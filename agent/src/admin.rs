@@ -30,6 +30,7 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         "store": engine.store().describe(),
         "storeErrors": engine.store_errors(),
         "rules": rules,
+        "rulesVersion": engine.rules().version(),
     });
     let cache = engine.cache();
     body["rejectionCache"] = serde_json::json!({

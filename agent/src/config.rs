@@ -94,9 +94,45 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_HEARTBEAT_MS", default_value_t = 1_000)]
     pub heartbeat_ms: u64,
 
-    /// Rules file (TOML or JSON); without it the built-in example rules are loaded.
-    #[arg(long, env = "FLOODGATE_RULES")]
+    /// Rules file (TOML or JSON), read at start. Without it and without `--rules-url`, the agent
+    /// serves the rules API itself over a SQLite file (`--rules-db`), seeded with the built-in
+    /// example rules: the embedded default.
+    #[arg(long, env = "FLOODGATE_RULES", conflicts_with = "rules_url")]
     pub rules: Option<PathBuf>,
+
+    /// Follow this rules service (`http://host:port`): pull every `--rules-poll-ms`, watch between.
+    #[arg(long, env = "FLOODGATE_RULES_URL")]
+    pub rules_url: Option<String>,
+
+    /// Bearer token for the rules service.
+    #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
+    pub rules_token: Option<String>,
+
+    /// How often to pull the rule set, in milliseconds (also the retry interval after a failure).
+    #[arg(long, env = "FLOODGATE_RULES_POLL_MS", default_value_t = 30_000)]
+    pub rules_poll_ms: u64,
+
+    /// How long each long-poll watch may wait for a change, in seconds (0: no watch, pull only).
+    #[arg(long, env = "FLOODGATE_RULES_WATCH_S", default_value_t = 25)]
+    pub rules_watch_s: u64,
+
+    /// The last good rule set from the service, kept across restarts (default: the socket path
+    /// with `.rules.json` appended).
+    #[arg(long, env = "FLOODGATE_RULES_CACHE")]
+    pub rules_cache: Option<PathBuf>,
+
+    /// Embedded default: where the agent serves the rules API (loopback only: it has no token), or
+    /// `off`.
+    #[arg(long, env = "FLOODGATE_RULES_LISTEN", default_value = "127.0.0.1:9791", value_parser = parse_admin)]
+    pub rules_listen: Admin,
+
+    /// Embedded default: the rules store, a SQLite file (`sqlite://path`).
+    #[arg(
+        long,
+        env = "FLOODGATE_RULES_DB",
+        default_value = "sqlite://floodgate-rules.db"
+    )]
+    pub rules_db: String,
 
     /// Worker threads of the agent's runtime; 0 means one per core. One by default: a sidecar should
     /// leave the host's cores to the services, and on a loaded 2-core machine one worker measured
@@ -116,6 +152,31 @@ pub enum Admin {
     Off,
     /// Served at this address (port 0 picks a free one, logged at start).
     At(SocketAddr),
+}
+
+/// How `floodgate rules-server` runs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct RulesServerConfig {
+    /// Address of the rules API.
+    #[arg(long, env = "FLOODGATE_RULES_LISTEN", default_value = "127.0.0.1:9791")]
+    pub listen: SocketAddr,
+
+    /// The store: `sqlite://path` (one file) or `postgres://user@host/db`.
+    #[arg(
+        long,
+        env = "FLOODGATE_RULES_DB",
+        default_value = "sqlite://floodgate-rules.db"
+    )]
+    pub db: String,
+
+    /// Operator tokens, `name:secret` (or a bare secret, named `operator`); repeat for several. With
+    /// none, the API listens on loopback only.
+    #[arg(long = "token", env = "FLOODGATE_RULES_TOKENS", value_delimiter = ',')]
+    pub tokens: Vec<String>,
+
+    /// Log filter (tracing's env-filter syntax).
+    #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
+    pub log: String,
 }
 
 impl AgentConfig {

@@ -12,6 +12,7 @@
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files, attribute matching.
 //! - [`admin`]: the admin HTTP router.
+//! - [`cli`]: `floodgate rules …`, the operators' command line for the rules API.
 //!
 //! # Example
 //! ```
@@ -32,6 +33,7 @@ pub mod admin;
 pub mod algo;
 pub mod batch;
 pub mod cache;
+pub mod cli;
 pub mod config;
 pub mod engine;
 pub mod guard;
@@ -55,13 +57,8 @@ use crate::store::{Adjust, Layout, MemoryStore, RedisConfig, RedisStore, Store};
 /// Runs the agent until `shutdown` turns true: binds the socket, serves it and the admin API, and
 /// removes the socket on the way out.
 pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
-    let (rules, rules_from) = match &config.rules {
-        Some(path) => (RuleSet::load(path)?, path.display().to_string()),
-        None => (
-            RuleSet::parse(rules::EXAMPLE_RULES)?,
-            "the built-in example".to_string(),
-        ),
-    };
+    let source = RulesSource::open(&config).await?;
+    let (rules, rules_from) = source.initial().await?;
     let store = match &config.redis {
         Some(_) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
             urls: config.redis_urls(),
@@ -111,6 +108,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         accuracy: config.accuracy,
     };
     let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
+    source.start(&engine, &config, shutdown.clone()).await?;
     let guard_task = match (&store, guard) {
         (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(
             g,
@@ -319,4 +317,169 @@ async fn write_back(guard: &Guard, redis: &RedisStore) {
             guard.fallback.restore(done.retry);
         }
     }
+}
+
+/// Where the agent's rules come from.
+enum RulesSource {
+    /// A file read at start.
+    File(std::path::PathBuf),
+    /// A rules service the agent follows.
+    Service(rules::follow::FollowConfig),
+    /// The embedded default: the agent serves the rules API itself over a SQLite file.
+    Embedded(Arc<rules::service::ServiceState>),
+}
+
+impl RulesSource {
+    async fn open(config: &AgentConfig) -> anyhow::Result<Self> {
+        if let Some(path) = &config.rules {
+            return Ok(RulesSource::File(path.clone()));
+        }
+        if let Some(url) = &config.rules_url {
+            let cache = config.rules_cache.clone().unwrap_or_else(|| {
+                let mut p = config.socket.clone().into_os_string();
+                p.push(".rules.json");
+                p.into()
+            });
+            return Ok(RulesSource::Service(rules::follow::FollowConfig {
+                url: url.clone(),
+                token: config.rules_token.clone(),
+                poll: Duration::from_millis(config.rules_poll_ms.max(100)),
+                watch: Duration::from_secs(config.rules_watch_s.min(rules::service::MAX_WATCH_SECONDS)),
+                cache: Some(cache),
+            }));
+        }
+        let store = rules::store::RulesStore::open(&config.rules_db)
+            .await
+            .with_context(|| format!("cannot open the rules store {}", config.rules_db))?;
+        let state = rules::service::ServiceState::new(store, &[]).await?;
+        let example: Vec<rules::Rule> = RuleSet::parse(rules::EXAMPLE_RULES)?
+            .iter()
+            .map(|r| (**r).clone())
+            .collect();
+        state.seed(&example).await?;
+        Ok(RulesSource::Embedded(state))
+    }
+
+    /// The rule set to start with, and where it came from (for the log).
+    async fn initial(&self) -> anyhow::Result<(RuleSet, String)> {
+        Ok(match self {
+            RulesSource::File(path) => (RuleSet::load(path)?, path.display().to_string()),
+            RulesSource::Service(f) => match f.cache.as_deref().and_then(rules::follow::load_cache) {
+                Some(set) => {
+                    let from = format!("the cache of {} (version {})", f.url, set.version());
+                    (set, from)
+                }
+                None => {
+                    tracing::warn!(url = %f.url, "no cached rule set: no rule is known until the rules service answers");
+                    (RuleSet::default(), format!("{} (not reached yet)", f.url))
+                }
+            },
+            RulesSource::Embedded(state) => {
+                let (version, rules) = state.store.snapshot().await?;
+                let set = RuleSet::new(rules)?.with_version(version);
+                (
+                    set,
+                    format!(
+                        "the embedded rules store {} (version {version})",
+                        state.store.describe()
+                    ),
+                )
+            }
+        })
+    }
+
+    /// Starts following the source (service or embedded store); serves the embedded API.
+    async fn start(
+        &self,
+        engine: &Arc<Engine>,
+        config: &AgentConfig,
+        shutdown: watch::Receiver<bool>,
+    ) -> anyhow::Result<()> {
+        match self {
+            RulesSource::File(_) => {}
+            RulesSource::Service(f) => {
+                tracing::info!(url = %f.url, poll_ms = f.poll.as_millis() as u64, watch_s = f.watch.as_secs(), "following the rules service");
+                tokio::spawn(rules::follow::follow(engine.clone(), f.clone(), shutdown));
+            }
+            RulesSource::Embedded(state) => {
+                if let Admin::At(addr) = config.rules_listen {
+                    anyhow::ensure!(
+                        addr.ip().is_loopback(),
+                        "the embedded rules API has no token, so it listens on loopback only, not {addr}; run `floodgate rules-server --token …` to serve it further"
+                    );
+                    let listener = tokio::net::TcpListener::bind(addr)
+                        .await
+                        .with_context(|| format!("cannot serve the rules API on {addr}"))?;
+                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), "rules API listening (embedded, loopback only, no token)");
+                    let app = rules::service::app(state.clone());
+                    let mut stop = shutdown.clone();
+                    tokio::spawn(async move {
+                        let graceful = async move {
+                            server::stopped(&mut stop).await;
+                        };
+                        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(graceful).await {
+                            tracing::error!(error = %e, "rules API failed");
+                        }
+                    });
+                }
+                // Follow the embedded store: every write announces its version.
+                let (engine, state) = (engine.clone(), state.clone());
+                let mut changes = state.subscribe();
+                let mut stop = shutdown;
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            changed = changes.changed() => if changed.is_err() { break },
+                            _ = server::stopped(&mut stop) => break,
+                        }
+                        match state.store.snapshot().await {
+                            Ok((version, rules)) => {
+                                rules::follow::apply(
+                                    &engine,
+                                    rules::follow::Snapshot { version, rules },
+                                    None,
+                                );
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, "could not read the rules store; keeping the rule set in force")
+                            }
+                        }
+                    }
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the rules service until `shutdown` turns true (`floodgate rules-server`).
+pub async fn run_rules_server(
+    config: crate::config::RulesServerConfig,
+    mut shutdown: watch::Receiver<bool>,
+) -> anyhow::Result<()> {
+    if config.tokens.is_empty() {
+        anyhow::ensure!(
+            config.listen.ip().is_loopback(),
+            "no --token configured: the rules API would be open to anyone, so it listens on loopback only, not {}",
+            config.listen
+        );
+        tracing::warn!("no --token configured: the rules API listens on loopback only and asks for no token");
+    }
+    let store = rules::store::RulesStore::open(&config.db)
+        .await
+        .with_context(|| format!("cannot open the rules store {}", config.db))?;
+    let state = rules::service::ServiceState::new(store, &config.tokens).await?;
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .with_context(|| format!("cannot serve the rules API on {}", config.listen))?;
+    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = config.tokens.len(), "rules service listening");
+    tokio::spawn(rules::service::poll_version(state.clone(), shutdown.clone()));
+    let app = rules::service::app(state);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move {
+            server::stopped(&mut shutdown).await;
+        })
+        .await?;
+    tracing::info!("rules service stopped");
+    Ok(())
 }

@@ -107,6 +107,11 @@ impl AgentBuilder {
             });
             std::fs::write(&path, text).expect("write rules");
             cmd.arg("--rules").arg(path);
+        } else {
+            // The embedded default: its rules API on a free port, its store in the temp dir.
+            cmd.args(["--rules-listen", "127.0.0.1:0"])
+                .arg("--rules-db")
+                .arg(format!("sqlite://{}", dir.path().join("rules.db").display()));
         }
         cmd.args(&self.args);
         // Keep the environment from leaking FLOODGATE_* settings into tests.
@@ -175,12 +180,22 @@ impl Agent {
 
     /// The admin address it logged.
     pub async fn admin_addr(&self) -> std::net::SocketAddr {
+        self.logged_addr("admin HTTP listening").await
+    }
+
+    /// The embedded rules API's address (an agent started without `--rules` serves it).
+    pub async fn rules_addr(&self) -> std::net::SocketAddr {
+        self.logged_addr("rules API listening").await
+    }
+
+    /// The `addr=` of the first log line containing `what`.
+    pub async fn logged_addr(&self, what: &str) -> std::net::SocketAddr {
         eventually(
-            "the agent logs its admin address",
+            &format!("the process logs {what:?}"),
             Duration::from_secs(10),
             || async {
                 let log = self.log();
-                let line = log.lines().find(|l| l.contains("admin HTTP listening"))?;
+                let line = log.lines().find(|l| l.contains(what))?;
                 let addr = line.split("addr=").nth(1)?.split_whitespace().next()?;
                 addr.parse().ok()
             },

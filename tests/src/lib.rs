@@ -8,6 +8,7 @@
 //! - `wire`: [`RawConn`], a bare protocol connection for sending hand-made frames.
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
+//! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
 //!
 //! # Example
 //! ```no_run
@@ -25,6 +26,7 @@ mod agent;
 mod cluster;
 mod proxy;
 mod redis;
+mod rules;
 mod wait;
 mod wire;
 
@@ -32,6 +34,7 @@ pub use agent::{floodgate_bin, Agent, AgentBuilder};
 pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
+pub use rules::{PgDatabase, RulesServer};
 pub use wait::eventually;
 pub use wire::RawConn;
 

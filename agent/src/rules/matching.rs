@@ -40,11 +40,24 @@ pub fn items_for(rules: &RuleSet, a: &Attributes) -> Vec<(Arc<Rule>, String)> {
         .collect()
 }
 
+/// Exact, or segment by segment where `*` matches one segment; a `*` in the last segment matches
+/// that segment and everything after it (`/api/*` matches `/api/a/b`).
 fn endpoint_matches(pattern: &str, endpoint: &str) -> bool {
-    match pattern.strip_suffix('*') {
-        Some(prefix) => endpoint.starts_with(prefix),
-        None => pattern == endpoint,
+    if !pattern.contains('*') {
+        return pattern == endpoint;
     }
+    let mut want = pattern.split('/').peekable();
+    let mut have = endpoint.split('/');
+    while let Some(w) = want.next() {
+        let last = want.peek().is_none();
+        match (w, have.next()) {
+            ("*", Some(_)) if last => return true,
+            ("*", Some(_)) => {}
+            (w, Some(h)) if w == h => {}
+            _ => return false,
+        }
+    }
+    have.next().is_none()
 }
 
 #[cfg(test)]
@@ -61,6 +74,20 @@ mod tests {
             ip: Some("203.0.113.5".into()),
             cost: 1,
         }
+    }
+
+    #[test]
+    fn endpoint_patterns_exact_prefix_and_glob() {
+        assert!(endpoint_matches("/login", "/login"));
+        assert!(!endpoint_matches("/login", "/login/x"));
+        assert!(endpoint_matches("/api/*", "/api/search"));
+        assert!(endpoint_matches("/api/*", "/api/a/b"));
+        assert!(!endpoint_matches("/api/*", "/api"));
+        assert!(!endpoint_matches("/api/*", "/apix/y"));
+        assert!(endpoint_matches("/users/*/posts", "/users/42/posts"));
+        assert!(!endpoint_matches("/users/*/posts", "/users/42/likes"));
+        assert!(!endpoint_matches("/users/*/posts", "/users/42/posts/7"));
+        assert!(endpoint_matches("/users/*/posts/*", "/users/42/posts/7"));
     }
 
     #[test]

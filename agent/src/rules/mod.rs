@@ -1,9 +1,15 @@
 //! Rules: the model, the rules file, and matching request attributes to rules.
 
+pub mod fields;
+pub mod follow;
+pub mod http;
 mod matching;
 mod model;
+pub mod service;
+pub mod store;
 
 pub use matching::items_for;
 pub use model::{
-    Algorithm, Dimension, Execution, FailMode, Match, Mode, Rule, RuleError, RuleSet, EXAMPLE_RULES,
+    validate_endpoint_pattern, Algorithm, Dimension, Execution, FailMode, Match, Mode, Rule, RuleError,
+    RuleSet, EXAMPLE_RULES,
 };

@@ -130,6 +130,17 @@ pub struct Rule {
     /// Build keys with the endpoint too (`apikey:abc:endpoint:/search`), so each endpoint counts apart.
     #[serde(default)]
     pub per_endpoint: bool,
+    /// The rule's version in the rules service (0 for a rules file); bumped by every write. Local
+    /// state follows it: a rejection cached under another version is dropped.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub version: u64,
+    /// When the rules service last wrote the rule (Unix ms; 0 for a rules file).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub updated_at: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 impl Rule {
@@ -173,15 +184,32 @@ impl Rule {
             }
         }
         if let Some(p) = &self.matches.endpoint {
-            if p.is_empty() || p.strip_suffix('*').unwrap_or(p).contains('*') {
-                return Err(format!(
-                    "rule {}: endpoint pattern {p:?} must be exact or end in one '*'",
-                    self.id
-                ));
-            }
+            validate_endpoint_pattern(p).map_err(|e| format!("rule {}: {e}", self.id))?;
         }
         Ok(())
     }
+
+    /// Checks the rule alone (the rules service validates each PUT with it).
+    pub fn check(&self) -> Result<(), String> {
+        self.validate()
+    }
+}
+
+/// An endpoint pattern: exact (`/login`), a glob whose `*` matches one path segment (`/users/*/posts`),
+/// or ending in `/*` … any `*` at the very end matches the rest (`/api/*`).
+pub fn validate_endpoint_pattern(p: &str) -> Result<(), String> {
+    if p.is_empty() || !p.starts_with('/') {
+        return Err(format!("endpoint pattern {p:?} must start with '/'"));
+    }
+    if p.len() > 256 {
+        return Err(format!("endpoint pattern is {} bytes, over 256", p.len()));
+    }
+    if let Some(bad) = p.split('/').find(|seg| seg.contains('*') && *seg != "*") {
+        return Err(format!(
+            "endpoint pattern {p:?}: '*' must be a whole segment, not part of {bad:?}"
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -216,6 +244,7 @@ pub enum RuleError {
 pub struct RuleSet {
     by_id: HashMap<String, Arc<Rule>>,
     ordered: Vec<Arc<Rule>>,
+    version: u64,
 }
 
 impl RuleSet {
@@ -231,6 +260,17 @@ impl RuleSet {
             set.ordered.push(rule);
         }
         Ok(set)
+    }
+
+    /// The rules service's global version this set is (0 for a rules file).
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// The same set marked with the rules service's global version.
+    pub fn with_version(mut self, version: u64) -> Self {
+        self.version = version;
+        self
     }
 
     /// Parses a TOML (`[[rules]]`) or JSON (`{"rules": [...]}`) document; JSON if it starts with `{`.

@@ -1,0 +1,201 @@
+//! `floodgate rules …`: the operators' command line for the rules API. Readable output by default,
+//! `--json` for scripts; exit code 0 on success, 1 on a refused or failed request.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+
+use crate::rules::http;
+
+/// The CLI's arguments.
+#[derive(Debug, clap::Args)]
+pub struct RulesCli {
+    /// The rules API, `http://host:port`.
+    #[arg(long, env = "FLOODGATE_RULES_SERVER", default_value = "http://127.0.0.1:9791")]
+    pub server: String,
+    /// Bearer token.
+    #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
+    pub token: Option<String>,
+    /// Print the API's JSON instead of text.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: RulesCommand,
+}
+
+/// One operation.
+#[derive(Debug, clap::Subcommand)]
+pub enum RulesCommand {
+    /// Every rule, and the global version.
+    List,
+    /// One rule.
+    Get {
+        /// Rule id.
+        id: String,
+    },
+    /// Create or replace a rule from a JSON body (a file, or `-` for standard input).
+    Put {
+        /// Rule id.
+        id: String,
+        /// The rule as JSON: {dimension, match?, limit, windowSeconds, …}.
+        #[arg(long)]
+        file: std::path::PathBuf,
+        /// Only if the rule is at this version (0: only if it does not exist yet).
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
+    /// Delete a rule.
+    Delete {
+        /// Rule id.
+        id: String,
+        /// Only if the rule is at this version.
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
+    /// The audit: who changed what, newest first.
+    Audit {
+        /// At most this many records.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+}
+
+/// Runs one CLI command; prints its result.
+pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
+    let token = cli.token.as_deref();
+    let call =
+        |method: &'static str, path: String, extra: Vec<(&'static str, String)>, body: Option<Vec<u8>>| {
+            let server = cli.server.clone();
+            async move {
+                http::request(
+                    &server,
+                    method,
+                    &path,
+                    token,
+                    &extra,
+                    body.as_deref(),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|e| anyhow::anyhow!(e))
+            }
+        };
+    let if_match = |v: Option<u64>| {
+        v.map(|v| vec![("If-Match", format!("\"{v}\""))])
+            .unwrap_or_default()
+    };
+    let r = match &cli.command {
+        RulesCommand::List => call("GET", "/v1/rules".into(), vec![], None).await?,
+        RulesCommand::Get { id } => call("GET", format!("/v1/rules/{id}"), vec![], None).await?,
+        RulesCommand::Put {
+            id,
+            file,
+            if_match: v,
+        } => {
+            let body = if file.as_os_str() == "-" {
+                let mut s = Vec::new();
+                std::io::Read::read_to_end(&mut std::io::stdin(), &mut s)?;
+                s
+            } else {
+                std::fs::read(file).with_context(|| format!("cannot read {}", file.display()))?
+            };
+            call("PUT", format!("/v1/rules/{id}"), if_match(*v), Some(body)).await?
+        }
+        RulesCommand::Delete { id, if_match: v } => {
+            call("DELETE", format!("/v1/rules/{id}"), if_match(*v), None).await?
+        }
+        RulesCommand::Audit { limit } => {
+            call("GET", format!("/v1/audit?limit={limit}"), vec![], None).await?
+        }
+    };
+    let json: Value = if r.body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&r.body)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&r.body).into()))
+    };
+    if !(200..300).contains(&r.status) {
+        if cli.json {
+            println!("{json}");
+        }
+        let mut msg = format!(
+            "{} {}",
+            r.status,
+            json["error"].as_str().unwrap_or("request refused")
+        );
+        if let Some(fields) = json["fields"].as_object() {
+            for (k, v) in fields {
+                msg.push_str(&format!("\n  {k}: {}", v.as_str().unwrap_or_default()));
+            }
+        }
+        bail!(msg);
+    }
+    if cli.json {
+        println!(
+            "{}",
+            if json.is_null() {
+                "{}".to_string()
+            } else {
+                json.to_string()
+            }
+        );
+        return Ok(());
+    }
+    match &cli.command {
+        RulesCommand::List => {
+            println!("version {}", json["version"]);
+            println!(
+                "{:<24} {:>4} {:>12} {:>9}  {:<14} {:<7} {:<8} match",
+                "id", "ver", "limit", "window", "algorithm", "mode", "exec"
+            );
+            for r in json["rules"].as_array().into_iter().flatten() {
+                println!("{}", line(r));
+            }
+        }
+        RulesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&json)?),
+        RulesCommand::Put { id, .. } => println!("rule {id} written: version {}", json["version"]),
+        RulesCommand::Delete { id, .. } => println!("rule {id} deleted"),
+        RulesCommand::Audit { .. } => {
+            for a in json["audit"].as_array().into_iter().flatten() {
+                println!(
+                    "{:>6}  {}  {:<12} {:<7} {}",
+                    a["version"],
+                    a["at"],
+                    a["actor"].as_str().unwrap_or(""),
+                    a["action"].as_str().unwrap_or(""),
+                    a["ruleId"].as_str().unwrap_or("")
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn line(r: &Value) -> String {
+    let s = |k: &str, d: &str| r[k].as_str().unwrap_or(d).to_string();
+    let m = &r["match"];
+    let mut matches = Vec::new();
+    if let Some(e) = m["endpoint"].as_str() {
+        matches.push(format!("endpoint={e}"));
+    }
+    if let Some(t) = m["tier"].as_str() {
+        matches.push(format!("tier={t}"));
+    }
+    format!(
+        "{:<24} {:>4} {:>12} {:>8}s  {:<14} {:<7} {:<8} {}",
+        s("id", ""),
+        r["version"].to_string(),
+        r["limit"].to_string(),
+        r["windowSeconds"].to_string(),
+        s("algorithm", "sliding_window"),
+        s("mode", "enforce"),
+        s("execution", "sync"),
+        if matches.is_empty() {
+            "all".into()
+        } else {
+            matches.join(" ")
+        }
+    )
+}

@@ -1,0 +1,151 @@
+//! How an agent follows the rules service: a pull with the version it holds (304 when unchanged)
+//! every poll interval, and a long-poll watch in between so that a change arrives in well under a
+//! second. A new set is validated whole and swapped atomically; a bad answer or an unreachable
+//! service leaves the last good set in force, also across a restart (the cache file).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::http;
+use super::model::{Rule, RuleSet};
+use crate::engine::Engine;
+
+/// Where and how to follow.
+#[derive(Debug, Clone)]
+pub struct FollowConfig {
+    /// The rules service, `http://host:port`.
+    pub url: String,
+    /// Bearer token, if the service wants one.
+    pub token: Option<String>,
+    /// Pull interval (and the retry interval after a failure).
+    pub poll: Duration,
+    /// How long each watch request may be held by the service (0: no watch, pull only).
+    pub watch: Duration,
+    /// The last good set, kept across restarts.
+    pub cache: Option<PathBuf>,
+}
+
+/// The wire shape of `GET /v1/rules` (and of the cache file).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Snapshot {
+    /// Global version.
+    pub version: u64,
+    /// Every rule.
+    pub rules: Vec<Rule>,
+}
+
+/// Loads the cache file, if there is a valid one.
+pub fn load_cache(path: &Path) -> Option<RuleSet> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let snap: Snapshot = serde_json::from_str(&text).ok()?;
+    RuleSet::new(snap.rules)
+        .ok()
+        .map(|s| s.with_version(snap.version))
+}
+
+fn save_cache(path: &Path, snap: &Snapshot) {
+    let tmp = path.with_extension("tmp");
+    let ok = serde_json::to_vec(snap)
+        .ok()
+        .and_then(|bytes| std::fs::write(&tmp, bytes).ok())
+        .and_then(|_| std::fs::rename(&tmp, path).ok());
+    if ok.is_none() {
+        tracing::warn!(path = %path.display(), "could not write the rules cache file");
+    }
+}
+
+/// Applies a snapshot if it is valid and newer than what the engine holds; returns whether it did.
+pub fn apply(engine: &Engine, snap: Snapshot, cache: Option<&Path>) -> bool {
+    let held = engine.rules().version();
+    if snap.version <= held && held != 0 {
+        return false;
+    }
+    let count = snap.rules.len();
+    match RuleSet::new(snap.rules.clone()) {
+        Ok(set) => {
+            engine.swap_rules(set.with_version(snap.version));
+            if let Some(path) = cache {
+                save_cache(path, &snap);
+            }
+            tracing::info!(version = snap.version, rules = count, "rule set updated");
+            true
+        }
+        Err(e) => {
+            tracing::warn!(version = snap.version, error = %e, held, "refused a rule set from the service; keeping the one in force");
+            false
+        }
+    }
+}
+
+/// Follows the service until `shutdown`.
+pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: watch::Receiver<bool>) {
+    let mut failures = 0u32;
+    loop {
+        let held = engine.rules().version();
+        let watch_s = config.watch.as_secs();
+        let path = if watch_s > 0 {
+            format!("/v1/rules?version={held}&watch={watch_s}")
+        } else {
+            format!("/v1/rules?version={held}")
+        };
+        let call = http::request(
+            &config.url,
+            "GET",
+            &path,
+            config.token.as_deref(),
+            &[],
+            None,
+            config.watch + Duration::from_secs(5),
+        );
+        let outcome = tokio::select! {
+            r = call => r,
+            _ = crate::server::stopped(&mut shutdown) => return,
+        };
+        let wait = match outcome {
+            Ok(r) if r.status == 200 => match serde_json::from_slice::<Snapshot>(&r.body) {
+                Ok(snap) => {
+                    failures = 0;
+                    apply(&engine, snap, config.cache.as_deref());
+                    None
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the rules service sent an unreadable rule set; keeping the one in force");
+                    Some(config.poll)
+                }
+            },
+            Ok(r) if r.status == 304 => {
+                failures = 0;
+                None
+            }
+            Ok(r) => {
+                failures += 1;
+                tracing::warn!(status = r.status, body = %String::from_utf8_lossy(&r.body), "the rules service refused the pull; keeping the rule set in force");
+                Some(config.poll)
+            }
+            Err(e) => {
+                failures += 1;
+                if failures == 1 || failures % 30 == 0 {
+                    tracing::warn!(error = %e, failures, "rules service unreachable; keeping the rule set in force");
+                }
+                // Retry soon at first, then at the poll interval.
+                Some(config.poll.min(Duration::from_millis(200) * failures.min(50)))
+            }
+        };
+        let wait = match (wait, watch_s) {
+            (Some(w), _) => w,
+            // Without a watch, pull again after the poll interval.
+            (None, 0) => config.poll,
+            (None, _) => Duration::ZERO,
+        };
+        if !wait.is_zero() {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = crate::server::stopped(&mut shutdown) => return,
+            }
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The rules service's HTTP API: `PUT/GET/DELETE /v1/rules/{id}`, `GET /v1/rules` with a version
+//! (304 when unchanged) and an optional long-poll watch, `GET /v1/audit`, bearer-token auth.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde_json::json;
+use tokio::sync::watch;
+
+use super::fields::rule_from_body;
+use super::model::Rule;
+use super::store::{RulesStore, StoreOpError};
+
+/// The longest a watch (long poll) may hold a request, in seconds.
+pub const MAX_WATCH_SECONDS: u64 = 55;
+
+/// What the API serves.
+pub struct ServiceState {
+    /// The durable store.
+    pub store: RulesStore,
+    /// Operators' tokens: (name, secret). Empty: no auth (then the API must listen on loopback).
+    tokens: Vec<(String, String)>,
+    /// The global version, announced to watchers after every write.
+    changed: watch::Sender<u64>,
+}
+
+impl ServiceState {
+    /// A service over `store` with these tokens (`name:secret`, or a bare secret named `operator`).
+    pub async fn new(store: RulesStore, tokens: &[String]) -> Result<Arc<Self>, StoreOpError> {
+        let version = store.version().await?;
+        let tokens = tokens
+            .iter()
+            .map(|t| match t.split_once(':') {
+                Some((name, secret)) => (name.to_string(), secret.to_string()),
+                None => ("operator".to_string(), t.clone()),
+            })
+            .collect();
+        Ok(Arc::new(ServiceState {
+            store,
+            tokens,
+            changed: watch::channel(version).0,
+        }))
+    }
+
+    /// Whether requests must carry a token.
+    pub fn authenticated(&self) -> bool {
+        !self.tokens.is_empty()
+    }
+
+    /// Watches the global version (the embedded agent follows the service through this).
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Announces a version (after a write here, or one another instance made, seen by polling).
+    pub fn announce(&self, version: u64) {
+        self.changed.send_if_modified(|v| {
+            let newer = version > *v;
+            if newer {
+                *v = version;
+            }
+            newer
+        });
+    }
+
+    /// Writes the rules of a file into an empty store (the embedded default's first start).
+    pub async fn seed(&self, rules: &[Rule]) -> Result<(), StoreOpError> {
+        let (version, existing) = self.store.snapshot().await?;
+        if version > 0 || !existing.is_empty() {
+            return Ok(());
+        }
+        for r in rules {
+            let (_, v) = self.store.put(r, Some(0), "seed").await?;
+            self.announce(v);
+        }
+        Ok(())
+    }
+}
+
+/// The API's router; tests call it without a socket.
+pub fn app(state: Arc<ServiceState>) -> Router {
+    Router::new()
+        .route("/v1/rules", get(list))
+        .route("/v1/rules/{id}", get(get_one).put(put).delete(delete))
+        .route("/v1/audit", get(audit))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
+        .with_state(state)
+}
+
+/// Keeps the announced version in step with the store, for writes made by another instance over the
+/// same PostgreSQL database (every second).
+pub async fn poll_version(state: Arc<ServiceState>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {
+                if let Ok(v) = state.store.version().await {
+                    state.announce(v);
+                }
+            }
+            _ = crate::server::stopped(&mut stop) => break,
+        }
+    }
+}
+
+/// The caller, as authenticated.
+#[derive(Clone)]
+struct Actor(String);
+
+async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Next) -> Response {
+    if !state.authenticated() {
+        req.extensions_mut().insert(Actor("local".into()));
+        return next.run(req).await;
+    }
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    let Some(given) = given else {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "a bearer token is required (Authorization: Bearer …)",
+        );
+    };
+    match state
+        .tokens
+        .iter()
+        .find(|(_, secret)| constant_time_eq(secret.as_bytes(), given.as_bytes()))
+    {
+        Some((name, _)) => {
+            req.extensions_mut().insert(Actor(name.clone()));
+            next.run(req).await
+        }
+        None => error(StatusCode::FORBIDDEN, "this token is not allowed"),
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn error(status: StatusCode, message: &str) -> Response {
+    (status, Json(json!({ "error": message }))).into_response()
+}
+
+fn store_error(e: StoreOpError) -> Response {
+    match e {
+        StoreOpError::Conflict { .. } => error(StatusCode::PRECONDITION_FAILED, &e.to_string()),
+        StoreOpError::NotFound(_) => error(StatusCode::NOT_FOUND, &e.to_string()),
+        e => {
+            tracing::warn!(error = %e, "rules store failed");
+            error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())
+        }
+    }
+}
+
+fn query(uri: &Uri) -> HashMap<String, String> {
+    uri.query()
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
+        .filter(|(k, _)| !k.is_empty())
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+fn etag(version: u64) -> String {
+    format!("\"{version}\"")
+}
+
+/// `If-Match: "3"` (or `3`, or `W/"3"`) as a version; `Err(())` for anything else.
+fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ()> {
+    let Some(v) = headers.get(header::IF_MATCH) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .map(|s| s.trim().trim_start_matches("W/").trim_matches('"'))
+        .and_then(|s| s.parse().ok())
+        .map(Some)
+        .ok_or(())
+}
+
+fn bad_if_match() -> Response {
+    error(
+        StatusCode::BAD_REQUEST,
+        "If-Match must be a rule version, e.g. \"3\"",
+    )
+}
+
+/// `GET /v1/rules[?version=N[&watch=S]]`: every rule and the global version; 304 when the caller
+/// already holds `version`, after waiting up to S seconds for a change when asked to watch.
+async fn list(State(state): State<Arc<ServiceState>>, uri: Uri) -> Response {
+    let q = query(&uri);
+    let held: Option<u64> = q.get("version").and_then(|v| v.parse().ok());
+    let watch_s: u64 = q
+        .get("watch")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+        .min(MAX_WATCH_SECONDS);
+    if let Some(held) = held {
+        let mut rx = state.subscribe();
+        if *rx.borrow() == held && watch_s > 0 {
+            let _ = tokio::time::timeout(Duration::from_secs(watch_s), rx.wait_for(|v| *v != held)).await;
+        }
+    }
+    match state.store.snapshot().await {
+        Ok((version, _)) if held == Some(version) => {
+            (StatusCode::NOT_MODIFIED, [(header::ETAG, etag(version))]).into_response()
+        }
+        Ok((version, rules)) => (
+            [(header::ETAG, etag(version))],
+            Json(json!({ "version": version, "rules": rules })),
+        )
+            .into_response(),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn get_one(State(state): State<Arc<ServiceState>>, Path(id): Path<String>) -> Response {
+    match state.store.get(&id).await {
+        Ok(Some(rule)) => ([(header::ETAG, etag(rule.version))], Json(rule)).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, &format!("no rule {id}")),
+        Err(e) => store_error(e),
+    }
+}
+
+async fn put(
+    State(state): State<Arc<ServiceState>>,
+    Path(id): Path<String>,
+    axum::Extension(actor): axum::Extension<Actor>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let Ok(expected) = if_match(&headers) else {
+        return bad_if_match();
+    };
+    let rule = match rule_from_body(&id, &body) {
+        Ok(r) => r,
+        Err(fields) => {
+            return (
+                StatusCode::BAD_REQUEST,
+                Json(json!({ "error": "invalid rule", "fields": fields })),
+            )
+                .into_response()
+        }
+    };
+    match state.store.put(&rule, expected, &actor.0).await {
+        Ok((stored, version)) => {
+            state.announce(version);
+            tracing::info!(rule = %stored.id, rule_version = stored.version, version, actor = %actor.0, "rule written");
+            let status = if stored.version == 1 {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            (status, [(header::ETAG, etag(stored.version))], Json(stored)).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+async fn delete(
+    State(state): State<Arc<ServiceState>>,
+    Path(id): Path<String>,
+    axum::Extension(actor): axum::Extension<Actor>,
+    headers: HeaderMap,
+) -> Response {
+    let Ok(expected) = if_match(&headers) else {
+        return bad_if_match();
+    };
+    match state.store.delete(&id, expected, &actor.0).await {
+        Ok(version) => {
+            state.announce(version);
+            tracing::info!(rule = %id, version, actor = %actor.0, "rule deleted");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+async fn audit(State(state): State<Arc<ServiceState>>, uri: Uri) -> Response {
+    let limit = query(&uri)
+        .get("limit")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100u32)
+        .min(10_000);
+    match state.store.audit(limit).await {
+        Ok(entries) => Json(json!({ "audit": entries })).into_response(),
+        Err(e) => store_error(e),
+    }
+}

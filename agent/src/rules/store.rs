@@ -1,0 +1,393 @@
+//! The rules service's durable store: SQLite (one file, the embedded default) or PostgreSQL (a URL),
+//! one schema with numbered migrations, every write a transaction that bumps the global version and
+//! the rule's version and appends to the audit.
+
+use std::sync::Once;
+
+use sqlx::any::AnyPoolOptions;
+use sqlx::AnyPool;
+use sqlx::Row;
+
+use super::model::Rule;
+
+/// Why a store operation failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreOpError {
+    /// The database failed or could not be reached.
+    #[error("rules store: {0}")]
+    Db(#[from] sqlx::Error),
+    /// A stored rule could not be read back (a bug or a hand-edited row).
+    #[error("rules store holds an unreadable rule {id}: {why}")]
+    Corrupt {
+        /// The rule.
+        id: String,
+        /// Why.
+        why: String,
+    },
+    /// `If-Match` named another version than the stored one (0: the rule does not exist).
+    #[error("rule {id} is at version {current}, not {expected}")]
+    Conflict {
+        /// The rule.
+        id: String,
+        /// The version the caller expected.
+        expected: u64,
+        /// The version stored.
+        current: u64,
+    },
+    /// No such rule.
+    #[error("no rule {0}")]
+    NotFound(String),
+}
+
+/// One audit record: who changed which rule when, from what to what.
+#[derive(Debug, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AuditEntry {
+    /// The global version the change made.
+    pub version: u64,
+    /// Unix ms.
+    pub at: u64,
+    /// Who (the token's name, or `local`).
+    pub actor: String,
+    /// The rule.
+    pub rule_id: String,
+    /// `put` or `delete`.
+    pub action: String,
+    /// The rule before (JSON), if any.
+    pub old: Option<String>,
+    /// The rule after (JSON), if any.
+    pub new: Option<String>,
+}
+
+/// Schema migrations, applied in order; each one's statements run in one transaction. SQL common to
+/// SQLite and PostgreSQL (TEXT, BIGINT, ON CONFLICT, RETURNING).
+const MIGRATIONS: &[&[&str]] = &[&[
+    "CREATE TABLE IF NOT EXISTS floodgate_rules (id TEXT PRIMARY KEY, version BIGINT NOT NULL, \
+     body TEXT NOT NULL, updated_at BIGINT NOT NULL)",
+    "CREATE TABLE IF NOT EXISTS floodgate_audit (version BIGINT PRIMARY KEY, at BIGINT NOT NULL, \
+     actor TEXT NOT NULL, rule_id TEXT NOT NULL, action TEXT NOT NULL, old TEXT, new TEXT)",
+    "INSERT INTO floodgate_meta (name, value) VALUES ('version', 0) ON CONFLICT (name) DO NOTHING",
+]];
+
+/// The store.
+#[derive(Clone)]
+pub struct RulesStore {
+    pool: AnyPool,
+    url: String,
+}
+
+fn now_ms() -> u64 {
+    crate::store::Clock::System.now_ms()
+}
+
+impl RulesStore {
+    /// Opens (and creates, for SQLite) the store at `url` — `sqlite://path` or `postgres://…` — and
+    /// applies the migrations it lacks.
+    pub async fn open(url: &str) -> Result<Self, StoreOpError> {
+        static DRIVERS: Once = Once::new();
+        DRIVERS.call_once(sqlx::any::install_default_drivers);
+        let connect = if url.starts_with("sqlite:") && !url.contains('?') {
+            format!("{url}?mode=rwc")
+        } else {
+            url.to_string()
+        };
+        // SQLite allows one writer at a time; one connection avoids lock waits between our own.
+        let max = if url.starts_with("sqlite:") { 1 } else { 8 };
+        let pool = AnyPoolOptions::new()
+            .max_connections(max)
+            .acquire_timeout(std::time::Duration::from_secs(5))
+            .connect(&connect)
+            .await?;
+        let store = RulesStore {
+            pool,
+            url: crate::store::shards::redact(url),
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// The URL without its password, for logs.
+    pub fn describe(&self) -> &str {
+        &self.url
+    }
+
+    async fn migrate(&self) -> Result<(), StoreOpError> {
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS floodgate_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)",
+        )
+        .execute(&self.pool)
+        .await?;
+        sqlx::query(
+            "INSERT INTO floodgate_meta (name, value) VALUES ('schema', 0) ON CONFLICT (name) DO NOTHING",
+        )
+        .execute(&self.pool)
+        .await?;
+        for (i, statements) in MIGRATIONS.iter().enumerate() {
+            let target = i as i64 + 1;
+            let mut tx = self.pool.begin().await?;
+            // Taking the row's write lock first serializes two services migrating one database.
+            let schema: i64 =
+                sqlx::query("UPDATE floodgate_meta SET value = value WHERE name = 'schema' RETURNING value")
+                    .fetch_one(&mut *tx)
+                    .await?
+                    .try_get(0)?;
+            if schema >= target {
+                tx.rollback().await?;
+                continue;
+            }
+            for s in statements.iter() {
+                sqlx::query(s).execute(&mut *tx).await?;
+            }
+            sqlx::query("UPDATE floodgate_meta SET value = $1 WHERE name = 'schema'")
+                .bind(target)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+        }
+        Ok(())
+    }
+
+    /// The global version.
+    pub async fn version(&self) -> Result<u64, StoreOpError> {
+        let v: i64 = sqlx::query("SELECT value FROM floodgate_meta WHERE name = 'version'")
+            .fetch_one(&self.pool)
+            .await?
+            .try_get(0)?;
+        Ok(v as u64)
+    }
+
+    /// Every rule and the global version they are at, read in one transaction.
+    pub async fn snapshot(&self) -> Result<(u64, Vec<Rule>), StoreOpError> {
+        let mut tx = self.pool.begin().await?;
+        let version: i64 = sqlx::query("SELECT value FROM floodgate_meta WHERE name = 'version'")
+            .fetch_one(&mut *tx)
+            .await?
+            .try_get(0)?;
+        let rows = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules ORDER BY id")
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        let rules = rows.iter().map(row_rule).collect::<Result<Vec<_>, _>>()?;
+        Ok((version as u64, rules))
+    }
+
+    /// One rule.
+    pub async fn get(&self, id: &str) -> Result<Option<Rule>, StoreOpError> {
+        let row = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(row_rule).transpose()
+    }
+
+    /// Writes a rule (creating or replacing it) if `if_match` is none or its current version (0: it
+    /// must not exist yet). Returns the rule as stored (with its new version) and the new global
+    /// version.
+    pub async fn put(
+        &self,
+        rule: &Rule,
+        if_match: Option<u64>,
+        actor: &str,
+    ) -> Result<(Rule, u64), StoreOpError> {
+        let mut tx = self.pool.begin().await?;
+        // The version row's lock serializes writers (PostgreSQL: row lock; SQLite: the write lock).
+        let global: i64 =
+            sqlx::query("UPDATE floodgate_meta SET value = value + 1 WHERE name = 'version' RETURNING value")
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+        let old = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules WHERE id = $1")
+            .bind(&rule.id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let old = old.as_ref().map(row_rule).transpose()?;
+        let current = old.as_ref().map_or(0, |r| r.version);
+        if let Some(expected) = if_match {
+            if expected != current {
+                tx.rollback().await?;
+                return Err(StoreOpError::Conflict {
+                    id: rule.id.clone(),
+                    expected,
+                    current,
+                });
+            }
+        }
+        let mut stored = rule.clone();
+        stored.version = current + 1;
+        stored.updated_at = now_ms();
+        let body = body_json(&stored);
+        sqlx::query(
+            "INSERT INTO floodgate_rules (id, version, body, updated_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (id) DO UPDATE SET version = excluded.version, body = excluded.body, \
+             updated_at = excluded.updated_at",
+        )
+        .bind(&stored.id)
+        .bind(stored.version as i64)
+        .bind(&body)
+        .bind(stored.updated_at as i64)
+        .execute(&mut *tx)
+        .await?;
+        audit(
+            &mut tx,
+            global,
+            actor,
+            &stored.id,
+            "put",
+            old.as_ref().map(body_json),
+            Some(body),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((stored, global as u64))
+    }
+
+    /// Deletes a rule if `if_match` is none or its current version. Returns the new global version.
+    pub async fn delete(&self, id: &str, if_match: Option<u64>, actor: &str) -> Result<u64, StoreOpError> {
+        let mut tx = self.pool.begin().await?;
+        let global: i64 =
+            sqlx::query("UPDATE floodgate_meta SET value = value + 1 WHERE name = 'version' RETURNING value")
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+        let old = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules WHERE id = $1")
+            .bind(id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(old) = old.as_ref().map(row_rule).transpose()? else {
+            tx.rollback().await?;
+            return Err(StoreOpError::NotFound(id.into()));
+        };
+        if let Some(expected) = if_match {
+            if expected != old.version {
+                tx.rollback().await?;
+                return Err(StoreOpError::Conflict {
+                    id: id.into(),
+                    expected,
+                    current: old.version,
+                });
+            }
+        }
+        sqlx::query("DELETE FROM floodgate_rules WHERE id = $1")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        audit(&mut tx, global, actor, id, "delete", Some(body_json(&old)), None).await?;
+        tx.commit().await?;
+        Ok(global as u64)
+    }
+
+    /// The newest audit records first, at most `limit`.
+    pub async fn audit(&self, limit: u32) -> Result<Vec<AuditEntry>, StoreOpError> {
+        let rows = sqlx::query(
+            "SELECT version, at, actor, rule_id, action, old, new FROM floodgate_audit ORDER BY version DESC LIMIT $1",
+        )
+        .bind(i64::from(limit))
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok(AuditEntry {
+                    version: r.try_get::<i64, _>(0)? as u64,
+                    at: r.try_get::<i64, _>(1)? as u64,
+                    actor: r.try_get(2)?,
+                    rule_id: r.try_get(3)?,
+                    action: r.try_get(4)?,
+                    old: r.try_get(5)?,
+                    new: r.try_get(6)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(StoreOpError::from)
+    }
+}
+
+async fn audit(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    version: i64,
+    actor: &str,
+    rule_id: &str,
+    action: &str,
+    old: Option<String>,
+    new: Option<String>,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO floodgate_audit (version, at, actor, rule_id, action, old, new) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(version)
+    .bind(now_ms() as i64)
+    .bind(actor)
+    .bind(rule_id)
+    .bind(action)
+    .bind(old)
+    .bind(new)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn body_json(rule: &Rule) -> String {
+    serde_json::to_string(rule).unwrap_or_default()
+}
+
+fn row_rule(row: &sqlx::any::AnyRow) -> Result<Rule, StoreOpError> {
+    let id: String = row.try_get(0)?;
+    let version: i64 = row.try_get(1)?;
+    let body: String = row.try_get(2)?;
+    let updated_at: i64 = row.try_get(3)?;
+    let mut rule: Rule = serde_json::from_str(&body).map_err(|e| StoreOpError::Corrupt {
+        id: id.clone(),
+        why: e.to_string(),
+    })?;
+    rule.version = version as u64;
+    rule.updated_at = updated_at as u64;
+    Ok(rule)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::fields::rule_from_body;
+
+    fn rule(id: &str, limit: u64) -> Rule {
+        rule_from_body(
+            id,
+            format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60}}"#).as_bytes(),
+        )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn sqlite_versions_conflicts_and_audit() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("rules.db").display());
+        let store = RulesStore::open(&url).await.unwrap();
+        assert_eq!(store.version().await.unwrap(), 0);
+        let (a1, g1) = store.put(&rule("a", 10), None, "ops").await.unwrap();
+        assert_eq!((a1.version, g1), (1, 1));
+        let (_, g2) = store.put(&rule("b", 5), Some(0), "ops").await.unwrap();
+        assert_eq!(g2, 2);
+        let err = store.put(&rule("a", 20), Some(7), "ops").await.unwrap_err();
+        assert!(matches!(err, StoreOpError::Conflict { current: 1, .. }), "{err}");
+        let (a2, _) = store.put(&rule("a", 20), Some(1), "ops").await.unwrap();
+        assert_eq!(a2.version, 2);
+        assert_eq!(store.get("a").await.unwrap().unwrap().limit.get(), 20);
+        store.delete("b", None, "ops").await.unwrap();
+        assert!(matches!(
+            store.delete("b", None, "ops").await,
+            Err(StoreOpError::NotFound(_))
+        ));
+        let (v, rules) = store.snapshot().await.unwrap();
+        assert_eq!(rules.len(), 1);
+        // Four writes made it; the refused ones were rolled back with their version bump.
+        assert_eq!(v, 4);
+        let audit = store.audit(10).await.unwrap();
+        assert_eq!(audit.len(), 4);
+        assert_eq!(audit[0].action, "delete");
+        assert!(audit[1].old.as_deref().unwrap().contains("\"limit\":10"));
+        // Reopening runs no migration twice and keeps everything.
+        drop(store);
+        let again = RulesStore::open(&url).await.unwrap();
+        assert_eq!(again.snapshot().await.unwrap().1.len(), 1);
+    }
+}

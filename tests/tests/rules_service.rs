@@ -1,0 +1,183 @@
+//! The rules service as a real process over SQLite and over PostgreSQL (a database of its own): auth,
+//! field-by-field validation, versions and If-Match, 304 and the long-poll watch, delete, audit.
+
+use std::time::{Duration, Instant};
+
+use floodgate_agent::rules::http::{request, Response};
+use floodgate_tests::{PgDatabase, RulesServer};
+
+const T: Duration = Duration::from_secs(10);
+
+async fn call(
+    s: &RulesServer,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    extra: &[(&str, String)],
+    body: Option<&str>,
+) -> Response {
+    request(&s.url(), method, path, token, extra, body.map(str::as_bytes), T)
+        .await
+        .unwrap()
+}
+
+fn json(r: &Response) -> serde_json::Value {
+    serde_json::from_slice(&r.body).unwrap_or(serde_json::Value::Null)
+}
+
+async fn the_api_holds(db: &str) {
+    let s = RulesServer::start(db, &["ops:s3cret"]).await;
+    let tok = Some("s3cret");
+    // Auth: none → 401, wrong → 403.
+    assert_eq!(call(&s, "GET", "/v1/rules", None, &[], None).await.status, 401);
+    assert_eq!(
+        call(&s, "GET", "/v1/rules", Some("nope"), &[], None).await.status,
+        403
+    );
+
+    // Validation names every bad field.
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/api",
+        tok,
+        &[],
+        Some(r#"{"dimension":"planet","limit":0,"windowSeconds":60,"colour":1}"#),
+    )
+    .await;
+    assert_eq!(r.status, 400);
+    let fields = json(&r)["fields"].clone();
+    for f in ["dimension", "limit", "colour"] {
+        assert!(fields.get(f).is_some(), "{f} in {fields}");
+    }
+
+    // Create, then replace with If-Match; a stale If-Match is a conflict.
+    let body = r#"{"dimension":"user","match":{"endpoint":"/api/*"},"limit":100,"windowSeconds":60}"#;
+    let r = call(&s, "PUT", "/v1/rules/api", tok, &[], Some(body)).await;
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    assert_eq!(json(&r)["version"], 1);
+    assert_eq!(r.header("etag"), Some("\"1\""));
+    let body2 = r#"{"dimension":"user","match":{"endpoint":"/api/*"},"limit":200,"windowSeconds":60}"#;
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/api",
+        tok,
+        &[("If-Match", "\"1\"".into())],
+        Some(body2),
+    )
+    .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(json(&r)["version"], 2);
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/api",
+        tok,
+        &[("If-Match", "\"1\"".into())],
+        Some(body),
+    )
+    .await;
+    assert_eq!(r.status, 412, "{}", String::from_utf8_lossy(&r.body));
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/login",
+        tok,
+        &[("If-Match", "\"0\"".into())],
+        Some(r#"{"dimension":"ip","limit":5,"windowSeconds":600,"failMode":"closed"}"#),
+    )
+    .await;
+    assert_eq!(r.status, 201, "If-Match 0: create only");
+
+    // The set, its version, 304 when unchanged.
+    let r = call(&s, "GET", "/v1/rules", tok, &[], None).await;
+    assert_eq!(r.status, 200);
+    let set = json(&r);
+    let version = set["version"].as_u64().unwrap();
+    assert_eq!(version, 3, "three writes made it");
+    assert_eq!(set["rules"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        call(&s, "GET", &format!("/v1/rules?version={version}"), tok, &[], None)
+            .await
+            .status,
+        304
+    );
+    let r = call(&s, "GET", "/v1/rules/api", tok, &[], None).await;
+    assert_eq!(json(&r)["limit"], 200);
+
+    // A watch wakes up on a change: a PUT 200 ms into a 20 s watch answers the watch at once.
+    let url = s.url();
+    let watch = tokio::spawn(async move {
+        let t = Instant::now();
+        let r = request(
+            &url,
+            "GET",
+            &format!("/v1/rules?version={version}&watch=20"),
+            Some("s3cret"),
+            &[],
+            None,
+            T * 3,
+        )
+        .await
+        .unwrap();
+        (r.status, json(&r)["version"].as_u64(), t.elapsed())
+    });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        call(&s, "DELETE", "/v1/rules/login", tok, &[], None).await.status,
+        204
+    );
+    let (status, new_version, waited) = watch.await.unwrap();
+    assert_eq!((status, new_version), (200, Some(version + 1)));
+    assert!(
+        waited < Duration::from_secs(15),
+        "the watch returned on the change, not at its end: {waited:?}"
+    );
+    assert_eq!(
+        call(&s, "GET", "/v1/rules/login", tok, &[], None).await.status,
+        404
+    );
+    assert_eq!(
+        call(&s, "DELETE", "/v1/rules/login", tok, &[], None).await.status,
+        404
+    );
+
+    // The audit: who, what, old and new.
+    let r = call(&s, "GET", "/v1/audit?limit=10", tok, &[], None).await;
+    let audit = json(&r)["audit"].as_array().unwrap().clone();
+    assert_eq!(audit.len(), 4);
+    assert_eq!(audit[0]["action"], "delete");
+    assert!(audit.iter().all(|a| a["actor"] == "ops"));
+    assert!(audit[2]["old"].as_str().unwrap().contains("\"limit\":100"));
+    assert!(audit[2]["new"].as_str().unwrap().contains("\"limit\":200"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_over_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    the_api_holds(&format!("sqlite://{}", dir.path().join("rules.db").display())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_over_postgres() {
+    let db = PgDatabase::create();
+    the_api_holds(&db.url()).await;
+    // Same database, a second service: it sees what the first wrote (the store is the truth).
+    let s = RulesServer::start(&db.url(), &["ops:s3cret"]).await;
+    let r = call(&s, "GET", "/v1/rules", Some("s3cret"), &[], None).await;
+    assert_eq!(json(&r)["rules"].as_array().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn without_a_token_it_listens_on_loopback_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(floodgate_tests::floodgate_bin())
+        .args(["rules-server", "--listen", "0.0.0.0:0", "--db"])
+        .arg(format!("sqlite://{}", dir.path().join("r.db").display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("loopback"), "{err}");
+}
