@@ -1,0 +1,217 @@
+//! Agents following a real rules service: a change reaches every agent, a raised limit unblocks a
+//! cached rejection at once, the last good set survives the service going away and an agent restart,
+//! and pulling without a watch still converges.
+
+use std::time::Duration;
+
+use floodgate_agent::rules::http::request;
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer, RulesServer};
+
+const TOKEN: &str = "s3cret";
+
+async fn put(s: &RulesServer, id: &str, body: &str) -> u64 {
+    let r = request(
+        &s.url(),
+        "PUT",
+        &format!("/v1/rules/{id}"),
+        Some(TOKEN),
+        &[],
+        Some(body.as_bytes()),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert!(
+        r.status == 200 || r.status == 201,
+        "{}",
+        String::from_utf8_lossy(&r.body)
+    );
+    let set = request(
+        &s.url(),
+        "GET",
+        "/v1/rules",
+        Some(TOKEN),
+        &[],
+        None,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    serde_json::from_slice::<serde_json::Value>(&set.body).unwrap()["version"]
+        .as_u64()
+        .unwrap()
+}
+
+async fn rules_version(a: &Agent) -> u64 {
+    let (_, body) = http_get(a.admin_addr().await, "/v1/status").await;
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["rulesVersion"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+async fn wait_version(a: &Agent, v: u64) {
+    eventually(
+        &format!("the agent holds rules version {v}"),
+        Duration::from_secs(10),
+        || async { (rules_version(a).await >= v).then_some(()) },
+    )
+    .await;
+}
+
+fn follower(redis: &RedisServer, s: &RulesServer) -> floodgate_tests::AgentBuilder {
+    Agent::builder()
+        .patient_redis(&redis.url())
+        .arg("--rules-url")
+        .arg(&s.url())
+        .arg("--rules-token")
+        .arg(TOKEN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let redis = RedisServer::start();
+    let (a, b) = (
+        follower(&redis, &s).start().await,
+        follower(&redis, &s).start().await,
+    );
+    let v1 = put(&s, "p", r#"{"dimension":"user","limit":1,"windowSeconds":60}"#).await;
+    wait_version(&a, v1).await;
+    wait_version(&b, v1).await;
+    let client = patient_client(a.socket()).await;
+    assert!(client.allow("user:u", "p", 1).await.unwrap().allowed);
+    let denied = client.allow("user:u", "p", 1).await.unwrap();
+    assert!(!denied.allowed);
+    let cached = client.allow("user:u", "p", 1).await.unwrap();
+    assert_eq!(
+        cached.origin,
+        Origin::Agent(Source::Cache),
+        "the rejection is cached"
+    );
+    // Raising the limit unblocks at once: the cached rejection was made under the old rule.
+    let v2 = put(&s, "p", r#"{"dimension":"user","limit":3,"windowSeconds":60}"#).await;
+    wait_version(&a, v2).await;
+    let d = client.allow("user:u", "p", 1).await.unwrap();
+    assert!(d.allowed, "{d:?}");
+    assert_eq!(d.origin, Origin::Agent(Source::Redis));
+    assert_eq!(d.limit, 3);
+    // The other agent shares the count in Redis: one left.
+    let other = patient_client(b.socket()).await;
+    wait_version(&b, v2).await;
+    assert!(other.allow("user:u", "p", 1).await.unwrap().allowed);
+    assert!(!other.allow("user:u", "p", 1).await.unwrap().allowed);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let redis = RedisServer::start();
+    let socket = dir.path().join("agent.sock");
+    let cache = dir.path().join("rules-cache.json");
+    let url = s.url();
+    let builder = || {
+        Agent::builder()
+            .patient_redis(&redis.url())
+            .arg("--rules-url")
+            .arg(&url)
+            .arg("--rules-token")
+            .arg(TOKEN)
+            .socket(&socket)
+            .arg("--rules-cache")
+            .arg(cache.to_str().unwrap())
+    };
+    let mut a = builder().start().await;
+    let v = put(&s, "kept", r#"{"dimension":"user","limit":2,"windowSeconds":60}"#).await;
+    wait_version(&a, v).await;
+    s.kill();
+    // The service is gone: the agent keeps enforcing what it has.
+    let client = patient_client(&socket).await;
+    assert!(client.allow("user:k", "kept", 1).await.unwrap().allowed);
+    // And across a restart, from the cache file.
+    assert_eq!(a.terminate().await, Some(0));
+    let a = builder().start().await;
+    assert!(a.log().contains("cache"), "{}", a.log());
+    assert_eq!(rules_version(&a).await, v);
+    let client = patient_client(&socket).await;
+    assert!(client.allow("user:k", "kept", 1).await.unwrap().allowed);
+    assert!(
+        !client.allow("user:k", "kept", 1).await.unwrap().allowed,
+        "limit 2: the count survived in Redis"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_watch_the_poll_still_converges() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let redis = RedisServer::start();
+    let a = follower(&redis, &s)
+        .arg("--rules-watch-s")
+        .arg("0")
+        .arg("--rules-poll-ms")
+        .arg("300")
+        .start()
+        .await;
+    let v = put(&s, "polled", r#"{"dimension":"ip","limit":9,"windowSeconds":1}"#).await;
+    wait_version(&a, v).await;
+    let d = patient_client(a.socket())
+        .await
+        .allow("ip:1.2.3.4", "polled", 1)
+        .await
+        .unwrap();
+    assert_eq!(d.limit, 9);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_default_serves_the_rules_api_itself() {
+    let agent = Agent::builder().start().await;
+    let api = format!("http://{}", agent.rules_addr().await);
+    let r = request(&api, "GET", "/v1/rules", None, &[], None, Duration::from_secs(10))
+        .await
+        .unwrap();
+    assert_eq!(r.status, 200);
+    let set: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert!(
+        set["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["id"] == "api-per-user"),
+        "seeded with the example rules"
+    );
+    let r = request(
+        &api,
+        "PUT",
+        "/v1/rules/new",
+        None,
+        &[],
+        Some(br#"{"dimension":"user","limit":1,"windowSeconds":60}"#),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 201);
+    let client = patient_client(agent.socket()).await;
+    let d = eventually("the agent enforces the new rule", Duration::from_secs(10), || {
+        let client = client.clone();
+        async move { client.allow("user:z", "new", 1).await.ok() }
+    })
+    .await;
+    assert!(d.allowed);
+    assert!(!client.allow("user:z", "new", 1).await.unwrap().allowed);
+}
