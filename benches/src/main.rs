@@ -11,6 +11,7 @@
 //! - `open`: the open loop (blocking threads, intended-time latency).
 //! - `echo`: the bare Unix-socket server used as the baseline.
 //! - `targets`: connections to the echo server, an agent, and bare EVALSHA.
+//! - `propagation`: issue 5's figure (PUT → every agent enforcing).
 //! - `fleet`: issue 3's figures (commands per check batched vs sync, over-admission with N agents,
 //!   memory per key).
 //! - `report`: percentiles, the table, the JSON.
@@ -20,6 +21,7 @@ mod closed;
 mod echo;
 mod fleet;
 mod open;
+mod propagation;
 mod report;
 mod targets;
 
@@ -113,6 +115,21 @@ enum Command {
         clients: usize,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/compensation.json")]
+        json: PathBuf,
+    },
+    /// Time from a rule PUT to every agent enforcing it, with the watch and without.
+    Propagation {
+        /// Agents following the rules service.
+        #[arg(long, default_value_t = 4)]
+        agents: usize,
+        /// Rule changes measured.
+        #[arg(long, default_value_t = 50)]
+        changes: usize,
+        /// The agents' poll interval for the run without a watch, in ms.
+        #[arg(long, default_value_t = 1_000)]
+        poll_ms: u64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/propagation.json")]
         json: PathBuf,
     },
     /// Key placement on independent shards and the keys that move when one node is added.
@@ -239,6 +256,19 @@ fn main() -> anyhow::Result<()> {
         }) => {
             let row = runtime.block_on(fleet::compensation(checks, clients))?;
             write_json(&json, &row)
+        }
+        Some(Command::Propagation {
+            agents,
+            changes,
+            poll_ms,
+            json,
+        }) => {
+            let rows = runtime.block_on(async {
+                let watched = propagation::run(agents, changes, true, 30_000).await?;
+                let polled = propagation::run(agents, changes, false, poll_ms).await?;
+                anyhow::Ok(vec![watched, polled])
+            })?;
+            write_json(&json, &rows)
         }
         Some(Command::Placement { keys, nodes, json }) => {
             let rows: Vec<_> = nodes.iter().map(|&n| fleet::placement(keys, n)).collect();
