@@ -54,6 +54,11 @@ pub enum RulesCommand {
         #[arg(long)]
         if_match: Option<u64>,
     },
+    /// What a rule in log mode would have rejected since its current version: count and top keys.
+    DryRun {
+        /// Rule id.
+        id: String,
+    },
     /// The audit: who changed what, newest first.
     Audit {
         /// At most this many records.
@@ -109,6 +114,7 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         RulesCommand::Audit { limit } => {
             call("GET", format!("/v1/audit?limit={limit}"), vec![], None).await?
         }
+        RulesCommand::DryRun { id } => call("GET", format!("/v1/rules/{id}/dry-run"), vec![], None).await?,
     };
     let json: Value = if r.body.is_empty() {
         Value::Null
@@ -157,6 +163,22 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         RulesCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&json)?),
         RulesCommand::Put { id, .. } => println!("rule {id} written: version {}", json["version"]),
         RulesCommand::Delete { id, .. } => println!("rule {id} deleted"),
+        RulesCommand::DryRun { id } => {
+            println!(
+                "rule {id} (version {}, mode {}): would have rejected {} checks since {}",
+                json["version"],
+                json["mode"].as_str().unwrap_or("?"),
+                json["wouldReject"],
+                json["since"]
+            );
+            for k in json["topKeys"].as_array().into_iter().flatten() {
+                println!(
+                    "  {:>10}  {}",
+                    k["count"].to_string(),
+                    k["key"].as_str().unwrap_or("")
+                );
+            }
+        }
         RulesCommand::Audit { .. } => {
             for a in json["audit"].as_array().into_iter().flatten() {
                 println!(

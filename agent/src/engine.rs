@@ -70,6 +70,7 @@ pub struct Engine {
     guard: Option<Arc<Guard>>,
     clock: Clock,
     cache: RejectionCache,
+    dry_run: crate::dryrun::DryRun,
     batcher: Arc<Batcher>,
     hot: HotKeys,
     accuracy: f64,
@@ -100,6 +101,7 @@ impl Engine {
             guard,
             clock: Clock::System,
             cache: RejectionCache::new(options.cache_cap),
+            dry_run: Default::default(),
             batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),
             hot: HotKeys::new(options.hot_key_rate),
             accuracy: options.accuracy,
@@ -229,13 +231,58 @@ impl Engine {
                 items: Vec::new(),
             }));
         }
-        match &self.store {
+        // Items of rules in log mode: what they would have rejected is the dry run's to count.
+        let logged: Vec<(usize, Arc<Rule>, String)> = plan
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| !p.rule.enforced())
+            .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
+            .collect();
+        let answer = match &self.store {
             Store::Memory(m) => {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, &[Source::Local])))
             }
             Store::Redis(r) => self.check_redis(r, plan),
+        };
+        if logged.is_empty() {
+            return answer;
         }
+        match answer {
+            Answer::Ready(Ok(d)) => {
+                self.observe(&logged, &d);
+                Answer::Ready(Ok(d))
+            }
+            Answer::Pending(fut) => {
+                let this = self.clone();
+                Answer::Pending(Box::pin(async move {
+                    let r = fut.await;
+                    if let Ok(d) = &r {
+                        this.observe(&logged, d);
+                    }
+                    r
+                }))
+            }
+            other => other,
+        }
+    }
+
+    /// Counts the log-mode items a decision would have rejected.
+    fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
+        let now = self.clock.now_ms();
+        for (i, rule, key) in logged {
+            if d.items
+                .get(*i)
+                .is_some_and(|it| !it.verdict.allowed && it.verdict.source != Source::Cache)
+            {
+                self.dry_run.record(&rule.id, rule.version, key, now);
+            }
+        }
+    }
+
+    /// Log mode's would-be rejections since they were last reported.
+    pub fn dry_run(&self) -> &crate::dryrun::DryRun {
+        &self.dry_run
     }
 
     /// The Redis path: a cached rejection answers at once; else the items go to their shards, one

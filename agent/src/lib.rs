@@ -12,6 +12,7 @@
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files, attribute matching.
 //! - [`admin`]: the admin HTTP router.
+//! - [`dryrun`]: log mode's would-be rejections, counted, logged and reported.
 //! - [`cli`]: `floodgate rules …`, the operators' command line for the rules API.
 //!
 //! # Example
@@ -35,6 +36,7 @@ pub mod batch;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod dryrun;
 pub mod engine;
 pub mod guard;
 pub mod rules;
@@ -399,7 +401,35 @@ impl RulesSource {
             RulesSource::File(_) => {}
             RulesSource::Service(f) => {
                 tracing::info!(url = %f.url, poll_ms = f.poll.as_millis() as u64, watch_s = f.watch.as_secs(), "following the rules service");
-                tokio::spawn(rules::follow::follow(engine.clone(), f.clone(), shutdown));
+                tokio::spawn(rules::follow::follow(engine.clone(), f.clone(), shutdown.clone()));
+                // Log mode's would-be rejections go to the service every 5 s.
+                let (engine, f, mut stop) = (engine.clone(), f.clone(), shutdown);
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs(5));
+                    loop {
+                        tokio::select! {
+                            _ = tick.tick() => {}
+                            _ = server::stopped(&mut stop) => break,
+                        }
+                        for (rule, tally) in engine.dry_run().take() {
+                            let body = serde_json::to_vec(&tally).unwrap_or_default();
+                            let path = format!("/v1/rules/{rule}/dry-run");
+                            let sent = rules::http::request(
+                                &f.url,
+                                "POST",
+                                &path,
+                                f.token.as_deref(),
+                                &[],
+                                Some(&body),
+                                Duration::from_secs(5),
+                            )
+                            .await;
+                            if let Err(e) = sent {
+                                tracing::debug!(error = %e, rule, "could not report the dry run");
+                            }
+                        }
+                    }
+                });
             }
             RulesSource::Embedded(state) => {
                 if let Admin::At(addr) = config.rules_listen {
@@ -422,6 +452,20 @@ impl RulesSource {
                         }
                     });
                 }
+                // Log mode's would-be rejections go to the embedded service every second.
+                let (e, s, mut stop) = (engine.clone(), state.clone(), shutdown.clone());
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs(1));
+                    loop {
+                        tokio::select! {
+                            _ = tick.tick() => {}
+                            _ = server::stopped(&mut stop) => break,
+                        }
+                        for (rule, tally) in e.dry_run().take() {
+                            s.dry_run.add(&rule, tally, store::Clock::System.now_ms());
+                        }
+                    }
+                });
                 // Follow the embedded store: every write announces its version.
                 let (engine, state) = (engine.clone(), state.clone());
                 let mut changes = state.subscribe();

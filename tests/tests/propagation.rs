@@ -215,3 +215,68 @@ async fn the_embedded_default_serves_the_rules_api_itself() {
     assert!(d.allowed);
     assert!(!client.allow("user:z", "new", 1).await.unwrap().allowed);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_mode_reports_what_it_would_have_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let redis = RedisServer::start();
+    let a = follower(&redis, &s).start().await;
+    let v = put(
+        &s,
+        "dry",
+        r#"{"dimension":"user","limit":1,"windowSeconds":60,"mode":"log"}"#,
+    )
+    .await;
+    wait_version(&a, v).await;
+    let client = patient_client(a.socket()).await;
+    for key in [
+        "user:noisy",
+        "user:noisy",
+        "user:noisy",
+        "user:noisy",
+        "user:quiet",
+    ] {
+        let d = client.allow(key, "dry", 1).await.unwrap();
+        assert!(d.allowed, "log mode never rejects: {d:?}");
+    }
+    // Agents report every 5 s.
+    let report = eventually(
+        "the service has the agent's dry-run report",
+        Duration::from_secs(20),
+        || async {
+            let r = request(
+                &s.url(),
+                "GET",
+                "/v1/rules/dry/dry-run",
+                Some(TOKEN),
+                &[],
+                None,
+                Duration::from_secs(10),
+            )
+            .await
+            .ok()?;
+            let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+            (v["wouldReject"].as_u64()? > 0).then_some(v)
+        },
+    )
+    .await;
+    assert_eq!(report["wouldReject"], 3, "{report}");
+    assert_eq!(report["mode"], "log");
+    assert_eq!(report["topKeys"][0]["key"], "user:noisy");
+    assert_eq!(report["topKeys"][0]["count"], 3);
+    // The CLI reads it too, readable by default.
+    let out = std::process::Command::new(floodgate_tests::floodgate_bin())
+        .args(["rules", "--server", &s.url(), "--token", TOKEN, "dry-run", "dry"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("would have rejected 3"),
+        "{text}"
+    );
+}

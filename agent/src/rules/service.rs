@@ -30,6 +30,8 @@ pub struct ServiceState {
     tokens: Vec<(String, String)>,
     /// The global version, announced to watchers after every write.
     changed: watch::Sender<u64>,
+    /// Log mode's would-be rejections, as agents report them.
+    pub dry_run: crate::dryrun::DryRunTotals,
 }
 
 impl ServiceState {
@@ -47,6 +49,7 @@ impl ServiceState {
             store,
             tokens,
             changed: watch::channel(version).0,
+            dry_run: Default::default(),
         }))
     }
 
@@ -90,6 +93,7 @@ pub fn app(state: Arc<ServiceState>) -> Router {
     Router::new()
         .route("/v1/rules", get(list))
         .route("/v1/rules/{id}", get(get_one).put(put).delete(delete))
+        .route("/v1/rules/{id}/dry-run", get(dry_run).post(report_dry_run))
         .route("/v1/audit", get(audit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
@@ -285,6 +289,59 @@ async fn delete(
             StatusCode::NO_CONTENT.into_response()
         }
         Err(e) => store_error(e),
+    }
+}
+
+/// `GET /v1/rules/{id}/dry-run`: what the rule would have rejected since its current version (every
+/// agent's reports added up): the count and the top keys.
+async fn dry_run(State(state): State<Arc<ServiceState>>, Path(id): Path<String>) -> Response {
+    let rule = match state.store.get(&id).await {
+        Ok(Some(r)) => r,
+        Ok(None) => return error(StatusCode::NOT_FOUND, &format!("no rule {id}")),
+        Err(e) => return store_error(e),
+    };
+    let tally = state
+        .dry_run
+        .get(&id)
+        .map(|(t, _)| t)
+        .filter(|t| t.version == rule.version)
+        .unwrap_or_else(|| crate::dryrun::Tally {
+            version: rule.version,
+            ..Default::default()
+        });
+    // Counted since the rule's current version was written (e.g. put in log mode).
+    let since = rule.updated_at;
+    let top: Vec<_> = tally
+        .top_keys
+        .iter()
+        .map(|(k, n)| json!({ "key": k, "count": n }))
+        .collect();
+    Json(json!({
+        "ruleId": id,
+        "version": rule.version,
+        "mode": rule.mode,
+        "since": since,
+        "wouldReject": tally.count,
+        "topKeys": top,
+    }))
+    .into_response()
+}
+
+/// `POST /v1/rules/{id}/dry-run`: an agent's would-be rejections since its last report.
+async fn report_dry_run(
+    State(state): State<Arc<ServiceState>>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    match serde_json::from_slice::<crate::dryrun::Tally>(&body) {
+        Ok(t) => {
+            state.dry_run.add(&id, t, crate::store::Clock::System.now_ms());
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => error(
+            StatusCode::BAD_REQUEST,
+            &format!("expected {{version, count, topKeys}}: {e}"),
+        ),
     }
 }
 

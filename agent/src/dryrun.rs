@@ -1,0 +1,193 @@
+//! Log mode's dry run: what a rule in log mode would have rejected, counted per rule version and
+//! client key (bounded), logged as events (at most 10 a second per rule), and reported to the rules
+//! service, which adds up every agent's reports (`GET /v1/rules/{id}/dry-run`).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use serde::{Deserialize, Serialize};
+
+/// Distinct keys counted per rule between two reports; past it, only the total grows.
+pub const KEYS_CAP: usize = 1_000;
+
+/// Keys a report and a summary carry.
+pub const TOP_KEYS: usize = 10;
+
+/// Would-be rejections of one rule version.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tally {
+    /// The rule's version.
+    pub version: u64,
+    /// Would-be rejections.
+    pub count: u64,
+    /// The keys with the most, most first.
+    pub top_keys: Vec<(String, u64)>,
+}
+
+#[derive(Default)]
+struct Pending {
+    version: u64,
+    count: u64,
+    keys: HashMap<String, u64>,
+    logged_second: u64,
+    logged: u32,
+}
+
+/// The agent's side: counts since the last report.
+#[derive(Default)]
+pub struct DryRun {
+    rules: Mutex<HashMap<String, Pending>>,
+}
+
+impl DryRun {
+    /// Counts one would-be rejection of (rule, version) for `key` at `now_ms`.
+    pub fn record(&self, rule: &str, version: u64, key: &str, now_ms: u64) {
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let p = rules.entry(rule.to_string()).or_default();
+        if version < p.version {
+            // A check still in flight under the rule's older version.
+            return;
+        }
+        if p.version != version {
+            *p = Pending {
+                version,
+                ..Default::default()
+            };
+        }
+        p.count += 1;
+        let len = p.keys.len();
+        match p.keys.get_mut(key) {
+            Some(n) => *n += 1,
+            None if len < KEYS_CAP => {
+                p.keys.insert(key.to_string(), 1);
+            }
+            None => {}
+        }
+        let second = now_ms / 1_000;
+        if p.logged_second != second {
+            p.logged_second = second;
+            p.logged = 0;
+        }
+        if p.logged < 10 {
+            p.logged += 1;
+            tracing::info!(target: "floodgate::dry_run", rule, version, key, "log mode: would reject");
+        }
+    }
+
+    /// Takes what was counted since the last call, per rule.
+    pub fn take(&self) -> Vec<(String, Tally)> {
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        rules
+            .drain()
+            .filter(|(_, p)| p.count > 0)
+            .map(|(rule, p)| {
+                (
+                    rule,
+                    Tally {
+                        version: p.version,
+                        count: p.count,
+                        top_keys: top(p.keys.into_iter().collect(), KEYS_CAP),
+                    },
+                )
+            })
+            .collect()
+    }
+}
+
+fn top(mut keys: Vec<(String, u64)>, n: usize) -> Vec<(String, u64)> {
+    keys.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    keys.truncate(n);
+    keys
+}
+
+/// The rules service's side: every agent's reports added up, per rule, since its current version.
+#[derive(Default)]
+pub struct DryRunTotals {
+    rules: Mutex<HashMap<String, (Tally, u64, HashMap<String, u64>)>>,
+}
+
+impl DryRunTotals {
+    /// Adds an agent's report (a report for an older version than the one counted is dropped; a
+    /// newer version starts the count over).
+    pub fn add(&self, rule: &str, report: Tally, now_ms: u64) {
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = rules.entry(rule.to_string()).or_insert_with(|| {
+            (
+                Tally {
+                    version: report.version,
+                    ..Default::default()
+                },
+                now_ms,
+                HashMap::new(),
+            )
+        });
+        if report.version < entry.0.version {
+            return;
+        }
+        if report.version > entry.0.version {
+            *entry = (
+                Tally {
+                    version: report.version,
+                    ..Default::default()
+                },
+                now_ms,
+                HashMap::new(),
+            );
+        }
+        entry.0.count += report.count;
+        for (k, n) in report.top_keys {
+            let len = entry.2.len();
+            match entry.2.get_mut(&k) {
+                Some(c) => *c += n,
+                None if len < KEYS_CAP => {
+                    entry.2.insert(k, n);
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// A rule's totals: the version counted, since when (Unix ms), the count and the top keys.
+    pub fn get(&self, rule: &str) -> Option<(Tally, u64)> {
+        let rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let (t, since, keys) = rules.get(rule)?;
+        let mut t = t.clone();
+        t.top_keys = top(keys.iter().map(|(k, n)| (k.clone(), *n)).collect(), TOP_KEYS);
+        Some((t, *since))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_per_version_and_adds_up_across_agents() {
+        let (a, b) = (DryRun::default(), DryRun::default());
+        for _ in 0..3 {
+            a.record("r", 2, "user:1", 0);
+        }
+        b.record("r", 2, "user:2", 0);
+        b.record("r", 1, "user:3", 0);
+        b.record("r", 2, "user:1", 0);
+        let totals = DryRunTotals::default();
+        for (rule, t) in a.take().into_iter().chain(b.take()) {
+            totals.add(&rule, t, 5);
+        }
+        let (t, since) = totals.get("r").unwrap();
+        assert_eq!((t.version, t.count, since), (2, 5, 5));
+        assert_eq!(t.top_keys[0], ("user:1".to_string(), 4));
+        assert!(a.take().is_empty(), "taken once");
+        totals.add(
+            "r",
+            Tally {
+                version: 3,
+                count: 1,
+                top_keys: vec![("user:9".into(), 1)],
+            },
+            9,
+        );
+        assert_eq!(totals.get("r").unwrap().0.count, 1, "a new version starts over");
+    }
+}
