@@ -101,10 +101,13 @@ fn top(mut keys: Vec<(String, u64)>, n: usize) -> Vec<(String, u64)> {
     keys
 }
 
+/// One rule's totals: the tally, since when (Unix ms), and the count per key.
+type Totals = (Tally, u64, HashMap<String, u64>);
+
 /// The rules service's side: every agent's reports added up, per rule, since its current version.
 #[derive(Default)]
 pub struct DryRunTotals {
-    rules: Mutex<HashMap<String, (Tally, u64, HashMap<String, u64>)>>,
+    rules: Mutex<HashMap<String, Totals>>,
 }
 
 impl DryRunTotals {
