@@ -149,3 +149,56 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::{MemoryStore, Store};
+
+    fn rule(id: &str, limit: u64) -> Rule {
+        crate::rules::fields::rule_from_body(
+            id,
+            format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60}}"#).as_bytes(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_bad_or_older_set_leaves_the_last_good_one_in_force() {
+        let engine = Engine::new(
+            RuleSet::default(),
+            Store::Memory(Arc::new(MemoryStore::default())),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let cache = dir.path().join("cache.json");
+        assert!(apply(
+            &engine,
+            Snapshot {
+                version: 3,
+                rules: vec![rule("a", 5)]
+            },
+            Some(&cache)
+        ));
+        assert_eq!(engine.rules().version(), 3);
+        // Two rules with one id: refused whole; the set in force stays.
+        let bad = Snapshot {
+            version: 4,
+            rules: vec![rule("a", 1), rule("a", 2)],
+        };
+        assert!(!apply(&engine, bad, Some(&cache)));
+        assert_eq!(engine.rules().get("a").unwrap().limit.get(), 5);
+        // An older version is not a step back.
+        assert!(!apply(
+            &engine,
+            Snapshot {
+                version: 2,
+                rules: vec![]
+            },
+            Some(&cache)
+        ));
+        assert_eq!(engine.rules().len(), 1);
+        // The cache holds the last good set.
+        let cached = load_cache(&cache).unwrap();
+        assert_eq!((cached.version(), cached.get("a").unwrap().limit.get()), (3, 5));
+    }
+}
