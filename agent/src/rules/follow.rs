@@ -109,8 +109,9 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
             Ok(r) if r.status == 200 => match serde_json::from_slice::<Snapshot>(&r.body) {
                 Ok(snap) => {
                     failures = 0;
-                    apply(&engine, snap, config.cache.as_deref());
-                    None
+                    // A set refused (invalid, or older than the one held) is answered again at once
+                    // by a watch: wait a poll interval rather than ask in a tight loop.
+                    (!apply(&engine, snap, config.cache.as_deref())).then_some(config.poll)
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "the rules service sent an unreadable rule set; keeping the one in force");

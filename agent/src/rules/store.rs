@@ -190,18 +190,7 @@ impl RulesStore {
         if_match: Option<u64>,
         actor: &str,
     ) -> Result<(Rule, u64), StoreOpError> {
-        let mut tx = self.pool.begin().await?;
-        // The version row's lock serializes writers (PostgreSQL: row lock; SQLite: the write lock).
-        let global: i64 =
-            sqlx::query("UPDATE floodgate_meta SET value = value + 1 WHERE name = 'version' RETURNING value")
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
-        let old = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules WHERE id = $1")
-            .bind(&rule.id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let old = old.as_ref().map(row_rule).transpose()?;
+        let (mut tx, global, old) = self.begin_write(&rule.id).await?;
         let current = old.as_ref().map_or(0, |r| r.version);
         if let Some(expected) = if_match {
             if expected != current {
@@ -242,8 +231,13 @@ impl RulesStore {
         Ok((stored, global as u64))
     }
 
-    /// Deletes a rule if `if_match` is none or its current version. Returns the new global version.
-    pub async fn delete(&self, id: &str, if_match: Option<u64>, actor: &str) -> Result<u64, StoreOpError> {
+    /// Starts a write: a transaction holding the version row's lock (which serializes writers:
+    /// PostgreSQL's row lock, SQLite's write lock), the global version this write makes, and the rule
+    /// as stored before it.
+    async fn begin_write(
+        &self,
+        id: &str,
+    ) -> Result<(sqlx::Transaction<'static, sqlx::Any>, i64, Option<Rule>), StoreOpError> {
         let mut tx = self.pool.begin().await?;
         let global: i64 =
             sqlx::query("UPDATE floodgate_meta SET value = value + 1 WHERE name = 'version' RETURNING value")
@@ -254,7 +248,14 @@ impl RulesStore {
             .bind(id)
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(old) = old.as_ref().map(row_rule).transpose()? else {
+        let old = old.as_ref().map(row_rule).transpose()?;
+        Ok((tx, global, old))
+    }
+
+    /// Deletes a rule if `if_match` is none or its current version. Returns the new global version.
+    pub async fn delete(&self, id: &str, if_match: Option<u64>, actor: &str) -> Result<u64, StoreOpError> {
+        let (mut tx, global, old) = self.begin_write(id).await?;
+        let Some(old) = old else {
             tx.rollback().await?;
             return Err(StoreOpError::NotFound(id.into()));
         };
