@@ -116,8 +116,9 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_WATCH_S", default_value_t = 25)]
     pub rules_watch_s: u64,
 
-    /// The last good rule set from the service, kept across restarts (default: the socket path
-    /// with `.rules.json` appended).
+    /// The last good rule set from the service, kept across restarts (default:
+    /// `floodgate-rules-cache.json` in the state directory: systemd's `$STATE_DIRECTORY`, else the
+    /// working directory).
     #[arg(long, env = "FLOODGATE_RULES_CACHE")]
     pub rules_cache: Option<PathBuf>,
 
@@ -126,13 +127,11 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_LISTEN", default_value = "127.0.0.1:9791", value_parser = parse_admin)]
     pub rules_listen: Admin,
 
-    /// Embedded default: the rules store, a SQLite file (`sqlite://path`).
-    #[arg(
-        long,
-        env = "FLOODGATE_RULES_DB",
-        default_value = "sqlite://floodgate-rules.db"
-    )]
-    pub rules_db: String,
+    /// Embedded default: the rules store, a SQLite file (`sqlite://path`; default
+    /// `floodgate-rules.db` in the state directory: systemd's `$STATE_DIRECTORY`, else the working
+    /// directory).
+    #[arg(long, env = "FLOODGATE_RULES_DB")]
+    pub rules_db: Option<String>,
 
     /// Worker threads of the agent's runtime; 0 means one per core. One by default: a sidecar should
     /// leave the host's cores to the services, and on a loaded 2-core machine one worker measured
@@ -180,6 +179,36 @@ pub struct RulesServerConfig {
 }
 
 impl AgentConfig {
+    /// Where the agent keeps files that must outlive it: systemd's `$STATE_DIRECTORY` (its first
+    /// entry) when set, else the working directory.
+    pub fn state_dir() -> PathBuf {
+        std::env::var_os("STATE_DIRECTORY")
+            .and_then(|v| {
+                v.to_str()
+                    .and_then(|s| s.split(':').next())
+                    .filter(|s| !s.is_empty())
+                    .map(PathBuf::from)
+            })
+            .unwrap_or_default()
+    }
+
+    /// The embedded rules store's URL.
+    pub fn rules_db(&self) -> String {
+        self.rules_db.clone().unwrap_or_else(|| {
+            format!(
+                "sqlite://{}",
+                Self::state_dir().join("floodgate-rules.db").display()
+            )
+        })
+    }
+
+    /// The rules cache file (when following a rules service).
+    pub fn rules_cache(&self) -> PathBuf {
+        self.rules_cache
+            .clone()
+            .unwrap_or_else(|| Self::state_dir().join("floodgate-rules-cache.json"))
+    }
+
     /// The `--redis` URLs, split at commas.
     pub fn redis_urls(&self) -> Vec<String> {
         self.redis

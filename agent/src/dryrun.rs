@@ -75,6 +75,32 @@ impl DryRun {
         }
     }
 
+    /// Puts back a report that could not be sent, to go with the next one (dropped if the rule has
+    /// moved to a newer version meanwhile).
+    pub fn give_back(&self, rule: &str, tally: Tally) {
+        let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
+        let p = rules.entry(rule.to_string()).or_default();
+        if tally.version < p.version {
+            return;
+        }
+        if tally.version > p.version {
+            p.version = tally.version;
+            p.count = 0;
+            p.keys.clear();
+        }
+        p.count = p.count.saturating_add(tally.count);
+        for (k, n) in tally.top_keys {
+            let len = p.keys.len();
+            match p.keys.get_mut(&k) {
+                Some(c) => *c = c.saturating_add(n),
+                None if len < KEYS_CAP => {
+                    p.keys.insert(k, n);
+                }
+                None => {}
+            }
+        }
+    }
+
     /// Takes what was counted since the last call, per rule.
     pub fn take(&self) -> Vec<(String, Tally)> {
         let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
@@ -138,11 +164,11 @@ impl DryRunTotals {
                 HashMap::new(),
             );
         }
-        entry.0.count += report.count;
+        entry.0.count = entry.0.count.saturating_add(report.count);
         for (k, n) in report.top_keys {
             let len = entry.2.len();
             match entry.2.get_mut(&k) {
-                Some(c) => *c += n,
+                Some(c) => *c = c.saturating_add(n),
                 None if len < KEYS_CAP => {
                     entry.2.insert(k, n);
                 }
@@ -182,6 +208,23 @@ mod tests {
         assert_eq!((t.version, t.count, since), (2, 5, 5));
         assert_eq!(t.top_keys[0], ("user:1".to_string(), 4));
         assert!(a.take().is_empty(), "taken once");
+        // A report that could not be sent goes with the next one.
+        a.record("r", 2, "user:1", 0);
+        let unsent = a.take();
+        a.record("r", 2, "user:2", 0);
+        for (rule, t) in unsent {
+            a.give_back(&rule, t);
+        }
+        let next = a.take();
+        assert_eq!((next.len(), next[0].1.count), (1, 2));
+        // Totals saturate rather than overflow on a hostile report.
+        let big = Tally {
+            version: 2,
+            count: u64::MAX,
+            top_keys: vec![("user:1".into(), u64::MAX)],
+        };
+        totals.add("r", big, 6);
+        assert_eq!(totals.get("r").unwrap().0.count, u64::MAX);
         totals.add(
             "r",
             Tally {

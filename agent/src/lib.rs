@@ -337,11 +337,7 @@ impl RulesSource {
             return Ok(RulesSource::File(path.clone()));
         }
         if let Some(url) = &config.rules_url {
-            let cache = config.rules_cache.clone().unwrap_or_else(|| {
-                let mut p = config.socket.clone().into_os_string();
-                p.push(".rules.json");
-                p.into()
-            });
+            let cache = config.rules_cache();
             return Ok(RulesSource::Service(rules::follow::FollowConfig {
                 url: url.clone(),
                 token: config.rules_token.clone(),
@@ -350,9 +346,10 @@ impl RulesSource {
                 cache: Some(cache),
             }));
         }
-        let store = rules::store::RulesStore::open(&config.rules_db)
-            .await
-            .with_context(|| format!("cannot open the rules store {}", config.rules_db))?;
+        let db = config.rules_db();
+        let store = rules::store::RulesStore::open(&db).await.with_context(|| {
+            format!("cannot open the rules store {db}; name a writable file with --rules-db")
+        })?;
         let state = rules::service::ServiceState::new(store, &[]).await?;
         let example: Vec<rules::Rule> = RuleSet::parse(rules::EXAMPLE_RULES)?
             .iter()
@@ -424,8 +421,22 @@ impl RulesSource {
                                 Duration::from_secs(5),
                             )
                             .await;
-                            if let Err(e) = sent {
-                                tracing::debug!(error = %e, rule, "could not report the dry run");
+                            match sent {
+                                Ok(r) if r.status < 300 => {}
+                                // The rule is gone or moved on: its report has nowhere to go.
+                                Ok(r) if r.status == 404 || r.status == 409 => {}
+                                Ok(r) => {
+                                    tracing::debug!(
+                                        status = r.status,
+                                        rule,
+                                        "the dry-run report was refused; it goes with the next one"
+                                    );
+                                    engine.dry_run().give_back(&rule, tally);
+                                }
+                                Err(e) => {
+                                    tracing::debug!(error = %e, rule, "could not report the dry run; it goes with the next one");
+                                    engine.dry_run().give_back(&rule, tally);
+                                }
                             }
                         }
                     }
@@ -439,13 +450,16 @@ impl RulesSource {
                     );
                     let listener = tokio::net::TcpListener::bind(addr)
                         .await
-                        .with_context(|| format!("cannot serve the rules API on {addr}"))?;
+                        .with_context(|| {
+                            format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
+                        })?;
                     tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), "rules API listening (embedded, loopback only, no token)");
                     let app = rules::service::app(state.clone());
-                    let mut stop = shutdown.clone();
+                    let (mut stop, closing) = (shutdown.clone(), state.clone());
                     tokio::spawn(async move {
                         let graceful = async move {
                             server::stopped(&mut stop).await;
+                            closing.close();
                         };
                         if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(graceful).await {
                             tracing::error!(error = %e, "rules API failed");
@@ -518,10 +532,12 @@ pub async fn run_rules_server(
         .with_context(|| format!("cannot serve the rules API on {}", config.listen))?;
     tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = config.tokens.len(), "rules service listening");
     tokio::spawn(rules::service::poll_version(state.clone(), shutdown.clone()));
-    let app = rules::service::app(state);
+    let app = rules::service::app(state.clone());
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             server::stopped(&mut shutdown).await;
+            // Held watches answer now rather than hold the shutdown for up to a minute.
+            state.close();
         })
         .await?;
     tracing::info!("rules service stopped");

@@ -114,6 +114,8 @@ impl AgentBuilder {
                 .arg(format!("sqlite://{}", dir.path().join("rules.db").display()));
         }
         cmd.args(&self.args);
+        // Files the agent keeps (the rules cache) go to its temp dir, as under systemd.
+        cmd.env("STATE_DIRECTORY", dir.path());
         // Keep the environment from leaking FLOODGATE_* settings into tests.
         for (k, _) in std::env::vars() {
             if k.starts_with("FLOODGATE_") && k != "FLOODGATE_BIN" {

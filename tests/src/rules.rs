@@ -66,6 +66,18 @@ impl RulesServer {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
+    /// Sends SIGTERM and waits for it to exit (panics after 10 s); returns the exit code.
+    pub async fn terminate(&mut self) -> Option<i32> {
+        let mut child = self.child.take()?;
+        crate::signal(child.id(), 15);
+        let status = eventually("the rules server exits", Duration::from_secs(10), || {
+            let s = child.try_wait().ok().flatten();
+            async move { s }
+        })
+        .await;
+        status.code()
+    }
+
     /// Kills it (SIGKILL).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {

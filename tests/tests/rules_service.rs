@@ -151,6 +151,43 @@ async fn the_api_holds(db: &str) {
     assert!(audit.iter().all(|a| a["actor"] == "ops"));
     assert!(audit[2]["old"].as_str().unwrap().contains("\"limit\":100"));
     assert!(audit[2]["new"].as_str().unwrap().contains("\"limit\":200"));
+
+    // Deleted and created again, login gets a version it never had (the global one), so an If-Match
+    // held from before the delete (3) cannot match the new rule.
+    let login = r#"{"dimension":"ip","limit":9,"windowSeconds":600}"#;
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/login",
+        tok,
+        &[("If-Match", "\"0\"".into())],
+        Some(login),
+    )
+    .await;
+    assert_eq!((r.status, json(&r)["version"].as_u64()), (201, Some(version + 2)));
+    let r = call(
+        &s,
+        "PUT",
+        "/v1/rules/login",
+        tok,
+        &[("If-Match", "\"3\"".into())],
+        Some(login),
+    )
+    .await;
+    assert_eq!(r.status, 412, "{}", String::from_utf8_lossy(&r.body));
+    // The Bearer scheme is case-insensitive (RFC 9110).
+    let r = request(
+        &s.url(),
+        "GET",
+        "/v1/rules",
+        None,
+        &[("Authorization", "bearer s3cret".into())],
+        None,
+        T,
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +203,89 @@ async fn the_api_over_postgres() {
     // Same database, a second service: it sees what the first wrote (the store is the truth).
     let s = RulesServer::start(&db.url(), &["ops:s3cret"]).await;
     let r = call(&s, "GET", "/v1/rules", Some("s3cret"), &[], None).await;
-    assert_eq!(json(&r)["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(json(&r)["rules"].as_array().unwrap().len(), 2);
+    let held = json(&r)["version"].as_u64().unwrap();
+    // A watch on the second for the version it holds is held, also right after a write through the
+    // first that it has not announced yet: it asks the store and holds the watch for the next
+    // version instead of answering 304 at once (which made agents ask again in a loop).
+    let s1 = RulesServer::start(&db.url(), &["ops:s3cret"]).await;
+    let body = r#"{"dimension":"user","limit":7,"windowSeconds":60}"#;
+    let r = call(&s1, "PUT", "/v1/rules/other", Some("s3cret"), &[], Some(body)).await;
+    assert_eq!(r.status, 201);
+    let t = Instant::now();
+    let path = format!("/v1/rules?version={}&watch=2", held + 1);
+    let r = call(&s, "GET", &path, Some("s3cret"), &[], None).await;
+    // A timeout never fires early, so ≥ 2 s here means the watch was held to its end.
+    assert_eq!(r.status, 304);
+    assert!(t.elapsed() >= Duration::from_secs(2), "held {:?}", t.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_services_migrate_a_fresh_postgres_database_at_once() {
+    // Both create the tables of an empty database at the same moment; the advisory lock makes one
+    // wait for the other, where both racing `CREATE TABLE IF NOT EXISTS` failed most of the time.
+    for _ in 0..3 {
+        let db = PgDatabase::create();
+        let url = db.url();
+        let (a, b) = tokio::join!(
+            floodgate_agent::rules::store::RulesStore::open(&url),
+            floodgate_agent::rules::store::RulesStore::open(&url)
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!((a.version().await.unwrap(), b.version().await.unwrap()), (0, 0));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_answers_held_watches_and_stops() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("rules.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let url = s.url();
+    let watch = tokio::spawn(async move {
+        request(
+            &url,
+            "GET",
+            "/v1/rules?version=0&watch=50",
+            Some("s3cret"),
+            &[],
+            None,
+            T * 10,
+        )
+        .await
+    });
+    // The server gives no sign that it holds a watch; 300 ms is ample for a loopback request to be
+    // accepted and parsed (a request not yet accepted would fail below rather than pass).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    assert_eq!(s.terminate().await, Some(0));
+    // The watch's 50 s are far longer than `terminate`'s 10 s: the server stopped without waiting.
+    let r = watch.await.unwrap().unwrap();
+    assert_eq!(r.status, 304);
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+}
+
+#[tokio::test]
+async fn an_empty_token_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(floodgate_tests::floodgate_bin())
+        .args([
+            "rules-server",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            "ops:",
+            "--db",
+        ])
+        .arg(format!("sqlite://{}", dir.path().join("r.db").display()))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("neither empty"), "{err}");
 }
 
 #[tokio::test]

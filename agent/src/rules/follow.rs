@@ -58,11 +58,21 @@ fn save_cache(path: &Path, snap: &Snapshot) {
     }
 }
 
-/// Applies a snapshot if it is valid and newer than what the engine holds; returns whether it did.
+/// Applies a snapshot if it is valid and another version than the engine holds; returns whether it
+/// did. An older version is followed too, with a warning: the service is the truth, and it answers
+/// with an older set only when its store went back (restored from a backup, or a new service) or the
+/// agent's cache came from elsewhere; refusing it would leave the agent on rules nobody can change.
 pub fn apply(engine: &Engine, snap: Snapshot, cache: Option<&Path>) -> bool {
     let held = engine.rules().version();
-    if snap.version <= held && held != 0 {
+    if snap.version == held && held != 0 {
         return false;
+    }
+    if snap.version < held {
+        tracing::warn!(
+            version = snap.version,
+            held,
+            "the rules service holds an older version than this agent (store restored or replaced?); following it"
+        );
     }
     let count = snap.rules.len();
     match RuleSet::new(snap.rules.clone()) {
@@ -109,8 +119,8 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
             Ok(r) if r.status == 200 => match serde_json::from_slice::<Snapshot>(&r.body) {
                 Ok(snap) => {
                     failures = 0;
-                    // A set refused (invalid, or older than the one held) is answered again at once
-                    // by a watch: wait a poll interval rather than ask in a tight loop.
+                    // A set refused (invalid, or the version held) is answered again at once by a
+                    // watch: wait a poll interval rather than ask in a tight loop.
                     (!apply(&engine, snap, config.cache.as_deref())).then_some(config.poll)
                 }
                 Err(e) => {
@@ -165,7 +175,7 @@ mod tests {
     }
 
     #[test]
-    fn a_bad_or_older_set_leaves_the_last_good_one_in_force() {
+    fn a_bad_set_leaves_the_last_good_one_in_force_and_an_older_one_is_followed() {
         let engine = Engine::new(
             RuleSet::default(),
             Store::Memory(Arc::new(MemoryStore::default())),
@@ -188,11 +198,11 @@ mod tests {
         };
         assert!(!apply(&engine, bad, Some(&cache)));
         assert_eq!(engine.rules().get("a").unwrap().limit.get(), 5);
-        // An older version is not a step back.
+        // The same version again is no change.
         assert!(!apply(
             &engine,
             Snapshot {
-                version: 2,
+                version: 3,
                 rules: vec![]
             },
             Some(&cache)
@@ -201,5 +211,16 @@ mod tests {
         // The cache holds the last good set.
         let cached = load_cache(&cache).unwrap();
         assert_eq!((cached.version(), cached.get("a").unwrap().limit.get()), (3, 5));
+        // A service whose store went back (restored from a backup) is followed: it is the truth.
+        assert!(apply(
+            &engine,
+            Snapshot {
+                version: 2,
+                rules: vec![rule("b", 9)]
+            },
+            Some(&cache)
+        ));
+        assert_eq!((engine.rules().version(), engine.rules().len()), (2, 1));
+        assert_eq!(load_cache(&cache).unwrap().version(), 2);
     }
 }

@@ -30,27 +30,29 @@ pub struct ServiceState {
     tokens: Vec<(String, String)>,
     /// The global version, announced to watchers after every write.
     changed: watch::Sender<u64>,
+    /// Turns true when the service stops: held watches answer at once instead of holding shutdown.
+    closing: watch::Sender<bool>,
     /// Log mode's would-be rejections, as agents report them.
     pub dry_run: crate::dryrun::DryRunTotals,
 }
 
 impl ServiceState {
     /// A service over `store` with these tokens (`name:secret`, or a bare secret named `operator`).
-    pub async fn new(store: RulesStore, tokens: &[String]) -> Result<Arc<Self>, StoreOpError> {
+    pub async fn new(store: RulesStore, tokens: &[String]) -> anyhow::Result<Arc<Self>> {
+        let tokens = parse_tokens(tokens)?;
         let version = store.version().await?;
-        let tokens = tokens
-            .iter()
-            .map(|t| match t.split_once(':') {
-                Some((name, secret)) => (name.to_string(), secret.to_string()),
-                None => ("operator".to_string(), t.clone()),
-            })
-            .collect();
         Ok(Arc::new(ServiceState {
             store,
             tokens,
             changed: watch::channel(version).0,
+            closing: watch::channel(false).0,
             dry_run: Default::default(),
         }))
+    }
+
+    /// The service is stopping: answers the watches it holds now.
+    pub fn close(&self) {
+        self.closing.send_replace(true);
     }
 
     /// Whether requests must carry a token.
@@ -74,18 +76,37 @@ impl ServiceState {
         });
     }
 
-    /// Writes the rules of a file into an empty store (the embedded default's first start).
+    /// Writes the rules of a file into an empty store (the embedded default's first start). A rule
+    /// another process seeded first (two agents starting on one file) counts as seeded.
     pub async fn seed(&self, rules: &[Rule]) -> Result<(), StoreOpError> {
         let (version, existing) = self.store.snapshot().await?;
         if version > 0 || !existing.is_empty() {
             return Ok(());
         }
         for r in rules {
-            let (_, v) = self.store.put(r, Some(0), "seed").await?;
-            self.announce(v);
+            match self.store.put(r, Some(0), "seed").await {
+                Ok((_, v, _)) => self.announce(v),
+                Err(StoreOpError::Conflict { .. }) => {}
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
+}
+
+/// `name:secret` (or a bare secret, named `operator`); an empty secret or name is refused.
+fn parse_tokens(tokens: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    tokens
+        .iter()
+        .map(|t| {
+            let (name, secret) = t.split_once(':').unwrap_or(("operator", t));
+            anyhow::ensure!(
+                !name.trim().is_empty() && !secret.trim().is_empty(),
+                "a --token must be name:secret (or a secret) with neither empty, not {t:?}"
+            );
+            Ok((name.to_string(), secret.to_string()))
+        })
+        .collect()
 }
 
 /// The API's router; tests call it without a socket.
@@ -128,7 +149,9 @@ async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Ne
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     let Some(given) = given else {
         return error(
             StatusCode::UNAUTHORIZED,
@@ -211,10 +234,24 @@ async fn list(State(state): State<Arc<ServiceState>>, uri: Uri) -> Response {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
         .min(MAX_WATCH_SECONDS);
-    if let Some(held) = held {
+    if let (Some(held), true) = (held, watch_s > 0) {
         let mut rx = state.subscribe();
-        if *rx.borrow() == held && watch_s > 0 {
-            let _ = tokio::time::timeout(Duration::from_secs(watch_s), rx.wait_for(|v| *v != held)).await;
+        if *rx.borrow() < held {
+            // The caller holds a version this instance has not announced yet (another instance over
+            // the same database wrote it): ask the store, the truth, rather than answer 304 at once
+            // and be asked again in a loop until the next version poll.
+            if let Ok(v) = state.store.version().await {
+                state.announce(v);
+            }
+        }
+        if *rx.borrow_and_update() == held {
+            let mut closing = state.closing.subscribe();
+            let changed = rx.wait_for(|v| *v != held);
+            let stopping = closing.wait_for(|c| *c);
+            tokio::select! {
+                _ = tokio::time::timeout(Duration::from_secs(watch_s), changed) => {}
+                _ = stopping => {}
+            }
         }
     }
     match state.store.snapshot().await {
@@ -259,10 +296,10 @@ async fn put(
         }
     };
     match state.store.put(&rule, expected, &actor.0).await {
-        Ok((stored, version)) => {
+        Ok((stored, version, created)) => {
             state.announce(version);
             tracing::info!(rule = %stored.id, rule_version = stored.version, version, actor = %actor.0, "rule written");
-            let status = if stored.version == 1 {
+            let status = if created {
                 StatusCode::CREATED
             } else {
                 StatusCode::OK
@@ -327,21 +364,35 @@ async fn dry_run(State(state): State<Arc<ServiceState>>, Path(id): Path<String>)
     .into_response()
 }
 
-/// `POST /v1/rules/{id}/dry-run`: an agent's would-be rejections since its last report.
+/// `POST /v1/rules/{id}/dry-run`: an agent's would-be rejections since its last report. A report for
+/// a rule the store does not hold (any more) is refused with 404, one for a version it never had
+/// with 409: the service keeps totals only for rules that exist.
 async fn report_dry_run(
     State(state): State<Arc<ServiceState>>,
     Path(id): Path<String>,
     body: Bytes,
 ) -> Response {
-    match serde_json::from_slice::<crate::dryrun::Tally>(&body) {
-        Ok(t) => {
+    let mut t = match serde_json::from_slice::<crate::dryrun::Tally>(&body) {
+        Ok(t) => t,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("expected {{version, count, topKeys}}: {e}"),
+            )
+        }
+    };
+    match state.store.get(&id).await {
+        Ok(Some(rule)) if t.version <= rule.version => {
+            t.top_keys.truncate(crate::dryrun::KEYS_CAP);
             state.dry_run.add(&id, t, crate::store::Clock::System.now_ms());
             StatusCode::NO_CONTENT.into_response()
         }
-        Err(e) => error(
-            StatusCode::BAD_REQUEST,
-            &format!("expected {{version, count, topKeys}}: {e}"),
+        Ok(Some(rule)) => error(
+            StatusCode::CONFLICT,
+            &format!("rule {id} is at version {}, not {}", rule.version, t.version),
         ),
+        Ok(None) => error(StatusCode::NOT_FOUND, &format!("no rule {id}")),
+        Err(e) => store_error(e),
     }
 }
 

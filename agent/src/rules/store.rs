@@ -75,7 +75,11 @@ const MIGRATIONS: &[&[&str]] = &[&[
 pub struct RulesStore {
     pool: AnyPool,
     url: String,
+    postgres: bool,
 }
+
+/// The advisory lock two services migrating one PostgreSQL database take in turn ("FLOODGTE").
+const MIGRATION_LOCK: i64 = 0x464c_4f4f_4447_5445;
 
 fn now_ms() -> u64 {
     crate::store::Clock::System.now_ms()
@@ -102,6 +106,7 @@ impl RulesStore {
         let store = RulesStore {
             pool,
             url: crate::store::shards::redact(url),
+            postgres: url.starts_with("postgres"),
         };
         store.migrate().await?;
         Ok(store)
@@ -112,28 +117,36 @@ impl RulesStore {
         &self.url
     }
 
+    /// Applies the migrations the database lacks, all in one transaction. On PostgreSQL an advisory
+    /// lock comes first: two services creating the tables of a fresh database at once would otherwise
+    /// collide in the catalog (`CREATE TABLE IF NOT EXISTS` is not safe against a concurrent one).
     async fn migrate(&self) -> Result<(), StoreOpError> {
+        let mut tx = self.pool.begin().await?;
+        if self.postgres {
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(MIGRATION_LOCK)
+                .execute(&mut *tx)
+                .await?;
+        }
         sqlx::query(
             "CREATE TABLE IF NOT EXISTS floodgate_meta (name TEXT PRIMARY KEY, value BIGINT NOT NULL)",
         )
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
         sqlx::query(
             "INSERT INTO floodgate_meta (name, value) VALUES ('schema', 0) ON CONFLICT (name) DO NOTHING",
         )
-        .execute(&self.pool)
+        .execute(&mut *tx)
         .await?;
+        // Taking the row's write lock also serializes two services migrating one SQLite file.
+        let schema: i64 =
+            sqlx::query("UPDATE floodgate_meta SET value = value WHERE name = 'schema' RETURNING value")
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
         for (i, statements) in MIGRATIONS.iter().enumerate() {
             let target = i as i64 + 1;
-            let mut tx = self.pool.begin().await?;
-            // Taking the row's write lock first serializes two services migrating one database.
-            let schema: i64 =
-                sqlx::query("UPDATE floodgate_meta SET value = value WHERE name = 'schema' RETURNING value")
-                    .fetch_one(&mut *tx)
-                    .await?
-                    .try_get(0)?;
             if schema >= target {
-                tx.rollback().await?;
                 continue;
             }
             for s in statements.iter() {
@@ -143,8 +156,8 @@ impl RulesStore {
                 .bind(target)
                 .execute(&mut *tx)
                 .await?;
-            tx.commit().await?;
         }
+        tx.commit().await?;
         Ok(())
     }
 
@@ -160,6 +173,13 @@ impl RulesStore {
     /// Every rule and the global version they are at, read in one transaction.
     pub async fn snapshot(&self) -> Result<(u64, Vec<Rule>), StoreOpError> {
         let mut tx = self.pool.begin().await?;
+        if self.postgres {
+            // One snapshot for both reads (PostgreSQL's default would let a write land between them;
+            // SQLite's transactions are serializable already).
+            sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                .execute(&mut *tx)
+                .await?;
+        }
         let version: i64 = sqlx::query("SELECT value FROM floodgate_meta WHERE name = 'version'")
             .fetch_one(&mut *tx)
             .await?
@@ -182,14 +202,15 @@ impl RulesStore {
     }
 
     /// Writes a rule (creating or replacing it) if `if_match` is none or its current version (0: it
-    /// must not exist yet). Returns the rule as stored (with its new version) and the new global
-    /// version.
+    /// must not exist yet). Returns the rule as stored (with its new version), the new global version
+    /// and whether the rule is new. A rule's version is the global version of its last write, so it
+    /// never repeats, even across a delete and a re-create (an old `If-Match` cannot match again).
     pub async fn put(
         &self,
         rule: &Rule,
         if_match: Option<u64>,
         actor: &str,
-    ) -> Result<(Rule, u64), StoreOpError> {
+    ) -> Result<(Rule, u64, bool), StoreOpError> {
         let (mut tx, global, old) = self.begin_write(&rule.id).await?;
         let current = old.as_ref().map_or(0, |r| r.version);
         if let Some(expected) = if_match {
@@ -203,7 +224,7 @@ impl RulesStore {
             }
         }
         let mut stored = rule.clone();
-        stored.version = current + 1;
+        stored.version = global as u64;
         stored.updated_at = now_ms();
         let body = body_json(&stored);
         sqlx::query(
@@ -228,7 +249,7 @@ impl RulesStore {
         )
         .await?;
         tx.commit().await?;
-        Ok((stored, global as u64))
+        Ok((stored, global as u64, old.is_none()))
     }
 
     /// Starts a write: a transaction holding the version row's lock (which serializes writers:
@@ -364,14 +385,15 @@ mod tests {
         let url = format!("sqlite://{}", dir.path().join("rules.db").display());
         let store = RulesStore::open(&url).await.unwrap();
         assert_eq!(store.version().await.unwrap(), 0);
-        let (a1, g1) = store.put(&rule("a", 10), None, "ops").await.unwrap();
-        assert_eq!((a1.version, g1), (1, 1));
-        let (_, g2) = store.put(&rule("b", 5), Some(0), "ops").await.unwrap();
+        let (a1, g1, created) = store.put(&rule("a", 10), None, "ops").await.unwrap();
+        assert_eq!((a1.version, g1, created), (1, 1, true));
+        let (_, g2, _) = store.put(&rule("b", 5), Some(0), "ops").await.unwrap();
         assert_eq!(g2, 2);
         let err = store.put(&rule("a", 20), Some(7), "ops").await.unwrap_err();
         assert!(matches!(err, StoreOpError::Conflict { current: 1, .. }), "{err}");
-        let (a2, _) = store.put(&rule("a", 20), Some(1), "ops").await.unwrap();
-        assert_eq!(a2.version, 2);
+        let (a2, g3, created) = store.put(&rule("a", 20), Some(1), "ops").await.unwrap();
+        // The rule's version is the global version of its write (the refused write's bump rolled back).
+        assert_eq!((a2.version, g3, created), (3, 3, false));
         assert_eq!(store.get("a").await.unwrap().unwrap().limit.get(), 20);
         store.delete("b", None, "ops").await.unwrap();
         assert!(matches!(
@@ -386,9 +408,14 @@ mod tests {
         assert_eq!(audit.len(), 4);
         assert_eq!(audit[0].action, "delete");
         assert!(audit[1].old.as_deref().unwrap().contains("\"limit\":10"));
+        // Deleted and created again: a new version, not 1 again, so b's old version 2 cannot match.
+        let (b, g5, created) = store.put(&rule("b", 7), Some(0), "ops").await.unwrap();
+        assert_eq!((b.version, g5, created), (5, 5, true));
+        let err = store.put(&rule("b", 8), Some(2), "ops").await.unwrap_err();
+        assert!(matches!(err, StoreOpError::Conflict { current: 5, .. }), "{err}");
         // Reopening runs no migration twice and keeps everything.
         drop(store);
         let again = RulesStore::open(&url).await.unwrap();
-        assert_eq!(again.snapshot().await.unwrap().1.len(), 1);
+        assert_eq!(again.snapshot().await.unwrap().1.len(), 2);
     }
 }
