@@ -11,6 +11,8 @@
 //! - `decision`: [`Decision`] and where it came from ([`Origin`]).
 //! - `error`: [`Error`].
 //! - `connection`: the background task that owns the socket, dispatches answers and reconnects.
+//! - [`middleware`] (feature `tower`; `axum` for the matched route and peer address): the tower Layer
+//!   that sets the rate-limit headers and answers 429s.
 //!
 //! # Example
 //! ```no_run
@@ -38,6 +40,8 @@ mod client;
 mod connection;
 mod decision;
 mod error;
+#[cfg(feature = "tower")]
+pub mod middleware;
 
 pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};

@@ -1,0 +1,205 @@
+//! The SDK's tower Layer in front of an axum router, asking a real agent process: headers on every
+//! response a rule applies to, costs per matched route, 429 with Retry-After and the JSON body, log
+//! mode invisible, X-Forwarded-For believed only from trusted proxies, IETF headers, fail open.
+
+use std::net::SocketAddr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::routing::{get, post};
+use axum::Router;
+use floodgate_sdk::middleware::{PeerAddr, RateLimitLayer};
+use floodgate_tests::{patient_client, Agent};
+use http::{Request, Response};
+use tower::ServiceExt;
+
+const RULES: &str = r#"
+[[rules]]
+id = "api"
+dimension = "user"
+match = { endpoint = "/api/*" }
+limit = 6
+windowSeconds = 60
+
+[[rules]]
+id = "login"
+dimension = "ip"
+match = { endpoint = "/login" }
+limit = 2
+windowSeconds = 60
+
+# Would reject every client after its first request, if it were enforced.
+[[rules]]
+id = "ip-dry-run"
+dimension = "ip"
+limit = 1
+windowSeconds = 60
+mode = "log"
+"#;
+
+fn app(layer: RateLimitLayer) -> Router {
+    Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .route("/api/search/{q}", get(|| async { "results" }))
+        .route("/login", post(|| async { "welcome" }))
+        .route("/open", get(|| async { "open" }))
+        .layer(layer)
+}
+
+fn req(method: &str, path: &str, peer: &str, headers: &[(&str, &str)]) -> Request<Body> {
+    let mut b = Request::builder().method(method).uri(path);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let mut r = b.body(Body::empty()).unwrap();
+    r.extensions_mut().insert(PeerAddr(peer.parse().unwrap()));
+    r
+}
+
+async fn send(app: &Router, r: Request<Body>) -> (u16, Response<Body>) {
+    let resp = app.clone().oneshot(r).await.unwrap();
+    (resp.status().as_u16(), resp)
+}
+
+fn header(r: &Response<Body>, name: &str) -> Option<String> {
+    r.headers().get(name).map(|v| v.to_str().unwrap().to_string())
+}
+
+fn num(r: &Response<Body>, name: &str) -> u64 {
+    header(r, name)
+        .unwrap_or_else(|| panic!("{name} missing: {:?}", r.headers()))
+        .parse()
+        .unwrap()
+}
+
+fn now_s() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_secs()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_costs_and_429s() {
+    let agent = Agent::builder().rules(RULES).start().await;
+    let client = patient_client(agent.socket()).await;
+    let layer = RateLimitLayer::new(client)
+        .cost("/api/search/{q}", 3)
+        .trust_proxies(["10.0.0.0/8"])
+        .unwrap();
+    let app = app(layer);
+    let user = [("x-user-id", "u1")];
+
+    let (status, r) = send(&app, req("GET", "/api/hello", "203.0.113.1:5", &user)).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        (num(&r, "x-ratelimit-limit"), num(&r, "x-ratelimit-remaining")),
+        (6, 5)
+    );
+    // Reset is epoch seconds: when the key is back to its full limit. A sliding window's count
+    // weighs on the estimate until the end of the window after the current one, so at most two
+    // 60 s windows ahead (+1 s of rounding up).
+    let reset = num(&r, "x-ratelimit-reset");
+    assert!((now_s()..=now_s() + 121).contains(&reset), "reset {reset}");
+    // The cost comes from the matched route, not the raw path.
+    let (_, r) = send(&app, req("GET", "/api/search/cats", "203.0.113.1:5", &user)).await;
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 2);
+    for left in [1, 0] {
+        let (status, r) = send(&app, req("GET", "/api/hello", "203.0.113.1:5", &user)).await;
+        assert_eq!((status, num(&r, "x-ratelimit-remaining")), (200, left));
+    }
+    let (status, r) = send(&app, req("GET", "/api/hello", "203.0.113.1:5", &user)).await;
+    assert_eq!(status, 429);
+    // Whole seconds, never 0; at most until the key's full reset (two windows, as above).
+    let retry = num(&r, "retry-after");
+    assert!((1..=121).contains(&retry), "Retry-After {retry}");
+    assert!(now_s() + retry <= num(&r, "x-ratelimit-reset") + 1);
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 0);
+    assert_eq!(header(&r, "content-type").as_deref(), Some("application/json"));
+    let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    let body: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"error": "rate_limited", "retryAfter": retry})
+    );
+    // Another user is not affected.
+    let (status, _) = send(
+        &app,
+        req("GET", "/api/hello", "203.0.113.1:5", &[("x-user-id", "u2")]),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    // Log mode (limit 1 per IP) never blocks and never shows in the headers; no enforced rule
+    // applies to /open, so it has none.
+    for _ in 0..3 {
+        let (status, r) = send(&app, req("GET", "/open", "198.51.100.4:5", &[])).await;
+        assert_eq!(status, 200);
+        assert!(header(&r, "x-ratelimit-limit").is_none(), "{:?}", r.headers());
+    }
+
+    // X-Forwarded-For from a trusted proxy names the client; from anyone else it is ignored.
+    let via_proxy = |xff: &'static str| req("POST", "/login", "10.1.2.3:5", &[("x-forwarded-for", xff)]);
+    for _ in 0..2 {
+        assert_eq!(send(&app, via_proxy("9.9.9.9")).await.0, 200);
+    }
+    assert_eq!(
+        send(&app, via_proxy("9.9.9.9")).await.0,
+        429,
+        "9.9.9.9 is over its 2"
+    );
+    assert_eq!(
+        send(&app, via_proxy("8.8.8.8")).await.0,
+        200,
+        "another client behind the proxy"
+    );
+    // A client claiming to be 9.9.9.9 directly is keyed by its own address.
+    let spoof = req(
+        "POST",
+        "/login",
+        "203.0.113.50:5",
+        &[("x-forwarded-for", "9.9.9.9")],
+    );
+    assert_eq!(send(&app, spoof).await.0, 200);
+    // A client prepending to the header through the proxy does not move the key either.
+    assert_eq!(send(&app, via_proxy("1.1.1.1, 9.9.9.9")).await.0, 429);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ietf_headers_peer_address_from_axum_and_fail_open() {
+    let agent = Agent::builder().rules(RULES).start().await;
+    let client = patient_client(agent.socket()).await;
+    let app = app(RateLimitLayer::new(client).ietf_headers(true));
+
+    // Over a real socket: the client IP is axum's ConnectInfo (127.0.0.1), limit 2 on /login.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+            .await
+            .unwrap();
+    });
+    let url = format!("http://{addr}");
+    let t = std::time::Duration::from_secs(5);
+    let post = || floodgate_agent::rules::http::request(&url, "POST", "/login", None, &[], None, t);
+    let first = post().await.unwrap();
+    assert_eq!(first.status, 200);
+    assert_eq!(first.header("ratelimit-policy"), Some("\"login\";q=2"));
+    let rl = first.header("ratelimit").unwrap_or_default().to_string();
+    assert!(rl.starts_with("\"login\";r=1;t="), "{rl}");
+    assert_eq!(post().await.unwrap().status, 200);
+    let third = post().await.unwrap();
+    assert_eq!(third.status, 429);
+    assert!(third.header("retry-after").is_some());
+
+    // No agent behind the socket: the client's default policy is fail open, without headers.
+    let dir = tempfile::tempdir().unwrap();
+    let nobody = floodgate_sdk::Client::connect(dir.path().join("none.sock")).await;
+    let app = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .layer(RateLimitLayer::new(nobody));
+    let (status, r) = send(
+        &app,
+        req("GET", "/api/hello", "203.0.113.1:5", &[("x-user-id", "u")]),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(header(&r, "x-ratelimit-limit").is_none());
+}
