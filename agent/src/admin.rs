@@ -20,7 +20,27 @@ pub fn app(engine: Arc<Engine>) -> Router {
         .route("/v1/status", get(status))
         .route("/v1/batch", get(batch))
         .route("/v1/batch/flush-interval", put(set_flush_interval))
+        .route("/metrics", get(metrics))
         .with_state(engine)
+}
+
+/// Prometheus text exposition (404 when the agent runs with `--metrics false`).
+async fn metrics(
+    State(engine): State<Arc<Engine>>,
+    ext: Option<axum::Extension<Option<metrics_exporter_prometheus::PrometheusHandle>>>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match ext.and_then(|axum::Extension(h)| h) {
+        Some(handle) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            crate::metrics::render(&engine, &handle),
+        )
+            .into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics are off (--metrics false)\n").into_response(),
+    }
 }
 
 /// The agent's state: store, breaker, fallback, live agents.

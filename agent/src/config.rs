@@ -133,6 +133,28 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_DB")]
     pub rules_db: Option<String>,
 
+    /// Export Prometheus metrics at the admin port's `/metrics` (`false`: record nothing).
+    #[arg(long, env = "FLOODGATE_METRICS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub metrics: bool,
+
+    /// Write rejection events to a Redis Stream on the agent's Redis (`false`: none). Without Redis
+    /// (the embedded store) there are none.
+    #[arg(long, env = "FLOODGATE_EVENTS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub events: bool,
+
+    /// The rejection events' stream key.
+    #[arg(long, env = "FLOODGATE_EVENTS_STREAM", default_value = "floodgate:rejections")]
+    pub events_stream: String,
+
+    /// `MAXLEN ~` of the stream: Redis keeps about this many events.
+    #[arg(long, env = "FLOODGATE_EVENTS_MAXLEN", default_value_t = 100_000)]
+    pub events_maxlen: u64,
+
+    /// Events queued between the request path and the writer; past it, events are dropped and
+    /// counted (`floodgate_events_dropped_total`).
+    #[arg(long, env = "FLOODGATE_EVENTS_QUEUE", default_value_t = 10_000)]
+    pub events_queue: usize,
+
     /// Worker threads of the agent's runtime; 0 means one per core. One by default: a sidecar should
     /// leave the host's cores to the services, and on a loaded 2-core machine one worker measured
     /// both faster and steadier than two (BENCHMARKS.md); one thread serves ~1 M in-memory checks/s.

@@ -42,6 +42,8 @@ pub struct EngineOptions {
     /// The accuracy target of `auto`: batched when the expected over-admission stays within this
     /// fraction of the limit.
     pub accuracy: f64,
+    /// Where rejection events go (none: not emitted).
+    pub events: Option<Arc<crate::events::Events>>,
 }
 
 impl Default for EngineOptions {
@@ -52,6 +54,7 @@ impl Default for EngineOptions {
             max_batched_keys: crate::batch::DEFAULT_MAX_KEYS,
             hot_key_rate: DEFAULT_HOT_KEY_RATE,
             accuracy: DEFAULT_ACCURACY,
+            events: None,
         }
     }
 }
@@ -74,6 +77,7 @@ pub struct Engine {
     batcher: Arc<Batcher>,
     hot: HotKeys,
     accuracy: f64,
+    events: Option<Arc<crate::events::Events>>,
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
     last_error_log_ms: AtomicU64,
@@ -105,6 +109,7 @@ impl Engine {
             batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),
             hot: HotKeys::new(options.hot_key_rate),
             accuracy: options.accuracy,
+            events: options.events,
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
@@ -231,11 +236,13 @@ impl Engine {
                 items: Vec::new(),
             }));
         }
-        // Items of rules in log mode: what they would have rejected is the dry run's to count.
+        // Items of rules in log mode: what they would have rejected is the dry run's to count. With
+        // events on, every item: a rejection becomes an event (the key is only in the plan).
+        let events = self.events.is_some();
         let logged: Vec<(usize, Arc<Rule>, String)> = plan
             .iter()
             .enumerate()
-            .filter(|(_, p)| !p.rule.enforced())
+            .filter(|(_, p)| events || !p.rule.enforced())
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
         let answer = match &self.store {
@@ -267,15 +274,28 @@ impl Engine {
         }
     }
 
-    /// Counts the log-mode items a decision would have rejected.
+    /// Counts the log-mode items a decision would have rejected, and emits an event for each
+    /// enforced item it rejected (cached rejections included: they are rejections the client got).
     fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
+        if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
+            return;
+        }
         let now = self.clock.now_ms();
         for (i, rule, key) in logged {
-            if d.items
-                .get(*i)
-                .is_some_and(|it| !it.verdict.allowed && it.verdict.source != Source::Cache)
-            {
-                self.dry_run.record(&rule.id, rule.version, key, now);
+            let Some(it) = d.items.get(*i) else { continue };
+            if it.verdict.allowed {
+                continue;
+            }
+            if !rule.enforced() {
+                if it.verdict.source != Source::Cache {
+                    self.dry_run.record(&rule.id, rule.version, key, now);
+                }
+            } else if let Some(events) = &self.events {
+                events.emit(crate::events::Event {
+                    key: key.clone(),
+                    rule: rule.id.clone(),
+                    ts_ms: now,
+                });
             }
         }
     }

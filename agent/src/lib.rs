@@ -38,7 +38,9 @@ pub mod cli;
 pub mod config;
 pub mod dryrun;
 pub mod engine;
+pub mod events;
 pub mod guard;
+pub mod metrics;
 pub mod rules;
 pub mod server;
 pub mod store;
@@ -108,7 +110,38 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         max_batched_keys: config.batch_max_keys,
         hot_key_rate: config.hot_key_rate,
         accuracy: config.accuracy,
+        events: None,
     };
+    let metrics = if config.metrics {
+        let handle = metrics::install()?;
+        tokio::spawn(metrics::upkeep(handle.clone(), shutdown.clone()));
+        Some(handle)
+    } else {
+        None
+    };
+    let mut options = options;
+    let mut events_task = None;
+    if let (Store::Redis(_), true) = (&store, config.events) {
+        let (events, rx) = events::Events::new(config.events_queue);
+        let shards =
+            store::shards::Shards::new(&config.redis_urls(), config.redis_cluster, config.redis_buckets)?;
+        let stream = events::StreamConfig {
+            stream: config.events_stream.clone(),
+            maxlen: config.events_maxlen,
+            agent: guard
+                .as_ref()
+                .map(|g| g.membership.config().id.clone())
+                .unwrap_or_else(default_agent_id),
+        };
+        tracing::info!(stream = %stream.stream, maxlen = stream.maxlen, queue = config.events_queue, "rejection events to a Redis stream");
+        events_task = Some(tokio::spawn(events::write_loop(
+            shards,
+            rx,
+            stream,
+            shutdown.clone(),
+        )));
+        options.events = Some(Arc::new(events));
+    }
     let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
     source.start(&engine, &config, shutdown.clone()).await?;
     let guard_task = match (&store, guard) {
@@ -138,7 +171,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
             .await
             .with_context(|| format!("cannot serve admin HTTP on {addr}"))?;
         tracing::info!(addr = %listener.local_addr()?, "admin HTTP listening");
-        let app = admin::app(engine.clone());
+        let app = admin::app(engine.clone()).layer(axum::Extension(metrics.clone()));
         let mut stop = shutdown.clone();
         tokio::spawn(async move {
             let graceful = async move {
@@ -170,6 +203,10 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
     if let Some(task) = guard_task {
         // It leaves the heartbeat set and writes back what it still holds; bounded by its timeouts.
         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
+    }
+    if let Some(task) = events_task {
+        // The writer sends what is queued once more (bounded by its 2 s write timeout).
+        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
     }
     tracing::info!("floodgate agent stopped");
     Ok(())

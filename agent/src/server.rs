@@ -215,10 +215,25 @@ fn process(
 fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<Engine>) {
     let id = frame.request_id;
     match frame.body {
-        Body::Check(check) => match engine.check(check) {
-            Answer::Ready(result) => answer(out, id, result),
-            Answer::Pending(fut) => pending.push(Box::pin(async move { (id, fut.await) })),
-        },
+        Body::Check(check) => {
+            // Timed only when metrics are on (a clock read per check otherwise saved).
+            let start = crate::metrics::on().then(std::time::Instant::now);
+            match engine.check(check) {
+                Answer::Ready(result) => {
+                    if let Some(start) = start {
+                        crate::metrics::check(&result, start.elapsed());
+                    }
+                    answer(out, id, result)
+                }
+                Answer::Pending(fut) => pending.push(Box::pin(async move {
+                    let result = fut.await;
+                    if let Some(start) = start {
+                        crate::metrics::check(&result, start.elapsed());
+                    }
+                    (id, result)
+                })),
+            }
+        }
         Body::Hello {
             min_version,
             max_version,

@@ -442,7 +442,18 @@ impl Batcher {
             match reply {
                 Ok(learned) if e.learn => {
                     if let Some(l) = learned.get(i) {
+                        // The global count of a window past the limit is over-admission (the
+                        // estimate never lets one window alone past it); count what is new since
+                        // the last learn of that window.
+                        let limit = e.rule.limit.get();
+                        let over = |n: u64| n.saturating_sub(limit);
+                        let before = if l.window == c.window {
+                            u64::from(c.learned_cur)
+                        } else {
+                            0
+                        };
                         c.learn(l.window, l.cur, l.prev, e.seq);
+                        crate::metrics::over_admitted(&e.rule.id, over(l.cur).saturating_sub(over(before)));
                     }
                 }
                 // A learn that failed teaches nothing: the counts stay as stale as they are.

@@ -346,6 +346,7 @@ impl RedisStore {
                 inv.invoke_async::<Vec<u64>>(&mut conn).await.map_err(classify)
             };
             let sent_ms = super::Clock::System.now_ms();
+            crate::metrics::flush_batch(chunk.len());
             let reply = match tokio::time::timeout(timeout, call).await {
                 Err(_) => Err(StoreError::Timeout(timeout)),
                 Ok(Err(e)) => Err(e),
@@ -368,6 +369,7 @@ impl RedisStore {
                         .collect(),
                 }),
             };
+            crate::metrics::redis_call(route.shard, reply.is_ok());
             (chunk, reply)
         });
         // A few calls at a time: a flush of many keys must not queue hundreds of calls (and their
@@ -489,7 +491,10 @@ impl RedisStore {
         };
         let reply = tokio::time::timeout(timeout, call)
             .await
-            .map_err(|_| StoreError::Timeout(timeout))??;
+            .map_err(|_| StoreError::Timeout(timeout))
+            .and_then(|r| r);
+        crate::metrics::redis_call(shard, reply.is_ok());
+        let reply = reply?;
         if reply.len() != items * 5 {
             return Err(StoreError::Script(format!(
                 "script returned {} values for {items} items",

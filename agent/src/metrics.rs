@@ -1,0 +1,195 @@
+//! Prometheus metrics (the `metrics` crate, rendered by `metrics-exporter-prometheus` at the admin
+//! port's `/metrics`). Names follow Prometheus conventions: units in names, `_total` for counters.
+//!
+//! Off (`--metrics false`) nothing is recorded: every function here returns at once on one relaxed
+//! load, so the request path pays nothing for metrics it does not export.
+//!
+//! Counters and histograms are recorded where things happen; gauges that mirror state the agent
+//! keeps anyway (breakers, fallback, live agents, rule-set version, rejection-cache size) are read
+//! from the engine when Prometheus scrapes.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use floodgate_protocol::{Decision, Source};
+use metrics::{counter, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::engine::Engine;
+use crate::guard::BreakerState;
+
+static ON: AtomicBool = AtomicBool::new(false);
+static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Every metric the agent exports, with its help text (the dashboard test checks against the
+/// exposition itself, not this list).
+pub const METRICS: &[(&str, &str)] = &[
+    ("floodgate_checks_total", "Check items decided, by rule, decision (allowed, rejected, logged = a log-mode rule's would-be rejection) and source (redis, local, cache, fallback)"),
+    ("floodgate_check_errors_total", "Checks answered with an error (invalid input, no such rule, internal)"),
+    ("floodgate_check_duration_seconds", "Time from a check's frame read to its answer, in the agent"),
+    ("floodgate_redis_calls_total", "Redis script calls, by shard"),
+    ("floodgate_redis_errors_total", "Redis script calls that failed or timed out, by shard"),
+    ("floodgate_flush_batches_total", "Flush calls (batched counts written and learned)"),
+    ("floodgate_flush_batch_keys", "Entries per flush call"),
+    ("floodgate_breaker_state", "Circuit breaker per shard: 0 closed, 1 half-open, 2 open"),
+    ("floodgate_fallback_active", "1 while some shard's breaker is not closed (the limit/N fallback decides there)"),
+    ("floodgate_live_agents", "N: agents with a live heartbeat"),
+    ("floodgate_rules_version", "The rule set's global version (0 for a rules file)"),
+    ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
+    ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
+    ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
+    ("floodgate_over_admitted_total", "Units admitted over a batched rule's limit, learned from the global count of each window after a flush (each agent that tracks the key sees it: aggregate with max by rule)"),
+];
+
+/// Installs the recorder (once per process) and turns recording on; returns the handle that renders.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    if let Some(h) = HANDLE.get() {
+        ON.store(true, Ordering::Relaxed);
+        return Ok(h.clone());
+    }
+    // Check latency: 10 µs to 1 s, denser below 2 ms where the targets are.
+    let latency = [
+        0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0,
+    ];
+    let keys = [1.0, 4.0, 16.0, 64.0, 256.0, 512.0];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full("floodgate_check_duration_seconds".into()), &latency)?
+        .set_buckets_for_metric(Matcher::Full("floodgate_flush_batch_keys".into()), &keys)?
+        .install_recorder()?;
+    for (name, help) in METRICS {
+        metrics::describe_counter!(*name, *help);
+    }
+    let handle = HANDLE.get_or_init(|| handle).clone();
+    ON.store(true, Ordering::Relaxed);
+    // Unlabelled series exist from the start, so a scrape shows them before the first event.
+    counter!("floodgate_check_errors_total").increment(0);
+    counter!("floodgate_flush_batches_total").increment(0);
+    counter!("floodgate_events_sent_total").increment(0);
+    counter!("floodgate_events_dropped_total").increment(0);
+    let _ = histogram!("floodgate_check_duration_seconds");
+    let _ = histogram!("floodgate_flush_batch_keys");
+    Ok(handle)
+}
+
+/// Whether metrics are recorded.
+#[inline]
+pub fn on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+/// Keeps the exporter's histograms drained (their samples pile up between renders otherwise).
+pub async fn upkeep(handle: PrometheusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => handle.run_upkeep(),
+            _ = crate::server::stopped(&mut stop) => break,
+        }
+    }
+}
+
+fn source(s: Source) -> &'static str {
+    match s {
+        Source::Redis => "redis",
+        Source::Local => "local",
+        Source::Cache => "cache",
+        Source::Fallback => "fallback",
+    }
+}
+
+/// A check answered: one count per item, and its latency.
+pub fn check(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Duration) {
+    if !on() {
+        return;
+    }
+    histogram!("floodgate_check_duration_seconds").record(took.as_secs_f64());
+    match result {
+        Ok(d) => {
+            for item in &d.items {
+                let v = &item.verdict;
+                let decision = match (v.allowed, v.log_only) {
+                    (true, _) => "allowed",
+                    (false, true) => "logged",
+                    (false, false) => "rejected",
+                };
+                counter!(
+                    "floodgate_checks_total",
+                    "rule" => item.rule_id.clone(),
+                    "decision" => decision,
+                    "source" => source(v.source)
+                )
+                .increment(1);
+            }
+        }
+        Err(_) => counter!("floodgate_check_errors_total").increment(1),
+    }
+}
+
+/// A Redis call to `shard` ended.
+pub fn redis_call(shard: usize, ok: bool) {
+    if !on() {
+        return;
+    }
+    counter!("floodgate_redis_calls_total", "shard" => shard.to_string()).increment(1);
+    if !ok {
+        counter!("floodgate_redis_errors_total", "shard" => shard.to_string()).increment(1);
+    }
+}
+
+/// A flush call carried `entries` entries.
+pub fn flush_batch(entries: usize) {
+    if !on() {
+        return;
+    }
+    counter!("floodgate_flush_batches_total").increment(1);
+    histogram!("floodgate_flush_batch_keys").record(entries as f64);
+}
+
+/// Units a flush learned were admitted over `rule`'s limit.
+pub fn over_admitted(rule: &str, units: u64) {
+    if on() && units > 0 {
+        counter!("floodgate_over_admitted_total", "rule" => rule.to_string()).increment(units);
+    }
+}
+
+/// Rejection events written and dropped.
+pub fn events(sent: u64, dropped: u64) {
+    if !on() {
+        return;
+    }
+    if sent > 0 {
+        counter!("floodgate_events_sent_total").increment(sent);
+    }
+    if dropped > 0 {
+        counter!("floodgate_events_dropped_total").increment(dropped);
+    }
+}
+
+/// Sets the gauges from the engine's state and renders the exposition.
+pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
+    gauge!("floodgate_rules_version").set(engine.rules().version() as f64);
+    gauge!("floodgate_rejection_cache_entries").set(engine.cache().len() as f64);
+    gauge!("floodgate_live_agents").set(engine.live_agents() as f64);
+    // Series that count rare events exist at 0 from the first scrape, so rate() and alerts see them.
+    for rule in engine.rules().iter() {
+        counter!("floodgate_over_admitted_total", "rule" => rule.id.clone()).increment(0);
+    }
+    match engine.guard() {
+        Some(g) => {
+            for (shard, b) in g.breakers.iter().enumerate() {
+                counter!("floodgate_redis_errors_total", "shard" => shard.to_string()).increment(0);
+                counter!("floodgate_redis_calls_total", "shard" => shard.to_string()).increment(0);
+                let state = match b.snapshot().state {
+                    BreakerState::Closed => 0.0,
+                    BreakerState::HalfOpen => 1.0,
+                    BreakerState::Open => 2.0,
+                };
+                gauge!("floodgate_breaker_state", "shard" => shard.to_string()).set(state);
+            }
+            gauge!("floodgate_fallback_active").set(if g.all_closed() { 0.0 } else { 1.0 });
+        }
+        None => gauge!("floodgate_fallback_active").set(0.0),
+    }
+    handle.render()
+}

@@ -1,0 +1,179 @@
+//! Metrics at the admin port's `/metrics` and rejection events in a Redis Stream, from a real agent
+//! on a real Redis: the counts the exposition shows are the checks that were made, every rejection
+//! is either in the stream or counted as dropped, and `--metrics false` / `--events false` turn them
+//! off.
+
+use std::time::Duration;
+
+use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer};
+use redis::Commands;
+
+const RULES: &str = r#"{"rules":[{"id":"two","dimension":"user","limit":2,"windowSeconds":60}]}"#;
+
+/// The value of the series whose line starts with `prefix` (name and labels), summed.
+fn value(exposition: &str, name: &str, labels: &[&str]) -> Option<f64> {
+    let mut found = None;
+    for line in exposition.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, v)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let bare = series.split('{').next().unwrap_or("");
+        if bare == name && labels.iter().all(|l| series.contains(l)) {
+            *found.get_or_insert(0.0) += v.parse::<f64>().unwrap_or(f64::NAN);
+        }
+    }
+    found
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_checks_and_rejections_reach_the_stream() {
+    let redis = RedisServer::start();
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
+    let client = patient_client(agent.socket()).await;
+    for i in 0..5 {
+        let d = client.allow("user:m", "two", 1).await.unwrap();
+        assert_eq!(d.allowed, i < 2, "check {i}");
+    }
+    let admin = agent.admin_addr().await;
+    let (status, text) = http_get(admin, "/metrics").await;
+    assert_eq!(status, 200);
+    // Two allowed from Redis; three rejected (the first from Redis, then from the rejection cache).
+    let allowed = value(
+        &text,
+        "floodgate_checks_total",
+        &["rule=\"two\"", "decision=\"allowed\""],
+    );
+    let rejected = value(
+        &text,
+        "floodgate_checks_total",
+        &["rule=\"two\"", "decision=\"rejected\""],
+    );
+    assert_eq!((allowed, rejected), (Some(2.0), Some(3.0)), "{text}");
+    assert_eq!(
+        value(
+            &text,
+            "floodgate_checks_total",
+            &["decision=\"rejected\"", "source=\"cache\""]
+        ),
+        Some(2.0)
+    );
+    assert_eq!(
+        value(&text, "floodgate_check_duration_seconds_count", &[]),
+        Some(5.0)
+    );
+    assert!(value(&text, "floodgate_redis_calls_total", &["shard=\"0\""]).unwrap() >= 3.0);
+    assert_eq!(
+        value(&text, "floodgate_redis_errors_total", &["shard=\"0\""]),
+        Some(0.0)
+    );
+    assert_eq!(
+        value(&text, "floodgate_breaker_state", &["shard=\"0\""]),
+        Some(0.0)
+    );
+    assert_eq!(value(&text, "floodgate_fallback_active", &[]), Some(0.0));
+    assert_eq!(value(&text, "floodgate_rejection_cache_entries", &[]), Some(1.0));
+    assert!(
+        text.contains("# TYPE floodgate_check_duration_seconds histogram"),
+        "{text}"
+    );
+
+    // The three rejections, in the stream with their fields.
+    let mut conn = redis.conn();
+    type Entry = (String, Vec<(String, String)>);
+    let entries = eventually("three rejection events", Duration::from_secs(10), || {
+        let r: Vec<Entry> = redis::cmd("XRANGE")
+            .arg("floodgate:rejections")
+            .arg("-")
+            .arg("+")
+            .query(&mut conn)
+            .unwrap_or_default();
+        async move { (r.len() == 3).then_some(r) }
+    })
+    .await;
+    for (_, fields) in &entries {
+        let field = |k: &str| {
+            fields
+                .iter()
+                .find(|(name, _)| name == k)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            (field("key").as_str(), field("ruleId").as_str()),
+            ("user:m", "two")
+        );
+        assert!(field("ts").parse::<u64>().unwrap() > 1_700_000_000_000);
+        assert!(!field("agent").is_empty());
+    }
+    let sent = eventually("the sent counter", Duration::from_secs(10), || async {
+        let (_, text) = http_get(admin, "/metrics").await;
+        value(&text, "floodgate_events_sent_total", &[]).filter(|v| *v == 3.0)
+    })
+    .await;
+    assert_eq!(sent, 3.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rejection_is_sent_or_counted_as_dropped() {
+    // A one-event queue under a burst of cached rejections: the writer cannot keep up, so events
+    // are dropped, never waited for; sent + dropped must still be every rejection.
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(RULES)
+        .arg("--events-queue")
+        .arg("1")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let checks: Vec<_> = (0..2_000).map(|_| client.allow("user:burst", "two", 1)).collect();
+    // Rejections the agent made (a check the SDK answered by its fail policy after its timeout, on
+    // this loaded machine, made no event).
+    let rejected = futures::future::join_all(checks)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .filter(|d| !d.allowed && d.from_agent_answer())
+        .count() as f64;
+    assert!(rejected > 1_000.0, "{rejected}");
+    let admin = agent.admin_addr().await;
+    let (sent, dropped) = eventually("every event accounted for", Duration::from_secs(10), || async {
+        let (_, text) = http_get(admin, "/metrics").await;
+        let sent = value(&text, "floodgate_events_sent_total", &[])?;
+        let dropped = value(&text, "floodgate_events_dropped_total", &[])?;
+        (sent + dropped == rejected).then_some((sent, dropped))
+    })
+    .await;
+    let mut conn = redis.conn();
+    let len: u64 = redis::cmd("XLEN")
+        .arg("floodgate:rejections")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(len as f64, sent);
+    println!("burst of {rejected} rejections: {sent} sent, {dropped} dropped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_events_can_be_turned_off() {
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(RULES)
+        .arg("--metrics")
+        .arg("false")
+        .arg("--events")
+        .arg("false")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    for _ in 0..3 {
+        client.allow("user:off", "two", 1).await.unwrap();
+    }
+    let (status, _) = http_get(agent.admin_addr().await, "/metrics").await;
+    assert_eq!(status, 404);
+    // The agent logs whether it writes events at start; off, it never says so.
+    assert!(!agent.log().contains("rejection events to a Redis stream"));
+    let mut conn = redis.conn();
+    let exists: bool = conn.exists("floodgate:rejections").unwrap();
+    assert!(!exists);
+}
