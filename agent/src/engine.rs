@@ -275,7 +275,10 @@ impl Engine {
     }
 
     /// Counts the log-mode items a decision would have rejected, and emits an event for each
-    /// enforced item it rejected (cached rejections included: they are rejections the client got).
+    /// enforced item the limiter rejected. Repeats answered from the rejection cache make no event:
+    /// the key's first rejection already said it is blocked until its reset, and a hot abusive key
+    /// must not flood the stream (and Redis) the cache keeps it away from; they are counted in
+    /// `floodgate_checks_total{source="cache"}`.
     fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
         if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
             return;
@@ -290,7 +293,7 @@ impl Engine {
                 if it.verdict.source != Source::Cache {
                     self.dry_run.record(&rule.id, rule.version, key, now);
                 }
-            } else if let Some(events) = &self.events {
+            } else if let (Some(events), false) = (&self.events, it.verdict.source == Source::Cache) {
                 events.emit(crate::events::Event {
                     key: key.clone(),
                     rule: rule.id.clone(),

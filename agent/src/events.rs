@@ -1,5 +1,6 @@
 //! Rejection events `{key, ruleId, ts, agent}` to a Redis Stream, off the request path: a check that
-//! rejects puts its event in a bounded queue (`try_send`, never waiting); a writer task takes what
+//! the limiter rejects (not a repeat answered from the rejection cache) puts its event in a bounded
+//! queue (`try_send`, never waiting); a writer task takes what
 //! has queued, up to [`BATCH`] at a time, and writes it as one pipeline of `XADD <stream> MAXLEN ~ N`.
 //! A full queue drops the event and counts it; so does a write that fails (the events are not worth
 //! holding the agent's memory for while Redis is away).

@@ -14,12 +14,15 @@
 //! - `propagation`: issue 5's figure (PUT → every agent enforcing).
 //! - `fleet`: issue 3's figures (commands per check batched vs sync, over-admission with N agents,
 //!   memory per key).
+//! - `gateway`: issue 6's figures (the tower Layer's added latency over a bare axum handler; the agent
+//!   path with metrics and events on vs off).
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
 mod closed;
 mod echo;
 mod fleet;
+mod gateway;
 mod open;
 mod propagation;
 mod report;
@@ -130,6 +133,39 @@ enum Command {
         poll_ms: u64,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/propagation.json")]
+        json: PathBuf,
+    },
+    /// The tower Layer's added latency per request over a bare axum handler (same run).
+    Middleware {
+        /// Runs (bare then layered each time).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Concurrent keep-alive HTTP clients.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Seconds measured per side and run.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/middleware.json")]
+        json: PathBuf,
+    },
+    /// The agent path's latency with metrics and rejection events on vs off (same run).
+    Observability {
+        /// Runs per scenario (on and off each time, alternating which goes first).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Closed-loop clients.
+        #[arg(long, default_value_t = 16)]
+        clients: usize,
+        /// Seconds measured per side and run.
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Distinct keys.
+        #[arg(long, default_value_t = 10_000)]
+        keys: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/observability.json")]
         json: PathBuf,
     },
     /// Key placement on independent shards and the keys that move when one node is added.
@@ -268,6 +304,25 @@ fn main() -> anyhow::Result<()> {
                 let polled = propagation::run(agents, changes, false, poll_ms).await?;
                 anyhow::Ok(vec![watched, polled])
             })?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Middleware {
+            runs,
+            clients,
+            seconds,
+            json,
+        }) => {
+            let rows = runtime.block_on(gateway::middleware(runs, clients, seconds))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Observability {
+            runs,
+            clients,
+            seconds,
+            keys,
+            json,
+        }) => {
+            let rows = runtime.block_on(gateway::observability(runs, clients, seconds, keys))?;
             write_json(&json, &rows)
         }
         Some(Command::Placement { keys, nodes, json }) => {

@@ -5,6 +5,7 @@
 
 use std::time::Duration;
 
+use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer};
 use redis::Commands;
 
@@ -77,17 +78,18 @@ async fn metrics_count_checks_and_rejections_reach_the_stream() {
         "{text}"
     );
 
-    // The three rejections, in the stream with their fields.
+    // The rejection Redis decided is in the stream with its fields; the two repeats the rejection
+    // cache answered are not (they are in floodgate_checks_total{source="cache"}).
     let mut conn = redis.conn();
     type Entry = (String, Vec<(String, String)>);
-    let entries = eventually("three rejection events", Duration::from_secs(10), || {
+    let entries = eventually("the rejection event", Duration::from_secs(10), || {
         let r: Vec<Entry> = redis::cmd("XRANGE")
             .arg("floodgate:rejections")
             .arg("-")
             .arg("+")
             .query(&mut conn)
             .unwrap_or_default();
-        async move { (r.len() == 3).then_some(r) }
+        async move { (!r.is_empty()).then_some(r) }
     })
     .await;
     for (_, fields) in &entries {
@@ -107,16 +109,17 @@ async fn metrics_count_checks_and_rejections_reach_the_stream() {
     }
     let sent = eventually("the sent counter", Duration::from_secs(10), || async {
         let (_, text) = http_get(admin, "/metrics").await;
-        value(&text, "floodgate_events_sent_total", &[]).filter(|v| *v == 3.0)
+        value(&text, "floodgate_events_sent_total", &[]).filter(|v| *v >= 1.0)
     })
     .await;
-    assert_eq!(sent, 3.0);
+    assert_eq!((sent, entries.len()), (1.0, 1));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_rejection_is_sent_or_counted_as_dropped() {
-    // A one-event queue under a burst of cached rejections: the writer cannot keep up, so events
-    // are dropped, never waited for; sent + dropped must still be every rejection.
+    // A one-event queue under a burst of rejections of 600 keys (3 checks each, limit 2): the writer
+    // cannot keep up, so events are dropped, never waited for; sent + dropped must still be every
+    // rejection the limiter made (repeats from the rejection cache make no event).
     let redis = RedisServer::start();
     let agent = Agent::builder()
         .redis(&redis.url())
@@ -126,16 +129,21 @@ async fn every_rejection_is_sent_or_counted_as_dropped() {
         .start()
         .await;
     let client = patient_client(agent.socket()).await;
-    let checks: Vec<_> = (0..2_000).map(|_| client.allow("user:burst", "two", 1)).collect();
-    // Rejections the agent made (a check the SDK answered by its fail policy after its timeout, on
-    // this loaded machine, made no event).
+    let keys: Vec<String> = (0..600).map(|k| format!("user:burst{k}")).collect();
+    let checks: Vec<_> = keys
+        .iter()
+        .flat_map(|k| [k, k, k])
+        .map(|k| client.allow(k, "two", 1))
+        .collect();
+    // Rejections the limiter made (a check the SDK answered by its fail policy after its timeout,
+    // on this loaded machine, or one the rejection cache repeated, made no event).
     let rejected = futures::future::join_all(checks)
         .await
         .into_iter()
         .map(Result::unwrap)
-        .filter(|d| !d.allowed && d.from_agent_answer())
+        .filter(|d| !d.allowed && matches!(d.origin, Origin::Agent(s) if s != Source::Cache))
         .count() as f64;
-    assert!(rejected > 1_000.0, "{rejected}");
+    assert!(rejected > 300.0, "{rejected}");
     let admin = agent.admin_addr().await;
     let (sent, dropped) = eventually("every event accounted for", Duration::from_secs(10), || async {
         let (_, text) = http_get(admin, "/metrics").await;

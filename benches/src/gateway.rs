@@ -1,0 +1,308 @@
+//! Issue 6's figures.
+//!
+//! - `middleware`: an axum handler served bare and the same handler behind the SDK's tower Layer
+//!   (asking a real agent on its embedded store), both on loopback TCP in this process, driven in
+//!   turn by the same keep-alive HTTP/1.1 clients; the added latency is the difference of their
+//!   percentiles in the same run.
+//! - `observability`: two agents on one Redis, one with metrics and rejection events on (the
+//!   defaults) and one with both off, driven in turn by the closed loop; the p99 ratio on/off, with
+//!   the bench rule allowing every check; with a limit of 1 (nearly every check rejected: repeats
+//!   answered by the rejection cache, which make no event); and with a limit of 1 and the rejection
+//!   cache off, so that every rejection is decided by Redis and becomes an event (the worst case).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use axum::routing::get;
+use axum::Router;
+use floodgate_sdk::middleware::RateLimitLayer;
+use floodgate_tests::{patient_client, Agent, RedisServer};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::closed;
+use crate::targets::Target;
+
+/// One run of the middleware figure (µs).
+#[derive(Debug, Clone, Serialize)]
+pub struct MiddlewareRun {
+    /// Bare handler p50.
+    pub bare_p50_us: f64,
+    /// Bare handler p99.
+    pub bare_p99_us: f64,
+    /// Behind the layer p50.
+    pub layer_p50_us: f64,
+    /// Behind the layer p99.
+    pub layer_p99_us: f64,
+    /// Requests per second, bare.
+    pub bare_rps: f64,
+    /// Requests per second, behind the layer.
+    pub layer_rps: f64,
+}
+
+/// One run of the metrics/events figure (µs).
+#[derive(Debug, Clone, Serialize)]
+pub struct ObservabilityRun {
+    /// `allowing` (every check allowed) or `rejecting` (nearly every check rejected: an event each).
+    pub scenario: String,
+    /// Metrics and events on: p50, p99.
+    pub on_p50_us: f64,
+    /// p99 with both on.
+    pub on_p99_us: f64,
+    /// Both off: p50.
+    pub off_p50_us: f64,
+    /// p99 with both off.
+    pub off_p99_us: f64,
+    /// on p99 / off p99.
+    pub p99_ratio: f64,
+    /// Checks per second, on and off.
+    pub on_rate: f64,
+    /// Checks per second with both off.
+    pub off_rate: f64,
+}
+
+fn us(h: &Histogram<u64>, q: f64) -> f64 {
+    h.value_at_quantile(q) as f64 / 1_000.0
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[v.len() / 2]
+}
+
+const GATEWAY_RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","match":{"endpoint":"/api/*"},"limit":1000000000000,"windowSeconds":60}]}"#;
+
+async fn serve(app: Router) -> anyhow::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await;
+    });
+    Ok(addr)
+}
+
+/// One keep-alive HTTP/1.1 request and its whole response (Content-Length bodies only).
+async fn get_once(stream: &mut TcpStream, buf: &mut Vec<u8>, user: usize) -> anyhow::Result<u16> {
+    let req = format!("GET /api/hello HTTP/1.1\r\nHost: bench\r\nX-User-Id: u{user}\r\n\r\n");
+    stream.write_all(req.as_bytes()).await?;
+    buf.clear();
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = std::str::from_utf8(&buf[..end])?;
+            let status: u16 = head.get(9..12).unwrap_or("0").parse()?;
+            let len: usize = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse().ok())?
+                })
+                .unwrap_or(0);
+            while buf.len() < end + 4 + len {
+                let mut chunk = [0u8; 4096];
+                let n = stream.read(&mut chunk).await?;
+                anyhow::ensure!(n > 0, "connection closed mid-body");
+                buf.extend_from_slice(&chunk[..n]);
+            }
+            return Ok(status);
+        }
+        let mut chunk = [0u8; 4096];
+        let n = stream.read(&mut chunk).await?;
+        anyhow::ensure!(n > 0, "connection closed");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn drive(addr: SocketAddr, clients: usize, measure: Duration) -> anyhow::Result<(Histogram<u64>, f64)> {
+    let mut tasks = Vec::new();
+    let warmup = measure / 4;
+    for c in 0..clients {
+        tasks.push(tokio::spawn(async move {
+            let mut stream = TcpStream::connect(addr).await?;
+            stream.set_nodelay(true)?;
+            let mut buf = Vec::with_capacity(8192);
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+            let start = Instant::now();
+            let mut n = 0u64;
+            let mut user = c * 7919;
+            while start.elapsed() < warmup + measure {
+                let t = Instant::now();
+                let status = get_once(&mut stream, &mut buf, user % 10_000).await?;
+                anyhow::ensure!(status == 200, "status {status}");
+                user += 1;
+                if start.elapsed() >= warmup {
+                    hist.saturating_record(t.elapsed().as_nanos() as u64);
+                    n += 1;
+                }
+            }
+            anyhow::Ok((hist, n))
+        }));
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut n = 0;
+    for t in tasks {
+        let (h, k) = t.await??;
+        hist.add(&h)?;
+        n += k;
+    }
+    Ok((hist, n as f64 / measure.as_secs_f64()))
+}
+
+/// The middleware's added latency: bare vs layered, alternating, `runs` times.
+pub async fn middleware(runs: usize, clients: usize, seconds: f64) -> anyhow::Result<Vec<MiddlewareRun>> {
+    let agent = Agent::builder().rules(GATEWAY_RULES).start().await;
+    let client = patient_client(agent.socket()).await;
+    let handler = || get(|| async { "hello" });
+    let bare = serve(Router::new().route("/api/hello", handler())).await?;
+    let layered = serve(
+        Router::new()
+            .route("/api/hello", handler())
+            .layer(RateLimitLayer::new(client)),
+    )
+    .await?;
+    let measure = Duration::from_secs_f64(seconds);
+    let mut out = Vec::new();
+    for run in 0..runs.max(1) {
+        let (b, b_rps) = drive(bare, clients, measure).await?;
+        let (l, l_rps) = drive(layered, clients, measure).await?;
+        let r = MiddlewareRun {
+            bare_p50_us: us(&b, 0.5),
+            bare_p99_us: us(&b, 0.99),
+            layer_p50_us: us(&l, 0.5),
+            layer_p99_us: us(&l, 0.99),
+            bare_rps: b_rps,
+            layer_rps: l_rps,
+        };
+        println!(
+            "  run {}: bare p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · layer p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · added p50 {:.0} µs p99 {:.0} µs",
+            run + 1,
+            r.bare_p50_us,
+            r.bare_p99_us,
+            r.bare_rps,
+            r.layer_p50_us,
+            r.layer_p99_us,
+            r.layer_rps,
+            r.layer_p50_us - r.bare_p50_us,
+            r.layer_p99_us - r.bare_p99_us
+        );
+        out.push(r);
+    }
+    let m = |f: fn(&MiddlewareRun) -> f64| median(out.iter().map(f).collect());
+    println!(
+        "median of {} runs, {clients} clients: added p50 {:.0} µs, p99 {:.0} µs (bare p50 {:.0} / p99 {:.0}; layer p50 {:.0} / p99 {:.0})",
+        out.len(),
+        m(|r| r.layer_p50_us - r.bare_p50_us),
+        m(|r| r.layer_p99_us - r.bare_p99_us),
+        m(|r| r.bare_p50_us),
+        m(|r| r.bare_p99_us),
+        m(|r| r.layer_p50_us),
+        m(|r| r.layer_p99_us)
+    );
+    Ok(out)
+}
+
+/// The agent path with metrics and events on vs off, alternating, `runs` times per scenario.
+pub async fn observability(
+    runs: usize,
+    clients: usize,
+    seconds: f64,
+    keys: usize,
+) -> anyhow::Result<Vec<ObservabilityRun>> {
+    let measure = Duration::from_secs_f64(seconds);
+    let mut out = Vec::new();
+    let scenarios = [
+        ("allowing", 1_000_000_000_000u64, true),
+        ("rejecting-cached", 1, true),
+        ("rejecting-uncached", 1, false),
+    ];
+    for (scenario, limit, cached) in scenarios {
+        let redis = RedisServer::start();
+        let rules = format!(
+            r#"{{"rules":[{{"id":"bench","dimension":"user","limit":{limit},"windowSeconds":60}}]}}"#
+        );
+        let cache = if cached { "100000" } else { "0" };
+        let on = Agent::builder()
+            .redis(&redis.url())
+            .rules(&rules)
+            .arg("--rejection-cache")
+            .arg(cache)
+            .start()
+            .await;
+        let off = Agent::builder()
+            .redis(&redis.url())
+            .rules(&rules)
+            .arg("--rejection-cache")
+            .arg(cache)
+            .arg("--metrics")
+            .arg("false")
+            .arg("--events")
+            .arg("false")
+            .start()
+            .await;
+        let (t_on, t_off) = (
+            Target::Agent(on.socket().to_path_buf()),
+            Target::Agent(off.socket().to_path_buf()),
+        );
+        let mut rows = Vec::new();
+        for run in 0..runs.max(1) {
+            // Alternate which goes first, so drift in the machine's load falls on both.
+            let (a, b) = if run % 2 == 0 {
+                (&t_on, &t_off)
+            } else {
+                (&t_off, &t_on)
+            };
+            let ra = closed::run(a, clients, 1, keys, measure).await?;
+            let rb = closed::run(b, clients, 1, keys, measure).await?;
+            let (r_on, r_off) = if run % 2 == 0 { (ra, rb) } else { (rb, ra) };
+            let row = ObservabilityRun {
+                scenario: scenario.into(),
+                on_p50_us: us(&r_on.hist, 0.5),
+                on_p99_us: us(&r_on.hist, 0.99),
+                off_p50_us: us(&r_off.hist, 0.5),
+                off_p99_us: us(&r_off.hist, 0.99),
+                p99_ratio: us(&r_on.hist, 0.99) / us(&r_off.hist, 0.99).max(0.001),
+                on_rate: r_on.checks as f64 / r_on.elapsed.as_secs_f64(),
+                off_rate: r_off.checks as f64 / r_off.elapsed.as_secs_f64(),
+            };
+            println!(
+                "  {scenario} run {}: on p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · off p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · p99 on/off {:.3}",
+                run + 1,
+                row.on_p50_us,
+                row.on_p99_us,
+                row.on_rate,
+                row.off_p50_us,
+                row.off_p99_us,
+                row.off_rate,
+                row.p99_ratio
+            );
+            rows.push(row);
+        }
+        println!(
+            "{scenario}: median p99 on/off {:.3} over {} runs",
+            median(rows.iter().map(|r| r.p99_ratio).collect()),
+            rows.len()
+        );
+        if limit == 1 {
+            let (_, text) = floodgate_tests::http_get(on.admin_addr().await, "/metrics").await;
+            let pick = |name: &str| {
+                text.lines()
+                    .find(|l| l.starts_with(name))
+                    .and_then(|l| l.rsplit_once(' '))
+                    .map(|(_, v)| v.to_string())
+                    .unwrap_or_default()
+            };
+            println!(
+                "  events: sent {} dropped {}",
+                pick("floodgate_events_sent_total"),
+                pick("floodgate_events_dropped_total")
+            );
+        }
+        out.extend(rows);
+    }
+    Ok(out)
+}
