@@ -11,7 +11,9 @@
 -- ARGV     4 per entry: window_ms, target window (the units' window, agent's estimate of the Redis
 --          clock), units, field (the client key)
 -- returns  1 + 3 per entry: Redis now in ms, then per entry the current window index and, for a
---          learn, its global count and the previous window's (0 and 0 for a write)
+--          learn, its global count and the previous window's; for a write, the target window's
+--          count after it (Redis runs writes one at a time, so each agent can tell exactly which
+--          of its units went past the limit) and 0
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = { now }
@@ -28,7 +30,8 @@ for i = 1, #KEYS do
     -- runs a little ahead may write into the next window, which counts as soon as Redis gets there.
     if target >= idx - 1 and target <= idx + 1 then
       local key = KEYS[i] .. ':' .. target
-      if redis.call('HINCRBY', key, field, units) == units then
+      cur = redis.call('HINCRBY', key, field, units)
+      if cur == units then
         redis.call('PEXPIREAT', key, (target + 2) * window)
       end
     end

@@ -83,9 +83,10 @@ pub struct StreamConfig {
     pub agent: String,
 }
 
-/// Writes queued events until `stop`, then what is left in the queue. `shards` is a connection of
-/// the writer's own (a pipeline of events must not queue ahead of checks on theirs); the stream
-/// lives on the shard of bucket 0 (on a Cluster, wherever its key's slot is).
+/// Writes queued events until `stop`, then what is left in the queue (the agent turns `stop` on only
+/// after the last check was answered); what cannot be written then is counted as dropped. `shards`
+/// is a connection of the writer's own (a pipeline of events must not queue ahead of checks on
+/// theirs); the stream lives on the shard of bucket 0 (on a Cluster, wherever its key's slot is).
 pub async fn write_loop(
     shards: Shards,
     mut rx: mpsc::Receiver<Event>,
@@ -98,21 +99,25 @@ pub async fn write_loop(
         let got = tokio::select! {
             n = rx.recv_many(&mut batch, BATCH) => n,
             _ = crate::server::stopped(&mut stop) => {
-                // Stopping: what is queued now is written once more, without waiting for more.
-                while batch.len() < BATCH {
-                    match rx.try_recv() {
-                        Ok(e) => batch.push(e),
-                        Err(_) => break,
+                // Stopping: every check is answered, so the queue holds all there will be. Write it
+                // out; what a failed write loses is counted.
+                rx.close();
+                loop {
+                    batch.clear();
+                    if rx.recv_many(&mut batch, BATCH).await == 0 {
+                        return;
+                    }
+                    let ok = match shards.conn(shards.shard_of_bucket(0)).await {
+                        Ok(mut conn) => write(&mut conn, &batch, &config).await.is_ok(),
+                        Err(_) => false,
+                    };
+                    let n = batch.len() as u64;
+                    if ok {
+                        crate::metrics::events(n, 0);
+                    } else {
+                        crate::metrics::events(0, n);
                     }
                 }
-                if !batch.is_empty() {
-                    if let Ok(mut conn) = shards.conn(shards.shard_of_bucket(0)).await {
-                        if write(&mut conn, &batch, &config).await.is_ok() {
-                            crate::metrics::events(batch.len() as u64, 0);
-                        }
-                    }
-                }
-                return;
             }
         };
         if got == 0 {

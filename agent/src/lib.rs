@@ -134,12 +134,13 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
                 .unwrap_or_else(default_agent_id),
         };
         tracing::info!(stream = %stream.stream, maxlen = stream.maxlen, queue = config.events_queue, "rejection events to a Redis stream");
-        events_task = Some(tokio::spawn(events::write_loop(
-            shards,
-            rx,
-            stream,
-            shutdown.clone(),
-        )));
+        // The writer stops after the socket server (which answers in-flight checks after shutdown),
+        // so it sees every event.
+        let (stop_tx, stop_rx) = watch::channel(false);
+        events_task = Some((
+            stop_tx,
+            tokio::spawn(events::write_loop(shards, rx, stream, stop_rx)),
+        ));
         options.events = Some(Arc::new(events));
     }
     let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
@@ -204,9 +205,11 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         // It leaves the heartbeat set and writes back what it still holds; bounded by its timeouts.
         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;
     }
-    if let Some(task) = events_task {
-        // The writer sends what is queued once more (bounded by its 2 s write timeout).
-        let _ = tokio::time::timeout(Duration::from_secs(3), task).await;
+    if let Some((stop, task)) = events_task {
+        // Every check is answered: the writer writes out what is queued (each write bounded by its
+        // 2 s timeout; the queue holds at most --events-queue events).
+        let _ = stop.send(true);
+        let _ = tokio::time::timeout(Duration::from_secs(5), task).await;
     }
     tracing::info!("floodgate agent stopped");
     Ok(())

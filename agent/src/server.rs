@@ -189,6 +189,7 @@ fn process(
                 frame_len,
             }) => {
                 pos += frame_len;
+                crate::metrics::check_error();
                 error(out, request_id, code, reason);
             }
             Err(DecodeError::Fatal {

@@ -5,10 +5,15 @@
 //! IETF draft's `RateLimit-Policy` and `RateLimit` headers too.
 //!
 //! What the request is checked as comes from extractors, each replaceable: the endpoint (axum's
-//! matched route with the `axum` feature, its `{id}` written `:id`, else the path), the tier, the user id and the API key
-//! (headers by default), and the client IP: the peer address, or the `X-Forwarded-For` entry a
-//! configured proxy added — the header is believed only as far as it was written by trusted proxies.
-//! The cost is 1 unless a route says otherwise.
+//! matched route with the `axum` feature, its `{id}` written `:id`, else the path) and the client IP
+//! by default; the tier, the user id and the API key only when configured (`*_header` reads a header
+//! an authenticating hop set; the closures can read what your auth layer put in the extensions) —
+//! a header the client writes itself would let it pick its tier or spend someone else's quota. The
+//! client IP, the user id and the API key
+//! is the peer address, or the `X-Forwarded-For` entry a configured proxy added — the header is
+//! believed only as far as it was written by trusted proxies. The cost is 1 unless a route says
+//! otherwise. A value the wire refuses (over 256 bytes, braces, control characters) is replaced by a
+//! stable hash of it, so no header can make a check invalid and slip past the limiter.
 //!
 //! Rules in log mode never block (the agent never rejects for them) and never show in the headers:
 //! a dry run is invisible to clients. A request no rule applies to gets no headers. When the agent
@@ -22,6 +27,7 @@
 //!
 //! let client = Client::connect("/tmp/floodgate.sock").await;
 //! let layer = RateLimitLayer::new(client)
+//!     .user_header("x-authenticated-user")
 //!     .cost("/search", 5)
 //!     .trust_proxies(["10.0.0.0/8"])
 //!     .unwrap()
@@ -78,6 +84,15 @@ impl Cidr {
                 .filter(|p| *p <= max)
                 .ok_or_else(|| format!("{s:?}: the prefix must be 0..={max}"))?
         };
+        // An IPv4-mapped block is the IPv4 block (addresses are compared mapped-to-IPv4 too).
+        if let IpAddr::V6(v6) = addr {
+            if let (Some(v4), true) = (v6.to_ipv4_mapped(), prefix >= 96) {
+                return Ok(Cidr {
+                    addr: IpAddr::V4(v4),
+                    prefix: prefix - 96,
+                });
+            }
+        }
         Ok(Cidr { addr, prefix })
     }
 
@@ -104,9 +119,9 @@ impl Cidr {
 struct Config {
     client: Client,
     endpoint: Extractor,
-    tier: Extractor,
-    user: Extractor,
-    api_key: Extractor,
+    tier: Option<Extractor>,
+    user: Option<Extractor>,
+    api_key: Option<Extractor>,
     ip: Option<Extractor>,
     trusted: Vec<Cidr>,
     costs: HashMap<String, u32>,
@@ -198,16 +213,16 @@ pub fn client_ip(p: &Parts, trusted: &[Cidr]) -> Option<IpAddr> {
 
 impl RateLimitLayer {
     /// A layer asking the agent through `client`, with the default extractors: the endpoint (matched
-    /// route or path), `X-Tier`, `X-User-Id`, `X-Api-Key` headers, the peer IP (no proxy trusted),
+    /// route or path) and the peer IP (no proxy trusted); no tier, user or API key until configured;
     /// cost 1.
     pub fn new(client: Client) -> Self {
         RateLimitLayer {
             config: Arc::new(Config {
                 client,
                 endpoint: Arc::new(default_endpoint),
-                tier: header_extractor("x-tier"),
-                user: header_extractor("x-user-id"),
-                api_key: header_extractor("x-api-key"),
+                tier: None,
+                user: None,
+                api_key: None,
                 ip: None,
                 trusted: Vec::new(),
                 costs: HashMap::new(),
@@ -244,19 +259,37 @@ impl RateLimitLayer {
         self.edit(|c| c.endpoint = Arc::new(f))
     }
 
-    /// Replaces the tier extractor.
+    /// The tier, from what your auth layer knows (e.g. the request's extensions).
     pub fn tier(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.edit(|c| c.tier = Arc::new(f))
+        self.edit(|c| c.tier = Some(Arc::new(f)))
     }
 
-    /// Replaces the user-id extractor (e.g. from an authenticated session in the extensions).
+    /// The user id, e.g. from an authenticated session in the extensions.
     pub fn user(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.edit(|c| c.user = Arc::new(f))
+        self.edit(|c| c.user = Some(Arc::new(f)))
     }
 
-    /// Replaces the API-key extractor.
+    /// The API key (or an id of it).
     pub fn api_key(self, f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static) -> Self {
-        self.edit(|c| c.api_key = Arc::new(f))
+        self.edit(|c| c.api_key = Some(Arc::new(f)))
+    }
+
+    /// The tier from a header that a hop in front of this service sets after authenticating (and
+    /// strips from what clients send).
+    pub fn tier_header(self, name: &'static str) -> Self {
+        self.edit(|c| c.tier = Some(header_extractor(name)))
+    }
+
+    /// The user id from a header an authenticating hop sets (see [`RateLimitLayer::tier_header`]).
+    pub fn user_header(self, name: &'static str) -> Self {
+        self.edit(|c| c.user = Some(header_extractor(name)))
+    }
+
+    /// The API key from a header. Unlike a user id, a client does send its own key; rate limiting by
+    /// it before the key is verified lets a client spend another key's quota only if it knows that
+    /// key.
+    pub fn api_key_header(self, name: &'static str) -> Self {
+        self.edit(|c| c.api_key = Some(header_extractor(name)))
     }
 
     /// Replaces the client-IP extractor (the default is [`client_ip`] with the trusted proxies).
@@ -322,14 +355,39 @@ impl Config {
             Some(f) => f(p),
             None => client_ip(p, &self.trusted).map(|ip| ip.to_string()),
         };
+        let read = |f: &Option<Extractor>| f.as_ref().and_then(|f| f(p)).map(wire_safe);
         Attributes {
-            endpoint,
-            tier: (self.tier)(p),
-            user: (self.user)(p),
-            api_key: (self.api_key)(p),
-            ip,
+            endpoint: endpoint.map(wire_safe),
+            tier: read(&self.tier),
+            user: read(&self.user),
+            api_key: read(&self.api_key),
+            ip: ip.map(wire_safe),
             cost,
         }
+    }
+}
+
+/// A value the agent accepts: as it is when the wire allows it, else `h:` and a 64-bit FNV-1a hash
+/// of it (the same value always maps to the same key, so a client sending an odd value is still
+/// limited, under a key of its own, instead of making the check invalid).
+pub fn wire_safe(value: String) -> String {
+    let ok = value.len() <= floodgate_protocol::MAX_ATTRIBUTE
+        && !value.chars().any(|c| c == '{' || c == '}' || c.is_control());
+    if ok {
+        return value;
+    }
+    let hash = value.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("h:{hash:016x}")
+}
+
+/// Logs at most one warning a minute (a bad request per request must not flood the log).
+fn warn_rarely(message: &str, error: &dyn std::fmt::Display) {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = now_ms() / 60_000;
+    if LAST.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
+        tracing::warn!(error = %error, "{message}");
     }
 }
 
@@ -423,9 +481,10 @@ where
             let decision = match config.client.check_request(attributes).await {
                 Ok(d) => d,
                 Err(e) => {
-                    // A check the agent refused (e.g. an attribute past the protocol's limits) is
-                    // not the client's fault at this layer: let it through, and say why.
-                    tracing::warn!(error = %e, "floodgate: the check failed; the request passes");
+                    // Attributes are made wire-safe above, so this is a bug or a mismatch between
+                    // SDK and agent, not something a client can cause: the request passes (the
+                    // agent-unreachable case is the client's fail policy, decided before here).
+                    warn_rarely("floodgate: the check failed; the request passes", &e);
                     return inner.call(req).await;
                 }
             };
@@ -494,6 +553,28 @@ mod tests {
         assert!(Cidr::parse("0.0.0.0/0")
             .unwrap()
             .contains("8.8.8.8".parse().unwrap()));
+    }
+
+    #[test]
+    fn odd_values_become_stable_hashes_the_wire_accepts() {
+        assert_eq!(wire_safe("alice".into()), "alice");
+        let brace = wire_safe("{".into());
+        assert!(brace.starts_with("h:") && brace.len() == 18, "{brace}");
+        assert_eq!(brace, wire_safe("{".into()), "stable");
+        assert_ne!(brace, wire_safe("}".into()));
+        let long = wire_safe("x".repeat(300));
+        let a = Attributes {
+            user: Some(long),
+            tier: Some(wire_safe("a\u{7}b".into())),
+            cost: 1,
+            ..Default::default()
+        };
+        assert_eq!(a.validate(), Ok(()));
+        // The example's mapped block holds 10.0.0.0/8 addresses however they are written.
+        let mapped = Cidr::parse("::ffff:10.0.0.0/104").unwrap();
+        assert!(mapped.contains("10.9.9.9".parse().unwrap()));
+        assert!(mapped.contains("::ffff:10.9.9.9".parse().unwrap()));
+        assert!(!mapped.contains("11.0.0.1".parse().unwrap()));
     }
 
     #[test]

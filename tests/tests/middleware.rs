@@ -80,7 +80,10 @@ fn now_s() -> u64 {
 async fn headers_costs_and_429s() {
     let agent = Agent::builder().rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
+    // Behind an authenticating hop that sets X-User-Id (the layer trusts no identity header unless
+    // told to).
     let layer = RateLimitLayer::new(client)
+        .user_header("x-user-id")
         .cost("/api/search/{q}", 3)
         .trust_proxies(["10.0.0.0/8"])
         .unwrap();
@@ -126,6 +129,19 @@ async fn headers_costs_and_429s() {
     )
     .await;
     assert_eq!(status, 200);
+    // A value the wire refuses (a brace, a Redis hash tag) does not make the check invalid and slip
+    // past: it is limited under a hash of itself, 6 then 429.
+    let odd = [("x-user-id", "{victim}")];
+    for _ in 0..6 {
+        assert_eq!(
+            send(&app, req("GET", "/api/hello", "203.0.113.1:5", &odd))
+                .await
+                .0,
+            200
+        );
+    }
+    let (status, r) = send(&app, req("GET", "/api/hello", "203.0.113.1:5", &odd)).await;
+    assert_eq!((status, num(&r, "x-ratelimit-limit")), (429, 6));
 
     // Log mode (limit 1 per IP) never blocks and never shows in the headers; no enforced rule
     // applies to /open, so it has none.

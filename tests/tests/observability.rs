@@ -185,3 +185,37 @@ async fn metrics_and_events_can_be_turned_off() {
     let exists: bool = conn.exists("floodgate:rejections").unwrap();
     assert!(!exists);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_admission_is_counted_once_across_agents() {
+    // A batched rule of limit 1 on two agents: a key neither has learned yet is admitted once by
+    // each (a never-learned counter admits one check until its first learn), so the fleet admits 2
+    // against a limit of 1. The writes land one at a time in Redis: the second finds the count past
+    // the limit, so the agents' counters add up to exactly 1.
+    let rules =
+        r#"{"rules":[{"id":"b","dimension":"user","limit":1,"windowSeconds":60,"execution":"batched"}]}"#;
+    let redis = RedisServer::start();
+    let mut conn = redis.conn();
+    // Both checks must fall in one 60 s window (Redis clock): not in the last 2 s of one.
+    if floodgate_tests::redis_time_ms(&mut conn) % 60_000 > 58_000 {
+        floodgate_tests::sleep_until_window_offset(&mut conn, 60_000, 100);
+    }
+    let a = Agent::builder().redis(&redis.url()).rules(rules).start().await;
+    let b = Agent::builder().redis(&redis.url()).rules(rules).start().await;
+    for agent in [&a, &b] {
+        let client = patient_client(agent.socket()).await;
+        assert!(client.allow("user:over", "b", 1).await.unwrap().allowed);
+    }
+    let admins = [a.admin_addr().await, b.admin_addr().await];
+    let total = eventually("both writes counted", Duration::from_secs(10), || async move {
+        let mut sum = 0.0;
+        for admin in admins {
+            let (_, text) = http_get(admin, "/metrics").await;
+            sum += value(&text, "floodgate_over_admitted_total", &["rule=\"b\""])?;
+        }
+        // Both writes are in once Redis holds 2.
+        (sum > 0.0).then_some(sum)
+    })
+    .await;
+    assert_eq!(total, 1.0);
+}

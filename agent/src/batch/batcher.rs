@@ -442,24 +442,24 @@ impl Batcher {
             match reply {
                 Ok(learned) if e.learn => {
                     if let Some(l) = learned.get(i) {
-                        // The global count of a window past the limit is over-admission (the
-                        // estimate never lets one window alone past it); count what is new since
-                        // the last learn of that window.
-                        let limit = e.rule.limit.get();
-                        let over = |n: u64| n.saturating_sub(limit);
-                        let before = if l.window == c.window {
-                            u64::from(c.learned_cur)
-                        } else {
-                            0
-                        };
                         c.learn(l.window, l.cur, l.prev, e.seq);
-                        crate::metrics::over_admitted(&e.rule.id, over(l.cur).saturating_sub(over(before)));
+                    }
+                }
+                Ok(learned) => {
+                    // A write answers with its window's count after it. One window's count past the
+                    // limit is over-admission (the estimate never lets a window alone past it):
+                    // the units of this write above the limit. Redis applies writes one at a time,
+                    // so these add up exactly across agents (a lower bound of the over-admission:
+                    // the previous window's weight is not counted).
+                    if let Some(l) = learned.get(i) {
+                        let over = l.cur.saturating_sub(e.rule.limit.get()).min(e.units);
+                        crate::metrics::over_admitted(&e.rule.id, over);
                     }
                 }
                 // A learn that failed teaches nothing: the counts stay as stale as they are.
                 Err(_) if e.learn => {}
                 // Written, or maybe written (a timeout): it stays counted as written.
-                Ok(_) | Err(false) => {}
+                Err(false) => {}
                 Err(true) => c.resend(e.target, e.units),
             }
         }

@@ -492,16 +492,19 @@ impl RedisStore {
         let reply = tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| StoreError::Timeout(timeout))
-            .and_then(|r| r);
+            .and_then(|r| r)
+            .and_then(|reply| {
+                if reply.len() == items * 5 {
+                    Ok(reply)
+                } else {
+                    Err(StoreError::Script(format!(
+                        "script returned {} values for {items} items",
+                        reply.len()
+                    )))
+                }
+            });
         crate::metrics::redis_call(shard, reply.is_ok());
-        let reply = reply?;
-        if reply.len() != items * 5 {
-            return Err(StoreError::Script(format!(
-                "script returned {} values for {items} items",
-                reply.len()
-            )));
-        }
-        Ok(reply)
+        reply
     }
 }
 

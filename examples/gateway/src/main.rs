@@ -37,6 +37,11 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let client = Client::with_config(&args.socket, ClientConfig::default()).await;
     let layer = RateLimitLayer::new(client)
+        // The user id comes from X-User-Id. Only for this demo: in production an authenticating hop
+        // sets (and strips) such a header, or `.user(...)` reads your auth layer's extensions; a
+        // header clients write themselves would let them spend someone else's quota.
+        .user_header("x-user-id")
+        .api_key_header("x-api-key")
         // A search costs 5 units of the caller's budget.
         .cost("/api/search", 5)
         .trust_proxies(&args.trust_proxy)
