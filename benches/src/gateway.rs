@@ -61,6 +61,10 @@ pub struct ObservabilityRun {
     pub on_rate: f64,
     /// Checks per second with both off.
     pub off_rate: f64,
+    /// The agent's CPU per check (µs, from /proc: 10 ms ticks over the whole run), both on.
+    pub on_cpu_us: f64,
+    /// The agent's CPU per check with both off.
+    pub off_cpu_us: f64,
 }
 
 fn us(h: &Histogram<u64>, q: f64) -> f64 {
@@ -87,7 +91,8 @@ async fn serve(app: Router) -> anyhow::Result<SocketAddr> {
 }
 
 /// One keep-alive HTTP/1.1 request and its whole response (Content-Length bodies only).
-async fn get_once(stream: &mut TcpStream, buf: &mut Vec<u8>, user: usize) -> anyhow::Result<u16> {
+/// Returns the status and whether the response carried `X-RateLimit-Limit`.
+async fn get_once(stream: &mut TcpStream, buf: &mut Vec<u8>, user: usize) -> anyhow::Result<(u16, bool)> {
     let req = format!("GET /api/hello HTTP/1.1\r\nHost: bench\r\nX-User-Id: u{user}\r\n\r\n");
     stream.write_all(req.as_bytes()).await?;
     buf.clear();
@@ -103,13 +108,17 @@ async fn get_once(stream: &mut TcpStream, buf: &mut Vec<u8>, user: usize) -> any
                         .then(|| v.trim().parse().ok())?
                 })
                 .unwrap_or(0);
+            let limited = head.lines().any(|l| {
+                l.split_once(':')
+                    .is_some_and(|(k, _)| k.eq_ignore_ascii_case("x-ratelimit-limit"))
+            });
             while buf.len() < end + 4 + len {
                 let mut chunk = [0u8; 4096];
                 let n = stream.read(&mut chunk).await?;
                 anyhow::ensure!(n > 0, "connection closed mid-body");
                 buf.extend_from_slice(&chunk[..n]);
             }
-            return Ok(status);
+            return Ok((status, limited));
         }
         let mut chunk = [0u8; 4096];
         let n = stream.read(&mut chunk).await?;
@@ -118,7 +127,14 @@ async fn get_once(stream: &mut TcpStream, buf: &mut Vec<u8>, user: usize) -> any
     }
 }
 
-async fn drive(addr: SocketAddr, clients: usize, measure: Duration) -> anyhow::Result<(Histogram<u64>, f64)> {
+/// `checked`: every response must carry the limiter's headers (the Layer really asked the agent and
+/// a rule applied), or none may (the bare handler).
+async fn drive(
+    addr: SocketAddr,
+    clients: usize,
+    measure: Duration,
+    checked: bool,
+) -> anyhow::Result<(Histogram<u64>, f64)> {
     let mut tasks = Vec::new();
     let warmup = measure / 4;
     for c in 0..clients {
@@ -132,8 +148,12 @@ async fn drive(addr: SocketAddr, clients: usize, measure: Duration) -> anyhow::R
             let mut user = c * 7919;
             while start.elapsed() < warmup + measure {
                 let t = Instant::now();
-                let status = get_once(&mut stream, &mut buf, user % 10_000).await?;
+                let (status, limited) = get_once(&mut stream, &mut buf, user % 10_000).await?;
                 anyhow::ensure!(status == 200, "status {status}");
+                anyhow::ensure!(
+                    limited == checked,
+                    "X-RateLimit-Limit present: {limited}, expected {checked}"
+                );
                 user += 1;
                 if start.elapsed() >= warmup {
                     hist.saturating_record(t.elapsed().as_nanos() as u64);
@@ -162,14 +182,20 @@ pub async fn middleware(runs: usize, clients: usize, seconds: f64) -> anyhow::Re
     let layered = serve(
         Router::new()
             .route("/api/hello", handler())
-            .layer(RateLimitLayer::new(client)),
+            .layer(RateLimitLayer::new(client).user_header("x-user-id")),
     )
     .await?;
     let measure = Duration::from_secs_f64(seconds);
     let mut out = Vec::new();
     for run in 0..runs.max(1) {
-        let (b, b_rps) = drive(bare, clients, measure).await?;
-        let (l, l_rps) = drive(layered, clients, measure).await?;
+        // Alternate which goes first, so drift in the machine's load falls on both.
+        let ((b, b_rps), (l, l_rps)) = if run % 2 == 0 {
+            let b = drive(bare, clients, measure, false).await?;
+            (b, drive(layered, clients, measure, true).await?)
+        } else {
+            let l = drive(layered, clients, measure, true).await?;
+            (drive(bare, clients, measure, false).await?, l)
+        };
         let r = MiddlewareRun {
             bare_p50_us: us(&b, 0.5),
             bare_p99_us: us(&b, 0.99),
@@ -251,14 +277,33 @@ pub async fn observability(
         let mut rows = Vec::new();
         for run in 0..runs.max(1) {
             // Alternate which goes first, so drift in the machine's load falls on both.
-            let (a, b) = if run % 2 == 0 {
+            let on_first = run % 2 == 0;
+            let (a, b) = if on_first {
                 (&t_on, &t_off)
             } else {
                 (&t_off, &t_on)
             };
+            let (pa, pb) = if on_first {
+                (on.pid(), off.pid())
+            } else {
+                (off.pid(), on.pid())
+            };
+            let cpu = |pid: Option<u32>| pid.and_then(crate::cpu_ticks).unwrap_or(0);
+            let before = cpu(pa);
             let ra = closed::run(a, clients, 1, keys, measure).await?;
+            let ca = cpu(pa).saturating_sub(before);
+            let before = cpu(pb);
             let rb = closed::run(b, clients, 1, keys, measure).await?;
-            let (r_on, r_off) = if run % 2 == 0 { (ra, rb) } else { (rb, ra) };
+            let cb = cpu(pb).saturating_sub(before);
+            // Ticks of 10 ms over every check of the run (warm-up included) → µs per check.
+            let per_check =
+                |ticks: u64, r: &closed::LoopResult| ticks as f64 * 10_000.0 / r.all_checks.max(1) as f64;
+            let (ca, cb) = (per_check(ca, &ra), per_check(cb, &rb));
+            let (r_on, r_off, on_cpu, off_cpu) = if on_first {
+                (ra, rb, ca, cb)
+            } else {
+                (rb, ra, cb, ca)
+            };
             let row = ObservabilityRun {
                 scenario: scenario.into(),
                 on_p50_us: us(&r_on.hist, 0.5),
@@ -268,16 +313,20 @@ pub async fn observability(
                 p99_ratio: us(&r_on.hist, 0.99) / us(&r_off.hist, 0.99).max(0.001),
                 on_rate: r_on.checks as f64 / r_on.elapsed.as_secs_f64(),
                 off_rate: r_off.checks as f64 / r_off.elapsed.as_secs_f64(),
+                on_cpu_us: on_cpu,
+                off_cpu_us: off_cpu,
             };
             println!(
-                "  {scenario} run {}: on p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · off p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · p99 on/off {:.3}",
+                "  {scenario} run {}: on p50 {:.0} µs p99 {:.0} µs ({:.0}/s, {:.2} µs CPU/check) · off p50 {:.0} µs p99 {:.0} µs ({:.0}/s, {:.2} µs CPU/check) · p99 on/off {:.3}",
                 run + 1,
                 row.on_p50_us,
                 row.on_p99_us,
                 row.on_rate,
+                row.on_cpu_us,
                 row.off_p50_us,
                 row.off_p99_us,
                 row.off_rate,
+                row.off_cpu_us,
                 row.p99_ratio
             );
             rows.push(row);
