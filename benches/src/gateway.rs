@@ -3,7 +3,9 @@
 //! - `middleware`: an axum handler served bare and the same handler behind the SDK's tower Layer
 //!   (asking a real agent on its embedded store), both on loopback TCP in this process, driven in
 //!   turn by the same keep-alive HTTP/1.1 clients; the added latency is the difference of their
-//!   percentiles in the same run.
+//!   percentiles in the same run. Two baselines in the same run split it: the SDK's check alone
+//!   (same attributes, same client, no HTTP) and the layered router called in-process (tower
+//!   `oneshot`, no HTTP): the SDK check plus the Layer's own work.
 //! - `observability`: two agents on one Redis, one with metrics and rejection events on (the
 //!   defaults) and one with both off, driven in turn by the closed loop; the p99 ratio on/off, with
 //!   the bench rule allowing every check; with a limit of 1 (nearly every check rejected: repeats
@@ -36,6 +38,16 @@ pub struct MiddlewareRun {
     pub layer_p50_us: f64,
     /// Behind the layer p99.
     pub layer_p99_us: f64,
+    /// The SDK's own check (the same attributes, the same client) without HTTP, p50: the part of
+    /// the added latency that is the agent round trip.
+    pub sdk_p50_us: f64,
+    /// The SDK's own check, p99.
+    pub sdk_p99_us: f64,
+    /// The layered router called in-process (tower `oneshot` from a task, no HTTP), p50: the SDK
+    /// check plus the Layer's own work.
+    pub inproc_p50_us: f64,
+    /// The layered router called in-process, p99.
+    pub inproc_p99_us: f64,
     /// Requests per second, bare.
     pub bare_rps: f64,
     /// Requests per second, behind the layer.
@@ -173,10 +185,96 @@ async fn drive(
     Ok((hist, n as f64 / measure.as_secs_f64()))
 }
 
+/// The same checks the Layer makes (endpoint, user and IP attributes), from `clients` tasks on the
+/// same SDK client, without HTTP.
+async fn drive_sdk(
+    client: &floodgate_sdk::Client,
+    clients: usize,
+    measure: Duration,
+) -> anyhow::Result<Histogram<u64>> {
+    let mut tasks = Vec::new();
+    let warmup = measure / 4;
+    for c in 0..clients {
+        let client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+            let start = Instant::now();
+            let mut user = c * 7919;
+            while start.elapsed() < warmup + measure {
+                let attributes = floodgate_sdk::Attributes {
+                    endpoint: Some("/api/hello".into()),
+                    user: Some(format!("u{}", user % 10_000)),
+                    ip: Some("127.0.0.1".into()),
+                    cost: 1,
+                    ..Default::default()
+                };
+                let t = Instant::now();
+                let d = client.check_request(attributes).await?;
+                anyhow::ensure!(
+                    d.allowed && matches!(d.origin, floodgate_sdk::Origin::Agent(_)),
+                    "unexpected decision {d:?}"
+                );
+                user += 1;
+                if start.elapsed() >= warmup {
+                    hist.saturating_record(t.elapsed().as_nanos() as u64);
+                }
+            }
+            anyhow::Ok(hist)
+        }));
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    for t in tasks {
+        hist.add(&t.await??)?;
+    }
+    Ok(hist)
+}
+
+/// The layered router called in-process from `clients` tasks (no HTTP, no peer address: the
+/// user rule applies), each response checked for the limiter's headers.
+async fn drive_inproc(app: Router, clients: usize, measure: Duration) -> anyhow::Result<Histogram<u64>> {
+    use tower::ServiceExt;
+    let mut tasks = Vec::new();
+    let warmup = measure / 4;
+    for c in 0..clients {
+        let app = app.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+            let start = Instant::now();
+            let mut user = c * 7919;
+            while start.elapsed() < warmup + measure {
+                let req = axum::http::Request::builder()
+                    .uri("/api/hello")
+                    .header("x-user-id", format!("u{}", user % 10_000))
+                    .body(axum::body::Body::empty())?;
+                let t = Instant::now();
+                let response = app.clone().oneshot(req).await?;
+                anyhow::ensure!(
+                    response.status() == 200 && response.headers().contains_key("x-ratelimit-limit"),
+                    "unexpected response {response:?}"
+                );
+                user += 1;
+                if start.elapsed() >= warmup {
+                    hist.saturating_record(t.elapsed().as_nanos() as u64);
+                }
+            }
+            anyhow::Ok(hist)
+        }));
+    }
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    for t in tasks {
+        hist.add(&t.await??)?;
+    }
+    Ok(hist)
+}
+
 /// The middleware's added latency: bare vs layered, alternating, `runs` times.
 pub async fn middleware(runs: usize, clients: usize, seconds: f64) -> anyhow::Result<Vec<MiddlewareRun>> {
     let agent = Agent::builder().rules(GATEWAY_RULES).start().await;
     let client = patient_client(agent.socket()).await;
+    let sdk = client.clone();
+    let inproc = Router::new()
+        .route("/api/hello", get(|| async { "hello" }))
+        .layer(RateLimitLayer::new(client.clone()).user_header("x-user-id"));
     let handler = || get(|| async { "hello" });
     let bare = serve(Router::new().route("/api/hello", handler())).await?;
     let layered = serve(
@@ -196,16 +294,22 @@ pub async fn middleware(runs: usize, clients: usize, seconds: f64) -> anyhow::Re
             let l = drive(layered, clients, measure, true).await?;
             (drive(bare, clients, measure, false).await?, l)
         };
+        let s = drive_sdk(&sdk, clients, measure).await?;
+        let i = drive_inproc(inproc.clone(), clients, measure).await?;
         let r = MiddlewareRun {
             bare_p50_us: us(&b, 0.5),
             bare_p99_us: us(&b, 0.99),
             layer_p50_us: us(&l, 0.5),
             layer_p99_us: us(&l, 0.99),
+            sdk_p50_us: us(&s, 0.5),
+            sdk_p99_us: us(&s, 0.99),
+            inproc_p50_us: us(&i, 0.5),
+            inproc_p99_us: us(&i, 0.99),
             bare_rps: b_rps,
             layer_rps: l_rps,
         };
         println!(
-            "  run {}: bare p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · layer p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · added p50 {:.0} µs p99 {:.0} µs",
+            "  run {}: bare p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · layer p50 {:.0} µs p99 {:.0} µs ({:.0}/s) · added p50 {:.0} µs p99 {:.0} µs · SDK check alone p50 {:.0} µs p99 {:.0} µs · Layer in-process p50 {:.0} µs p99 {:.0} µs",
             run + 1,
             r.bare_p50_us,
             r.bare_p99_us,
@@ -214,20 +318,31 @@ pub async fn middleware(runs: usize, clients: usize, seconds: f64) -> anyhow::Re
             r.layer_p99_us,
             r.layer_rps,
             r.layer_p50_us - r.bare_p50_us,
-            r.layer_p99_us - r.bare_p99_us
+            r.layer_p99_us - r.bare_p99_us,
+            r.sdk_p50_us,
+            r.sdk_p99_us,
+            r.inproc_p50_us,
+            r.inproc_p99_us
         );
         out.push(r);
     }
     let m = |f: fn(&MiddlewareRun) -> f64| median(out.iter().map(f).collect());
     println!(
-        "median of {} runs, {clients} clients: added p50 {:.0} µs, p99 {:.0} µs (bare p50 {:.0} / p99 {:.0}; layer p50 {:.0} / p99 {:.0})",
+        "median of {} runs, {clients} clients: added p50 {:.0} µs, p99 {:.0} µs (bare p50 {:.0} / p99 {:.0}; layer p50 {:.0} / p99 {:.0}; SDK check alone p50 {:.0} / p99 {:.0}; Layer in-process p50 {:.0} / p99 {:.0}; added / SDK check: p50 {:.2}, p99 {:.2}; in-process / SDK check: p50 {:.2})",
         out.len(),
         m(|r| r.layer_p50_us - r.bare_p50_us),
         m(|r| r.layer_p99_us - r.bare_p99_us),
         m(|r| r.bare_p50_us),
         m(|r| r.bare_p99_us),
         m(|r| r.layer_p50_us),
-        m(|r| r.layer_p99_us)
+        m(|r| r.layer_p99_us),
+        m(|r| r.sdk_p50_us),
+        m(|r| r.sdk_p99_us),
+        m(|r| r.inproc_p50_us),
+        m(|r| r.inproc_p99_us),
+        m(|r| (r.layer_p50_us - r.bare_p50_us) / r.sdk_p50_us.max(0.001)),
+        m(|r| (r.layer_p99_us - r.bare_p99_us) / r.sdk_p99_us.max(0.001)),
+        m(|r| r.inproc_p50_us / r.sdk_p50_us.max(0.001))
     );
     Ok(out)
 }
