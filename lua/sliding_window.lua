@@ -85,11 +85,12 @@ end
 -- Adds (units > 0) or takes back (units < 0) units counted in window `target`: if that window still
 -- weighs on the estimate (the current one or the one before), else nowhere. Used to write back what
 -- agents admitted locally (fallback, batched counting) and to take back what a check consumed on one
--- shard when another shard rejected it. A take-back never goes below zero.
+-- shard when another shard rejected it. A take-back never goes below zero. Returns the units applied
+-- and the client's count in window `target` afterwards.
 local function sliding_window_adjust(prefix, field, now, window, units, target)
   local idx = math.floor(now / window)
   if target ~= idx and target ~= idx - 1 then
-    return 0
+    return 0, 0
   end
   local key = prefix .. ':' .. target
   local was = tonumber(redis.call('HGET', key, field)) or 0
@@ -97,8 +98,8 @@ local function sliding_window_adjust(prefix, field, now, window, units, target)
     units = -was
   end
   if units == 0 then
-    return 0
+    return 0, was
   end
   sliding_window_add(prefix, field, target, window, units, was)
-  return units
+  return units, was + units
 end

@@ -274,8 +274,8 @@ impl Engine {
         }
     }
 
-    /// Counts the log-mode items a decision would have rejected, and emits an event for each
-    /// enforced item the limiter rejected. Repeats answered from the rejection cache make no event:
+    /// Counts the log-mode items a decision would have rejected, and emits an event for each of them
+    /// (`mode` `log`) and for each enforced item the limiter rejected. Repeats answered from the rejection cache make no event:
     /// the key's first rejection already said it is blocked until its reset, and a hot abusive key
     /// must not flood the stream (and Redis) the cache keeps it away from; they are counted in
     /// `floodgate_checks_total{source="cache"}`.
@@ -289,15 +289,19 @@ impl Engine {
             if it.verdict.allowed {
                 continue;
             }
+            if it.verdict.source == Source::Cache {
+                continue;
+            }
             if !rule.enforced() {
-                if it.verdict.source != Source::Cache {
-                    self.dry_run.record(&rule.id, rule.version, key, now);
-                }
-            } else if let (Some(events), false) = (&self.events, it.verdict.source == Source::Cache) {
+                self.dry_run.record(&rule.id, rule.version, key, now);
+            }
+            if let Some(events) = &self.events {
                 events.emit(crate::events::Event {
                     key: key.clone(),
                     rule: rule.id.clone(),
                     ts_ms: now,
+                    version: rule.version,
+                    dry_run: !rule.enforced(),
                 });
             }
         }

@@ -1,5 +1,6 @@
-//! Rejection events `{key, ruleId, ts, agent}` to a Redis Stream, off the request path: a check that
-//! the limiter rejects (not a repeat answered from the rejection cache) puts its event in a bounded
+//! Rejection events `{key, ruleId, ts, agent, version, mode}` to a Redis Stream, off the request
+//! path: a check that the limiter rejects (not a repeat answered from the rejection cache), and a
+//! would-be rejection of a rule in log mode (`mode` `log`: its dry run), puts its event in a bounded
 //! queue (`try_send`, never waiting); a writer task takes what
 //! has queued, up to [`BATCH`] at a time, and writes it as one pipeline of `XADD <stream> MAXLEN ~ N`.
 //! A full queue drops the event and counts it; so does a write that fails (the events are not worth
@@ -24,6 +25,10 @@ pub struct Event {
     pub rule: String,
     /// When (Unix ms).
     pub ts_ms: u64,
+    /// The rule's version.
+    pub version: u64,
+    /// A log-mode rule's would-be rejection (the request passed).
+    pub dry_run: bool,
 }
 
 /// The request path's side: a bounded queue and its counters.
@@ -161,6 +166,10 @@ where
             .arg(e.ts_ms)
             .arg("agent")
             .arg(&config.agent)
+            .arg("version")
+            .arg(e.version)
+            .arg("mode")
+            .arg(if e.dry_run { "log" } else { "enforce" })
             .ignore();
     }
     // A slow Redis must not pile up writes: the queue fills and drops instead.
@@ -185,6 +194,8 @@ mod tests {
                 key: format!("user:{i}"),
                 rule: "r".into(),
                 ts_ms: i,
+                version: 1,
+                dry_run: false,
             });
         }
         assert_eq!(events.queued.load(Ordering::Relaxed), 2);

@@ -351,6 +351,7 @@ async fn write_back(guard: &Guard, redis: &RedisStore) {
         None => tracing::info!(
             keys,
             units = done.units,
+            over_limit = done.over,
             "wrote back what the fallback admitted while Redis was away"
         ),
         Some(e) => {

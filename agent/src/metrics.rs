@@ -39,7 +39,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
-    ("floodgate_over_admitted_total", "Units admitted over a batched rule's limit: each flush write's units past the limit in the count Redis answers (writes are applied one at a time, so this sums exactly across agents; a lower bound, the previous window's weight not counted)"),
+    ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums exactly across agents; a lower bound, the previous window's weight not counted)"),
 ];
 
 /// Installs the recorder (once per process) and turns recording on; returns the handle that renders.
@@ -180,10 +180,29 @@ pub fn flush_batch(entries: usize) {
     histogram!("floodgate_flush_batch_keys").record(entries as f64);
 }
 
-/// Units a flush learned were admitted over `rule`'s limit.
-pub fn over_admitted(rule: &str, units: u64) {
+/// Where over-admission was learned: a batched rule's flush, or the write-back after a fallback.
+#[derive(Debug, Clone, Copy)]
+pub enum OverSource {
+    /// A batched rule's flush write.
+    Flush,
+    /// The write-back of what the fallback admitted while Redis was away.
+    Fallback,
+}
+
+impl OverSource {
+    fn label(self) -> &'static str {
+        match self {
+            OverSource::Flush => "flush",
+            OverSource::Fallback => "fallback",
+        }
+    }
+}
+
+/// Units a flush or a write-back learned were admitted over `rule`'s limit.
+pub fn over_admitted(rule: &str, source: OverSource, units: u64) {
     if on() && units > 0 {
-        counter!("floodgate_over_admitted_total", "rule" => rule.to_string()).increment(units);
+        counter!("floodgate_over_admitted_total", "rule" => rule.to_string(), "source" => source.label())
+            .increment(units);
     }
 }
 
@@ -207,7 +226,10 @@ pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
     gauge!("floodgate_live_agents").set(engine.live_agents() as f64);
     // Series that count rare events exist at 0 from the first scrape, so rate() and alerts see them.
     for rule in engine.rules().iter() {
-        counter!("floodgate_over_admitted_total", "rule" => rule.id.clone()).increment(0);
+        for source in [OverSource::Flush, OverSource::Fallback] {
+            counter!("floodgate_over_admitted_total", "rule" => rule.id.clone(), "source" => source.label())
+                .increment(0);
+        }
     }
     match engine.guard() {
         Some(g) => {

@@ -353,7 +353,19 @@ impl Config {
             .unwrap_or(1);
         let ip = match &self.ip {
             Some(f) => f(p),
-            None => client_ip(p, &self.trusted).map(|ip| ip.to_string()),
+            None => {
+                let ip = client_ip(p, &self.trusted);
+                if ip.is_none() {
+                    // Without it, rules on the IP dimension cannot apply: say so, rarely.
+                    warn_rarely(
+                        &NO_PEER,
+                        "floodgate: no peer address on the request, so IP rules do not apply; serve \
+                         with into_make_service_with_connect_info::<SocketAddr>() or insert a PeerAddr",
+                        &"missing ConnectInfo",
+                    );
+                }
+                ip.map(|ip| ip.to_string())
+            }
         };
         let read = |f: &Option<Extractor>| f.as_ref().and_then(|f| f(p)).map(wire_safe);
         Attributes {
@@ -383,13 +395,16 @@ pub fn wire_safe(value: String) -> String {
 }
 
 /// Logs at most one warning a minute (a bad request per request must not flood the log).
-fn warn_rarely(message: &str, error: &dyn std::fmt::Display) {
-    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+/// Logs at most once a minute per `last` (one per kind of warning).
+fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn std::fmt::Display) {
     let now = now_ms() / 60_000;
-    if LAST.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
+    if last.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
         tracing::warn!(error = %error, "{message}");
     }
 }
+
+static CHECK_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static NO_PEER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The headers for a decision (none when no enforced rule applied).
 pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderName, HeaderValue)> {
@@ -484,7 +499,11 @@ where
                     // Attributes are made wire-safe above, so this is a bug or a mismatch between
                     // SDK and agent, not something a client can cause: the request passes (the
                     // agent-unreachable case is the client's fail policy, decided before here).
-                    warn_rarely("floodgate: the check failed; the request passes", &e);
+                    warn_rarely(
+                        &CHECK_FAILED,
+                        "floodgate: the check failed; the request passes",
+                        &e,
+                    );
                     return inner.call(req).await;
                 }
             };

@@ -106,6 +106,8 @@ async fn metrics_count_checks_and_rejections_reach_the_stream() {
         );
         assert!(field("ts").parse::<u64>().unwrap() > 1_700_000_000_000);
         assert!(!field("agent").is_empty());
+        assert_eq!(field("mode"), "enforce");
+        assert!(field("version").parse::<u64>().is_ok());
     }
     let sent = eventually("the sent counter", Duration::from_secs(10), || async {
         let (_, text) = http_get(admin, "/metrics").await;
@@ -218,4 +220,84 @@ async fn over_admission_is_counted_once_across_agents() {
     })
     .await;
     assert_eq!(total, 1.0);
+}
+
+/// What the fallback admitted while Redis was away reaches Redis with the write-back; the units that
+/// land past the limit are counted as over-admission (`source="fallback"`), and they are exactly
+/// what Redis ends with above the limit: no check can take the count past it, only the write-back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_admission_is_learned_from_the_fallback_write_back() {
+    // An hour's window, so the test's few seconds stay in one window (as in faults.rs).
+    const TEN: &str = r#"{"rules":[{"id":"ten","dimension":"user","limit":10,"windowSeconds":3600}]}"#;
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(TEN)
+        .arg("--redis-timeout-ms")
+        .arg("20")
+        .arg("--breaker-cooldown-ms")
+        .arg("200")
+        .arg("--agents")
+        .arg("1")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    for _ in 0..6 {
+        let d = client.allow("user:f", "ten", 1).await.unwrap();
+        assert!(d.allowed);
+        assert_eq!(d.origin, Origin::Agent(Source::Redis));
+    }
+    // SIGSTOP, not a kill: Redis keeps the 6 it counted, and answers again on SIGCONT.
+    let pid = redis.pid().unwrap();
+    floodgate_tests::pause_process(pid);
+    // Checks time out until the breaker opens, and then the breaker's fallback answers: it admits its
+    // own share (10 / 1 agent), knowing nothing of the 6, and rejects past it. The checks that timed
+    // out are answered by the fallback too but not written back (their scripts may run when Redis
+    // wakes, and here they do: they take the count up to the limit, never past it).
+    let mut fallback_admitted = 0;
+    for _ in 0..200 {
+        let d = client.allow("user:f", "ten", 1).await.unwrap();
+        if d.origin == Origin::Agent(Source::Fallback) {
+            if !d.allowed {
+                break;
+            }
+            fallback_admitted += 1;
+        }
+    }
+    assert_eq!(fallback_admitted, 10, "the fallback's share");
+    floodgate_tests::resume_process(pid);
+    let admin = agent.admin_addr().await;
+    let written = eventually(
+        "the breaker closes and the write-back is done",
+        Duration::from_secs(10),
+        || async move {
+            let (_, body) = http_get(admin, "/v1/status").await;
+            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+            let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
+            done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
+                .flatten()
+                .filter(|w| *w > 0)
+        },
+    )
+    .await;
+    let mut conn = redis.conn();
+    let (count, _) = floodgate_tests::window_count(&mut conn, "ten", "user:f", 3_600_000);
+    assert!(
+        count > 10,
+        "Redis holds the 6, what the timed-out checks took (up to the limit) and the {written} written back: {count}"
+    );
+    let (_, text) = http_get(admin, "/metrics").await;
+    let over = value(
+        &text,
+        "floodgate_over_admitted_total",
+        &["rule=\"ten\"", "source=\"fallback\""],
+    );
+    assert_eq!(over, Some((count - 10) as f64), "{text}");
+    assert!(count - 10 <= written, "only written-back units can be over");
+    let flushed = value(
+        &text,
+        "floodgate_over_admitted_total",
+        &["rule=\"ten\"", "source=\"flush\""],
+    );
+    assert_eq!(flushed, Some(0.0), "a sync rule has no flushes");
 }

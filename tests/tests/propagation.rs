@@ -281,3 +281,61 @@ async fn log_mode_reports_what_it_would_have_rejected() {
         "{text}"
     );
 }
+
+/// A rule in log mode never rejects; each would-be rejection is a stream event tagged `mode=log` and
+/// the version of the rule that made it, so an operator can tell which limit the dry run tried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn log_mode_would_be_rejections_are_events_with_the_rule_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    let redis = RedisServer::start();
+    let a = follower(&redis, &s).start().await;
+    let client = patient_client(a.socket()).await;
+    let mut conn = redis.conn();
+    type Entry = (String, Vec<(String, String)>);
+    let mut seen = 0;
+    for (limit, key) in [(1, "user:l1"), (2, "user:l2")] {
+        let v = put(
+            &s,
+            "watch",
+            &format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60,"mode":"log"}}"#),
+        )
+        .await;
+        wait_version(&a, v).await;
+        for i in 0..4 {
+            let d = client.allow(key, "watch", 1).await.unwrap();
+            assert!(d.allowed, "log mode never rejects (limit {limit}, check {i})");
+        }
+        // Four checks of one key against a limit of `limit`: 4 − limit would-be rejections.
+        let expect = seen + 4 - limit;
+        let entries = eventually("the would-be rejections", Duration::from_secs(10), || {
+            let r: Vec<Entry> = redis::cmd("XRANGE")
+                .arg("floodgate:rejections")
+                .arg("-")
+                .arg("+")
+                .query(&mut conn)
+                .unwrap_or_default();
+            async move { (r.len() >= expect).then_some(r) }
+        })
+        .await;
+        assert_eq!(entries.len(), expect);
+        for (_, fields) in &entries[seen..] {
+            let field = |k: &str| {
+                fields
+                    .iter()
+                    .find(|(name, _)| name == k)
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default()
+            };
+            assert_eq!(field("mode"), "log");
+            assert_eq!(field("ruleId"), "watch");
+            assert_eq!(field("key"), key);
+            assert_eq!(field("version"), v.to_string(), "the version that made it");
+        }
+        seen = expect;
+    }
+}

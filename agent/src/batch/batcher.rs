@@ -453,7 +453,7 @@ impl Batcher {
                     // the previous window's weight is not counted).
                     if let Some(l) = learned.get(i) {
                         let over = l.cur.saturating_sub(e.rule.limit.get()).min(e.units);
-                        crate::metrics::over_admitted(&e.rule.id, over);
+                        crate::metrics::over_admitted(&e.rule.id, crate::metrics::OverSource::Flush, over);
                     }
                 }
                 // A learn that failed teaches nothing: the counts stay as stale as they are.

@@ -102,6 +102,8 @@ pub struct Adjusted {
     /// Units of calls that timed out: they may or may not have been applied, and are not retried
     /// (counting them twice would be worse).
     pub unknown: u64,
+    /// Units that landed past their rule's limit (adds only; also counted in the metrics).
+    pub over: u64,
     /// The last error.
     pub error: Option<StoreError>,
 }
@@ -298,7 +300,21 @@ impl RedisStore {
                 }
                 let units: u64 = chunk.iter().map(|e| e.units).sum();
                 match self.invoke(&inv, route.shard, chunk.len(), timeout).await {
-                    Ok(_) => done.units += units,
+                    Ok(reply) => {
+                        done.units += units;
+                        // Each add answers how many of its units landed past the limit.
+                        for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
+                            let over = u64::try_from(r[4]).unwrap_or(0).min(e.units);
+                            if over > 0 && matches!(how, Adjust::Add) {
+                                done.over += over;
+                                crate::metrics::over_admitted(
+                                    &e.rule.id,
+                                    crate::metrics::OverSource::Fallback,
+                                    over,
+                                );
+                            }
+                        }
+                    }
                     Err(e) => {
                         if matches!(e, StoreError::Timeout(_)) {
                             done.unknown += units;
