@@ -20,10 +20,11 @@
 --          mode 3 take back: remove the cost from the target window (a check consumed it here but
 --            was rejected on another shard); a token bucket gets the tokens back.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
---          (modes 2 and 3: 1, limit, units applied, now, over: for an add, how many of its units
---          landed past the limit — the client's count in the target window above the limit (sliding
---          window; the previous window's weight not counted) or the bucket's debt (token bucket) —
---          which is the over-admission of what agents admitted locally; 0 for a take-back)
+--          (modes 2 and 3: 1, limit, units applied, now, over: for a sliding window's add, how many of
+--          its units landed past the limit in the client's count of the target window (the previous
+--          window's weight not counted): the over-admission of what agents admitted locally; 0 for a
+--          take-back and for a token bucket, whose debt after a write-back overstates it, the bucket
+--          having refilled meanwhile)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
@@ -55,10 +56,9 @@ for i = 1, #KEYS do
       applied, count = sliding_window_adjust(KEYS[i], field, now, window, units, target)
       if mode == '2' then over = math.min(applied, count - limit) end
     elseif mode == '2' then
-      local _, commit, after = token_bucket(KEYS[i], now, limit, window, burst, cost)
+      local _, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
       commit()
       applied = cost
-      over = math.min(cost, math.floor(-after))
     else
       token_bucket_give_back(KEYS[i], now, limit, window, burst, cost)
       applied = -cost

@@ -5,8 +5,8 @@
 -- bucket would be full again, which is the same as having no key, so nothing needs a clean-up job.
 --
 -- token_bucket(key, now, limit, window, burst, cost) returns the verdict
--- (allowed, limit = burst, remaining, reset_at_ms, retry_after_ms), the write that would take the
--- cost, and the tokens left after it (below zero: a debt). check.lua calls it for every item first and commits only if every enforced item passes (or,
+-- (allowed, limit = burst, remaining, reset_at_ms, retry_after_ms) and the write that would take the
+-- cost. check.lua calls it for every item first and commits only if every enforced item passes (or,
 -- for a write-back, unconditionally: the bucket may then go below zero, a debt that refills first).
 --
 -- The maths is mirrored line for line by agent/src/algo/token_bucket.rs (the embedded store).
@@ -34,7 +34,7 @@ local function token_bucket(key, now, limit, window, burst, cost)
     redis.call('PEXPIREAT', key, after_reset + 1)
   end
   if tokens >= cost then
-    return { 1, burst, math.floor(after), after_reset, 0 }, commit, after
+    return { 1, burst, math.floor(after), after_reset, 0 }, commit
   end
 
   local retry
@@ -46,7 +46,7 @@ local function token_bucket(key, now, limit, window, burst, cost)
   if retry < 1 then retry = 1 end
   local reset = now + math.ceil((burst - tokens) / rate)
   if tokens < 0 then tokens = 0 end
-  return { 0, burst, math.floor(tokens), reset, retry }, commit, after
+  return { 0, burst, math.floor(tokens), reset, retry }, commit
 end
 
 -- Gives `units` back (a check that consumed them was rejected on another shard): the bucket never

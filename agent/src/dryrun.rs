@@ -1,5 +1,6 @@
 //! Log mode's dry run: what a rule in log mode would have rejected, counted per rule version and
-//! client key (bounded), logged as events (at most 10 a second per rule), and reported to the rules
+//! client key (bounded), logged (at most 10 a second per rule), streamed as events (a key's first
+//! would-be rejection since the last report; see [`DryRun::record`]), and reported to the rules
 //! service, which adds up every agent's reports (`GET /v1/rules/{id}/dry-run`).
 
 use std::collections::HashMap;
@@ -41,13 +42,15 @@ pub struct DryRun {
 }
 
 impl DryRun {
-    /// Counts one would-be rejection of (rule, version) for `key` at `now_ms`.
-    pub fn record(&self, rule: &str, version: u64, key: &str, now_ms: u64) {
+    /// Counts one would-be rejection of (rule, version) for `key` at `now_ms`. Returns whether it is
+    /// worth an event: the key's first since the last report (or, past the tracked keys, one of the
+    /// rule's 10 logged a second), so a busy key in a tight dry run cannot flood the stream.
+    pub fn record(&self, rule: &str, version: u64, key: &str, now_ms: u64) -> bool {
         let mut rules = self.rules.lock().unwrap_or_else(|p| p.into_inner());
         let p = rules.entry(rule.to_string()).or_default();
         if version < p.version {
             // A check still in flight under the rule's older version.
-            return;
+            return false;
         }
         if p.version != version {
             *p = Pending {
@@ -57,22 +60,28 @@ impl DryRun {
         }
         p.count += 1;
         let len = p.keys.len();
-        match p.keys.get_mut(key) {
-            Some(n) => *n += 1,
+        let first = match p.keys.get_mut(key) {
+            Some(n) => {
+                *n += 1;
+                false
+            }
             None if len < KEYS_CAP => {
                 p.keys.insert(key.to_string(), 1);
+                true
             }
-            None => {}
-        }
+            None => false,
+        };
         let second = now_ms / 1_000;
         if p.logged_second != second {
             p.logged_second = second;
             p.logged = 0;
         }
-        if p.logged < 10 {
+        let logged = p.logged < 10;
+        if logged {
             p.logged += 1;
             tracing::info!(target: "floodgate::dry_run", rule, version, key, "log mode: would reject");
         }
+        first || (logged && len >= KEYS_CAP)
     }
 
     /// Puts back a report that could not be sent, to go with the next one (dropped if the rule has
@@ -190,6 +199,27 @@ impl DryRunTotals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_key_is_news_once_per_report() {
+        let d = DryRun::default();
+        assert!(d.record("r", 1, "user:1", 0), "the key's first");
+        assert!(!d.record("r", 1, "user:1", 0), "a repeat");
+        assert!(d.record("r", 1, "user:2", 0), "another key");
+        assert!(d.record("r", 2, "user:1", 0), "a new version starts over");
+        assert!(!d.record("r", 1, "user:3", 0), "an older version counts nothing");
+        drop(d.take());
+        assert!(d.record("r", 2, "user:1", 0), "news again after a report");
+        // Past the tracked keys: at most the rule's 10 logged a second.
+        let d = DryRun::default();
+        for i in 0..KEYS_CAP {
+            d.record("r", 1, &format!("k{i}"), 0);
+        }
+        let news = (0..100)
+            .filter(|i| d.record("r", 1, &format!("x{i}"), 1_000))
+            .count();
+        assert_eq!(news, 10);
+    }
 
     #[test]
     fn counts_per_version_and_adds_up_across_agents() {

@@ -292,10 +292,11 @@ impl Engine {
             if it.verdict.source == Source::Cache {
                 continue;
             }
-            if !rule.enforced() {
-                self.dry_run.record(&rule.id, rule.version, key, now);
-            }
-            if let Some(events) = &self.events {
+            // A log-mode rule's would-be rejection is an event when the dry run says it is news
+            // (the key's first since its last report), as an enforced key's repeats are kept off
+            // the stream by the rejection cache.
+            let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
+            if let (Some(events), true) = (&self.events, news) {
                 events.emit(crate::events::Event {
                     key: key.clone(),
                     rule: rule.id.clone(),

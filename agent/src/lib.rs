@@ -356,7 +356,7 @@ async fn write_back(guard: &Guard, redis: &RedisStore) {
         ),
         Some(e) => {
             // A timed-out call may have been applied: it is dropped rather than risk counting twice.
-            tracing::warn!(error = %e, keys, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
+            tracing::warn!(error = %e, keys, units = done.units, over_limit = done.over, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
             guard.fallback.restore(done.retry);
         }
     }
@@ -436,7 +436,21 @@ impl RulesSource {
         shutdown: watch::Receiver<bool>,
     ) -> anyhow::Result<()> {
         match self {
-            RulesSource::File(_) => {}
+            RulesSource::File(_) => {
+                // No service to report the dry run to: its tally starts over every 5 s, as a
+                // reported one does, so each key's next would-be rejection is news (an event) again.
+                let (engine, mut stop) = (engine.clone(), shutdown);
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs(5));
+                    loop {
+                        tokio::select! {
+                            _ = tick.tick() => {}
+                            _ = server::stopped(&mut stop) => break,
+                        }
+                        drop(engine.dry_run().take());
+                    }
+                });
+            }
             RulesSource::Service(f) => {
                 tracing::info!(url = %f.url, poll_ms = f.poll.as_millis() as u64, watch_s = f.watch.as_secs(), "following the rules service");
                 tokio::spawn(rules::follow::follow(engine.clone(), f.clone(), shutdown.clone()));

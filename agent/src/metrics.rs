@@ -39,7 +39,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
-    ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums exactly across agents; a lower bound, the previous window's weight not counted)"),
+    ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
 ];
 
 /// Installs the recorder (once per process) and turns recording on; returns the handle that renders.

@@ -355,13 +355,13 @@ impl Config {
             Some(f) => f(p),
             None => {
                 let ip = client_ip(p, &self.trusted);
-                if ip.is_none() {
-                    // Without it, rules on the IP dimension cannot apply: say so, rarely.
-                    warn_rarely(
-                        &NO_PEER,
+                // Without it, rules on the IP dimension cannot apply: say so once per process (a
+                // service on a Unix socket, with no IP rules, need not hear it every minute).
+                if ip.is_none() && !NO_PEER.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                    tracing::warn!(
                         "floodgate: no peer address on the request, so IP rules do not apply; serve \
-                         with into_make_service_with_connect_info::<SocketAddr>() or insert a PeerAddr",
-                        &"missing ConnectInfo",
+                         with into_make_service_with_connect_info::<SocketAddr>() or insert a PeerAddr \
+                         (said once)"
                     );
                 }
                 ip.map(|ip| ip.to_string())
@@ -394,8 +394,8 @@ pub fn wire_safe(value: String) -> String {
     format!("h:{hash:016x}")
 }
 
-/// Logs at most one warning a minute (a bad request per request must not flood the log).
-/// Logs at most once a minute per `last` (one per kind of warning).
+/// Logs at most one warning a minute per `last`, one per kind of warning (a bad request per request
+/// must not flood the log).
 fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn std::fmt::Display) {
     let now = now_ms() / 60_000;
     if last.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
@@ -404,7 +404,7 @@ fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn s
 }
 
 static CHECK_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-static NO_PEER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+static NO_PEER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The headers for a decision (none when no enforced rule applied).
 pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderName, HeaderValue)> {

@@ -252,8 +252,10 @@ async fn over_admission_is_learned_from_the_fallback_write_back() {
     floodgate_tests::pause_process(pid);
     // Checks time out until the breaker opens, and then the breaker's fallback answers: it admits its
     // own share (10 / 1 agent), knowing nothing of the 6, and rejects past it. The checks that timed
-    // out are answered by the fallback too but not written back (their scripts may run when Redis
-    // wakes, and here they do: they take the count up to the limit, never past it).
+    // out are answered by the fallback too but not written back: their scripts are queued on the
+    // agent's connection and run when Redis wakes, before the write-back sent on the same connection
+    // after the breaker closes, and take the count up to the limit, never past it. So the count
+    // ends above 10 by exactly what the write-back's adds report.
     let mut fallback_admitted = 0;
     for _ in 0..200 {
         let d = client.allow("user:f", "ten", 1).await.unwrap();

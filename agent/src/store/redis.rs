@@ -305,7 +305,8 @@ impl RedisStore {
                         // Each add answers how many of its units landed past the limit.
                         for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
                             let over = u64::try_from(r[4]).unwrap_or(0).min(e.units);
-                            if over > 0 && matches!(how, Adjust::Add) {
+                            // A rule in log mode admits everything by design: not over-admission.
+                            if over > 0 && matches!(how, Adjust::Add) && e.rule.enforced() {
                                 done.over += over;
                                 crate::metrics::over_admitted(
                                     &e.rule.id,
