@@ -303,3 +303,89 @@ async fn over_admission_is_learned_from_the_fallback_write_back() {
     );
     assert_eq!(flushed, Some(0.0), "a sync rule has no flushes");
 }
+
+/// Two agents' write-backs after one outage: each reports only its own units past the limit, so
+/// the sum over agents is exactly what Redis ends with above it, although the first write lands
+/// partly under the limit and partly over (the cap at the write's own units is what keeps the two
+/// from counting the same units).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_over_admission_sums_exactly_across_agents() {
+    // Limit 40, pinned N = 2: each fallback's share is 20. 30 are counted in Redis first, so the
+    // checks that time out while Redis is stopped (a handful per agent, answered by the fallback but
+    // not written back) can take Redis only up to 40 when it wakes, and each agent still records
+    // most of its 20: the count ends well above 40, reached by two writes.
+    const FORTY: &str = r#"{"rules":[{"id":"forty","dimension":"user","limit":40,"windowSeconds":3600}]}"#;
+    let redis = RedisServer::start();
+    let mut agents = Vec::new();
+    for _ in 0..2 {
+        agents.push(
+            Agent::builder()
+                .redis(&redis.url())
+                .rules(FORTY)
+                .arg("--redis-timeout-ms")
+                .arg("20")
+                .arg("--breaker-cooldown-ms")
+                .arg("200")
+                .arg("--agents")
+                .arg("2")
+                .start()
+                .await,
+        );
+    }
+    let mut clients = Vec::new();
+    for a in &agents {
+        clients.push(patient_client(a.socket()).await);
+    }
+    for _ in 0..30 {
+        let d = clients[0].allow("user:g", "forty", 1).await.unwrap();
+        assert!(d.allowed);
+        assert_eq!(d.origin, Origin::Agent(Source::Redis));
+    }
+    let pid = redis.pid().unwrap();
+    floodgate_tests::pause_process(pid);
+    for client in &clients {
+        let mut admitted = 0;
+        for _ in 0..200 {
+            let d = client.allow("user:g", "forty", 1).await.unwrap();
+            if d.origin == Origin::Agent(Source::Fallback) {
+                if !d.allowed {
+                    break;
+                }
+                admitted += 1;
+            }
+        }
+        assert_eq!(admitted, 20, "each fallback's share (40 / 2 agents)");
+    }
+    floodgate_tests::resume_process(pid);
+    let mut written = 0;
+    for a in &agents {
+        let admin = a.admin_addr().await;
+        written += eventually(
+            "the breaker closes and the write-back is done",
+            Duration::from_secs(10),
+            || async move {
+                let (_, body) = http_get(admin, "/v1/status").await;
+                let s: serde_json::Value = serde_json::from_str(&body).ok()?;
+                let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
+                done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
+                    .flatten()
+                    .filter(|w| *w > 0)
+            },
+        )
+        .await;
+    }
+    let mut conn = redis.conn();
+    let (count, _) = floodgate_tests::window_count(&mut conn, "forty", "user:g", 3_600_000);
+    assert!(count > 40, "{count} (written back: {written})");
+    let mut over = 0.0;
+    for a in &agents {
+        let (_, text) = http_get(a.admin_addr().await, "/metrics").await;
+        over += value(
+            &text,
+            "floodgate_over_admitted_total",
+            &["rule=\"forty\"", "source=\"fallback\""],
+        )
+        .unwrap();
+    }
+    assert_eq!(over, (count - 40) as f64, "count {count}, written back {written}");
+}
