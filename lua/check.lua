@@ -20,11 +20,10 @@
 --          mode 3 take back: remove the cost from the target window (a check consumed it here but
 --            was rejected on another shard); a token bucket gets the tokens back.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
---          (modes 2 and 3: 1, limit, units applied, now, over: for a sliding window's add, how many of
---          its units landed past the limit in the client's count of the target window (the previous
---          window's weight not counted): the over-admission of what agents admitted locally; 0 for a
---          take-back and for a token bucket, whose debt after a write-back overstates it, the bucket
---          having refilled meanwhile)
+--          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
+--          client's count in the target window afterwards, as flush.lua answers, from which the agent
+--          learns what landed past the limit; 0 for a take-back and for a token bucket, whose debt
+--          after a write-back would overstate it, the bucket having refilled meanwhile)
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
@@ -50,11 +49,10 @@ for i = 1, #KEYS do
     local target = tonumber(ARGV[a + 7])
     local units = cost
     if mode == '3' then units = -cost end
-    local applied, over = 0, 0
+    local applied, count = 0, 0
     if algorithm == '1' then
-      local count
       applied, count = sliding_window_adjust(KEYS[i], field, now, window, units, target)
-      if mode == '2' then over = math.min(applied, count - limit) end
+      if mode == '3' then count = 0 end
     elseif mode == '2' then
       local _, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
       commit()
@@ -63,8 +61,7 @@ for i = 1, #KEYS do
       token_bucket_give_back(KEYS[i], now, limit, window, burst, cost)
       applied = -cost
     end
-    if over < 0 then over = 0 end
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, over
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, count
   elseif algorithm == '1' then
     local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry

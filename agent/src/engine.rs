@@ -274,10 +274,11 @@ impl Engine {
         }
     }
 
-    /// Counts the log-mode items a decision would have rejected, and emits an event for each of them
-    /// (`mode` `log`) and for each enforced item the limiter rejected. Repeats answered from the rejection cache make no event:
-    /// the key's first rejection already said it is blocked until its reset, and a hot abusive key
-    /// must not flood the stream (and Redis) the cache keeps it away from; they are counted in
+    /// Counts the log-mode items a decision would have rejected, and emits an event for each enforced
+    /// item the limiter rejected and for each would-be rejection the dry run calls news (`mode`
+    /// `log`). Repeats answered from the rejection cache make no event: the key's first rejection
+    /// already said it is blocked until its reset, and a hot abusive key must not flood the stream
+    /// (and Redis) the cache keeps it away from; they are counted in
     /// `floodgate_checks_total{source="cache"}`.
     fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
         if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {

@@ -156,16 +156,14 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
     };
     if let Store::Memory(m) = &store {
         let m = m.clone();
-        let mut stop = shutdown.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(5));
-            loop {
-                tokio::select! {
-                    _ = tick.tick() => { m.sweep(); }
-                    _ = server::stopped(&mut stop) => break,
-                }
-            }
-        });
+        tokio::spawn(server::every(
+            Duration::from_secs(5),
+            shutdown.clone(),
+            move || {
+                m.sweep();
+                std::future::ready(())
+            },
+        ));
     }
     if let Admin::At(addr) = config.admin {
         let listener = tokio::net::TcpListener::bind(addr)
@@ -439,30 +437,20 @@ impl RulesSource {
             RulesSource::File(_) => {
                 // No service to report the dry run to: its tally starts over every 5 s, as a
                 // reported one does, so each key's next would-be rejection is news (an event) again.
-                let (engine, mut stop) = (engine.clone(), shutdown);
-                tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(Duration::from_secs(5));
-                    loop {
-                        tokio::select! {
-                            _ = tick.tick() => {}
-                            _ = server::stopped(&mut stop) => break,
-                        }
-                        drop(engine.dry_run().take());
-                    }
-                });
+                let engine = engine.clone();
+                tokio::spawn(server::every(Duration::from_secs(5), shutdown, move || {
+                    drop(engine.dry_run().take());
+                    std::future::ready(())
+                }));
             }
             RulesSource::Service(f) => {
                 tracing::info!(url = %f.url, poll_ms = f.poll.as_millis() as u64, watch_s = f.watch.as_secs(), "following the rules service");
                 tokio::spawn(rules::follow::follow(engine.clone(), f.clone(), shutdown.clone()));
                 // Log mode's would-be rejections go to the service every 5 s.
-                let (engine, f, mut stop) = (engine.clone(), f.clone(), shutdown);
-                tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(Duration::from_secs(5));
-                    loop {
-                        tokio::select! {
-                            _ = tick.tick() => {}
-                            _ = server::stopped(&mut stop) => break,
-                        }
+                let (engine, f) = (engine.clone(), f.clone());
+                tokio::spawn(server::every(Duration::from_secs(5), shutdown, move || {
+                    let (engine, f) = (engine.clone(), f.clone());
+                    async move {
                         for (rule, tally) in engine.dry_run().take() {
                             let body = serde_json::to_vec(&tally).unwrap_or_default();
                             let path = format!("/v1/rules/{rule}/dry-run");
@@ -495,7 +483,7 @@ impl RulesSource {
                             }
                         }
                     }
-                });
+                }));
             }
             RulesSource::Embedded(state) => {
                 if let Admin::At(addr) = config.rules_listen {
@@ -522,19 +510,17 @@ impl RulesSource {
                     });
                 }
                 // Log mode's would-be rejections go to the embedded service every second.
-                let (e, s, mut stop) = (engine.clone(), state.clone(), shutdown.clone());
-                tokio::spawn(async move {
-                    let mut tick = tokio::time::interval(Duration::from_secs(1));
-                    loop {
-                        tokio::select! {
-                            _ = tick.tick() => {}
-                            _ = server::stopped(&mut stop) => break,
-                        }
+                let (e, s) = (engine.clone(), state.clone());
+                tokio::spawn(server::every(
+                    Duration::from_secs(1),
+                    shutdown.clone(),
+                    move || {
                         for (rule, tally) in e.dry_run().take() {
                             s.dry_run.add(&rule, tally, store::Clock::System.now_ms());
                         }
-                    }
-                });
+                        std::future::ready(())
+                    },
+                ));
                 // Follow the embedded store: every write announces its version.
                 let (engine, state) = (engine.clone(), state.clone());
                 let mut changes = state.subscribe();

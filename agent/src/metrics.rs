@@ -18,6 +18,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 use crate::engine::Engine;
 use crate::guard::BreakerState;
+use crate::rules::Rule;
 
 static ON: AtomicBool = AtomicBool::new(false);
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -79,14 +80,12 @@ pub fn on() -> bool {
 }
 
 /// Keeps the exporter's histograms drained (their samples pile up between renders otherwise).
-pub async fn upkeep(handle: PrometheusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
-    loop {
-        tokio::select! {
-            _ = tick.tick() => handle.run_upkeep(),
-            _ = crate::server::stopped(&mut stop) => break,
-        }
-    }
+pub async fn upkeep(handle: PrometheusHandle, stop: tokio::sync::watch::Receiver<bool>) {
+    crate::server::every(Duration::from_secs(5), stop, || {
+        handle.run_upkeep();
+        std::future::ready(())
+    })
+    .await;
 }
 
 fn source(s: Source) -> &'static str {
@@ -198,12 +197,21 @@ impl OverSource {
     }
 }
 
-/// Units a flush or a write-back learned were admitted over `rule`'s limit.
-pub fn over_admitted(rule: &str, source: OverSource, units: u64) {
-    if on() && units > 0 {
-        counter!("floodgate_over_admitted_total", "rule" => rule.to_string(), "source" => source.label())
-            .increment(units);
+/// What a write of `units` locally admitted units that left the client's window count at `count`
+/// teaches: the write's own units past `rule`'s limit (one window alone never passes it through
+/// checks, so only such writes do; Redis applies writes one at a time, so these add up across
+/// agents without counting a unit twice, and the previous window's weight is not counted). Counted
+/// and returned; none for a rule in log mode, which admits everything by design.
+pub fn over_admitted(rule: &Rule, source: OverSource, count: u64, units: u64) -> u64 {
+    if !rule.enforced() {
+        return 0;
     }
+    let over = count.saturating_sub(rule.limit.get()).min(units);
+    if on() && over > 0 {
+        counter!("floodgate_over_admitted_total", "rule" => rule.id.clone(), "source" => source.label())
+            .increment(over);
+    }
+    over
 }
 
 /// Rejection events written and dropped.

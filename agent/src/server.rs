@@ -161,6 +161,22 @@ pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
     let _ = shutdown.wait_for(|s| *s).await.map(|_| ());
 }
 
+/// Runs `f` every `period` (the first time at once) until `shutdown`: the agent's periodic chores.
+pub async fn every<F, Fut>(period: std::time::Duration, mut shutdown: watch::Receiver<bool>, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(period);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stopped(&mut shutdown) => break,
+        }
+        f().await;
+    }
+}
+
 type Pending = FuturesUnordered<
     std::pin::Pin<
         Box<dyn std::future::Future<Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>)> + Send>,

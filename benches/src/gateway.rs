@@ -206,38 +206,31 @@ async fn drive_here(
     Ok((hist, n as f64 / measure.as_secs_f64()))
 }
 
-/// The same checks the Layer makes (endpoint, user and IP attributes), from `clients` tasks on the
-/// same SDK client, without HTTP.
-async fn drive_sdk(
-    client: &floodgate_sdk::Client,
+/// `clients` tasks each making requests back to back for a quarter of `measure` (warm-up, not
+/// recorded) and then `measure`: `request(user)` makes one for that user and returns how long it
+/// took (its own setup not counted); client c starts at user c × 7919, one more each time.
+async fn closed_clients<F, Fut>(
     clients: usize,
     measure: Duration,
-) -> anyhow::Result<Histogram<u64>> {
+    request: F,
+) -> anyhow::Result<Histogram<u64>>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Duration>> + Send,
+{
     let mut tasks = Vec::new();
     let warmup = measure / 4;
     for c in 0..clients {
-        let client = client.clone();
+        let request = request.clone();
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
             let start = Instant::now();
             let mut user = c * 7919;
             while start.elapsed() < warmup + measure {
-                let attributes = floodgate_sdk::Attributes {
-                    endpoint: Some("/api/hello".into()),
-                    user: Some(format!("u{}", user % 10_000)),
-                    ip: Some("127.0.0.1".into()),
-                    cost: 1,
-                    ..Default::default()
-                };
-                let t = Instant::now();
-                let d = client.check_request(attributes).await?;
-                anyhow::ensure!(
-                    d.allowed && matches!(d.origin, floodgate_sdk::Origin::Agent(_)),
-                    "unexpected decision {d:?}"
-                );
+                let took = request(user % 10_000).await?;
                 user += 1;
                 if start.elapsed() >= warmup {
-                    hist.saturating_record(t.elapsed().as_nanos() as u64);
+                    hist.saturating_record(took.as_nanos() as u64);
                 }
             }
             anyhow::Ok(hist)
@@ -250,42 +243,59 @@ async fn drive_sdk(
     Ok(hist)
 }
 
+/// The same checks the Layer makes (endpoint, user and IP attributes), from `clients` tasks on the
+/// same SDK client, without HTTP.
+async fn drive_sdk(
+    client: &floodgate_sdk::Client,
+    clients: usize,
+    measure: Duration,
+) -> anyhow::Result<Histogram<u64>> {
+    let client = client.clone();
+    closed_clients(clients, measure, move |user| {
+        let client = client.clone();
+        async move {
+            let attributes = floodgate_sdk::Attributes {
+                endpoint: Some("/api/hello".into()),
+                user: Some(format!("u{user}")),
+                ip: Some("127.0.0.1".into()),
+                cost: 1,
+                ..Default::default()
+            };
+            let t = Instant::now();
+            let d = client.check_request(attributes).await?;
+            let took = t.elapsed();
+            anyhow::ensure!(
+                d.allowed && matches!(d.origin, floodgate_sdk::Origin::Agent(_)),
+                "unexpected decision {d:?}"
+            );
+            Ok(took)
+        }
+    })
+    .await
+}
+
 /// The layered router called in-process from `clients` tasks (no HTTP, no peer address: the
 /// user rule applies), each response checked for the limiter's headers.
 async fn drive_inproc(app: Router, clients: usize, measure: Duration) -> anyhow::Result<Histogram<u64>> {
     use tower::ServiceExt;
-    let mut tasks = Vec::new();
-    let warmup = measure / 4;
-    for c in 0..clients {
+    closed_clients(clients, measure, move |user| {
         let app = app.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-            let start = Instant::now();
-            let mut user = c * 7919;
-            while start.elapsed() < warmup + measure {
-                let req = axum::http::Request::builder()
-                    .uri("/api/hello")
-                    .header("x-user-id", format!("u{}", user % 10_000))
-                    .body(axum::body::Body::empty())?;
-                let t = Instant::now();
-                let response = app.clone().oneshot(req).await?;
-                anyhow::ensure!(
-                    response.status() == 200 && response.headers().contains_key("x-ratelimit-limit"),
-                    "unexpected response {response:?}"
-                );
-                user += 1;
-                if start.elapsed() >= warmup {
-                    hist.saturating_record(t.elapsed().as_nanos() as u64);
-                }
-            }
-            anyhow::Ok(hist)
-        }));
-    }
-    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    for t in tasks {
-        hist.add(&t.await??)?;
-    }
-    Ok(hist)
+        async move {
+            let req = axum::http::Request::builder()
+                .uri("/api/hello")
+                .header("x-user-id", format!("u{user}"))
+                .body(axum::body::Body::empty())?;
+            let t = Instant::now();
+            let response = app.oneshot(req).await?;
+            let took = t.elapsed();
+            anyhow::ensure!(
+                response.status() == 200 && response.headers().contains_key("x-ratelimit-limit"),
+                "unexpected response {response:?}"
+            );
+            Ok(took)
+        }
+    })
+    .await
 }
 
 /// The middleware's added latency: bare vs layered, alternating, `runs` times.

@@ -38,6 +38,28 @@ pub use rules::{PgDatabase, RulesServer};
 pub use wait::eventually;
 pub use wire::RawConn;
 
+/// The agent's rejection events so far (`XRANGE floodgate:rejections - +`), each as its fields
+/// (`key`, `ruleId`, `ts`, `agent`, `version`, `mode`); none while the stream does not exist.
+pub fn rejection_events(conn: &mut ::redis::Connection) -> Vec<std::collections::HashMap<String, String>> {
+    let entries: Vec<(String, Vec<(String, String)>)> = ::redis::cmd("XRANGE")
+        .arg("floodgate:rejections")
+        .arg("-")
+        .arg("+")
+        .query(conn)
+        .unwrap_or_default();
+    entries
+        .into_iter()
+        .map(|(_, fields)| fields.into_iter().collect())
+        .collect()
+}
+
+/// The agent's `/v1/status`.
+pub async fn agent_status(agent: &Agent) -> serde_json::Value {
+    let (code, body) = http_get(agent.admin_addr().await, "/v1/status").await;
+    assert_eq!(code, 200, "{body}");
+    serde_json::from_str(&body).expect("status is JSON")
+}
+
 /// An SDK client with 2 s call and connect timeouts: for tests that check figures, not latency, where
 /// a fail-policy answer on a loaded machine would spoil the count.
 pub async fn patient_client(socket: &std::path::Path) -> floodgate_sdk::Client {

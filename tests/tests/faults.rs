@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use floodgate_sdk::{Client, ClientConfig, Origin, Source};
 use floodgate_tests::{
-    eventually, http_get, pause_process, resume_process, window_count, Agent, Proxy, RedisServer,
+    agent_status, eventually, pause_process, resume_process, window_count, Agent, Proxy, RedisServer,
 };
 
 /// One sliding-window rule for the load (fail open) and one fail-closed login rule.
@@ -96,19 +96,13 @@ impl Load {
     }
 }
 
-async fn status(agent: &Agent) -> serde_json::Value {
-    let (code, body) = http_get(agent.admin_addr().await, "/v1/status").await;
-    assert_eq!(code, 200, "{body}");
-    serde_json::from_str(&body).expect("status is JSON")
-}
-
 async fn wait_live_agents(agent: &Agent, n: u64) {
     wait_live_agents_within(agent, n, Duration::from_secs(10)).await;
 }
 
 async fn wait_live_agents_within(agent: &Agent, n: u64, patience: Duration) {
     eventually(&format!("the agent counts {n} live agents"), patience, || async {
-        (status(agent).await["liveAgents"] == n).then_some(())
+        (agent_status(agent).await["liveAgents"] == n).then_some(())
     })
     .await;
 }
@@ -220,7 +214,7 @@ async fn redis_killed_under_load_falls_back_to_limit_over_n_and_recovers() {
     );
     for agent in [&a, &b] {
         eventually("the breaker closes", Duration::from_secs(10), || async {
-            (status(agent).await["breakers"][0]["state"] == "closed").then_some(())
+            (agent_status(agent).await["breakers"][0]["state"] == "closed").then_some(())
         })
         .await;
     }
@@ -229,7 +223,9 @@ async fn redis_killed_under_load_falls_back_to_limit_over_n_and_recovers() {
     eventually(
         "agent a wrote back its fallback admissions",
         Duration::from_secs(10),
-        || async { (status(&a).await["fallback"]["writtenBackUnits"].as_u64() > Some(0)).then_some(()) },
+        || async {
+            (agent_status(&a).await["fallback"]["writtenBackUnits"].as_u64() > Some(0)).then_some(())
+        },
     )
     .await;
     no_panics(&[&a, &b]);
@@ -248,7 +244,7 @@ async fn a_paused_redis_is_slow_not_dead_and_calls_stay_bounded() {
     eventually(
         "the breaker opens on timeouts",
         Duration::from_secs(5),
-        || async { (status(&a).await["breakers"][0]["state"] != "closed").then_some(()) },
+        || async { (agent_status(&a).await["breakers"][0]["state"] != "closed").then_some(()) },
     )
     .await;
     tokio::time::sleep(Duration::from_millis(500)).await; // traffic while Redis is stopped
@@ -299,7 +295,7 @@ async fn latency_injected_between_agent_and_redis_opens_the_breaker_and_recovers
         assert_eq!(d.origin, Origin::Agent(Source::Fallback));
         assert!(started.elapsed() < CALL_TIMEOUT + MARGIN);
     }
-    assert_ne!(status(&a).await["breakers"][0]["state"], "closed");
+    assert_ne!(agent_status(&a).await["breakers"][0]["state"], "closed");
 
     proxy.set_delay(Duration::ZERO);
     redis_answers(
@@ -367,7 +363,7 @@ async fn heartbeats_count_live_agents_and_the_last_count_survives_an_outage() {
     // Two missed heartbeats: time has to pass for them to be missed.
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     assert_eq!(
-        status(&a).await["liveAgents"],
+        agent_status(&a).await["liveAgents"],
         2,
         "the last known count stays in force"
     );
@@ -421,7 +417,7 @@ async fn what_the_fallback_admitted_is_written_back_to_redis() {
             async move {
                 // Traffic is not needed to recover (the guard probes), but it does no harm.
                 let _ = client.allow("user:other", "hour", 1).await;
-                let s = status(a).await;
+                let s = agent_status(a).await;
                 let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
                 done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
                     .flatten()

@@ -6,7 +6,9 @@
 use std::time::Duration;
 
 use floodgate_sdk::{Origin, Source};
-use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer};
+use floodgate_tests::{
+    agent_status, eventually, http_get, patient_client, rejection_events, Agent, RedisServer,
+};
 use redis::Commands;
 
 const RULES: &str = r#"{"rules":[{"id":"two","dimension":"user","limit":2,"windowSeconds":60}]}"#;
@@ -81,33 +83,17 @@ async fn metrics_count_checks_and_rejections_reach_the_stream() {
     // The rejection Redis decided is in the stream with its fields; the two repeats the rejection
     // cache answered are not (they are in floodgate_checks_total{source="cache"}).
     let mut conn = redis.conn();
-    type Entry = (String, Vec<(String, String)>);
     let entries = eventually("the rejection event", Duration::from_secs(10), || {
-        let r: Vec<Entry> = redis::cmd("XRANGE")
-            .arg("floodgate:rejections")
-            .arg("-")
-            .arg("+")
-            .query(&mut conn)
-            .unwrap_or_default();
+        let r = rejection_events(&mut conn);
         async move { (!r.is_empty()).then_some(r) }
     })
     .await;
-    for (_, fields) in &entries {
-        let field = |k: &str| {
-            fields
-                .iter()
-                .find(|(name, _)| name == k)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default()
-        };
-        assert_eq!(
-            (field("key").as_str(), field("ruleId").as_str()),
-            ("user:m", "two")
-        );
-        assert!(field("ts").parse::<u64>().unwrap() > 1_700_000_000_000);
-        assert!(!field("agent").is_empty());
-        assert_eq!(field("mode"), "enforce");
-        assert!(field("version").parse::<u64>().is_ok());
+    for e in &entries {
+        assert_eq!((e["key"].as_str(), e["ruleId"].as_str()), ("user:m", "two"));
+        assert!(e["ts"].parse::<u64>().unwrap() > 1_700_000_000_000);
+        assert!(!e["agent"].is_empty());
+        assert_eq!(e["mode"], "enforce");
+        assert!(e["version"].parse::<u64>().is_ok());
     }
     let sent = eventually("the sent counter", Duration::from_secs(10), || async {
         let (_, text) = http_get(admin, "/metrics").await;
@@ -222,6 +208,66 @@ async fn over_admission_is_counted_once_across_agents() {
     assert_eq!(total, 1.0);
 }
 
+/// An agent on `redis` whose breaker opens after a few 20 ms timeouts and probes again after
+/// 200 ms, with N pinned to `agents` (the fallback's share of a limit is limit / agents).
+fn fallback_agent(redis: &RedisServer, rules: &str, agents: u64) -> floodgate_tests::AgentBuilder {
+    Agent::builder()
+        .redis(&redis.url())
+        .rules(rules)
+        .arg("--redis-timeout-ms")
+        .arg("20")
+        .arg("--breaker-cooldown-ms")
+        .arg("200")
+        .arg("--agents")
+        .arg(&agents.to_string())
+}
+
+/// Checks `key` while Redis is stopped until the fallback rejects it; returns how many checks the
+/// fallback admitted. Checks time out until the breaker opens, and then the fallback answers; the
+/// ones that timed out are answered by the fallback too (they count in its share) but are not
+/// written back, since their scripts may still run: queued on the agent's connection, they run when
+/// Redis wakes, before the write-back sent on the same connection once the breaker closes, and take
+/// the count up to the limit, never past it.
+async fn fallback_share(client: &floodgate_sdk::Client, key: &str, rule: &str) -> u64 {
+    let mut admitted = 0;
+    for _ in 0..200 {
+        let d = client.allow(key, rule, 1).await.unwrap();
+        if d.origin == Origin::Agent(Source::Fallback) {
+            if !d.allowed {
+                break;
+            }
+            admitted += 1;
+        }
+    }
+    admitted
+}
+
+/// Waits for the agent's breaker to close and its write-back to finish; returns the units it wrote.
+async fn written_back(agent: &Agent) -> u64 {
+    eventually(
+        "the breaker closes and the write-back is done",
+        Duration::from_secs(10),
+        || async {
+            let s = agent_status(agent).await;
+            let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
+            done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
+                .flatten()
+                .filter(|w| *w > 0)
+        },
+    )
+    .await
+}
+
+/// The agent's `floodgate_over_admitted_total` for `rule` and `source`.
+async fn over_admitted(agent: &Agent, rule: &str, source: &str) -> Option<f64> {
+    let (_, text) = http_get(agent.admin_addr().await, "/metrics").await;
+    value(
+        &text,
+        "floodgate_over_admitted_total",
+        &[&format!("rule=\"{rule}\""), &format!("source=\"{source}\"")],
+    )
+}
+
 /// What the fallback admitted while Redis was away reaches Redis with the write-back; the units that
 /// land past the limit are counted as over-admission (`source="fallback"`), and they are exactly
 /// what Redis ends with above the limit: no check can take the count past it, only the write-back.
@@ -230,78 +276,37 @@ async fn over_admission_is_learned_from_the_fallback_write_back() {
     // An hour's window, so the test's few seconds stay in one window (as in faults.rs).
     const TEN: &str = r#"{"rules":[{"id":"ten","dimension":"user","limit":10,"windowSeconds":3600}]}"#;
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .redis(&redis.url())
-        .rules(TEN)
-        .arg("--redis-timeout-ms")
-        .arg("20")
-        .arg("--breaker-cooldown-ms")
-        .arg("200")
-        .arg("--agents")
-        .arg("1")
-        .start()
-        .await;
+    let agent = fallback_agent(&redis, TEN, 1).start().await;
     let client = patient_client(agent.socket()).await;
     for _ in 0..6 {
         let d = client.allow("user:f", "ten", 1).await.unwrap();
         assert!(d.allowed);
         assert_eq!(d.origin, Origin::Agent(Source::Redis));
     }
-    // SIGSTOP, not a kill: Redis keeps the 6 it counted, and answers again on SIGCONT.
+    // SIGSTOP, not a kill: Redis keeps the 6 it counted, and answers again on SIGCONT. The fallback
+    // admits its own share (10 / 1 agent), knowing nothing of the 6.
     let pid = redis.pid().unwrap();
     floodgate_tests::pause_process(pid);
-    // Checks time out until the breaker opens, and then the breaker's fallback answers: it admits its
-    // own share (10 / 1 agent), knowing nothing of the 6, and rejects past it. The checks that timed
-    // out are answered by the fallback too but not written back: their scripts are queued on the
-    // agent's connection and run when Redis wakes, before the write-back sent on the same connection
-    // after the breaker closes, and take the count up to the limit, never past it. So the count
-    // ends above 10 by exactly what the write-back's adds report.
-    let mut fallback_admitted = 0;
-    for _ in 0..200 {
-        let d = client.allow("user:f", "ten", 1).await.unwrap();
-        if d.origin == Origin::Agent(Source::Fallback) {
-            if !d.allowed {
-                break;
-            }
-            fallback_admitted += 1;
-        }
-    }
-    assert_eq!(fallback_admitted, 10, "the fallback's share");
+    assert_eq!(fallback_share(&client, "user:f", "ten").await, 10);
     floodgate_tests::resume_process(pid);
-    let admin = agent.admin_addr().await;
-    let written = eventually(
-        "the breaker closes and the write-back is done",
-        Duration::from_secs(10),
-        || async move {
-            let (_, body) = http_get(admin, "/v1/status").await;
-            let s: serde_json::Value = serde_json::from_str(&body).ok()?;
-            let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
-            done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
-                .flatten()
-                .filter(|w| *w > 0)
-        },
-    )
-    .await;
+    let written = written_back(&agent).await;
     let mut conn = redis.conn();
     let (count, _) = floodgate_tests::window_count(&mut conn, "ten", "user:f", 3_600_000);
     assert!(
         count > 10,
         "Redis holds the 6, what the timed-out checks took (up to the limit) and the {written} written back: {count}"
     );
-    let (_, text) = http_get(admin, "/metrics").await;
-    let over = value(
-        &text,
-        "floodgate_over_admitted_total",
-        &["rule=\"ten\"", "source=\"fallback\""],
+    // So the count ends above 10 by exactly what the write-back's adds report.
+    assert_eq!(
+        over_admitted(&agent, "ten", "fallback").await,
+        Some((count - 10) as f64)
     );
-    assert_eq!(over, Some((count - 10) as f64), "{text}");
     assert!(count - 10 <= written, "only written-back units can be over");
-    let flushed = value(
-        &text,
-        "floodgate_over_admitted_total",
-        &["rule=\"ten\"", "source=\"flush\""],
+    assert_eq!(
+        over_admitted(&agent, "ten", "flush").await,
+        Some(0.0),
+        "a sync rule has no flushes"
     );
-    assert_eq!(flushed, Some(0.0), "a sync rule has no flushes");
 }
 
 /// Two agents' write-backs after one outage: each reports only its own units past the limit, so
@@ -316,22 +321,10 @@ async fn fallback_over_admission_sums_exactly_across_agents() {
     // most of its 20: the count ends well above 40, reached by two writes.
     const FORTY: &str = r#"{"rules":[{"id":"forty","dimension":"user","limit":40,"windowSeconds":3600}]}"#;
     let redis = RedisServer::start();
-    let mut agents = Vec::new();
-    for _ in 0..2 {
-        agents.push(
-            Agent::builder()
-                .redis(&redis.url())
-                .rules(FORTY)
-                .arg("--redis-timeout-ms")
-                .arg("20")
-                .arg("--breaker-cooldown-ms")
-                .arg("200")
-                .arg("--agents")
-                .arg("2")
-                .start()
-                .await,
-        );
-    }
+    let agents = [
+        fallback_agent(&redis, FORTY, 2).start().await,
+        fallback_agent(&redis, FORTY, 2).start().await,
+    ];
     let mut clients = Vec::new();
     for a in &agents {
         clients.push(patient_client(a.socket()).await);
@@ -344,48 +337,23 @@ async fn fallback_over_admission_sums_exactly_across_agents() {
     let pid = redis.pid().unwrap();
     floodgate_tests::pause_process(pid);
     for client in &clients {
-        let mut admitted = 0;
-        for _ in 0..200 {
-            let d = client.allow("user:g", "forty", 1).await.unwrap();
-            if d.origin == Origin::Agent(Source::Fallback) {
-                if !d.allowed {
-                    break;
-                }
-                admitted += 1;
-            }
-        }
-        assert_eq!(admitted, 20, "each fallback's share (40 / 2 agents)");
+        assert_eq!(
+            fallback_share(client, "user:g", "forty").await,
+            20,
+            "each fallback's share (40 / 2 agents)"
+        );
     }
     floodgate_tests::resume_process(pid);
     let mut written = 0;
     for a in &agents {
-        let admin = a.admin_addr().await;
-        written += eventually(
-            "the breaker closes and the write-back is done",
-            Duration::from_secs(10),
-            || async move {
-                let (_, body) = http_get(admin, "/v1/status").await;
-                let s: serde_json::Value = serde_json::from_str(&body).ok()?;
-                let done = s["breakers"][0]["state"] == "closed" && s["fallback"]["pendingWriteBack"] == 0;
-                done.then(|| s["fallback"]["writtenBackUnits"].as_u64())
-                    .flatten()
-                    .filter(|w| *w > 0)
-            },
-        )
-        .await;
+        written += written_back(a).await;
     }
     let mut conn = redis.conn();
     let (count, _) = floodgate_tests::window_count(&mut conn, "forty", "user:g", 3_600_000);
     assert!(count > 40, "{count} (written back: {written})");
     let mut over = 0.0;
     for a in &agents {
-        let (_, text) = http_get(a.admin_addr().await, "/metrics").await;
-        over += value(
-            &text,
-            "floodgate_over_admitted_total",
-            &["rule=\"forty\"", "source=\"fallback\""],
-        )
-        .unwrap();
+        over += over_admitted(a, "forty", "fallback").await.unwrap();
     }
     assert_eq!(over, (count - 40) as f64, "count {count}, written back {written}");
 }

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use floodgate_agent::rules::http::request;
 use floodgate_sdk::{Origin, Source};
-use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer, RulesServer};
+use floodgate_tests::{
+    eventually, http_get, patient_client, rejection_events, Agent, RedisServer, RulesServer,
+};
 
 const TOKEN: &str = "s3cret";
 
@@ -59,6 +61,15 @@ async fn wait_version(a: &Agent, v: u64) {
     .await;
 }
 
+/// A rules service over a SQLite file in `dir`, with the operator token.
+async fn service(dir: &tempfile::TempDir) -> RulesServer {
+    RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["ops:s3cret"],
+    )
+    .await
+}
+
 fn follower(redis: &RedisServer, s: &RulesServer) -> floodgate_tests::AgentBuilder {
     Agent::builder()
         .patient_redis(&redis.url())
@@ -71,11 +82,7 @@ fn follower(redis: &RedisServer, s: &RulesServer) -> floodgate_tests::AgentBuild
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
     let dir = tempfile::tempdir().unwrap();
-    let s = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let s = service(&dir).await;
     let redis = RedisServer::start();
     let (a, b) = (
         follower(&redis, &s).start().await,
@@ -111,11 +118,7 @@ async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
     let dir = tempfile::tempdir().unwrap();
-    let mut s = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let mut s = service(&dir).await;
     let redis = RedisServer::start();
     let socket = dir.path().join("agent.sock");
     let cache = dir.path().join("rules-cache.json");
@@ -154,11 +157,7 @@ async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_watch_the_poll_still_converges() {
     let dir = tempfile::tempdir().unwrap();
-    let s = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let s = service(&dir).await;
     let redis = RedisServer::start();
     let a = follower(&redis, &s)
         .arg("--rules-watch-s")
@@ -219,11 +218,7 @@ async fn the_embedded_default_serves_the_rules_api_itself() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_mode_reports_what_it_would_have_rejected() {
     let dir = tempfile::tempdir().unwrap();
-    let s = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let s = service(&dir).await;
     let redis = RedisServer::start();
     let a = follower(&redis, &s).start().await;
     let v = put(
@@ -289,16 +284,11 @@ async fn log_mode_reports_what_it_would_have_rejected() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_mode_would_be_rejections_are_events_with_the_rule_version() {
     let dir = tempfile::tempdir().unwrap();
-    let s = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let s = service(&dir).await;
     let redis = RedisServer::start();
     let a = follower(&redis, &s).start().await;
     let client = patient_client(a.socket()).await;
     let mut conn = redis.conn();
-    type Entry = (String, Vec<(String, String)>);
     for (limit, key) in [(1, "user:l1"), (2, "user:l2")] {
         let v = put(
             &s,
@@ -311,35 +301,21 @@ async fn log_mode_would_be_rejections_are_events_with_the_rule_version() {
             let d = client.allow(key, "watch", 1).await.unwrap();
             assert!(d.allowed, "log mode never rejects (limit {limit}, check {i})");
         }
-        let field = |fields: &[(String, String)], k: &str| {
-            fields
-                .iter()
-                .find(|(name, _)| name == k)
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default()
-        };
         let mine = eventually("the key's would-be rejection", Duration::from_secs(10), || {
-            let r: Vec<Entry> = redis::cmd("XRANGE")
-                .arg("floodgate:rejections")
-                .arg("-")
-                .arg("+")
-                .query(&mut conn)
-                .unwrap_or_default();
-            let mine: Vec<Entry> = r.into_iter().filter(|(_, f)| field(f, "key") == key).collect();
+            let mine: Vec<_> = rejection_events(&mut conn)
+                .into_iter()
+                .filter(|e| e.get("key").map(String::as_str) == Some(key))
+                .collect();
             async move { (!mine.is_empty()).then_some(mine) }
         })
         .await;
         // Four checks against a limit of `limit`: 4 − limit would-be rejections, of which at least
         // the first is news (more only if a report went out in between).
         assert!(mine.len() <= 4 - limit, "{mine:?}");
-        for (_, fields) in &mine {
-            assert_eq!(field(fields, "mode"), "log");
-            assert_eq!(field(fields, "ruleId"), "watch");
-            assert_eq!(
-                field(fields, "version"),
-                v.to_string(),
-                "the version that made it"
-            );
+        for e in &mine {
+            assert_eq!(e["mode"], "log");
+            assert_eq!(e["ruleId"], "watch");
+            assert_eq!(e["version"], v.to_string(), "the version that made it");
         }
     }
 }

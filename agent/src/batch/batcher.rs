@@ -446,15 +446,14 @@ impl Batcher {
                     }
                 }
                 Ok(learned) => {
-                    // A write answers with its window's count after it. One window's count past the
-                    // limit is over-admission (the estimate never lets a window alone past it):
-                    // the units of this write above the limit. Redis applies writes one at a time,
-                    // so these add up exactly across agents (a lower bound of the over-admission:
-                    // the previous window's weight is not counted). A rule in log mode admits
-                    // everything by design: nothing of it is over-admission.
-                    if let (Some(l), true) = (learned.get(i), e.rule.enforced()) {
-                        let over = l.cur.saturating_sub(e.rule.limit.get()).min(e.units);
-                        crate::metrics::over_admitted(&e.rule.id, crate::metrics::OverSource::Flush, over);
+                    // A write answers with its window's count after it.
+                    if let Some(l) = learned.get(i) {
+                        crate::metrics::over_admitted(
+                            &e.rule,
+                            crate::metrics::OverSource::Flush,
+                            l.cur,
+                            e.units,
+                        );
                     }
                 }
                 // A learn that failed teaches nothing: the counts stay as stale as they are.

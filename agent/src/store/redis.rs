@@ -302,16 +302,15 @@ impl RedisStore {
                 match self.invoke(&inv, route.shard, chunk.len(), timeout).await {
                     Ok(reply) => {
                         done.units += units;
-                        // Each add answers how many of its units landed past the limit.
-                        for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
-                            let over = u64::try_from(r[4]).unwrap_or(0).min(e.units);
-                            // A rule in log mode admits everything by design: not over-admission.
-                            if over > 0 && matches!(how, Adjust::Add) && e.rule.enforced() {
-                                done.over += over;
-                                crate::metrics::over_admitted(
-                                    &e.rule.id,
+                        // Each add answers its window's count after it, as a flush write does.
+                        if matches!(how, Adjust::Add) {
+                            for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
+                                let count = u64::try_from(r[4]).unwrap_or(0);
+                                done.over += crate::metrics::over_admitted(
+                                    &e.rule,
                                     crate::metrics::OverSource::Fallback,
-                                    over,
+                                    count,
+                                    e.units,
                                 );
                             }
                         }
