@@ -209,7 +209,7 @@ async fn drive_here(
 /// `clients` tasks each making requests back to back for a quarter of `measure` (warm-up, not
 /// recorded) and then `measure`: `request(user)` makes one for that user and returns how long it
 /// took (its own setup not counted); client c starts at user c × 7919, one more each time.
-async fn closed_clients<F, Fut>(
+pub(crate) async fn closed_clients<F, Fut>(
     clients: usize,
     measure: Duration,
     request: F,

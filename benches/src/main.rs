@@ -16,6 +16,7 @@
 //!   memory per key).
 //! - `gateway`: issue 6's figures (the tower Layer's added latency over a bare axum handler; the agent
 //!   path with metrics and events on vs off).
+//! - `sdk`: the Rust SDK against a running agent (the Python and Node SDK benchmarks' baseline).
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
@@ -26,6 +27,7 @@ mod gateway;
 mod open;
 mod propagation;
 mod report;
+mod sdk;
 mod targets;
 
 use std::path::PathBuf;
@@ -180,6 +182,25 @@ enum Command {
         #[arg(long, default_value = "target/bench/placement.json")]
         json: PathBuf,
     },
+    /// The Rust SDK's `allow` against an agent already running at `--socket` (the baseline of the
+    /// Python and Node SDK benchmarks): p50/p99 and checks/s per concurrency level.
+    Sdk {
+        /// The agent's socket.
+        #[arg(long)]
+        socket: PathBuf,
+        /// The rule every check names (keys are `user:0` … `user:9999`).
+        #[arg(long, default_value = "bench")]
+        rule: String,
+        /// Concurrent callers on one client, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        clients: Vec<usize>,
+        /// Seconds measured per level (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/sdk.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -324,6 +345,22 @@ fn main() -> anyhow::Result<()> {
         }) => {
             let rows = runtime.block_on(gateway::observability(runs, clients, seconds, keys))?;
             write_json(&json, &rows)
+        }
+        Some(Command::Sdk {
+            socket,
+            rule,
+            clients,
+            seconds,
+            json,
+        }) => {
+            let report = runtime.block_on(sdk::run(&socket, &rule, &clients, seconds))?;
+            for r in &report.results {
+                println!(
+                    "rust sdk  clients {:>3}  p50 {:>8.1} µs  p99 {:>8.1} µs  {:>9.0} checks/s",
+                    r.clients, r.p50_us, r.p99_us, r.checks_per_s
+                );
+            }
+            write_json(&json, &report)
         }
         Some(Command::Placement { keys, nodes, json }) => {
             let rows: Vec<_> = nodes.iter().map(|&n| fleet::placement(keys, n)).collect();
