@@ -59,6 +59,15 @@ pub enum RulesCommand {
         /// Rule id.
         id: String,
     },
+    /// Turn envoyproxy/ratelimit YAML files into rules and PUT them (one `descriptor` rule per
+    /// descriptor with a rate_limit). A file that cannot be mapped writes nothing.
+    ImportEnvoy {
+        /// The configuration files (one domain each).
+        files: Vec<std::path::PathBuf>,
+        /// Print the rules as JSON instead of writing them.
+        #[arg(long)]
+        dry_run: bool,
+    },
     /// The audit: who changed what, newest first.
     Audit {
         /// At most this many records.
@@ -91,7 +100,50 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         v.map(|v| vec![("If-Match", format!("\"{v}\""))])
             .unwrap_or_default()
     };
+    if let RulesCommand::ImportEnvoy { files, dry_run } = &cli.command {
+        let rules = envoy_rules(files)?;
+        if *dry_run {
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&serde_json::json!({ "rules": rules }))?
+            );
+            return Ok(());
+        }
+        for rule in &rules {
+            let mut body = serde_json::to_value(rule)?;
+            if let Some(o) = body.as_object_mut() {
+                o.remove("id");
+            }
+            let r = call(
+                "PUT",
+                format!("/v1/rules/{}", rule.id),
+                vec![],
+                Some(body.to_string().into_bytes()),
+            )
+            .await?;
+            if !(200..300).contains(&r.status) {
+                bail!(
+                    "{} refused rule {} ({}): {}",
+                    r.status,
+                    rule.id,
+                    rule.envoy.as_ref().map(|e| e.path()).unwrap_or_default(),
+                    String::from_utf8_lossy(&r.body)
+                );
+            }
+            if !cli.json {
+                let path = rule.envoy.as_ref().map(|e| e.path()).unwrap_or_default();
+                println!("rule {} written for descriptor {path}", rule.id);
+            }
+        }
+        if cli.json {
+            println!("{}", serde_json::json!({ "written": rules.len() }));
+        } else {
+            println!("{} rules imported", rules.len());
+        }
+        return Ok(());
+    }
     let r = match &cli.command {
+        RulesCommand::ImportEnvoy { .. } => return Ok(()),
         RulesCommand::List => call("GET", "/v1/rules".into(), vec![], None).await?,
         RulesCommand::Get { id } => call("GET", format!("/v1/rules/{id}"), vec![], None).await?,
         RulesCommand::Put {
@@ -179,6 +231,7 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
                 );
             }
         }
+        RulesCommand::ImportEnvoy { .. } => {}
         RulesCommand::Audit { .. } => {
             for a in json["audit"].as_array().into_iter().flatten() {
                 println!(
@@ -193,6 +246,23 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// Every file's rules, checked together as one set (so two files cannot give one id twice).
+fn envoy_rules(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<crate::rules::Rule>> {
+    if files.is_empty() {
+        bail!("name at least one envoyproxy/ratelimit YAML file");
+    }
+    let mut rules = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
+        rules.extend(
+            crate::rules::envoy_config::rules_from_yaml(&text)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?,
+        );
+    }
+    crate::rules::RuleSet::new(rules.clone())?;
+    Ok(rules)
 }
 
 fn line(r: &Value) -> String {

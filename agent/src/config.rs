@@ -15,6 +15,35 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
     pub socket_mode: u32,
 
+    /// Also serve the frames protocol on this TCP address (e.g. `0.0.0.0:9792` for pods that cannot
+    /// mount the host's socket); off by default. It has no authentication: bind it to an address only
+    /// the host's pods reach.
+    #[arg(long, env = "FLOODGATE_LISTEN_TCP")]
+    pub listen_tcp: Option<SocketAddr>,
+
+    /// Serve Envoy's RateLimitService (gRPC) on this TCP address; off by default. `on` means
+    /// `127.0.0.1:8081` (loopback, envoyproxy/ratelimit's gRPC port).
+    #[arg(long, env = "FLOODGATE_GRPC", value_parser = parse_grpc)]
+    pub grpc: Option<SocketAddr>,
+
+    /// Serve Envoy's RateLimitService on this Unix socket too (for an Envoy on the same host).
+    #[arg(long, env = "FLOODGATE_GRPC_SOCKET")]
+    pub grpc_socket: Option<PathBuf>,
+
+    /// Rate-limit headers the gRPC answers ask Envoy to add (`response_headers_to_add`).
+    #[arg(
+        long,
+        env = "FLOODGATE_GRPC_HEADERS",
+        value_enum,
+        default_value = "x-ratelimit"
+    )]
+    pub grpc_headers: crate::envoy::GrpcHeaders,
+
+    /// Most connections the agent holds open over all its listeners (Unix socket, TCP, gRPC); past
+    /// it a frames connection gets an Error (code 7, overloaded) and is closed, a gRPC one is closed.
+    #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
+
     /// Admin HTTP address (health, readiness), or `off`.
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
     pub admin: Admin,
@@ -252,6 +281,14 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     Ok(mode)
 }
 
+fn parse_grpc(s: &str) -> Result<SocketAddr, String> {
+    if s.eq_ignore_ascii_case("on") {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], 8081)));
+    }
+    s.parse()
+        .map_err(|e| format!("{s:?} is not an address like 127.0.0.1:8081 or on: {e}"))
+}
+
 fn parse_admin(s: &str) -> Result<Admin, String> {
     if s.eq_ignore_ascii_case("off") {
         return Ok(Admin::Off);
@@ -277,5 +314,7 @@ mod tests {
             Ok(Admin::At("127.0.0.1:0".parse().unwrap()))
         );
         assert!(parse_admin("localhost").is_err());
+        assert_eq!(parse_grpc("on"), Ok("127.0.0.1:8081".parse().unwrap()));
+        assert!(parse_grpc("8081").is_err());
     }
 }

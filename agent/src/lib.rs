@@ -3,7 +3,8 @@
 //!
 //! # Layout
 //! - [`config`]: the agent's flags and environment variables.
-//! - [`server`]: the socket (safe binding, pipelined connections).
+//! - [`server`]: the socket and TCP listeners (safe binding, pipelined connections, connection cap).
+//! - [`envoy`]: Envoy's RateLimitService over gRPC, answered by the engine.
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts.
 //! - [`store`]: the in-memory store and the Redis store behind one interface.
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, heartbeats (N).
@@ -38,6 +39,7 @@ pub mod cli;
 pub mod config;
 pub mod dryrun;
 pub mod engine;
+pub mod envoy;
 pub mod events;
 pub mod guard;
 pub mod metrics;
@@ -191,8 +193,52 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         Store::Memory(_) => None,
     };
 
-    server::serve(listener, engine.clone(), shutdown).await;
+    let cap = server::ConnectionCap::new(config.max_connections);
+    let mut listeners = Vec::new();
+    if let Some(addr) = config.listen_tcp {
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot listen on TCP {addr}"))?;
+        tracing::info!(addr = %tcp.local_addr()?, "frames protocol on TCP");
+        listeners.push(tokio::spawn(server::serve(
+            server::Listener::Tcp(tcp),
+            engine.clone(),
+            cap.clone(),
+            shutdown.clone(),
+        )));
+    }
+    let grpc = Arc::new(envoy::EnvoyService::new(engine.clone(), config.grpc_headers));
+    if let Some(addr) = config.grpc {
+        let tcp = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot serve gRPC on {addr}"))?;
+        tracing::info!(addr = %tcp.local_addr()?, "Envoy RateLimitService (gRPC) listening");
+        let (grpc, cap, stop) = (grpc.clone(), cap.clone(), shutdown.clone());
+        listeners.push(tokio::spawn(async move {
+            if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, stop).await {
+                tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+    }
+    if let Some(path) = &config.grpc_socket {
+        let unix = server::bind(path, config.socket_mode)
+            .with_context(|| format!("cannot serve gRPC on socket {}", path.display()))?;
+        tracing::info!(socket = %path.display(), "Envoy RateLimitService (gRPC) on a Unix socket");
+        let (grpc, cap, stop) = (grpc.clone(), cap.clone(), shutdown.clone());
+        listeners.push(tokio::spawn(async move {
+            if let Err(e) = envoy::serve_unix(unix, grpc, cap, stop).await {
+                tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+    }
+    server::serve(server::Listener::Unix(listener), engine.clone(), cap, shutdown).await;
+    for l in listeners {
+        let _ = tokio::time::timeout(Duration::from_secs(2), l).await;
+    }
     let _ = std::fs::remove_file(&config.socket);
+    if let Some(path) = &config.grpc_socket {
+        let _ = std::fs::remove_file(path);
+    }
     if let (Some(task), Store::Redis(r)) = (flusher, &store) {
         // In-flight checks are answered; what batched rules admitted since the last flush goes now.
         let _ = tokio::time::timeout(Duration::from_secs(2), task).await;

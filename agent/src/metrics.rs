@@ -257,3 +257,18 @@ pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
     }
     handle.render()
 }
+
+/// A connection refused because the agent holds its `--max-connections` already.
+pub fn connection_refused(listener: &'static str) {
+    if on() {
+        counter!("floodgate_connections_refused_total", "listener" => listener).increment(1);
+    }
+}
+
+/// A ShouldRateLimit answered: `code` is `ok`, `over_limit`, `unmatched` (no descriptor had a rule)
+/// or `error`.
+pub fn grpc_request(code: &'static str) {
+    if on() {
+        counter!("floodgate_grpc_requests_total", "code" => code).increment(1);
+    }
+}

@@ -1,5 +1,6 @@
-//! The Unix-socket server: binds safely, and serves pipelined connections (many request ids in flight,
-//! answers written as they complete).
+//! The frames server: binds the Unix socket safely, listens on TCP where asked, and serves pipelined
+//! connections (many request ids in flight, answers written as they complete) under one connection
+//! cap shared by every listener.
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
@@ -7,9 +8,9 @@ use std::path::Path;
 use std::sync::Arc;
 
 use futures::stream::{FuturesUnordered, StreamExt};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::watch;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, VERSION};
 
@@ -72,16 +73,169 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     result
 }
 
+/// Most connections an agent holds open by default, over all its listeners (each costs a task and its
+/// buffers, about 10 KiB idle; a host's services need far fewer, an accept loop gone wrong far more).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
+
+/// The agent's cap on open connections, shared by its listeners (Unix socket, TCP, gRPC).
+#[derive(Debug, Clone)]
+pub struct ConnectionCap {
+    slots: Arc<Semaphore>,
+    max: usize,
+}
+
+impl ConnectionCap {
+    /// At most `max` connections at once (at least 1).
+    pub fn new(max: usize) -> Self {
+        let max = max.max(1);
+        ConnectionCap {
+            slots: Arc::new(Semaphore::new(max)),
+            max,
+        }
+    }
+
+    /// A slot for one more connection, held until it closes; `None` when the cap is reached.
+    pub fn try_acquire(&self) -> Option<OwnedSemaphorePermit> {
+        self.slots.clone().try_acquire_owned().ok()
+    }
+
+    /// The cap.
+    pub fn max(&self) -> usize {
+        self.max
+    }
+
+    /// Connections open now.
+    pub fn open(&self) -> usize {
+        self.max - self.slots.available_permits()
+    }
+}
+
+/// Logs a connection refused at the cap, at most once every 10 s (a client reconnecting in a loop
+/// must not flood the log; `floodgate_connections_refused_total` counts them all).
+pub fn warn_refused(listener: &'static str, max: usize) {
+    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(std::sync::atomic::Ordering::Relaxed);
+    if now >= last + 10
+        && LAST
+            .compare_exchange(
+                last,
+                now,
+                std::sync::atomic::Ordering::Relaxed,
+                std::sync::atomic::Ordering::Relaxed,
+            )
+            .is_ok()
+    {
+        tracing::warn!(
+            listener,
+            max,
+            "connection refused: the agent holds its maximum of connections (--max-connections)"
+        );
+    }
+}
+
+/// Where the frames protocol is served.
+pub enum Listener {
+    /// The Unix socket (the SDK's default).
+    Unix(UnixListener),
+    /// TCP (`--listen-tcp`), for clients that cannot mount the socket.
+    Tcp(TcpListener),
+}
+
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Listener {
+    fn name(&self) -> &'static str {
+        match self {
+            Listener::Unix(_) => "unix",
+            Listener::Tcp(_) => "tcp",
+        }
+    }
+
+    async fn accept(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Listener::Unix(l) => Stream::Unix(l.accept().await?.0),
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept().await?;
+                // Answers are small and latency is the point: no Nagle delay.
+                let _ = s.set_nodelay(true);
+                Stream::Tcp(s)
+            }
+        })
+    }
+}
+
+impl Stream {
+    async fn serve(self, engine: Arc<Engine>, shutdown: watch::Receiver<bool>) {
+        match self {
+            Stream::Unix(s) => {
+                let (rd, wr) = s.into_split();
+                connection(rd, wr, engine, shutdown).await
+            }
+            Stream::Tcp(s) => {
+                let (rd, wr) = s.into_split();
+                connection(rd, wr, engine, shutdown).await
+            }
+        }
+    }
+
+    /// Tells a connection past the cap why it is closed: an Error frame (overloaded, request id 0).
+    async fn refuse(self, max: usize) {
+        let mut bytes = Vec::new();
+        error(
+            &mut bytes,
+            0,
+            ErrorCode::Overloaded,
+            format!("the agent holds its maximum of {max} connections; try again later"),
+        );
+        let write = async {
+            match self {
+                Stream::Unix(mut s) => {
+                    s.write_all(&bytes).await?;
+                    s.shutdown().await
+                }
+                Stream::Tcp(mut s) => {
+                    s.write_all(&bytes).await?;
+                    s.shutdown().await
+                }
+            }
+        };
+        let _ = tokio::time::timeout(WRITE_TIMEOUT, write).await;
+    }
+}
+
 /// Accepts connections until `shutdown` turns true, then lets open connections answer what they have
-/// in flight and returns.
-pub async fn serve(listener: UnixListener, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>) {
+/// in flight and returns. Past the cap, a new connection gets an Error (code 7, overloaded) and is
+/// closed.
+pub async fn serve(
+    listener: Listener,
+    engine: Arc<Engine>,
+    cap: ConnectionCap,
+    mut shutdown: watch::Receiver<bool>,
+) {
     let mut tasks = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    tasks.spawn(connection(stream, engine.clone(), shutdown.clone()));
-                }
+                Ok(stream) => match cap.try_acquire() {
+                    Some(slot) => {
+                        let (engine, shutdown) = (engine.clone(), shutdown.clone());
+                        tasks.spawn(async move {
+                            stream.serve(engine, shutdown).await;
+                            drop(slot);
+                        });
+                    }
+                    None => {
+                        crate::metrics::connection_refused(listener.name());
+                        warn_refused(listener.name(), cap.max());
+                        tasks.spawn(stream.refuse(cap.max()));
+                    }
+                },
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(std::time::Duration::from_millis(10)).await;
@@ -104,8 +258,11 @@ pub async fn serve(listener: UnixListener, engine: Arc<Engine>, mut shutdown: wa
 /// Serves one connection: decodes frames as they arrive, answers each request id when its check
 /// completes. Frame-level garbage gets an Error and the connection is closed; a refused item gets an
 /// Error for its request id and the connection goes on.
-pub async fn connection(stream: UnixStream, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>) {
-    let (mut rd, mut wr) = stream.into_split();
+pub async fn connection<R, W>(mut rd: R, mut wr: W, engine: Arc<Engine>, mut shutdown: watch::Receiver<bool>)
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
     let mut inbuf: Vec<u8> = Vec::with_capacity(4 * 1024);
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     let mut pending = FuturesUnordered::new();

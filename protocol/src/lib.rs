@@ -7,6 +7,7 @@
 //! - `frame`: the frames as Rust values ([`Frame`], [`Body`], [`Check`], [`Decision`], …).
 //! - `codec`: [`Frame::encode`] and [`decode`]; decoding never panics on any input.
 //! - `error`: [`DecodeError`], [`EncodeError`] and the wire [`ErrorCode`]s.
+//! - [`http`]: what a decision means at HTTP (the rate-limit headers, `Retry-After`, [`http::wire_safe`]).
 //!
 //! # Example
 //! ```
@@ -22,6 +23,7 @@
 mod codec;
 mod error;
 mod frame;
+pub mod http;
 pub mod limits;
 
 pub use codec::{decode, VERDICT_LEN};

@@ -121,7 +121,8 @@ pub struct Client {
 }
 
 impl Client {
-    /// A client for the agent at `path` with the default configuration. Returns at once; the
+    /// A client for the agent at `path` (a Unix socket, or `tcp://host:port` for an agent's
+    /// `--listen-tcp`) with the default configuration. Returns at once; the
     /// connection is made (and remade) in the background, and calls answer by the fail policy
     /// until it is up.
     pub async fn connect(path: impl AsRef<Path>) -> Client {

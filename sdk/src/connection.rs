@@ -6,9 +6,8 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use floodgate_protocol::{decode, Body, Decision, DecodeError, ErrorBody, Frame, VERSION};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::unix::OwnedReadHalf;
-use tokio::net::UnixStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::client::Shared;
@@ -76,8 +75,27 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
     }
 }
 
-async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u8>)> {
-    let mut stream = UnixStream::connect(path).await?;
+type Reader = Box<dyn AsyncRead + Unpin + Send>;
+type Writer = Box<dyn AsyncWrite + Unpin + Send>;
+
+/// Connects to `path`: a Unix socket, or `tcp://host:port` for an agent's `--listen-tcp`.
+async fn open(path: &std::path::Path) -> std::io::Result<(Reader, Writer)> {
+    match path.to_str().and_then(|p| p.strip_prefix("tcp://")) {
+        Some(addr) => {
+            let stream = TcpStream::connect(addr).await?;
+            stream.set_nodelay(true)?;
+            let (rd, wr) = stream.into_split();
+            Ok((Box::new(rd), Box::new(wr)))
+        }
+        None => {
+            let (rd, wr) = UnixStream::connect(path).await?.into_split();
+            Ok((Box::new(rd), Box::new(wr)))
+        }
+    }
+}
+
+async fn handshake(path: &std::path::Path) -> std::io::Result<((Reader, Writer), Vec<u8>)> {
+    let (mut rd, mut wr) = open(path).await?;
     let hello = Frame::new(
         0,
         Body::Hello {
@@ -86,10 +104,10 @@ async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u
         },
     );
     let bytes = hello.to_bytes().map_err(std::io::Error::other)?;
-    stream.write_all(&bytes).await?;
+    wr.write_all(&bytes).await?;
     let mut buf = Vec::with_capacity(256);
     loop {
-        if stream.read_buf(&mut buf).await? == 0 {
+        if rd.read_buf(&mut buf).await? == 0 {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "agent closed during Hello",
@@ -109,7 +127,7 @@ async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u
                     )));
                 }
                 buf.drain(..used);
-                return Ok((stream, buf));
+                return Ok(((rd, wr), buf));
             }
             Ok((
                 Frame {
@@ -133,11 +151,10 @@ async fn handshake(path: &std::path::Path) -> std::io::Result<(UnixStream, Vec<u
 /// connection broke (reconnect).
 async fn serve(
     shared: &Weak<Shared>,
-    stream: UnixStream,
+    (rd, mut wr): (Reader, Writer),
     leftover: Vec<u8>,
     rx: &mut mpsc::Receiver<Vec<u8>>,
 ) -> bool {
-    let (rd, mut wr) = stream.into_split();
     let mut reader = tokio::spawn(read_loop(shared.clone(), rd, leftover));
     let mut batch = Vec::with_capacity(16 * 1024);
     let closed = loop {
@@ -164,7 +181,7 @@ async fn serve(
     closed
 }
 
-async fn read_loop(shared: Weak<Shared>, mut rd: OwnedReadHalf, mut buf: Vec<u8>) {
+async fn read_loop(shared: Weak<Shared>, mut rd: Reader, mut buf: Vec<u8>) {
     loop {
         let mut pos = 0;
         loop {

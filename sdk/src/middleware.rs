@@ -379,19 +379,10 @@ impl Config {
     }
 }
 
-/// A value the agent accepts: as it is when the wire allows it, else `h:` and a 64-bit FNV-1a hash
-/// of it (the same value always maps to the same key, so a client sending an odd value is still
-/// limited, under a key of its own, instead of making the check invalid).
+/// A value the agent accepts (see [`floodgate_protocol::http::wire_safe`]: as it is when the wire
+/// allows it, else `h:` and its 64-bit FNV-1a hash).
 pub fn wire_safe(value: String) -> String {
-    let ok = value.len() <= floodgate_protocol::MAX_ATTRIBUTE
-        && !value.chars().any(|c| c == '{' || c == '}' || c.is_control());
-    if ok {
-        return value;
-    }
-    let hash = value.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-    });
-    format!("h:{hash:016x}")
+    floodgate_protocol::http::wire_safe(value)
 }
 
 /// Logs at most one warning a minute per `last`, one per kind of warning (a bad request per request
@@ -408,37 +399,19 @@ static NO_PEER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::n
 
 /// The headers for a decision (none when no enforced rule applied).
 pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderName, HeaderValue)> {
-    let binding = binding_rule(d);
-    let Some(rule) = binding else {
+    let Some(rule) = binding_rule(d) else {
         return Vec::new();
     };
-    let reset_s = d.reset_at_ms.div_ceil(1_000);
-    let mut h = vec![
-        (
-            HeaderName::from_static("x-ratelimit-limit"),
-            HeaderValue::from(d.limit),
-        ),
-        (
-            HeaderName::from_static("x-ratelimit-remaining"),
-            HeaderValue::from(d.remaining),
-        ),
-        (
-            HeaderName::from_static("x-ratelimit-reset"),
-            HeaderValue::from(reset_s),
-        ),
-    ];
-    if ietf {
-        // draft-ietf-httpapi-ratelimit-headers: the policy's quota, and what is left with the
-        // seconds until it resets. Rule ids are [A-Za-z0-9_.:-], safe in a quoted string.
-        let t = d.reset_at_ms.saturating_sub(now_ms).div_ceil(1_000);
-        if let Ok(v) = HeaderValue::from_str(&format!("\"{rule}\";q={}", d.limit)) {
-            h.push((HeaderName::from_static("ratelimit-policy"), v));
-        }
-        if let Ok(v) = HeaderValue::from_str(&format!("\"{rule}\";r={};t={t}", d.remaining)) {
-            h.push((HeaderName::from_static("ratelimit"), v));
-        }
-    }
-    h
+    let figures = floodgate_protocol::http::HeaderFigures {
+        rule,
+        limit: d.limit,
+        remaining: d.remaining,
+        reset_at_ms: d.reset_at_ms,
+    };
+    floodgate_protocol::http::rate_limit_headers(figures, ietf, now_ms)
+        .into_iter()
+        .filter_map(|(name, value)| Some((HeaderName::from_static(name), HeaderValue::try_from(value).ok()?)))
+        .collect()
 }
 
 /// The enforced rule whose figures the decision carries, if any.
@@ -459,7 +432,7 @@ fn binding_rule(d: &Decision) -> Option<&str> {
 
 /// `Retry-After` in whole seconds: rounded up, never 0.
 pub fn retry_after_seconds(d: &Decision) -> u64 {
-    d.retry_after_ms.unwrap_or(1_000).div_ceil(1_000).max(1)
+    floodgate_protocol::http::retry_after_seconds(d.retry_after_ms.unwrap_or(1_000))
 }
 
 fn now_ms() -> u64 {

@@ -48,6 +48,7 @@ pub fn floodgate_bin() -> PathBuf {
 pub struct AgentBuilder {
     redis: Option<String>,
     rules: Option<String>,
+    yaml: bool,
     socket: Option<PathBuf>,
     args: Vec<String>,
 }
@@ -68,6 +69,13 @@ impl AgentBuilder {
     /// Rules file content (TOML or JSON); default: the built-in example.
     pub fn rules(mut self, text: &str) -> Self {
         self.rules = Some(text.into());
+        self
+    }
+
+    /// An envoyproxy/ratelimit YAML configuration as the rules file (`--rules rules.yaml`).
+    pub fn envoy_config(mut self, yaml: &str) -> Self {
+        self.rules = Some(yaml.into());
+        self.yaml = true;
         self
     }
 
@@ -100,7 +108,9 @@ impl AgentBuilder {
             cmd.args(["--redis", url]);
         }
         if let Some(text) = &self.rules {
-            let path = dir.path().join(if text.trim_start().starts_with('{') {
+            let path = dir.path().join(if self.yaml {
+                "rules.yaml"
+            } else if text.trim_start().starts_with('{') {
                 "rules.json"
             } else {
                 "rules.toml"

@@ -4,20 +4,31 @@ use std::path::Path;
 use std::time::Duration;
 
 use floodgate_protocol::{decode, DecodeError, Frame};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::UnixStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpStream, UnixStream};
 
-/// A raw connection to an agent.
+trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
+
+/// A raw connection to an agent (its Unix socket or its `--listen-tcp` address).
 pub struct RawConn {
-    stream: UnixStream,
+    stream: Box<dyn Duplex>,
     buf: Vec<u8>,
 }
 
 impl RawConn {
-    /// Connects.
+    /// Connects to the agent's socket.
     pub async fn connect(path: &Path) -> std::io::Result<Self> {
         Ok(RawConn {
-            stream: UnixStream::connect(path).await?,
+            stream: Box::new(UnixStream::connect(path).await?),
+            buf: Vec::new(),
+        })
+    }
+
+    /// Connects to the agent's TCP listener.
+    pub async fn connect_tcp(addr: std::net::SocketAddr) -> std::io::Result<Self> {
+        Ok(RawConn {
+            stream: Box::new(TcpStream::connect(addr).await?),
             buf: Vec::new(),
         })
     }

@@ -10,7 +10,7 @@ use super::model::{validate_endpoint_pattern, Rule};
 /// Field name → what is wrong with it.
 pub type FieldErrors = BTreeMap<String, String>;
 
-const FIELDS: [&str; 12] = [
+const FIELDS: [&str; 13] = [
     "id",
     "dimension",
     "match",
@@ -23,6 +23,7 @@ const FIELDS: [&str; 12] = [
     "execution",
     "flushIntervalMs",
     "perEndpoint",
+    "envoy",
 ];
 
 fn one_of(v: &Value, allowed: &[&str]) -> Result<(), String> {
@@ -63,7 +64,7 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
                 Some(s) if s == id => Ok(()),
                 _ => Err(format!("must be {id:?} (the id in the path) or left out")),
             },
-            "dimension" => one_of(v, &["user", "api_key", "ip"]),
+            "dimension" => one_of(v, &["user", "api_key", "ip", "descriptor"]),
             "limit" => integer(v, 1, 1 << 50),
             "burst" => integer(v, 1, 1 << 50),
             "windowSeconds" => match v.as_f64() {
@@ -80,6 +81,9 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
                 .map(|_| ())
                 .ok_or_else(|| "must be true or false".to_string()),
             "match" => check_match(v, &mut errors),
+            "envoy" => serde_json::from_value::<super::EnvoyMatch>(v.clone())
+                .map_err(|e| format!("must be {{domain, descriptors: [{{key, value?}}]}}: {e}"))
+                .and_then(|m| m.validate()),
             "version" | "updatedAt" => Err("is set by the rules service, not by a PUT".into()),
             _ => Err(format!("unknown field; fields are {}", FIELDS.join(", "))),
         };

@@ -29,6 +29,7 @@ pub fn items_for(rules: &RuleSet, a: &Attributes) -> Vec<(Arc<Rule>, String)> {
                 Dimension::User => a.user.as_deref(),
                 Dimension::ApiKey => a.api_key.as_deref(),
                 Dimension::Ip => a.ip.as_deref(),
+                Dimension::Descriptor => None,
             }?;
             let mut key = format!("{}:{value}", rule.dimension.key_prefix());
             if rule.per_endpoint {

@@ -1,5 +1,7 @@
 //! Rules: the model, the rules file, and matching request attributes to rules.
 
+mod descriptors;
+pub mod envoy_config;
 pub mod fields;
 pub mod follow;
 pub mod http;
@@ -10,6 +12,6 @@ pub mod store;
 
 pub use matching::items_for;
 pub use model::{
-    validate_endpoint_pattern, Algorithm, Dimension, Execution, FailMode, Match, Mode, Rule, RuleError,
-    RuleSet, EXAMPLE_RULES,
+    validate_endpoint_pattern, Algorithm, Dimension, EnvoyEntry, EnvoyMatch, Execution, FailMode, Match,
+    Mode, Rule, RuleError, RuleSet, EXAMPLE_RULES, MAX_ENVOY_DEPTH,
 };

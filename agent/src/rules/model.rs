@@ -20,6 +20,9 @@ pub enum Dimension {
     ApiKey,
     /// The client IP.
     Ip,
+    /// The caller builds the key (Envoy descriptors, or item checks that name the rule): an
+    /// attribute check never matches such a rule.
+    Descriptor,
 }
 
 impl Dimension {
@@ -29,6 +32,7 @@ impl Dimension {
             Dimension::User => "user",
             Dimension::ApiKey => "apikey",
             Dimension::Ip => "ip",
+            Dimension::Descriptor => "descriptor",
         }
     }
 }
@@ -94,6 +98,79 @@ pub struct Match {
     pub tier: Option<String>,
 }
 
+/// The Envoy rate-limit descriptors a `descriptor` rule answers: requests of `domain` whose
+/// descriptor entries walk this path (envoyproxy/ratelimit's configuration tree, one leaf per rule).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyMatch {
+    /// The `domain` of the ShouldRateLimit request.
+    pub domain: String,
+    /// The entries, outermost first.
+    pub descriptors: Vec<EnvoyEntry>,
+    /// Answered OK without a limit and never counted (envoyproxy/ratelimit's `unlimited`, or a
+    /// descriptor listed without a rate_limit: a value exempt from a sibling's limit). The rule's
+    /// own limit is then unused; the import writes the largest one.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unlimited: bool,
+}
+
+/// One step of an [`EnvoyMatch`] path.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EnvoyEntry {
+    /// The descriptor entry's key.
+    pub key: String,
+    /// Its value: exact, or a prefix ending in `*`; absent matches any value, each value counted apart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+}
+
+/// Most entries in one [`EnvoyMatch`] path.
+pub const MAX_ENVOY_DEPTH: usize = 8;
+
+impl EnvoyMatch {
+    /// Checks the domain and every entry: non-empty, bounded, no control characters.
+    pub fn validate(&self) -> Result<(), String> {
+        let text = |what: &str, s: &str, max: usize| {
+            if s.is_empty() || s.len() > max || s.chars().any(char::is_control) {
+                Err(format!(
+                    "envoy {what} {s:?} must be 1 to {max} bytes without control characters"
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        text("domain", &self.domain, 128)?;
+        if self.descriptors.is_empty() || self.descriptors.len() > MAX_ENVOY_DEPTH {
+            return Err(format!(
+                "envoy descriptors must have 1 to {MAX_ENVOY_DEPTH} entries, not {}",
+                self.descriptors.len()
+            ));
+        }
+        for e in &self.descriptors {
+            text("descriptor key", &e.key, 128)?;
+            if let Some(v) = &e.value {
+                text("descriptor value", v, 256)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The path as envoyproxy/ratelimit names it: `domain.key1_value1.key2`.
+    pub fn path(&self) -> String {
+        let mut p = self.domain.clone();
+        for e in &self.descriptors {
+            p.push('.');
+            p.push_str(&e.key);
+            if let Some(v) = &e.value {
+                p.push('_');
+                p.push_str(v);
+            }
+        }
+        p
+    }
+}
+
 /// One rule, as written in a rules file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -130,6 +207,9 @@ pub struct Rule {
     /// Build keys with the endpoint too (`apikey:abc:endpoint:/search`), so each endpoint counts apart.
     #[serde(default)]
     pub per_endpoint: bool,
+    /// The Envoy descriptors this rule answers over gRPC (`dimension` must be `descriptor`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub envoy: Option<EnvoyMatch>,
     /// The rule's version in the rules service (0 for a rules file); bumped by every write. Local
     /// state follows it: a rejection cached under another version is dropped.
     #[serde(default, skip_serializing_if = "is_zero")]
@@ -185,6 +265,15 @@ impl Rule {
         }
         if let Some(p) = &self.matches.endpoint {
             validate_endpoint_pattern(p).map_err(|e| format!("rule {}: {e}", self.id))?;
+        }
+        if let Some(envoy) = &self.envoy {
+            envoy.validate().map_err(|e| format!("rule {}: {e}", self.id))?;
+            if self.dimension != Dimension::Descriptor {
+                return Err(format!(
+                    "rule {}: a rule with envoy descriptors must have dimension \"descriptor\"",
+                    self.id
+                ));
+            }
         }
         Ok(())
     }
@@ -245,6 +334,7 @@ pub struct RuleSet {
     by_id: HashMap<String, Arc<Rule>>,
     ordered: Vec<Arc<Rule>>,
     version: u64,
+    descriptors: super::descriptors::DescriptorIndex,
 }
 
 impl RuleSet {
@@ -256,6 +346,9 @@ impl RuleSet {
             let rule = Arc::new(rule);
             if set.by_id.insert(rule.id.clone(), rule.clone()).is_some() {
                 return Err(RuleError::Invalid(format!("rule id {} appears twice", rule.id)));
+            }
+            if let Some(envoy) = &rule.envoy {
+                set.descriptors.insert(envoy, &rule).map_err(RuleError::Invalid)?;
             }
             set.ordered.push(rule);
         }
@@ -283,18 +376,40 @@ impl RuleSet {
         Self::new(file.rules)
     }
 
-    /// Loads a rules file.
+    /// Loads a rules file: TOML or JSON, or envoyproxy/ratelimit's YAML when it ends in `.yaml` or
+    /// `.yml`.
     pub fn load(path: &Path) -> Result<Self, RuleError> {
         let text = std::fs::read_to_string(path).map_err(|source| RuleError::Read {
             path: path.display().to_string(),
             source,
         })?;
+        let yaml = matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"));
+        if yaml {
+            let rules = super::envoy_config::rules_from_yaml(&text).map_err(RuleError::Parse)?;
+            return Self::new(rules);
+        }
         Self::parse(&text)
     }
 
     /// The rule with this id.
     pub fn get(&self, id: &str) -> Option<&Arc<Rule>> {
         self.by_id.get(id)
+    }
+
+    /// The rule answering an Envoy descriptor of `domain` with these `(key, value)` entries, walked
+    /// as envoyproxy/ratelimit walks its configuration tree (an `unlimited` rule's descriptor is
+    /// not to be counted).
+    pub fn for_descriptor<'a>(
+        &self,
+        domain: &str,
+        entries: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Option<&Arc<Rule>> {
+        self.descriptors.lookup(domain, entries)
+    }
+
+    /// Whether any rule answers descriptors of `domain`.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.descriptors.has_domain(domain)
     }
 
     /// All rules, in file order.

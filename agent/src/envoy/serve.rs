@@ -1,0 +1,135 @@
+//! The gRPC listeners: tonic over a TCP address or a Unix socket, each connection holding a slot of
+//! the agent's connection cap (past it a connection is closed at once: HTTP/2 has no place for the
+//! frames protocol's Error, so the refusal is logged and counted instead).
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{watch, OwnedSemaphorePermit};
+use tonic::transport::server::Connected;
+
+use super::proto::RateLimitServiceServer;
+use super::EnvoyService;
+use crate::server::{stopped, ConnectionCap};
+
+/// A connection and its slot under the cap (freed when tonic drops the connection).
+struct Capped<IO> {
+    io: IO,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl<IO: AsyncRead + Unpin> AsyncRead for Capped<IO> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Capped<IO> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<IO: Connected> Connected for Capped<IO> {
+    type ConnectInfo = IO::ConnectInfo;
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Accepted connections under the cap, as the stream tonic serves.
+fn incoming<L, IO, F, Fut>(
+    listener: L,
+    cap: ConnectionCap,
+    accept: F,
+) -> impl futures::Stream<Item = Result<Capped<IO>, io::Error>>
+where
+    F: Fn(Arc<L>) -> Fut + Copy,
+    Fut: std::future::Future<Output = io::Result<IO>>,
+{
+    let listener = Arc::new(listener);
+    futures::stream::unfold((listener, cap), move |(listener, cap)| async move {
+        loop {
+            match accept(listener.clone()).await {
+                Ok(io) => match cap.try_acquire() {
+                    Some(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
+                    None => {
+                        crate::metrics::connection_refused("grpc");
+                        crate::server::warn_refused("grpc", cap.max());
+                    }
+                },
+                Err(e) => {
+                    // A failed accept (out of descriptors, say) must not end the server.
+                    tracing::warn!(error = %e, "gRPC accept failed");
+                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                }
+            }
+        }
+    })
+}
+
+/// Serves ShouldRateLimit on `listener` until `shutdown`.
+pub async fn serve_tcp(
+    listener: TcpListener,
+    service: Arc<EnvoyService>,
+    cap: ConnectionCap,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let stream = incoming(listener, cap, |l: Arc<TcpListener>| async move {
+        let (s, _) = l.accept().await?;
+        let _ = s.set_nodelay(true);
+        Ok(s)
+    });
+    run(stream, service, shutdown).await
+}
+
+/// Serves ShouldRateLimit on a Unix socket until `shutdown`.
+pub async fn serve_unix(
+    listener: UnixListener,
+    service: Arc<EnvoyService>,
+    cap: ConnectionCap,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error> {
+    let stream = incoming(listener, cap, |l: Arc<UnixListener>| async move {
+        Ok(l.accept().await?.0)
+    });
+    run(stream, service, shutdown).await
+}
+
+async fn run<IO>(
+    stream: impl futures::Stream<Item = Result<Capped<IO>, io::Error>> + Send + 'static,
+    service: Arc<EnvoyService>,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), tonic::transport::Error>
+where
+    IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
+{
+    tonic::transport::Server::builder()
+        .add_service(RateLimitServiceServer::from_arc(service))
+        .serve_with_incoming_shutdown(stream, async move { stopped(&mut shutdown).await })
+        .await
+}

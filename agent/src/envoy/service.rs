@@ -1,0 +1,324 @@
+//! ShouldRateLimit answered by the engine: descriptors to `(key, rule, cost)` items, one all-or-nothing
+//! check, and the verdicts back as Envoy's statuses and headers.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use floodgate_protocol::http::{rate_limit_headers, retry_after_seconds, HeaderFigures};
+use floodgate_protocol::{Check, Decision, ErrorCode, Item, MAX_ITEMS};
+use tonic::{Request, Response, Status};
+
+use super::proto::{
+    Code, DescriptorStatus, Duration, Entry, HeaderValue, RateLimit, RateLimitRequest, RateLimitResponse,
+    RateLimitService, Unit,
+};
+use crate::engine::{Answer, Engine};
+
+/// Which rate-limit headers go into `response_headers_to_add`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GrpcHeaders {
+    /// None: Envoy's own `enable_x_ratelimit_headers` (or nothing) makes them.
+    None,
+    /// `X-RateLimit-Limit/Remaining/Reset` on every response a rule applied to, `Retry-After` on
+    /// every over-limit one (the SDK Layer's headers).
+    #[default]
+    XRatelimit,
+    /// Those and the IETF draft's `RateLimit` and `RateLimit-Policy`.
+    Both,
+}
+
+/// The agent's `envoy.service.ratelimit.v3.RateLimitService`.
+pub struct EnvoyService {
+    engine: Arc<Engine>,
+    headers: GrpcHeaders,
+}
+
+impl EnvoyService {
+    /// Answers from `engine`'s rule set and store.
+    pub fn new(engine: Arc<Engine>, headers: GrpcHeaders) -> Self {
+        EnvoyService { engine, headers }
+    }
+
+    /// Decides one request (what the gRPC method calls).
+    pub async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        if req.domain.is_empty() {
+            return Err(Status::invalid_argument("rate limit domain must not be empty"));
+        }
+        if req.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
+        let rules = self.engine.rules();
+        // Which item each descriptor became (None: no rule answers it, so it is not limited).
+        let mut slots: Vec<Option<usize>> = Vec::with_capacity(req.descriptors.len());
+        let mut items: Vec<Item> = Vec::new();
+        for (n, d) in req.descriptors.iter().enumerate() {
+            if d.is_negative_hits {
+                return Err(Status::invalid_argument(format!(
+                    "descriptor {n}: is_negative_hits is not supported (nothing is given back)"
+                )));
+            }
+            let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+            let rule = rules.for_descriptor(&req.domain, entries);
+            let Some(rule) = rule.filter(|r| !r.envoy.as_ref().is_some_and(|e| e.unlimited)) else {
+                slots.push(None);
+                continue;
+            };
+            let cost = match d.hits_addend {
+                Some(h) if h.value == 0 => {
+                    return Err(Status::invalid_argument(format!(
+                        "descriptor {n}: hits_addend 0 (a look without consuming) is not supported"
+                    )))
+                }
+                Some(h) => h.value,
+                // envoyproxy/ratelimit's rule: an unset (0) request hits_addend is 1.
+                None => u64::from(req.hits_addend.max(1)),
+            };
+            let cost = u32::try_from(cost).unwrap_or(u32::MAX);
+            let key = descriptor_key(&d.entries);
+            // The same counter twice in one request is one item with the costs added (the wire
+            // refuses a duplicate item; both descriptors get its verdict).
+            match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
+                Some(i) => {
+                    items[i].cost = items[i].cost.saturating_add(cost);
+                    slots.push(Some(i));
+                }
+                None if items.len() == MAX_ITEMS => {
+                    return Err(Status::invalid_argument(format!(
+                        "more than {MAX_ITEMS} limited descriptors in one request"
+                    )))
+                }
+                None => {
+                    items.push(Item::new(key, rule.id.clone(), cost));
+                    slots.push(Some(items.len() - 1));
+                }
+            }
+        }
+        if items.is_empty() {
+            crate::metrics::grpc_request("unmatched");
+            return Ok(RateLimitResponse {
+                overall_code: Code::Ok as i32,
+                statuses: slots.iter().map(|_| unlimited()).collect(),
+                ..Default::default()
+            });
+        }
+        let start = Instant::now();
+        let result = match self.engine.check(Check::Items(items)) {
+            Answer::Ready(r) => r,
+            Answer::Pending(f) => f.await,
+        };
+        crate::metrics::check(&result, start.elapsed());
+        let decision = result.map_err(|e| {
+            crate::metrics::grpc_request("error");
+            match e.code {
+                ErrorCode::InvalidItem => Status::invalid_argument(e.message),
+                ErrorCode::Overloaded => Status::resource_exhausted(e.message),
+                ErrorCode::UnknownRule => {
+                    Status::unavailable(format!("rules changed mid-request: {}", e.message))
+                }
+                _ => Status::internal(e.message),
+            }
+        })?;
+        let response = self.response(&decision, &slots, &rules);
+        crate::metrics::grpc_request(if response.overall_code == Code::Ok as i32 {
+            "ok"
+        } else {
+            "over_limit"
+        });
+        Ok(response)
+    }
+
+    fn response(
+        &self,
+        d: &Decision,
+        slots: &[Option<usize>],
+        rules: &crate::rules::RuleSet,
+    ) -> RateLimitResponse {
+        let now = now_ms();
+        let statuses = slots
+            .iter()
+            .map(|slot| {
+                let Some(item) = slot.and_then(|i| d.items.get(i)) else {
+                    return unlimited();
+                };
+                let v = &item.verdict;
+                let over = !v.allowed && !v.log_only;
+                let window_ms = rules.get(&item.rule_id).map_or(0, |r| r.window_ms());
+                DescriptorStatus {
+                    // Shadow (log) mode answers OK, as envoyproxy/ratelimit's shadow_mode does.
+                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
+                    current_limit: Some(RateLimit {
+                        name: item.rule_id.clone(),
+                        requests_per_unit: u32::try_from(v.limit).unwrap_or(u32::MAX),
+                        unit: unit(window_ms) as i32,
+                    }),
+                    limit_remaining: u32::try_from(v.remaining).unwrap_or(u32::MAX),
+                    // Over the limit: when this request could pass; else when the key is full again.
+                    duration_until_reset: Some(Duration::from_ms(if over {
+                        v.retry_after_ms
+                    } else {
+                        v.reset_at_ms.saturating_sub(now)
+                    })),
+                }
+            })
+            .collect();
+        let allowed = d.combined.allowed;
+        let mut headers = Vec::new();
+        if self.headers != GrpcHeaders::None {
+            if let Some(rule) = binding_rule(d) {
+                let c = &d.combined;
+                let figures = HeaderFigures {
+                    rule,
+                    limit: c.limit,
+                    remaining: c.remaining,
+                    reset_at_ms: c.reset_at_ms,
+                };
+                for (k, v) in rate_limit_headers(figures, self.headers == GrpcHeaders::Both, now) {
+                    headers.push(HeaderValue {
+                        key: k.into(),
+                        value: v,
+                    });
+                }
+            }
+            if !allowed {
+                headers.push(HeaderValue {
+                    key: "retry-after".into(),
+                    value: retry_after_seconds(d.combined.retry_after_ms).to_string(),
+                });
+            }
+        }
+        RateLimitResponse {
+            overall_code: if allowed { Code::Ok } else { Code::OverLimit } as i32,
+            statuses,
+            response_headers_to_add: headers,
+            request_headers_to_add: Vec::new(),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for EnvoyService {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.decide(request.into_inner()).await.map(Response::new)
+    }
+}
+
+/// A descriptor no rule answers: OK, no limit (as envoyproxy/ratelimit answers one).
+fn unlimited() -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok as i32,
+        ..Default::default()
+    }
+}
+
+/// The enforced item whose figures the combined verdict carries.
+fn binding_rule(d: &Decision) -> Option<&str> {
+    let c = &d.combined;
+    if c.limit == 0 {
+        return None;
+    }
+    d.items
+        .iter()
+        .filter(|i| !i.verdict.log_only)
+        .find(|i| {
+            i.verdict.limit == c.limit
+                && i.verdict.remaining == c.remaining
+                && i.verdict.reset_at_ms == c.reset_at_ms
+        })
+        .map(|i| i.rule_id.as_str())
+}
+
+/// Envoy's unit for a window that is exactly one; any other window is `UNKNOWN`.
+fn unit(window_ms: u64) -> Unit {
+    match window_ms {
+        1_000 => Unit::Second,
+        60_000 => Unit::Minute,
+        3_600_000 => Unit::Hour,
+        86_400_000 => Unit::Day,
+        604_800_000 => Unit::Week,
+        _ => Unit::Unknown,
+    }
+}
+
+/// The client key of a descriptor: its entries as `key=value` joined by `|`, with `%`, `|`, `=`,
+/// braces and control characters percent-encoded (so no two descriptors share a key, and no
+/// client-written value picks a Redis hash tag); over the wire's 256 bytes, `h:` and its FNV-1a hash.
+pub fn descriptor_key(entries: &[Entry]) -> String {
+    let mut key = String::new();
+    for (i, e) in entries.iter().enumerate() {
+        if i > 0 {
+            key.push('|');
+        }
+        escape(&mut key, &e.key);
+        key.push('=');
+        escape(&mut key, &e.value);
+    }
+    if key.is_empty() {
+        key.push('=');
+    }
+    floodgate_protocol::http::wire_safe(key)
+}
+
+fn escape(out: &mut String, s: &str) {
+    for c in s.chars() {
+        if matches!(c, '%' | '|' | '=' | '{' | '}') || c.is_control() {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(k: &str, v: &str) -> Entry {
+        Entry {
+            key: k.into(),
+            value: v.into(),
+        }
+    }
+
+    #[test]
+    fn descriptor_keys_are_injective_and_wire_safe() {
+        let a = descriptor_key(&[e("k1", "x|k2=y"), e("k2", "z")]);
+        let b = descriptor_key(&[e("k1", "x"), e("k2", "y|k2=z")]);
+        assert_ne!(a, b);
+        assert_eq!(
+            descriptor_key(&[e("remote_address", "10.0.0.1")]),
+            "remote_address=10.0.0.1"
+        );
+        assert_eq!(descriptor_key(&[e("h", "{tag}")]), "h=%7Btag%7D");
+        let long = descriptor_key(&[e("k", &"v".repeat(300))]);
+        assert!(long.starts_with("h:") && long.len() == 18, "{long}");
+    }
+
+    #[test]
+    fn durations_and_units() {
+        assert_eq!(
+            Duration::from_ms(1_500),
+            Duration {
+                seconds: 1,
+                nanos: 500_000_000
+            }
+        );
+        assert_eq!(Duration::from_ms(1_500).as_ms(), 1_500);
+        assert_eq!(unit(60_000), Unit::Minute);
+        assert_eq!(unit(5_000), Unit::Unknown);
+    }
+}

@@ -1,0 +1,425 @@
+//! Envoy's RateLimitService against a real agent: a tonic client drives ShouldRateLimit over gRPC,
+//! with the agent configured from an envoyproxy/ratelimit YAML file, on the embedded store and on
+//! Redis.
+
+use std::time::Duration;
+
+use floodgate_agent::envoy::proto::{
+    Code, Entry, RateLimitClient, RateLimitDescriptor, RateLimitRequest, RateLimitResponse, UInt64Value, Unit,
+};
+use floodgate_tests::{Agent, RedisServer};
+
+// Windows of a minute or longer: each test finishes in well under a second of its window, and a
+// window boundary inside a test would only reset counts (the day-long rule of the outage test makes
+// even that a 1-in-10,000 chance).
+const CONFIG: &str = "
+domain: edge
+descriptors:
+  - key: remote_address
+    rate_limit: {unit: minute, requests_per_unit: 3}
+  - key: path
+    value: /shadow
+    shadow_mode: true
+    rate_limit: {unit: minute, requests_per_unit: 1}
+  - key: tenant
+    value: acme
+    descriptors:
+      - key: user
+        rate_limit: {unit: minute, requests_per_unit: 2}
+  - key: api_key
+    rate_limit: {unit: minute, requests_per_unit: 10}
+  - key: client
+    rate_limit: {unit: day, requests_per_unit: 6}
+";
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+async fn grpc_agent(redis: Option<&str>) -> (Agent, RateLimitClient) {
+    let mut b = Agent::builder()
+        .envoy_config(CONFIG)
+        .arg("--grpc")
+        .arg("127.0.0.1:0");
+    if let Some(url) = redis {
+        b = b.patient_redis(url);
+    }
+    let agent = b.start().await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let client = RateLimitClient::connect(format!("http://{addr}"))
+        .await
+        .expect("gRPC connects");
+    (agent, client)
+}
+
+fn header<'a>(r: &'a RateLimitResponse, name: &str) -> Option<&'a str> {
+    r.response_headers_to_add
+        .iter()
+        .find(|h| h.key == name)
+        .map(|h| h.value.as_str())
+}
+
+async fn allow_then_deny(client: &mut RateLimitClient) {
+    let ip = || request("edge", vec![descriptor(&[("remote_address", "203.0.113.5")])]);
+    for expected_remaining in [2, 1, 0] {
+        let r = client.should_rate_limit(ip()).await.unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+        let s = &r.statuses[0];
+        assert_eq!(s.code, Code::Ok as i32);
+        let limit = s
+            .current_limit
+            .as_ref()
+            .expect("a limited descriptor names its limit");
+        assert_eq!((limit.requests_per_unit, limit.unit), (3, Unit::Minute as i32));
+        assert_eq!(limit.name, "edge.remote_address");
+        assert_eq!(s.limit_remaining, expected_remaining);
+        let reset = s.duration_until_reset.unwrap().as_ms();
+        assert!(
+            reset > 0 && reset <= 120_000,
+            "a sliding window resets within two windows: {reset}"
+        );
+        assert_eq!(header(&r, "x-ratelimit-limit"), Some("3"));
+        assert_eq!(
+            header(&r, "x-ratelimit-remaining"),
+            Some(expected_remaining.to_string().as_str())
+        );
+        assert!(header(&r, "x-ratelimit-reset").is_some());
+        assert_eq!(header(&r, "retry-after"), None);
+    }
+    let r = client.should_rate_limit(ip()).await.unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].limit_remaining, 0);
+    let retry: u64 = header(&r, "retry-after")
+        .expect("Retry-After on every over-limit answer")
+        .parse()
+        .unwrap();
+    assert!((1..=60).contains(&retry), "retry after {retry} s");
+    // Another address has a counter of its own.
+    let other = request("edge", vec![descriptor(&[("remote_address", "203.0.113.6")])]);
+    assert_eq!(
+        client.should_rate_limit(other).await.unwrap().overall_code,
+        Code::Ok as i32
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_then_deny_with_statuses_and_headers_embedded() {
+    let (_agent, mut client) = grpc_agent(None).await;
+    allow_then_deny(&mut client).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allow_then_deny_with_statuses_and_headers_on_redis() {
+    let redis = RedisServer::start();
+    let (_agent, mut client) = grpc_agent(Some(&redis.url())).await;
+    allow_then_deny(&mut client).await;
+    // The counts are Redis's: a second agent on the same Redis sees the address as over its limit.
+    let (_b, mut second) = grpc_agent(Some(&redis.url())).await;
+    let r = second
+        .should_rate_limit(request(
+            "edge",
+            vec![descriptor(&[("remote_address", "203.0.113.5")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_mode_reports_but_never_rejects() {
+    let (agent, mut client) = grpc_agent(None).await;
+    for _ in 0..3 {
+        let r = client
+            .should_rate_limit(request("edge", vec![descriptor(&[("path", "/shadow")])]))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.overall_code,
+            Code::Ok as i32,
+            "shadow mode never rejects: {r:?}"
+        );
+        assert_eq!(r.statuses[0].code, Code::Ok as i32);
+        assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 1);
+    }
+    // The dry run saw the would-be rejections (the second and third request).
+    let admin = agent.admin_addr().await;
+    let (_, metrics) = floodgate_tests::http_get(admin, "/metrics").await;
+    let logged = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("floodgate_checks_total")
+                && l.contains("rule=\"edge.path_-shadow\"")
+                && l.contains("decision=\"logged\"")
+                && l.contains("source=\"local\"")
+        })
+        .unwrap_or_else(|| panic!("no logged series in:\n{metrics}"));
+    assert!(logged.ends_with(" 2"), "{logged}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_descriptors_count_per_value_and_stop_where_the_tree_does() {
+    let (_agent, mut client) = grpc_agent(None).await;
+    let user = |u: &str| request("edge", vec![descriptor(&[("tenant", "acme"), ("user", u)])]);
+    for code in [Code::Ok, Code::Ok, Code::OverLimit] {
+        let r = client.should_rate_limit(user("u1")).await.unwrap();
+        assert_eq!(r.overall_code, code as i32, "{r:?}");
+    }
+    let r = client.should_rate_limit(user("u2")).await.unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32, "each user value counts apart");
+    assert_eq!(r.statuses[0].limit_remaining, 1);
+    // The tenant alone has no rate_limit, another tenant is not in the tree, and a deeper
+    // descriptor goes past it: none is limited.
+    for entries in [
+        vec![("tenant", "acme")],
+        vec![("tenant", "other"), ("user", "u1")],
+        vec![("tenant", "acme"), ("user", "u1"), ("device", "d")],
+    ] {
+        let r = client
+            .should_rate_limit(request("edge", vec![descriptor(&entries)]))
+            .await
+            .unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32, "{entries:?}: {r:?}");
+        assert!(r.statuses[0].current_limit.is_none(), "{entries:?} has no limit");
+        assert!(r.response_headers_to_add.is_empty(), "no headers without a limit");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_domains_pass_and_bad_requests_are_refused() {
+    let (_agent, mut client) = grpc_agent(None).await;
+    let r = client
+        .should_rate_limit(request(
+            "nowhere",
+            vec![descriptor(&[("remote_address", "1.2.3.4")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(r.statuses.len(), 1);
+    assert!(r.statuses[0].current_limit.is_none());
+    let e = client
+        .should_rate_limit(request("", vec![descriptor(&[("remote_address", "1.2.3.4")])]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.message().contains("domain"), "{e}");
+    let e = client
+        .should_rate_limit(request("edge", vec![]))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    let mut negative = descriptor(&[("remote_address", "1.2.3.4")]);
+    negative.is_negative_hits = true;
+    let e = client
+        .should_rate_limit(request("edge", vec![negative]))
+        .await
+        .unwrap_err();
+    assert!(e.message().contains("is_negative_hits"), "{e}");
+    // A value with braces cannot pick a Redis hash tag: it is escaped into the key and limited.
+    let braces = || request("edge", vec![descriptor(&[("remote_address", "{evil}")])]);
+    for code in [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit] {
+        assert_eq!(
+            client.should_rate_limit(braces()).await.unwrap().overall_code,
+            code as i32
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hits_addend_is_the_cost() {
+    let (_agent, mut client) = grpc_agent(None).await;
+    let mut r = request("edge", vec![descriptor(&[("api_key", "k")])]);
+    r.hits_addend = 4;
+    let a = client.should_rate_limit(r).await.unwrap();
+    assert_eq!(a.statuses[0].limit_remaining, 6);
+    // A descriptor's own hits_addend wins over the request's.
+    let mut d = descriptor(&[("api_key", "k")]);
+    d.hits_addend = Some(UInt64Value { value: 5 });
+    let mut r = request("edge", vec![d]);
+    r.hits_addend = 9;
+    let b = client.should_rate_limit(r).await.unwrap();
+    assert_eq!(b.statuses[0].limit_remaining, 1);
+    let mut r = request("edge", vec![descriptor(&[("api_key", "k")])]);
+    r.hits_addend = 2;
+    let c = client.should_rate_limit(r).await.unwrap();
+    assert_eq!(
+        c.overall_code,
+        Code::OverLimit as i32,
+        "2 more than the 1 left: {c:?}"
+    );
+    let d = client
+        .should_rate_limit(request("edge", vec![descriptor(&[("api_key", "k")])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.overall_code, d.statuses[0].limit_remaining),
+        (Code::Ok as i32, 0),
+        "the rejected 2 consumed nothing: the last unit is still there"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_descriptors_are_all_or_nothing() {
+    let (_agent, mut client) = grpc_agent(None).await;
+    let ip = || descriptor(&[("remote_address", "198.51.100.1")]);
+    for _ in 0..3 {
+        client
+            .should_rate_limit(request("edge", vec![ip()]))
+            .await
+            .unwrap();
+    }
+    let both = request(
+        "edge",
+        vec![
+            descriptor(&[("api_key", "k2")]),
+            ip(),
+            descriptor(&[("unknown", "x")]),
+        ],
+    );
+    let r = client.should_rate_limit(both).await.unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(r.statuses.len(), 3, "one status per descriptor, in order");
+    assert_eq!(r.statuses[1].code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[2].code, Code::Ok as i32);
+    assert!(r.statuses[2].current_limit.is_none());
+    let alone = client
+        .should_rate_limit(request("edge", vec![descriptor(&[("api_key", "k2")])]))
+        .await
+        .unwrap();
+    assert_eq!(
+        alone.statuses[0].limit_remaining, 9,
+        "the rejected request took nothing from the api key's 10"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_fails_open_at_limit_over_n() {
+    let mut redis = RedisServer::start();
+    // N pinned to 2: the fallback enforces 6 / 2 = 3 per day-long window on this agent.
+    let agent = Agent::builder()
+        .envoy_config(CONFIG)
+        .redis(&redis.url())
+        .arg("--agents")
+        .arg("2")
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .start()
+        .await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+    redis.kill();
+    let c = || request("edge", vec![descriptor(&[("client", "c1")])]);
+    let mut codes = Vec::new();
+    for _ in 0..5 {
+        let r = tokio::time::timeout(Duration::from_secs(2), client.should_rate_limit(c()))
+            .await
+            .expect("an answer while Redis is down, not a hang")
+            .unwrap();
+        codes.push(r.overall_code);
+    }
+    let ok = Code::Ok as i32;
+    let over = Code::OverLimit as i32;
+    assert_eq!(
+        codes,
+        vec![ok, ok, ok, over, over],
+        "fail open, enforced at limit / N = 3"
+    );
+    assert!(!agent.log().contains("panicked"), "{}", agent.log());
+}
+
+/// `floodgate rules import-envoy` writes the YAML's rules through the rules API (here the embedded
+/// default's), and the agent answers ShouldRateLimit with them once they arrive; a file that cannot
+/// be mapped writes nothing and names the descriptor.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn import_envoy_writes_rules_through_the_api() {
+    let agent = Agent::builder().arg("--grpc").arg("127.0.0.1:0").start().await;
+    let rules_api = agent.rules_addr().await;
+    let grpc = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.yaml");
+    std::fs::write(
+        &bad,
+        "domain: edge\ndescriptors:\n  - key: ok\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: k\n    rate_limit: {unit: month, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let run = |file: &std::path::Path| {
+        std::process::Command::new(floodgate_tests::floodgate_bin())
+            .args([
+                "rules",
+                "--server",
+                &format!("http://{rules_api}"),
+                "import-envoy",
+            ])
+            .arg(file)
+            .output()
+            .unwrap()
+    };
+    let out = run(&bad);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("descriptor edge.k: unit \"month\""),
+        "{err}"
+    );
+    let good = dir.path().join("edge.yaml");
+    std::fs::write(&good, CONFIG).unwrap();
+    let out = run(&good);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("5 rules imported"),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (_, listed) = floodgate_tests::http_get(rules_api, "/v1/rules").await;
+    assert!(
+        !listed.contains("\"edge.ok\""),
+        "the refused file wrote nothing: {listed}"
+    );
+    let mut client = RateLimitClient::connect(format!("http://{grpc}")).await.unwrap();
+    let limited = floodgate_tests::eventually("the imported rules answer", Duration::from_secs(10), || {
+        let mut client = client.clone();
+        async move {
+            let r = client
+                .should_rate_limit(request(
+                    "edge",
+                    vec![descriptor(&[("remote_address", "192.0.2.1")])],
+                ))
+                .await
+                .ok()?;
+            r.statuses[0].current_limit.clone()
+        }
+    })
+    .await;
+    assert_eq!(
+        (limited.name.as_str(), limited.requests_per_unit),
+        ("edge.remote_address", 3)
+    );
+    let r = client
+        .should_rate_limit(request(
+            "edge",
+            vec![descriptor(&[("tenant", "acme"), ("user", "x")])],
+        ))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit),
+        Some(2)
+    );
+}
