@@ -80,11 +80,11 @@ pub struct ObservabilityRun {
     pub off_cpu_us: f64,
 }
 
-fn us(h: &Histogram<u64>, q: f64) -> f64 {
+pub(crate) fn us(h: &Histogram<u64>, q: f64) -> f64 {
     h.value_at_quantile(q) as f64 / 1_000.0
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     if v.is_empty() {
         return 0.0;

@@ -16,6 +16,7 @@
 //!   memory per key).
 //! - `gateway`: issue 6's figures (the tower Layer's added latency over a bare axum handler; the agent
 //!   path with metrics and events on vs off).
+//! - `grpc`: issue 12's figure (Envoy's ShouldRateLimit over gRPC vs the frames protocol).
 //! - `sdk`: the Rust SDK against a running agent (the Python and Node SDK benchmarks' baseline).
 //! - `report`: percentiles, the table, the JSON.
 
@@ -24,6 +25,7 @@ mod closed;
 mod echo;
 mod fleet;
 mod gateway;
+mod grpc;
 mod open;
 mod propagation;
 mod report;
@@ -180,6 +182,24 @@ enum Command {
         nodes: Vec<usize>,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/placement.json")]
+        json: PathBuf,
+    },
+    /// Envoy's ShouldRateLimit over gRPC vs the Rust SDK over the socket, same agent, same run.
+    Grpc {
+        /// Runs per level (alternating which side goes first).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Requests in flight (on one HTTP/2 channel, or one SDK client), comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        clients: Vec<usize>,
+        /// Seconds measured per side and run (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Stores: memory, redis, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "memory,redis")]
+        store: Vec<String>,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/grpc.json")]
         json: PathBuf,
     },
     /// The Rust SDK's `allow` against an agent already running at `--socket` (the baseline of the
@@ -344,6 +364,16 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let rows = runtime.block_on(gateway::observability(runs, clients, seconds, keys))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Grpc {
+            runs,
+            clients,
+            seconds,
+            store,
+            json,
+        }) => {
+            let rows = runtime.block_on(grpc::run(runs, &clients, seconds, &store))?;
             write_json(&json, &rows)
         }
         Some(Command::Sdk {
