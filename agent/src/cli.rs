@@ -275,6 +275,13 @@ fn line(r: &Value) -> String {
     if let Some(t) = m["tier"].as_str() {
         matches.push(format!("tier={t}"));
     }
+    if let Ok(e) = serde_json::from_value::<crate::rules::EnvoyMatch>(r["envoy"].clone()) {
+        matches.push(format!(
+            "envoy={}{}",
+            e.path(),
+            if e.unlimited { " (unlimited)" } else { "" }
+        ));
+    }
     format!(
         "{:<24} {:>4} {:>12} {:>8}s  {:<14} {:<7} {:<8} {}",
         s("id", ""),
