@@ -386,8 +386,8 @@ fn main() -> anyhow::Result<()> {
             let report = runtime.block_on(sdk::run(&socket, &rule, &clients, seconds))?;
             for r in &report.results {
                 println!(
-                    "rust sdk  clients {:>3}  p50 {:>8.1} µs  p99 {:>8.1} µs  {:>9.0} checks/s",
-                    r.clients, r.p50_us, r.p99_us, r.checks_per_s
+                    "rust sdk  clients {:>3}  p50 {:>8.1} µs  p99 {:>8.1} µs  {:>9.0} checks/s  {} by fail policy",
+                    r.clients, r.p50_us, r.p99_us, r.checks_per_s, r.fail_policy
                 );
             }
             write_json(&json, &report)

@@ -1,0 +1,517 @@
+/**
+ * The client: one multiplexed Unix-socket connection to the local agent, request ids, pipelining,
+ * a timeout per call, the fail policy, reconnection with backoff and jitter.
+ */
+
+import * as net from "node:net";
+
+import {
+  agentDecision,
+  degradedDecision,
+  localDecision,
+  type Decision,
+  type Degraded,
+} from "./decision";
+import {
+  attributeFields,
+  decodeFrame,
+  encodeFrame,
+  ErrorCode,
+  InvalidCheck,
+  VERSION,
+  type Attributes,
+  type Check,
+  type Item,
+} from "./protocol";
+
+/** What a call answers when the agent cannot: allow (`open`, the default) or deny (`closed`). */
+export type FailPolicy = "open" | "closed";
+
+/**
+ * A limit this process enforces by itself while the agent is away, for fail-open calls: a token
+ * bucket of `limit` refilled over `perMs`, per check key.
+ */
+export interface LocalLimit {
+  /** Bucket capacity, and refill per `perMs`. */
+  limit: number;
+  /** The refill period in milliseconds. */
+  perMs: number;
+}
+
+/** Where the client reports what goes wrong with the agent (nothing by default). */
+export interface Logger {
+  warn(message: string): void;
+  debug?(message: string): void;
+}
+
+/** How a client behaves; every field is optional and the defaults suit most services. */
+export interface ClientConfig {
+  /** Longest a call waits for the agent, in ms (default 10). */
+  timeoutMs?: number;
+  /** What a call answers when the agent cannot (default `open`). */
+  fail?: FailPolicy;
+  /** The Retry-After a fail-closed answer carries, in ms (default 1000). */
+  closedRetryAfterMs?: number;
+  /** First reconnection delay in ms; doubles on each failure (default 10). */
+  reconnectMinMs?: number;
+  /** Longest reconnection delay in ms (default 1000). */
+  reconnectMaxMs?: number;
+  /** Longest a connection attempt and its Hello may take, in ms (default 250). */
+  connectTimeoutMs?: number;
+  /** Calls in flight at most; past it calls answer by their fail policy at once (default 8192). */
+  maxPending?: number;
+  /**
+   * Bytes written but not yet taken by the socket at most (an agent that stopped reading); past it
+   * calls answer by their fail policy at once (default 1 MiB).
+   */
+  maxBufferedBytes?: number;
+  /** A per-process limit fail-open calls enforce while the agent is away (default off). */
+  fallbackLimit?: LocalLimit | null;
+  /** Where warnings go (default: none). */
+  logger?: Logger | null;
+}
+
+/** Per-call overrides of the client's configuration. */
+export interface CallOptions {
+  /** Overrides {@link ClientConfig.timeoutMs}. */
+  timeoutMs?: number;
+  /** Overrides {@link ClientConfig.fail}. */
+  fail?: FailPolicy;
+}
+
+/** Counts of calls the SDK answered by itself, for the service's own metrics. */
+export interface ClientStats {
+  /** Calls answered by the fail policy because there was no connection (or the agent could not answer). */
+  unavailable: number;
+  /** Calls answered by the fail policy because the agent was late. */
+  timeouts: number;
+  /** Connections established (the first one included). */
+  connects: number;
+  /** Degraded calls the per-process fallback limit denied. */
+  localDenied: number;
+}
+
+/**
+ * Why a check returned no decision: only what no fail policy can answer for the caller. An
+ * unreachable or late agent never shows up here: those calls resolve by the fail policy.
+ */
+export class FloodgateError extends Error {
+  /**
+   * `invalid`: the check breaks a protocol limit (found before sending); `agent`: the agent refused
+   * it (unknown rule, invalid item), with the wire `code`.
+   */
+  readonly kind: "invalid" | "agent";
+  /** The agent's error code (4 unknown rule, 5 invalid item) when `kind` is `agent`. */
+  readonly code?: number;
+  constructor(kind: "invalid" | "agent", message: string, code?: number) {
+    super(message);
+    this.name = "FloodgateError";
+    this.kind = kind;
+    this.code = code;
+  }
+}
+
+interface Pending {
+  resolve(d: Decision): void;
+  reject(e: Error): void;
+  timer: NodeJS.Timeout;
+  policy: FailPolicy;
+  local: [string, number] | null;
+}
+
+/** Distinct keys the local limiter tracks before it starts over (bounded memory). */
+const LOCAL_KEYS = 100_000;
+
+interface Resolved {
+  timeoutMs: number;
+  fail: FailPolicy;
+  closedRetryAfterMs: number;
+  reconnectMinMs: number;
+  reconnectMaxMs: number;
+  connectTimeoutMs: number;
+  maxPending: number;
+  maxBufferedBytes: number;
+  fallbackLimit: LocalLimit | null;
+  logger: Logger | null;
+}
+
+const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: VERSION, maxVersion: VERSION } });
+
+function resolveConfig(c: ClientConfig): Resolved {
+  const ms = (v: number | undefined, d: number, min = 0) =>
+    typeof v === "number" && Number.isFinite(v) ? Math.max(min, v) : d;
+  return {
+    timeoutMs: ms(c.timeoutMs, 10),
+    fail: c.fail === "closed" ? "closed" : "open",
+    closedRetryAfterMs: ms(c.closedRetryAfterMs, 1000),
+    reconnectMinMs: ms(c.reconnectMinMs, 10, 1),
+    reconnectMaxMs: ms(c.reconnectMaxMs, 1000, 1),
+    connectTimeoutMs: ms(c.connectTimeoutMs, 250, 1),
+    maxPending: ms(c.maxPending, 8192, 1),
+    maxBufferedBytes: ms(c.maxBufferedBytes, 1 << 20, 1),
+    fallbackLimit: c.fallbackLimit ?? null,
+    logger: c.logger ?? null,
+  };
+}
+
+/**
+ * A client of the local agent. One per process: every call shares its one connection, many in
+ * flight at once. Every call resolves within its timeout (default 10 ms), whatever the agent does:
+ * when the agent is unreachable or late the call answers by its fail policy, open (allow) by
+ * default, and the client reconnects in the background with backoff and jitter. Calls reject only
+ * for checks no policy can answer ({@link FloodgateError}: an invalid check, an unknown rule).
+ *
+ * ```ts
+ * const client = await Client.connect("/tmp/floodgate.sock");
+ * const d = await client.allow("user:123", "api-per-user");
+ * if (!d.allowed) console.log(`429, retry in ${d.retryAfterMs} ms`);
+ * ```
+ */
+export class Client {
+  /** The agent's socket path. */
+  readonly path: string;
+  private readonly config: Resolved;
+  private readonly pending = new Map<number, Pending>();
+  private socket: net.Socket | null = null;
+  private connected = false;
+  private closed = false;
+  private nextId = 1;
+  private rbuf: Buffer = Buffer.alloc(0);
+  private backoff: number | null = null;
+  private reconnectTimer: NodeJS.Timeout | null = null;
+  private readyWaiters: (() => void)[] = [];
+  private readonly local = new Map<string, { tokens: number; at: number }>();
+  private readonly counts: ClientStats = { unavailable: 0, timeouts: 0, connects: 0, localDenied: 0 };
+  private lastWarn = new Map<string, number>();
+
+  /**
+   * A client for the agent at `path`. Returns at once; the connection is made (and remade) in the
+   * background, and calls answer by the fail policy until it is up. {@link Client.connect} waits for
+   * the first connection.
+   */
+  constructor(path: string, config: ClientConfig = {}) {
+    this.path = path;
+    this.config = resolveConfig(config);
+    this.open();
+  }
+
+  /**
+   * A client that has tried its first connection: waits up to `connectTimeoutMs` so that the first
+   * calls reach the agent when it is up. Never rejects: an absent agent is the fail policy's case.
+   */
+  static async connect(path: string, config: ClientConfig = {}): Promise<Client> {
+    const client = new Client(path, config);
+    await client.ready(client.config.connectTimeoutMs);
+    return client;
+  }
+
+  /**
+   * Resolves once the client is connected, or its connection attempt under way has failed, or after
+   * `waitMs` — whichever comes first. Resolves to whether it is connected; never rejects.
+   */
+  ready(waitMs: number = this.config.connectTimeoutMs): Promise<boolean> {
+    if (this.connected || this.closed) return Promise.resolve(this.connected);
+    return new Promise((resolve) => {
+      const done = () => {
+        clearTimeout(timer);
+        resolve(this.connected);
+      };
+      const timer = setTimeout(() => {
+        const i = this.readyWaiters.indexOf(done);
+        if (i >= 0) this.readyWaiters.splice(i, 1);
+        resolve(this.connected);
+      }, waitMs);
+      this.readyWaiters.push(done);
+    });
+  }
+
+  /** One item: `allow(key, ruleId, cost)`. */
+  allow(key: string, ruleId: string, cost = 1, options?: CallOptions): Promise<Decision> {
+    return this.send({ form: "items", items: [{ key, ruleId, cost }] }, options);
+  }
+
+  /** Several items at once (1 to 16): allowed only if every enforced item is; a denial consumes nothing. */
+  check(items: Item[], options?: CallOptions): Promise<Decision> {
+    return this.send({ form: "items", items }, options);
+  }
+
+  /** Request attributes for the agent to match against its rules (every matching rule is checked). */
+  checkAttributes(attributes: Attributes, options?: CallOptions): Promise<Decision> {
+    return this.send({ form: "attributes", attributes }, options);
+  }
+
+  /** Whether the client holds a live connection to the agent right now. */
+  isConnected(): boolean {
+    return this.connected;
+  }
+
+  /** Counts of degraded answers and connections, for the service's metrics. */
+  stats(): ClientStats {
+    return { ...this.counts };
+  }
+
+  /**
+   * Closes the connection and stops reconnecting. Calls in flight, and any made afterwards,
+   * answer by their fail policy.
+   */
+  close(): void {
+    if (this.closed) return;
+    this.closed = true;
+    if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
+    this.reconnectTimer = null;
+    const s = this.socket;
+    this.socket = null;
+    this.connected = false;
+    s?.destroy();
+    this.failAll("unavailable");
+    this.wake();
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // Calls
+
+  private send(check: Check, options?: CallOptions): Promise<Decision> {
+    const timeoutMs =
+      typeof options?.timeoutMs === "number" && Number.isFinite(options.timeoutMs)
+        ? Math.max(0, options.timeoutMs)
+        : this.config.timeoutMs;
+    const policy: FailPolicy = options?.fail ?? this.config.fail;
+    const id = this.allocateId();
+    let bytes: Buffer;
+    try {
+      bytes = encodeFrame({ requestId: id, body: { kind: "check", check } });
+    } catch (e) {
+      const message = e instanceof InvalidCheck ? e.message : String(e);
+      return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));
+    }
+    const local = this.config.fallbackLimit ? localKey(check) : null;
+    const sock = this.socket;
+    if (
+      !this.connected ||
+      sock === null ||
+      this.pending.size >= this.config.maxPending ||
+      sock.writableLength > this.config.maxBufferedBytes
+    ) {
+      return Promise.resolve(this.degraded(policy, "unavailable", local));
+    }
+    return new Promise<Decision>((resolve, reject) => {
+      const timer = setTimeout(() => {
+        if (this.pending.delete(id)) resolve(this.degraded(policy, "timeout", local));
+      }, timeoutMs);
+      this.pending.set(id, { resolve, reject, timer, policy, local });
+      // Written at once rather than coalesced per tick: measured, a closed loop of 16 callers ran
+      // ~1.6x faster and with less CPU per check, since the agent starts on the first check while
+      // this process still resumes the others (coalescing made both sides take turns).
+      sock.write(bytes);
+    });
+  }
+
+  private allocateId(): number {
+    // Id 0 is reserved for connection-level frames; an id still in flight is never reused.
+    for (;;) {
+      const id = this.nextId;
+      this.nextId = this.nextId >= 0xffff_ffff ? 1 : this.nextId + 1;
+      if (!this.pending.has(id)) return id;
+    }
+  }
+
+  private settle(id: number): Pending | undefined {
+    const p = this.pending.get(id);
+    if (p) {
+      this.pending.delete(id);
+      clearTimeout(p.timer);
+    }
+    return p;
+  }
+
+  private failAll(why: Degraded): void {
+    const all = [...this.pending.values()];
+    this.pending.clear();
+    for (const p of all) {
+      clearTimeout(p.timer);
+      p.resolve(this.degraded(p.policy, why, p.local));
+    }
+  }
+
+  private degraded(policy: FailPolicy, why: Degraded, local: [string, number] | null): Decision {
+    if (why === "unavailable") this.counts.unavailable++;
+    else this.counts.timeouts++;
+    const now = Date.now();
+    const limit = this.config.fallbackLimit;
+    if (policy === "open" && limit && local) return this.localLimit(limit, local[0], local[1], why, now);
+    return degradedDecision(policy === "open", why, this.config.closedRetryAfterMs, now);
+  }
+
+  /** The per-process fallback limit: a token bucket per check key. */
+  private localLimit(limit: LocalLimit, key: string, cost: number, why: Degraded, nowMs: number): Decision {
+    const capacity = Math.max(1, Math.floor(limit.limit));
+    const rate = capacity / (Math.max(1, limit.perMs) / 1000); // tokens per second
+    const now = performance.now();
+    if (this.local.size >= LOCAL_KEYS && !this.local.has(key)) this.local.clear();
+    let s = this.local.get(key);
+    if (!s) {
+      s = { tokens: capacity, at: now };
+      this.local.set(key, s);
+    }
+    s.tokens = Math.min(capacity, s.tokens + ((now - s.at) / 1000) * rate);
+    s.at = now;
+    const allowed = s.tokens >= cost;
+    if (allowed) s.tokens -= cost;
+    else this.counts.localDenied++;
+    const retryMs = allowed ? 0 : Math.max(1, Math.ceil(((cost - s.tokens) / rate) * 1000));
+    return localDecision(allowed, why, capacity, Math.max(0, Math.floor(s.tokens)), retryMs, nowMs);
+  }
+
+  // -------------------------------------------------------------------------------------------
+  // The connection
+
+  private open(): void {
+    if (this.closed) return;
+    const sock = net.createConnection({ path: this.path });
+    // The socket alone does not keep the process alive; a call in flight does (its timer).
+    sock.unref();
+    this.socket = sock;
+    this.rbuf = Buffer.alloc(0);
+    let upSince = 0;
+    const timer = setTimeout(() => {
+      this.debug("connecting to the agent timed out");
+      sock.destroy();
+    }, this.config.connectTimeoutMs);
+    timer.unref();
+    sock.on("connect", () => sock.write(HELLO));
+    sock.on("error", (e) => this.debug(`agent connection: ${e.message}`));
+    sock.on("data", (chunk: Buffer) => {
+      if (this.socket !== sock) return;
+      this.rbuf = this.rbuf.length === 0 ? chunk : Buffer.concat([this.rbuf, chunk]);
+      if (!this.connected) {
+        const r = decodeFrame(this.rbuf);
+        if (!r.ok && r.type === "incomplete") return;
+        if (r.ok && r.frame.body.kind === "helloOk" && r.frame.body.version === VERSION) {
+          clearTimeout(timer);
+          this.rbuf = this.rbuf.subarray(r.used);
+          this.connected = true;
+          upSince = performance.now();
+          this.counts.connects++;
+          this.wake();
+        } else {
+          const why = r.ok
+            ? r.frame.body.kind === "error"
+              ? `agent refused Hello: ${r.frame.body.code}: ${r.frame.body.message}`
+              : `unexpected answer to Hello (${r.frame.body.kind})`
+            : r.reason;
+          this.warn("hello", `floodgate: ${why}; reconnecting`);
+          sock.destroy();
+          return;
+        }
+      }
+      this.readFrames(sock);
+    });
+    sock.on("close", () => {
+      clearTimeout(timer);
+      if (this.socket !== sock) return;
+      const wasUp = this.connected;
+      this.socket = null;
+      this.connected = false;
+      this.rbuf = Buffer.alloc(0);
+      this.failAll("unavailable");
+      if (this.closed) return;
+      // Back off afresh only after a connection that lasted: an agent that accepts and then drops
+      // every connection must not be hammered every reconnectMinMs.
+      if (wasUp && performance.now() - upSince >= 1000) this.backoff = null;
+      if (wasUp) this.debug("connection to the agent lost; reconnecting");
+      this.wake();
+      this.scheduleReconnect();
+    });
+  }
+
+  private scheduleReconnect(): void {
+    const { reconnectMinMs: min, reconnectMaxMs: max } = this.config;
+    const base = this.backoff === null ? min : Math.min(this.backoff * 2, max);
+    this.backoff = base;
+    // Equal jitter: between half the delay and the whole of it, so that many processes whose
+    // agent restarted do not reconnect in lockstep.
+    const delay = base / 2 + Math.random() * (base / 2);
+    this.reconnectTimer = setTimeout(() => {
+      this.reconnectTimer = null;
+      this.open();
+    }, delay);
+    this.reconnectTimer.unref();
+  }
+
+  private readFrames(sock: net.Socket): void {
+    let pos = 0;
+    const buf = this.rbuf;
+    while (pos < buf.length) {
+      const r = decodeFrame(pos === 0 ? buf : buf.subarray(pos));
+      if (r.ok) {
+        pos += r.used;
+        const { requestId, body } = r.frame;
+        if (body.kind === "decision") {
+          const p = this.settle(requestId);
+          if (p) p.resolve(agentDecision(body.combined, body.items));
+        } else if (body.kind === "error") {
+          const p = this.settle(requestId);
+          if (!p) continue; // connection-level (id 0) or a call that already timed out
+          if (body.code === ErrorCode.UnknownRule || body.code === ErrorCode.InvalidItem) {
+            p.reject(new FloodgateError("agent", `agent refused the check (${body.code}): ${body.message}`, body.code));
+          } else {
+            // Overload, an internal error, a code from a newer agent: the agent's trouble.
+            p.resolve(this.degraded(p.policy, "unavailable", p.local));
+          }
+        }
+        // Any other kind is not an answer: ignored.
+        continue;
+      }
+      if (r.type === "incomplete") break;
+      if (r.type === "rejected") {
+        // An answer this SDK cannot read (bad text, another version): its call answers by its
+        // fail policy now instead of waiting out its timeout.
+        pos += r.frameLen;
+        const p = this.settle(r.requestId);
+        if (p) p.resolve(this.degraded(p.policy, "unavailable", p.local));
+        this.warn("rejected", `floodgate: unreadable answer from the agent: ${r.reason}`);
+        continue;
+      }
+      this.warn("fatal", `floodgate: the agent sent a broken frame (${r.reason}); reconnecting`);
+      sock.destroy();
+      return;
+    }
+    this.rbuf = pos >= buf.length ? Buffer.alloc(0) : buf.subarray(pos);
+  }
+
+  private wake(): void {
+    const w = this.readyWaiters;
+    this.readyWaiters = [];
+    for (const f of w) f();
+  }
+
+  private debug(message: string): void {
+    this.config.logger?.debug?.(message);
+  }
+
+  /** At most one warning a minute of each kind. */
+  private warn(kind: string, message: string): void {
+    const logger = this.config.logger;
+    if (!logger) return;
+    const now = Date.now();
+    if ((this.lastWarn.get(kind) ?? -Infinity) + 60_000 > now) return;
+    this.lastWarn.set(kind, now);
+    logger.warn(message);
+  }
+}
+
+/** The local limiter's key and cost for a check. */
+function localKey(check: Check): [string, number] {
+  if (check.form === "items") {
+    let k = "";
+    let cost = 1;
+    for (const i of check.items) {
+      k += `${i.ruleId}\u0000${i.key}\u0000`;
+      cost = Math.max(cost, i.cost ?? 1);
+    }
+    return [k, cost];
+  }
+  let k = "attributes\u0000";
+  for (const [, v] of attributeFields(check.attributes)) k += `${v ?? ""}\u0000`;
+  return [k, check.attributes.cost ?? 1];
+}

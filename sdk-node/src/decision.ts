@@ -1,0 +1,101 @@
+/** A decision as the SDK returns it, with who decided. */
+
+import type { ItemDecision, Source } from "./protocol";
+
+/** Why the SDK answered by itself instead of the agent. */
+export type Degraded =
+  /** No connection to the agent (down, restarting, socket missing), or the agent could not answer. */
+  | "unavailable"
+  /** The agent did not answer within the call's timeout. */
+  | "timeout";
+
+/** Who decided. */
+export type Origin =
+  /** The agent, from this source. */
+  | { kind: "agent"; source: Source }
+  /** The SDK's fail policy: allowed because the agent could not answer. */
+  | { kind: "failOpen"; reason: Degraded }
+  /** The SDK's fail policy: denied because the agent could not answer. */
+  | { kind: "failClosed"; reason: Degraded }
+  /** The SDK's per-process fallback limit decided (allowed or not) because the agent could not. */
+  | { kind: "localLimit"; reason: Degraded };
+
+/** The answer to a check. */
+export interface Decision {
+  /** Whether the request may pass. */
+  allowed: boolean;
+  /** The binding rule's limit (0 when no rule applied or the SDK decided alone). */
+  limit: number;
+  /** Units left under the binding rule. */
+  remaining: number;
+  /** Unix ms at which the binding key is back to its full limit. */
+  resetAtMs: number;
+  /** On a denial, ms until retrying can succeed (at least 1); always set when `allowed` is false. */
+  retryAfterMs?: number;
+  /** Who decided. */
+  origin: Origin;
+  /** The agent's source of the combined verdict; undefined when the SDK decided alone. */
+  source?: Source;
+  /** The combined verdict carries the log-only flag: every item is in log mode (never enforced). */
+  logOnly: boolean;
+  /** Per-rule verdicts from the agent (empty when the SDK decided alone). */
+  items: ItemDecision[];
+}
+
+/** Whether the agent decided (not the SDK's fail policy or fallback limit). */
+export function fromAgent(d: Decision): boolean {
+  return d.origin.kind === "agent";
+}
+
+/** @internal A decision from the agent's combined verdict and items. */
+export function agentDecision(
+  combined: import("./protocol").Verdict,
+  items: ItemDecision[],
+): Decision {
+  return {
+    allowed: combined.allowed,
+    limit: combined.limit,
+    remaining: combined.remaining,
+    resetAtMs: combined.resetAtMs,
+    retryAfterMs: combined.allowed ? undefined : Math.max(1, combined.retryAfterMs),
+    origin: { kind: "agent", source: combined.source },
+    source: combined.source,
+    logOnly: combined.logOnly,
+    items,
+  };
+}
+
+/** @internal The fail policy's answer. */
+export function degradedDecision(allow: boolean, why: Degraded, retryAfterMs: number, nowMs: number): Decision {
+  return {
+    allowed: allow,
+    limit: 0,
+    remaining: 0,
+    resetAtMs: allow ? nowMs : nowMs + retryAfterMs,
+    retryAfterMs: allow ? undefined : Math.max(1, retryAfterMs),
+    origin: allow ? { kind: "failOpen", reason: why } : { kind: "failClosed", reason: why },
+    logOnly: false,
+    items: [],
+  };
+}
+
+/** @internal The per-process fallback limit's answer. */
+export function localDecision(
+  allowed: boolean,
+  why: Degraded,
+  limit: number,
+  remaining: number,
+  retryAfterMs: number,
+  nowMs: number,
+): Decision {
+  return {
+    allowed,
+    limit,
+    remaining,
+    resetAtMs: nowMs + retryAfterMs,
+    retryAfterMs: allowed ? undefined : Math.max(1, retryAfterMs),
+    origin: { kind: "localLimit", reason: why },
+    logOnly: false,
+    items: [],
+  };
+}

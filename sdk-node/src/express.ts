@@ -1,0 +1,93 @@
+/**
+ * Express (and Connect-style) middleware: asks the agent once per request, sets
+ * `X-RateLimit-Limit`, `-Remaining` and `-Reset` on every response an enforced rule applied to, and
+ * answers a rejection with 429, `Retry-After` (whole seconds, rounded up, at least 1) and
+ * `{"error":"rate_limited","retryAfter":N}`. Log-mode rules never block and never show in the
+ * headers; when the agent cannot answer the client's fail policy decides (open by default: the
+ * request passes without headers).
+ *
+ * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
+ * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
+ * in front); mounted with `app.use(limit)` it runs before routing and checks the request path.
+ */
+
+import type { IncomingMessage, ServerResponse } from "node:http";
+
+import type { Client } from "./client";
+import { Limiter, type LimitOutcome, type RateLimitOptions, type RequestView } from "./http";
+
+/** The parts of an Express request the middleware reads (structural: no dependency on express). */
+export interface ExpressLikeRequest extends IncomingMessage {
+  /** Express: the path below the mount point. */
+  path?: string;
+  /** Express: the router's mount path. */
+  baseUrl?: string;
+  /** Express: the URL as received, query included. */
+  originalUrl?: string;
+  /** Express: the matched route, inside a route's handlers. */
+  route?: { path?: unknown };
+}
+
+/** An Express/Connect middleware. */
+export type ExpressMiddleware = (req: ExpressLikeRequest, res: ServerResponse, next: (err?: unknown) => void) => void;
+
+function stripQuery(url: string): string {
+  const q = url.search(/[?#]/);
+  return q < 0 ? url : url.slice(0, q);
+}
+
+/** What the extractors see of an Express request. */
+export function expressView(req: ExpressLikeRequest): RequestView {
+  const routePath = req.route?.path;
+  return {
+    headers: req.headers,
+    rawHeaders: req.rawHeaders,
+    remoteAddress: req.socket?.remoteAddress,
+    route: typeof routePath === "string" ? `${req.baseUrl ?? ""}${routePath}` : undefined,
+    path: stripQuery(req.originalUrl ?? req.url ?? "/") || "/",
+    native: req,
+  };
+}
+
+/** Writes the outcome: headers always, the 429 on a rejection. Returns whether the request goes on. */
+export function applyToNodeResponse(res: ServerResponse, outcome: LimitOutcome): boolean {
+  if (res.headersSent) return !outcome.reject;
+  for (const [name, value] of outcome.headers) res.setHeader(name, value);
+  if (!outcome.reject) return true;
+  res.statusCode = 429;
+  res.setHeader("Retry-After", String(outcome.reject.retryAfter));
+  res.setHeader("Content-Type", "application/json");
+  res.setHeader("Content-Length", Buffer.byteLength(outcome.reject.body));
+  res.end(outcome.reject.body);
+  return false;
+}
+
+/**
+ * The middleware.
+ *
+ * ```ts
+ * const client = await Client.connect("/run/floodgate/floodgate.sock");
+ * const limit = floodgateExpress(client, { userHeader: "x-authenticated-user", trustProxies: ["10.0.0.0/8"] });
+ * app.get("/api/search", limit, search);   // endpoint "/api/search"
+ * ```
+ *
+ * Throws at once if a `trustProxies` entry is not an address or CIDR block.
+ */
+export function floodgateExpress(client: Client, options: RateLimitOptions = {}): ExpressMiddleware {
+  const limiter = new Limiter(client, options);
+  return (req, res, next) => {
+    let view: RequestView;
+    try {
+      view = expressView(req);
+    } catch {
+      next();
+      return;
+    }
+    limiter.decide(view).then(
+      (outcome) => {
+        if (applyToNodeResponse(res, outcome)) next();
+      },
+      () => next(),
+    );
+  };
+}

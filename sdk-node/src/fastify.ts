@@ -1,0 +1,110 @@
+/**
+ * Fastify plugin and hook: the same behaviour as the Express middleware (headers of the binding
+ * enforced rule on every response a rule applied to, 429 with `Retry-After` and the JSON body on a
+ * rejection). Fastify routes before `onRequest` hooks run, so the endpoint is the matched route
+ * (`/items/:id`) for every request that matched one, and the path for the others.
+ *
+ * ```ts
+ * const client = await Client.connect("/run/floodgate/floodgate.sock");
+ * await app.register(floodgateFastify, { client, userHeader: "x-authenticated-user" });
+ * ```
+ */
+
+import type { IncomingMessage } from "node:http";
+
+import type { Client } from "./client";
+import { Limiter, type RateLimitOptions, type RequestView } from "./http";
+
+/** The parts of a Fastify request the hook reads (structural: no dependency on fastify). */
+export interface FastifyLikeRequest {
+  headers: Record<string, string | string[] | undefined>;
+  raw: IncomingMessage;
+  url: string;
+  /** Fastify ≥ 4.10: the matched route's options. */
+  routeOptions?: { url?: string };
+  /** Older Fastify: the matched route. */
+  routerPath?: string;
+}
+
+/** The parts of a Fastify reply the hook uses. */
+export interface FastifyLikeReply {
+  header(name: string, value: string): unknown;
+  code(status: number): unknown;
+  send(payload?: unknown): unknown;
+}
+
+/** An `onRequest` hook. */
+export type FastifyHook = (request: FastifyLikeRequest, reply: FastifyLikeReply) => Promise<unknown>;
+
+/** Options of the plugin: the middleware's options and the client. */
+export interface FastifyPluginOptions extends RateLimitOptions {
+  client: Client;
+}
+
+function stripQuery(url: string): string {
+  const q = url.search(/[?#]/);
+  return q < 0 ? url : url.slice(0, q);
+}
+
+/** What the extractors see of a Fastify request. */
+export function fastifyView(request: FastifyLikeRequest): RequestView {
+  let route: string | undefined;
+  try {
+    route = request.routeOptions?.url ?? request.routerPath;
+  } catch {
+    route = undefined;
+  }
+  return {
+    headers: request.headers,
+    rawHeaders: request.raw?.rawHeaders,
+    remoteAddress: request.raw?.socket?.remoteAddress,
+    route: typeof route === "string" && route !== "" ? route : undefined,
+    path: stripQuery(request.url ?? "/") || "/",
+    native: request,
+  };
+}
+
+/**
+ * An `onRequest` hook, for a route or an instance: `app.addHook("onRequest", floodgateFastifyHook(client))`
+ * or `{ onRequest: floodgateFastifyHook(client, { costs: { "/search": 5 } }) }` in a route's options.
+ * Throws at once if a `trustProxies` entry is not an address or CIDR block.
+ */
+export function floodgateFastifyHook(client: Client, options: RateLimitOptions = {}): FastifyHook {
+  const limiter = new Limiter(client, options);
+  return async (request, reply) => {
+    const outcome = await limiter.decide(fastifyView(request));
+    for (const [name, value] of outcome.headers) reply.header(name, value);
+    if (!outcome.reject) return undefined;
+    reply.header("Retry-After", String(outcome.reject.retryAfter));
+    reply.header("Content-Type", "application/json");
+    reply.code(429);
+    reply.send(outcome.reject.body);
+    return reply;
+  };
+}
+
+interface FastifyLikeInstance {
+  addHook(name: "onRequest", hook: FastifyHook): unknown;
+}
+
+/**
+ * The plugin: `app.register(floodgateFastify, { client, ...options })`. It applies to every route of
+ * the instance it is registered on (it does not open an encapsulation context, like a plugin wrapped
+ * by `fastify-plugin`).
+ */
+export const floodgateFastify = Object.assign(
+  function floodgateFastify(instance: FastifyLikeInstance, options: FastifyPluginOptions, done: (err?: Error) => void) {
+    try {
+      const { client, ...rest } = options;
+      instance.addHook("onRequest", floodgateFastifyHook(client, rest));
+      done();
+    } catch (e) {
+      done(e as Error);
+    }
+  },
+  {
+    [Symbol.for("skip-override")]: true,
+    [Symbol.for("fastify.display-name")]: "floodgate",
+    [Symbol.for("plugin-meta")]: { name: "floodgate", fastify: ">=4" },
+  },
+);

@@ -1,0 +1,429 @@
+/**
+ * What the Express and Fastify middleware share, mirroring the Rust tower Layer
+ * (`sdk/src/middleware.rs`): the request's attributes (endpoint, tier, user, API key, client IP),
+ * values made wire-safe, the client IP through trusted proxies only, and the headers and 429 body
+ * of a decision.
+ */
+
+import * as net from "node:net";
+
+import type { Client } from "./client";
+import type { Decision } from "./decision";
+import { MAX_ATTRIBUTE, type Attributes } from "./protocol";
+
+// ---------------------------------------------------------------------------------------------
+// Wire-safe values
+
+const FNV_OFFSET = 0xcbf29ce484222325n;
+const FNV_PRIME = 0x100000001b3n;
+const U64 = 0xffffffffffffffffn;
+
+/** 64-bit FNV-1a over the UTF-8 bytes of `value`, as 16 lowercase hex digits. */
+export function fnv1a64Hex(value: string): string {
+  let h = FNV_OFFSET;
+  for (const b of Buffer.from(value, "utf8")) h = ((h ^ BigInt(b)) * FNV_PRIME) & U64;
+  return h.toString(16).padStart(16, "0");
+}
+
+// eslint-disable-next-line no-control-regex
+const REFUSED = /[{}\u0000-\u001f\u007f-\u009f]/;
+
+/**
+ * A value the agent accepts: as it is when the wire allows it, else `h:` and the 64-bit FNV-1a
+ * hash of its UTF-8 bytes (the same value always maps to the same key, so a client sending an odd
+ * value is still limited, under a key of its own, instead of making the check invalid). The same
+ * function as the Rust Layer's `wire_safe`.
+ */
+export function wireSafe(value: string): string {
+  if (Buffer.byteLength(value, "utf8") <= MAX_ATTRIBUTE && !REFUSED.test(value)) return value;
+  return `h:${fnv1a64Hex(value)}`;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Addresses
+
+/** An IP address as a number: 32 bits (v4) or 128 bits (v6). */
+interface Ip {
+  v: 4 | 6;
+  n: bigint;
+}
+
+function parseV4(s: string): bigint | null {
+  if (net.isIPv4(s) === false) return null;
+  let n = 0n;
+  for (const p of s.split(".")) n = (n << 8n) | BigInt(Number(p));
+  return n;
+}
+
+/** Parses an IP address as Rust's `IpAddr` does: no zone ids, no brackets, no ports. */
+export function parseIp(text: string): Ip | null {
+  const s = text.trim();
+  if (net.isIPv4(s)) {
+    const n = parseV4(s);
+    return n === null ? null : { v: 4, n };
+  }
+  if (!net.isIPv6(s) || s.includes("%")) return null;
+  let head = s;
+  let tail: bigint[] = [];
+  // An embedded IPv4 address at the end counts as two groups.
+  const lastColon = s.lastIndexOf(":");
+  if (s.slice(lastColon + 1).includes(".")) {
+    const v4 = parseV4(s.slice(lastColon + 1));
+    if (v4 === null) return null;
+    tail = [v4 >> 16n, v4 & 0xffffn];
+    head = s.slice(0, lastColon + 1);
+    // Keep a "::" right before the IPv4 part for the split below; drop a single ":".
+    if (!head.endsWith("::")) head = head.slice(0, -1);
+  }
+  const [left, right] = head.includes("::") ? head.split("::") : [head, null];
+  const groups = (part: string) => (part === "" ? [] : part.split(":").map((g) => BigInt(parseInt(g, 16))));
+  const l = groups(left);
+  const r = right === null ? [] : groups(right);
+  const fill = 8 - l.length - r.length - tail.length;
+  if (fill < 0 || (right === null && fill !== 0)) return null;
+  const all = [...l, ...Array<bigint>(right === null ? 0 : fill).fill(0n), ...r, ...tail];
+  if (all.length !== 8) return null;
+  let n = 0n;
+  for (const g of all) n = (n << 16n) | g;
+  return { v: 6, n };
+}
+
+/** An IPv4-mapped IPv6 address (`::ffff:a.b.c.d`) as its IPv4 address; any other unchanged. */
+function unmap(ip: Ip): Ip {
+  if (ip.v === 6 && ip.n >> 32n === 0xffffn) return { v: 4, n: ip.n & 0xffffffffn };
+  return ip;
+}
+
+/** The address as text: dotted quad, or RFC 5952 (lower case, the longest zero run as `::`). */
+export function formatIp(ip: Ip): string {
+  if (ip.v === 4) {
+    return [24n, 16n, 8n, 0n].map((s) => ((ip.n >> s) & 0xffn).toString()).join(".");
+  }
+  if (ip.n >> 32n === 0xffffn) return `::ffff:${formatIp({ v: 4, n: ip.n & 0xffffffffn })}`;
+  const g: number[] = [];
+  for (let i = 7; i >= 0; i--) g.push(Number((ip.n >> BigInt(i * 16)) & 0xffffn));
+  let best = -1;
+  let bestLen = 1; // a single zero group is not compressed
+  for (let i = 0; i < 8; ) {
+    if (g[i] !== 0) {
+      i++;
+      continue;
+    }
+    let j = i;
+    while (j < 8 && g[j] === 0) j++;
+    if (j - i > bestLen) {
+      best = i;
+      bestLen = j - i;
+    }
+    i = j;
+  }
+  const hex = (a: number[]) => a.map((x) => x.toString(16)).join(":");
+  if (best < 0) return hex(g);
+  return `${hex(g.slice(0, best))}::${hex(g.slice(best + bestLen))}`;
+}
+
+/** An address block, `10.0.0.0/8`, `2001:db8::/32` or a single address. */
+export class Cidr {
+  private constructor(
+    private readonly addr: Ip,
+    readonly prefix: number,
+  ) {}
+
+  /** Parses `addr/prefix` or `addr`; throws on anything else. An IPv4-mapped block is its IPv4 block. */
+  static parse(text: string): Cidr {
+    const slash = text.indexOf("/");
+    const a = slash < 0 ? text : text.slice(0, slash);
+    const p = slash < 0 ? "" : text.slice(slash + 1).trim();
+    const addr = parseIp(a);
+    if (!addr) throw new Error(`${JSON.stringify(text)} is not an IP address or CIDR block`);
+    const max = addr.v === 4 ? 32 : 128;
+    let prefix = max;
+    if (p !== "") {
+      if (!/^\d{1,3}$/.test(p) || Number(p) > max) {
+        throw new Error(`${JSON.stringify(text)}: the prefix must be 0..=${max}`);
+      }
+      prefix = Number(p);
+    }
+    if (addr.v === 6 && addr.n >> 32n === 0xffffn && prefix >= 96) {
+      return new Cidr({ v: 4, n: addr.n & 0xffffffffn }, prefix - 96);
+    }
+    return new Cidr(addr, prefix);
+  }
+
+  /** Whether `ip` (text or parsed) is in the block; an IPv4-mapped address counts as its IPv4 address. */
+  contains(ip: string | Ip): boolean {
+    const parsed = typeof ip === "string" ? parseIp(ip) : ip;
+    if (!parsed) return false;
+    const x = unmap(parsed);
+    if (x.v !== this.addr.v) return false;
+    const bits = BigInt(x.v === 4 ? 32 : 128);
+    const host = bits - BigInt(this.prefix);
+    return x.n >> host === this.addr.n >> host;
+  }
+}
+
+/**
+ * The client's address: the peer, unless the peer is a trusted proxy; then `X-Forwarded-For` read
+ * from the right, skipping trusted proxies, up to the first address they did not vouch for (a
+ * client can write anything at the left of the header; only what trusted proxies appended counts).
+ * Garbage where an address should be stops the walk at the last address vouched for. IPv4-mapped
+ * addresses are given as IPv4 (a dual-stack listener shows IPv4 peers as `::ffff:a.b.c.d`), IPv6 in
+ * RFC 5952 form, so one client is one key whatever the listener.
+ */
+export function clientIp(
+  peer: string | undefined | null,
+  forwardedFor: string | string[] | undefined,
+  trusted: readonly Cidr[],
+): string | undefined {
+  const p = peer ? parseIp(peer) : null;
+  if (!p) return undefined;
+  let client = unmap(p);
+  const isTrusted = (ip: Ip) => trusted.some((c) => c.contains(ip));
+  if (trusted.length === 0 || !isTrusted(client)) return formatIp(client);
+  const lines = forwardedFor === undefined ? [] : Array.isArray(forwardedFor) ? forwardedFor : [forwardedFor];
+  const hops = lines.flatMap((l) => l.split(",")).map((h) => h.trim());
+  for (let i = hops.length - 1; i >= 0; i--) {
+    const ip = parseIp(hops[i]);
+    if (!ip) break;
+    client = unmap(ip);
+    if (!isTrusted(client)) break;
+  }
+  return formatIp(client);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Headers
+
+/** A u64 figure as header text (no exponent for figures past 2^53). */
+function int(n: number): string {
+  return Number.isSafeInteger(n) ? String(n) : BigInt(Math.floor(Math.max(0, n))).toString();
+}
+
+/** The enforced rule whose figures the decision carries, if any (none: no headers). */
+export function bindingRule(d: Decision): string | undefined {
+  if (d.limit === 0) return undefined;
+  return d.items.find(
+    (i) =>
+      !i.verdict.logOnly &&
+      i.verdict.limit === d.limit &&
+      i.verdict.remaining === d.remaining &&
+      i.verdict.resetAtMs === d.resetAtMs,
+  )?.ruleId;
+}
+
+/**
+ * The headers for a decision: `X-RateLimit-Limit`, `-Remaining` and `-Reset` (epoch seconds, rounded
+ * up) of the binding enforced rule, and with `ietf` the draft's `RateLimit-Policy` and `RateLimit`.
+ * None when no enforced rule applied (no rule matched, only log-mode rules, or the SDK decided alone).
+ */
+export function rateLimitHeaders(d: Decision, ietf = false, nowMs = Date.now()): [string, string][] {
+  const rule = bindingRule(d);
+  if (rule === undefined) return [];
+  const h: [string, string][] = [
+    ["X-RateLimit-Limit", int(d.limit)],
+    ["X-RateLimit-Remaining", int(d.remaining)],
+    ["X-RateLimit-Reset", int(Math.ceil(d.resetAtMs / 1000))],
+  ];
+  if (ietf) {
+    const t = Math.ceil(Math.max(0, d.resetAtMs - nowMs) / 1000);
+    h.push(["RateLimit-Policy", `"${rule}";q=${int(d.limit)}`]);
+    h.push(["RateLimit", `"${rule}";r=${int(d.remaining)};t=${int(t)}`]);
+  }
+  return h;
+}
+
+/** `Retry-After` in whole seconds: rounded up, never 0. */
+export function retryAfterSeconds(d: Decision): number {
+  return Math.max(1, Math.ceil((d.retryAfterMs ?? 1000) / 1000));
+}
+
+/** The 429 body. */
+export function rejectionBody(secs: number): string {
+  return `{"error":"rate_limited","retryAfter":${secs}}`;
+}
+
+/**
+ * A route as the agent may see it: braces are refused on the wire (Redis reads them as hash tags),
+ * so `{id}` becomes `:id`, `{*rest}` becomes `*rest`, and other braces (Express 5's optional
+ * groups, `/a{/:b}`) are dropped. Rules and `costs` name routes either way.
+ */
+export function routeName(route: string): string {
+  return route
+    .split("/")
+    .map((seg) => {
+      const m = /^\{(.*)\}$/.exec(seg);
+      if (m && !m[1].includes("{") && !m[1].includes("}")) return m[1].startsWith("*") ? m[1] : `:${m[1]}`;
+      return seg;
+    })
+    .join("/")
+    .replace(/[{}]/g, "");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The shared part of both middlewares
+
+/** The parts of a request the extractors read (Node's `IncomingMessage` has them all). */
+export interface RequestView {
+  /** Header names in lower case. */
+  headers: Record<string, string | string[] | undefined>;
+  /** Alternating names and values as received (Node's `rawHeaders`), to read a header's first line. */
+  rawHeaders?: string[];
+  /** The peer address. */
+  remoteAddress?: string;
+  /** The matched route when the framework knows it, else undefined. */
+  route?: string;
+  /** The path without the query. */
+  path: string;
+  /** The framework's own request object (Express `req`, Fastify `request`). */
+  native: unknown;
+}
+
+/** Reads one attribute off a request; undefined or `""` means absent. */
+export type Extractor = (req: RequestView) => string | undefined | null;
+
+/** What both middlewares take. */
+export interface RateLimitOptions {
+  /** The endpoint (default: the matched route, else the path). */
+  endpoint?: Extractor;
+  /** The tier, from what your auth layer knows (none by default). */
+  tier?: Extractor;
+  /** The user id (none by default). */
+  user?: Extractor;
+  /** The API key or an id of it (none by default). */
+  apiKey?: Extractor;
+  /** The client IP (default: the peer, or X-Forwarded-For through `trustProxies`). */
+  ip?: Extractor;
+  /**
+   * The tier from a header an authenticating hop in front of this service sets (and strips from what
+   * clients send). A header a client writes itself would let it choose its tier.
+   */
+  tierHeader?: string;
+  /** The user id from a header an authenticating hop sets (see `tierHeader`). */
+  userHeader?: string;
+  /** The API key from a header (a client can spend another key's quota only if it knows that key). */
+  apiKeyHeader?: string;
+  /** Proxies whose X-Forwarded-For entries are believed (CIDR blocks or addresses); none by default. */
+  trustProxies?: readonly string[];
+  /** What a request to an endpoint (as the endpoint extractor gives it) costs; 1 elsewhere. */
+  costs?: Readonly<Record<string, number>>;
+  /** Also set the IETF draft's `RateLimit-Policy` and `RateLimit` headers (default false). */
+  ietfHeaders?: boolean;
+  /** Where the rare warnings go (default `console`). */
+  logger?: { warn(message: string): void } | null;
+}
+
+/** What to do with a request. */
+export interface LimitOutcome {
+  /** Headers to set on the response, whatever it is. */
+  headers: [string, string][];
+  /** On a rejection: the Retry-After seconds and the body of the 429. */
+  reject?: { retryAfter: number; body: string };
+  /** The decision, when the check returned one. */
+  decision?: Decision;
+}
+
+/** A header's first line, trimmed, if it is visible ASCII and not empty (as the Rust Layer reads it). */
+export function firstHeader(req: RequestView, name: string): string | undefined {
+  const lower = name.toLowerCase();
+  let value: string | undefined;
+  const raw = req.rawHeaders;
+  if (raw) {
+    for (let i = 0; i + 1 < raw.length; i += 2) {
+      if (raw[i].toLowerCase() === lower) {
+        value = raw[i + 1];
+        break;
+      }
+    }
+  } else {
+    const v = req.headers[lower];
+    value = Array.isArray(v) ? v[0] : v;
+  }
+  if (value === undefined || /[^\t\x20-\x7e]/.test(value)) return undefined;
+  const t = value.trim();
+  return t === "" ? undefined : t;
+}
+
+function headerExtractor(name: string): Extractor {
+  return (req) => firstHeader(req, name);
+}
+
+/** @internal The configured limiter both middlewares run. */
+export class Limiter {
+  private readonly endpoint: Extractor;
+  private readonly tier?: Extractor;
+  private readonly user?: Extractor;
+  private readonly apiKey?: Extractor;
+  private readonly ip?: Extractor;
+  private readonly trusted: Cidr[];
+  private readonly costs = new Map<string, number>();
+  private readonly ietf: boolean;
+  private readonly logger: { warn(message: string): void } | null;
+  private lastCheckFailed = -Infinity;
+  private noPeerSaid = false;
+
+  constructor(
+    readonly client: Client,
+    o: RateLimitOptions = {},
+  ) {
+    this.endpoint = o.endpoint ?? ((r) => (r.route !== undefined ? routeName(r.route) : r.path));
+    this.tier = o.tier ?? (o.tierHeader ? headerExtractor(o.tierHeader) : undefined);
+    this.user = o.user ?? (o.userHeader ? headerExtractor(o.userHeader) : undefined);
+    this.apiKey = o.apiKey ?? (o.apiKeyHeader ? headerExtractor(o.apiKeyHeader) : undefined);
+    this.ip = o.ip;
+    // Throws on a bad block: a misconfigured proxy list must fail at start, not trust nothing silently.
+    this.trusted = (o.trustProxies ?? []).map((b) => Cidr.parse(b));
+    for (const [e, c] of Object.entries(o.costs ?? {})) {
+      this.costs.set(routeName(e), Math.max(1, Math.floor(Number(c)) || 1));
+    }
+    this.ietf = o.ietfHeaders ?? false;
+    this.logger = o.logger === undefined ? console : o.logger;
+  }
+
+  /** The request's attributes, every value wire-safe. */
+  attributes(req: RequestView): Attributes {
+    const endpoint = this.endpoint(req) || undefined;
+    const cost = (endpoint !== undefined && this.costs.get(endpoint)) || 1;
+    let ip: string | undefined | null;
+    if (this.ip) ip = this.ip(req);
+    else {
+      ip = clientIp(req.remoteAddress, req.headers["x-forwarded-for"], this.trusted);
+      if (ip === undefined && !this.noPeerSaid) {
+        this.noPeerSaid = true;
+        this.logger?.warn("floodgate: no peer address on the request, so IP rules do not apply (said once)");
+      }
+    }
+    const read = (f?: Extractor) => {
+      const v = f?.(req);
+      return v ? wireSafe(v) : undefined;
+    };
+    return {
+      endpoint: endpoint !== undefined ? wireSafe(endpoint) : undefined,
+      tier: read(this.tier),
+      user: read(this.user),
+      apiKey: read(this.apiKey),
+      ip: ip ? wireSafe(ip) : undefined,
+      cost,
+    };
+  }
+
+  /** Asks the agent and says what to do: never rejects (a failed check lets the request pass). */
+  async decide(req: RequestView): Promise<LimitOutcome> {
+    let decision: Decision;
+    try {
+      decision = await this.client.checkAttributes(this.attributes(req));
+    } catch (e) {
+      // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
+      // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).
+      const now = Date.now();
+      if (now - this.lastCheckFailed >= 60_000) {
+        this.lastCheckFailed = now;
+        this.logger?.warn(`floodgate: the check failed; the request passes: ${(e as Error)?.message ?? e}`);
+      }
+      return { headers: [] };
+    }
+    const headers = rateLimitHeaders(decision, this.ietf);
+    if (decision.allowed) return { headers, decision };
+    const secs = retryAfterSeconds(decision);
+    return { headers, decision, reject: { retryAfter: secs, body: rejectionBody(secs) } };
+  }
+}

@@ -1,0 +1,48 @@
+/**
+ * `@floodgate/client`: ask the local Floodgate agent whether a request may pass.
+ *
+ * One {@link Client} per process holds one multiplexed Unix-socket connection to the agent; many
+ * checks are in flight at once, each with its own request id. Every call resolves within its
+ * timeout (default 10 ms): when the agent is unreachable or late it answers by its fail policy, open
+ * (allow) by default, closed where configured, and the client reconnects in the background.
+ *
+ * - {@link Client}: `allow`, `check`, `checkAttributes`.
+ * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin.
+ * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
+ */
+
+export { Client, FloodgateError } from "./client";
+export type { CallOptions, ClientConfig, ClientStats, FailPolicy, LocalLimit, Logger } from "./client";
+export { fromAgent } from "./decision";
+export type { Decision, Degraded, Origin } from "./decision";
+export {
+  decodeFrame,
+  encodeFrame,
+  validateCheck,
+  validateRuleId,
+  ErrorCode,
+  InvalidCheck,
+  Kind,
+  MAX_ATTRIBUTE,
+  MAX_FRAME,
+  MAX_ITEMS,
+  MAX_KEY,
+  MAX_RULE_ID,
+  VERSION,
+} from "./protocol";
+export type { Attributes, Body, Check, DecodeResult, Frame, Item, ItemDecision, Source, Verdict } from "./protocol";
+export {
+  Cidr,
+  bindingRule,
+  clientIp,
+  fnv1a64Hex,
+  rateLimitHeaders,
+  retryAfterSeconds,
+  routeName,
+  wireSafe,
+} from "./http";
+export type { Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
+export { floodgateExpress, expressView } from "./express";
+export type { ExpressLikeRequest, ExpressMiddleware } from "./express";
+export { floodgateFastify, floodgateFastifyHook, fastifyView } from "./fastify";
+export type { FastifyHook, FastifyLikeReply, FastifyLikeRequest, FastifyPluginOptions } from "./fastify";

@@ -1,0 +1,618 @@
+/**
+ * Floodgate's wire protocol, version 1 (`protocol/PROTOCOL.md`): frames to bytes and bytes to
+ * frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
+ *
+ * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
+ * counting everything after itself; a whole frame is at most 65,536 bytes.
+ */
+
+/** The protocol version this SDK speaks. */
+export const VERSION = 1;
+/** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
+export const MAX_FRAME = 64 * 1024;
+/** Bytes of the length prefix. */
+export const LEN_PREFIX = 4;
+/** Bytes after the prefix every frame carries: version, kind, request id. */
+export const HEADER = 6;
+/** Most items one check may carry. */
+export const MAX_ITEMS = 16;
+/** Longest key, in bytes of UTF-8. */
+export const MAX_KEY = 256;
+/** Longest rule id, in bytes. */
+export const MAX_RULE_ID = 128;
+/** Longest request attribute, in bytes of UTF-8. */
+export const MAX_ATTRIBUTE = 256;
+/** Longest error message, in bytes of UTF-8. */
+export const MAX_MESSAGE = 1024;
+/** Bytes of one encoded verdict. */
+export const VERDICT_LEN = 34;
+/** Largest cost (u32). */
+export const MAX_COST = 0xffff_ffff;
+
+/** Frame kinds (the byte after the version). */
+export const Kind = {
+  Hello: 0x01,
+  HelloOk: 0x02,
+  Check: 0x03,
+  Decision: 0x04,
+  Error: 0x05,
+  Ping: 0x06,
+  Pong: 0x07,
+} as const;
+
+/** Error codes carried by Error frames. Unknown codes are kept as numbers. */
+export const ErrorCode = {
+  MalformedFrame: 1,
+  FrameTooLarge: 2,
+  UnsupportedVersion: 3,
+  UnknownRule: 4,
+  InvalidItem: 5,
+  UnexpectedFrame: 6,
+  Overloaded: 7,
+  Internal: 8,
+} as const;
+
+/** Where a verdict came from. */
+export type Source = "redis" | "local" | "cache" | "fallback";
+const SOURCES: readonly Source[] = ["redis", "local", "cache", "fallback"];
+
+/** One `(key, ruleId, cost)` item of a check. */
+export interface Item {
+  /** The client key, e.g. `user:123` (1 to 256 bytes; no braces or control characters). */
+  key: string;
+  /** The rule to check the key against (1 to 128 bytes of `[A-Za-z0-9_.:-]`). */
+  ruleId: string;
+  /** Units this request consumes (an integer, 1 to 2³²−1; default 1). */
+  cost?: number;
+}
+
+/** Request attributes for the agent to match against its rules; absent or `""` means absent. */
+export interface Attributes {
+  /** The matched route or path, e.g. `/search`. */
+  endpoint?: string | null;
+  /** The client tier, e.g. `free`. */
+  tier?: string | null;
+  /** The user id. */
+  user?: string | null;
+  /** The API key (or an id of it). */
+  apiKey?: string | null;
+  /** The client IP address. */
+  ip?: string | null;
+  /** Units this request consumes (default 1). */
+  cost?: number;
+}
+
+/** The figures of one decision, per item or combined. */
+export interface Verdict {
+  /** Whether the request may pass. */
+  allowed: boolean;
+  /** The rule is in log mode: reported, never enforced. */
+  logOnly: boolean;
+  /** Where the answer came from. */
+  source: Source;
+  /** The rule's limit per window (token bucket: its capacity). */
+  limit: number;
+  /** Units left after this request. */
+  remaining: number;
+  /** Unix ms at which the key is back to its full limit. */
+  resetAtMs: number;
+  /** On a denial, ms until this request could pass; 0 when allowed. */
+  retryAfterMs: number;
+}
+
+/** A verdict on one item (one matched rule for an attribute check). */
+export interface ItemDecision {
+  /** The rule that decided. */
+  ruleId: string;
+  /** Its verdict. */
+  verdict: Verdict;
+}
+
+/** The check a Check frame carries. */
+export type Check =
+  | { form: "items"; items: Item[] }
+  | { form: "attributes"; attributes: Attributes };
+
+/** A decoded frame body. */
+export type Body =
+  | { kind: "hello"; minVersion: number; maxVersion: number }
+  | { kind: "helloOk"; version: number }
+  | { kind: "check"; check: Check }
+  | { kind: "decision"; combined: Verdict; items: ItemDecision[] }
+  | { kind: "error"; code: number; message: string }
+  | { kind: "ping" }
+  | { kind: "pong" };
+
+/** A frame: a request id and what it carries. */
+export interface Frame {
+  requestId: number;
+  body: Body;
+}
+
+/** Why {@link decodeFrame} produced no frame. */
+export type DecodeFailure =
+  /** Not enough bytes yet (not an error on a stream). */
+  | { type: "incomplete" }
+  /** The stream cannot be resynchronised: close it. */
+  | { type: "fatal"; code: number; requestId: number | null; reason: string }
+  /** A well-delimited frame whose content is refused: skip `frameLen` bytes and go on. */
+  | { type: "rejected"; code: number; requestId: number; reason: string; frameLen: number };
+
+/** The result of {@link decodeFrame}. */
+export type DecodeResult = { ok: true; frame: Frame; used: number } | ({ ok: false } & DecodeFailure);
+
+/** A check that breaks a protocol limit, found before it is sent. */
+export class InvalidCheck extends Error {
+  constructor(message: string) {
+    super(message);
+    this.name = "InvalidCheck";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation
+
+// Unicode general category Cc, as Rust's `char::is_control`.
+// eslint-disable-next-line no-control-regex
+const FORBIDDEN = /[{}\u0000-\u001f\u007f-\u009f]/;
+const RULE_ID = /^[A-Za-z0-9_.:-]+$/;
+
+function validateText(name: string, value: unknown, max: number): string | null {
+  if (typeof value !== "string") return `${name} must be a string`;
+  if (value.length === 0) return `${name} is empty`;
+  const n = Buffer.byteLength(value, "utf8");
+  if (n > max) return `${name} is ${n} bytes, over the ${max}-byte limit`;
+  const bad = FORBIDDEN.exec(value);
+  if (bad) {
+    return `${name} contains ${JSON.stringify(bad[0])}: braces (Redis hash tags) and control characters are not allowed`;
+  }
+  return null;
+}
+
+/** Why a rule id is refused, or null when it is valid: 1 to 128 bytes of `[A-Za-z0-9_.:-]`. */
+export function validateRuleId(ruleId: unknown): string | null {
+  if (typeof ruleId !== "string") return "rule id must be a string";
+  if (ruleId.length === 0 || ruleId.length > MAX_RULE_ID) {
+    return `rule id must be 1 to ${MAX_RULE_ID} bytes, not ${Buffer.byteLength(ruleId)}`;
+  }
+  if (!RULE_ID.test(ruleId)) {
+    return `rule id ${JSON.stringify(ruleId)} may hold only ASCII letters, digits and _ - . :`;
+  }
+  return null;
+}
+
+function validateCost(cost: unknown): string | null {
+  if (typeof cost !== "number" || !Number.isInteger(cost) || cost < 1 || cost > MAX_COST) {
+    return `cost must be an integer from 1 to ${MAX_COST}, not ${String(cost)}`;
+  }
+  return null;
+}
+
+/** Why a check is refused by the protocol's limits, or null when it is valid. */
+export function validateCheck(check: Check): string | null {
+  if (check.form === "items") {
+    const items = check.items;
+    if (!Array.isArray(items) || items.length === 0 || items.length > MAX_ITEMS) {
+      return `a check carries 1 to ${MAX_ITEMS} items, not ${Array.isArray(items) ? items.length : "none"}`;
+    }
+    // The duplicate check needs a set only when there is more than one item.
+    const seen = items.length > 1 ? new Set<string>() : null;
+    for (const item of items) {
+      if (item === null || typeof item !== "object") return "an item must be an object";
+      const why =
+        validateText("key", item.key, MAX_KEY) ??
+        validateRuleId(item.ruleId) ??
+        validateCost(item.cost ?? 1);
+      if (why) return why;
+      if (seen) {
+        const pair = `${item.ruleId}\u0000${item.key}`;
+        if (seen.has(pair)) return `the item (${item.key}, ${item.ruleId}) appears twice`;
+        seen.add(pair);
+      }
+    }
+    return null;
+  }
+  const a = check.attributes ?? {};
+  for (const [name, value] of attributeFields(a)) {
+    if (value !== undefined && value !== null && value !== "") {
+      const why = validateText(name, value, MAX_ATTRIBUTE);
+      if (why) return why;
+    }
+  }
+  return validateCost(a.cost ?? 1);
+}
+
+/** The attributes with their names, in wire order. */
+export function attributeFields(a: Attributes): [string, string | null | undefined][] {
+  return [
+    ["endpoint", a.endpoint],
+    ["tier", a.tier],
+    ["user", a.user],
+    ["apiKey", a.apiKey],
+    ["ip", a.ip],
+  ];
+}
+
+// ---------------------------------------------------------------------------------------------
+// Encoding
+
+/** Writes a frame into one growing buffer, the 4-byte length prefix reserved at the front. */
+class Writer {
+  private buf = Buffer.allocUnsafe(256);
+  len = LEN_PREFIX;
+  private ensure(n: number): void {
+    if (this.len + n <= this.buf.length) return;
+    let size = this.buf.length * 2;
+    while (size < this.len + n) size *= 2;
+    const grown = Buffer.allocUnsafe(size);
+    this.buf.copy(grown, 0, 0, this.len);
+    this.buf = grown;
+  }
+  bytes(b: Buffer): void {
+    this.ensure(b.length);
+    b.copy(this.buf, this.len);
+    this.len += b.length;
+  }
+  u8(n: number): void {
+    this.ensure(1);
+    this.buf[this.len++] = n & 0xff;
+  }
+  u16(n: number): void {
+    this.ensure(2);
+    this.buf.writeUInt16BE(n & 0xffff, this.len);
+    this.len += 2;
+  }
+  u32(n: number): void {
+    this.ensure(4);
+    this.buf.writeUInt32BE(n >>> 0, this.len);
+    this.len += 4;
+  }
+  u64(n: number): void {
+    this.ensure(8);
+    this.buf.writeBigUInt64BE(toU64(n), this.len);
+    this.len += 8;
+  }
+  private str(s: string, lenBytes: 1 | 2): void {
+    const max = lenBytes === 1 ? 0xff : 0xffff;
+    const n = Buffer.byteLength(s, "utf8");
+    if (n > max) {
+      const b = truncateUtf8(Buffer.from(s, "utf8"), max);
+      if (lenBytes === 1) this.u8(b.length);
+      else this.u16(b.length);
+      this.bytes(b);
+      return;
+    }
+    if (lenBytes === 1) this.u8(n);
+    else this.u16(n);
+    this.ensure(n);
+    this.buf.write(s, this.len, n, "utf8");
+    this.len += n;
+  }
+  str8(s: string): void {
+    this.str(s, 1);
+  }
+  str16(s: string): void {
+    this.str(s, 2);
+  }
+  /** The frame, its length prefix filled in. */
+  done(): Buffer {
+    this.buf.writeUInt32BE(this.len - LEN_PREFIX, 0);
+    return this.buf.subarray(0, this.len);
+  }
+}
+
+function toU64(n: number): bigint {
+  if (!Number.isFinite(n) || n <= 0) return 0n;
+  const b = BigInt(Math.floor(n));
+  return b > 0xffff_ffff_ffff_ffffn ? 0xffff_ffff_ffff_ffffn : b;
+}
+
+/** Cuts a UTF-8 buffer to at most `max` bytes on a character boundary. */
+function truncateUtf8(b: Buffer, max: number): Buffer {
+  if (b.length <= max) return b;
+  let end = max;
+  // Step back over continuation bytes (10xxxxxx) so no character is cut.
+  while (end > 0 && (b[end] & 0xc0) === 0x80) end--;
+  return b.subarray(0, end);
+}
+
+function kindOf(body: Body): number {
+  switch (body.kind) {
+    case "hello":
+      return Kind.Hello;
+    case "helloOk":
+      return Kind.HelloOk;
+    case "check":
+      return Kind.Check;
+    case "decision":
+      return Kind.Decision;
+    case "error":
+      return Kind.Error;
+    case "ping":
+      return Kind.Ping;
+    case "pong":
+      return Kind.Pong;
+  }
+}
+
+function putVerdict(w: Writer, v: Verdict): void {
+  w.u8((v.allowed ? 1 : 0) | (v.logOnly ? 2 : 0));
+  w.u8(Math.max(0, SOURCES.indexOf(v.source)));
+  w.u64(v.limit);
+  w.u64(v.remaining);
+  w.u64(v.resetAtMs);
+  w.u64(v.retryAfterMs);
+}
+
+/**
+ * Encodes a frame. Throws {@link InvalidCheck} if a Check breaks a protocol limit or the frame
+ * would exceed 64 KiB.
+ */
+export function encodeFrame(frame: Frame): Buffer {
+  const body = frame.body;
+  if (body.kind === "check") {
+    const why = validateCheck(body.check);
+    if (why) throw new InvalidCheck(why);
+  }
+  if (body.kind === "decision" && body.items.length > MAX_ITEMS) {
+    throw new InvalidCheck(`a decision carries at most ${MAX_ITEMS} items, not ${body.items.length}`);
+  }
+  const w = new Writer();
+  // Hello is understood by every version; its own version byte is min(max_version, ours).
+  w.u8(body.kind === "hello" ? Math.min(body.maxVersion, VERSION) : VERSION);
+  w.u8(kindOf(body));
+  w.u32(frame.requestId);
+  switch (body.kind) {
+    case "hello":
+      w.u8(body.minVersion);
+      w.u8(body.maxVersion);
+      break;
+    case "helloOk":
+      w.u8(body.version);
+      break;
+    case "check":
+      if (body.check.form === "items") {
+        w.u8(0);
+        w.u8(body.check.items.length);
+        for (const item of body.check.items) {
+          w.str16(item.key);
+          w.str8(item.ruleId);
+          w.u32(item.cost ?? 1);
+        }
+      } else {
+        const a = body.check.attributes;
+        w.u8(1);
+        for (const [, value] of attributeFields(a)) w.str16(value ?? "");
+        w.u32(a.cost ?? 1);
+      }
+      break;
+    case "decision":
+      putVerdict(w, body.combined);
+      w.u8(body.items.length);
+      for (const item of body.items) {
+        w.str8(item.ruleId);
+        putVerdict(w, item.verdict);
+      }
+      break;
+    case "error": {
+      w.u16(body.code);
+      const msg = truncateUtf8(Buffer.from(body.message, "utf8"), MAX_MESSAGE);
+      w.u16(msg.length);
+      w.bytes(msg);
+      break;
+    }
+    case "ping":
+    case "pong":
+      break;
+  }
+  if (w.len > MAX_FRAME) {
+    throw new InvalidCheck(`frame of ${w.len} bytes exceeds the ${MAX_FRAME}-byte limit`);
+  }
+  return w.done();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decoding
+
+class Malformed extends Error {}
+
+const utf8 = new TextDecoder("utf-8", { fatal: true });
+
+class Reader {
+  pos: number;
+  /** Text that was not UTF-8: refused once the whole body has parsed (like the Rust decoder). */
+  badText: string | null = null;
+  constructor(
+    private readonly buf: Buffer,
+    start: number,
+    private readonly end: number,
+  ) {
+    this.pos = start;
+  }
+  left(): number {
+    return this.end - this.pos;
+  }
+  take(n: number): number {
+    if (this.left() < n) throw new Malformed(`body ends early: wanted ${n} more bytes, ${this.left()} left`);
+    const at = this.pos;
+    this.pos += n;
+    return at;
+  }
+  u8(): number {
+    return this.buf[this.take(1)];
+  }
+  u16(): number {
+    return this.buf.readUInt16BE(this.take(2));
+  }
+  u32(): number {
+    return this.buf.readUInt32BE(this.take(4));
+  }
+  u64(): number {
+    const at = this.take(8);
+    // hi * 2^32 + lo: exact up to 2^53, the nearest double above.
+    return this.buf.readUInt32BE(at) * 0x1_0000_0000 + this.buf.readUInt32BE(at + 4);
+  }
+  string(n: number): string {
+    const at = this.take(n);
+    // ASCII (rule ids always, keys mostly) needs no UTF-8 validation.
+    let ascii = true;
+    for (let i = at; i < at + n; i++) {
+      if (this.buf[i] >= 0x80) {
+        ascii = false;
+        break;
+      }
+    }
+    if (ascii) return this.buf.toString("latin1", at, at + n);
+    try {
+      return utf8.decode(this.buf.subarray(at, at + n));
+    } catch {
+      this.badText ??= "text is not valid UTF-8";
+      return "";
+    }
+  }
+  str8(): string {
+    return this.string(this.u8());
+  }
+  str16(): string {
+    return this.string(this.u16());
+  }
+  verdict(): Verdict {
+    const flags = this.u8();
+    if (flags & ~0b11) throw new Malformed(`unknown verdict flags 0x${flags.toString(16).padStart(2, "0")}`);
+    const s = this.u8();
+    const source = SOURCES[s];
+    if (source === undefined) throw new Malformed(`unknown source ${s}`);
+    return {
+      allowed: (flags & 1) !== 0,
+      logOnly: (flags & 2) !== 0,
+      source,
+      limit: this.u64(),
+      remaining: this.u64(),
+      resetAtMs: this.u64(),
+      retryAfterMs: this.u64(),
+    };
+  }
+}
+
+function decodeBody(kind: number, r: Reader): Body {
+  switch (kind) {
+    case Kind.Hello:
+      return { kind: "hello", minVersion: r.u8(), maxVersion: r.u8() };
+    case Kind.HelloOk:
+      return { kind: "helloOk", version: r.u8() };
+    case Kind.Check: {
+      const form = r.u8();
+      if (form === 0) {
+        const n = r.u8();
+        const items: Item[] = [];
+        for (let i = 0; i < n; i++) items.push({ key: r.str16(), ruleId: r.str8(), cost: r.u32() });
+        return { kind: "check", check: { form: "items", items } };
+      }
+      if (form === 1) {
+        const v = () => {
+          const s = r.str16();
+          return s === "" ? undefined : s;
+        };
+        const attributes: Attributes = { endpoint: v(), tier: v(), user: v(), apiKey: v(), ip: v() };
+        attributes.cost = r.u32();
+        return { kind: "check", check: { form: "attributes", attributes } };
+      }
+      throw new Malformed(`unknown check form ${form}`);
+    }
+    case Kind.Decision: {
+      const combined = r.verdict();
+      const n = r.u8();
+      if (n > MAX_ITEMS) throw new Malformed(`a decision carries at most ${MAX_ITEMS} items, not ${n}`);
+      const items: ItemDecision[] = [];
+      for (let i = 0; i < n; i++) items.push({ ruleId: r.str8(), verdict: r.verdict() });
+      return { kind: "decision", combined, items };
+    }
+    case Kind.Error:
+      return { kind: "error", code: r.u16(), message: r.str16() };
+    case Kind.Ping:
+      return { kind: "ping" };
+    case Kind.Pong:
+      return { kind: "pong" };
+    default:
+      throw new Malformed(`unknown frame kind 0x${kind.toString(16).padStart(2, "0")}`);
+  }
+}
+
+/**
+ * Decodes one frame from the front of `buf`. Never throws: the result says whether a frame was
+ * read (and how many bytes it took), more bytes are needed, the frame is refused but skippable, or
+ * the stream is broken.
+ */
+export function decodeFrame(buf: Buffer): DecodeResult {
+  try {
+    return decodeUnsafe(buf);
+  } catch (e) {
+    // Unreachable by construction; a decoder bug must still not crash the caller.
+    return { ok: false, type: "fatal", code: ErrorCode.MalformedFrame, requestId: null, reason: String(e) };
+  }
+}
+
+function decodeUnsafe(buf: Buffer): DecodeResult {
+  if (buf.length < LEN_PREFIX) return { ok: false, type: "incomplete" };
+  const len = buf.readUInt32BE(0);
+  const frameLen = LEN_PREFIX + len;
+  if (frameLen > MAX_FRAME) {
+    return {
+      ok: false,
+      type: "fatal",
+      code: ErrorCode.FrameTooLarge,
+      requestId: buf.length >= LEN_PREFIX + HEADER ? buf.readUInt32BE(6) : null,
+      reason: `frame of ${frameLen} bytes exceeds the ${MAX_FRAME}-byte limit`,
+    };
+  }
+  if (len < HEADER) {
+    return {
+      ok: false,
+      type: "fatal",
+      code: ErrorCode.MalformedFrame,
+      requestId: null,
+      reason: `length ${len} is shorter than the ${HEADER}-byte header`,
+    };
+  }
+  if (buf.length < frameLen) return { ok: false, type: "incomplete" };
+  const version = buf[4];
+  const kind = buf[5];
+  const requestId = buf.readUInt32BE(6);
+  if (version !== VERSION && kind !== Kind.Hello) {
+    return {
+      ok: false,
+      type: "rejected",
+      code: ErrorCode.UnsupportedVersion,
+      requestId,
+      reason: `frame version ${version}; this peer speaks version ${VERSION}`,
+      frameLen,
+    };
+  }
+  const r = new Reader(buf, LEN_PREFIX + HEADER, frameLen);
+  let body: Body;
+  try {
+    body = decodeBody(kind, r);
+  } catch (e) {
+    if (e instanceof Malformed) {
+      return { ok: false, type: "fatal", code: ErrorCode.MalformedFrame, requestId, reason: e.message };
+    }
+    throw e;
+  }
+  if (r.left() !== 0) {
+    return {
+      ok: false,
+      type: "fatal",
+      code: ErrorCode.MalformedFrame,
+      requestId,
+      reason: `${r.left()} unexpected bytes after the body`,
+    };
+  }
+  if (r.badText !== null) {
+    return { ok: false, type: "rejected", code: ErrorCode.InvalidItem, requestId, reason: r.badText, frameLen };
+  }
+  if (body.kind === "check") {
+    const why = validateCheck(body.check);
+    if (why) return { ok: false, type: "rejected", code: ErrorCode.InvalidItem, requestId, reason: why, frameLen };
+  }
+  return { ok: true, frame: { requestId, body }, used: frameLen };
+}

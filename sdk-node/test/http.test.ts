@@ -1,0 +1,166 @@
+/** What both middlewares share: wire-safe values, trusted proxies, headers, Retry-After, routes. */
+
+import assert from "node:assert/strict";
+import { describe, it } from "node:test";
+
+import {
+  Cidr,
+  clientIp,
+  fnv1a64Hex,
+  rateLimitHeaders,
+  retryAfterSeconds,
+  routeName,
+  validateCheck,
+  wireSafe,
+  type Decision,
+} from "../src/index";
+
+describe("wireSafe", () => {
+  it("FNV-1a 64 matches the published test vectors", () => {
+    // From the FNV reference (Fowler/Noll/Vo test suite): "", "a", "foobar".
+    assert.equal(fnv1a64Hex(""), "cbf29ce484222325");
+    assert.equal(fnv1a64Hex("a"), "af63dc4c8601ec8c");
+    assert.equal(fnv1a64Hex("foobar"), "85944171f73967e8");
+  });
+
+  it("hashes exactly the values the wire refuses, as h: and 16 hex digits of FNV-1a", () => {
+    // Expected values computed independently (Python, over the UTF-8 bytes).
+    assert.equal(wireSafe("{"), "h:af63f64c860218ba");
+    assert.equal(wireSafe("}"), "h:af63f04c86020e88");
+    assert.equal(wireSafe("user:{alice}"), "h:fa907b7feed6a55a");
+    assert.equal(wireSafe("{victim}"), "h:0a5b9694d4ec70f5"); // PROTOCOL.md's worked example
+    assert.equal(wireSafe("x".repeat(300)), "h:e78ddf9f1ba85555");
+    assert.equal(wireSafe("a\u0007b"), "h:e5cfb31904245d09");
+    // 129 two-byte characters are 258 bytes: over the limit although only 129 characters.
+    assert.equal(wireSafe("é".repeat(129)), "h:73ea2ad5bad1f801");
+    // Values the wire accepts pass unchanged, up to 256 bytes.
+    assert.equal(wireSafe("alice"), "alice");
+    assert.equal(wireSafe("é".repeat(128)), "é".repeat(128));
+    assert.equal(wireSafe("a\u00a0b"), "a\u00a0b"); // no-break space is not a control character
+    assert.equal(wireSafe("a\u0085b").slice(0, 2), "h:"); // NEL is (C1)
+  });
+
+  it("what it gives is always a valid attribute", () => {
+    for (const odd of ["{", "x".repeat(300), "a\u0007b", "\u0000", "é".repeat(200)]) {
+      assert.equal(validateCheck({ form: "attributes", attributes: { user: wireSafe(odd), cost: 1 } }), null);
+    }
+  });
+});
+
+describe("client IP and trusted proxies", () => {
+  const trusted = [Cidr.parse("10.0.0.0/8"), Cidr.parse("::1")];
+  const ip = (peer: string, xff?: string | string[]) => clientIp(peer, xff, trusted);
+
+  it("believes X-Forwarded-For only from trusted proxies, read from the right", () => {
+    // Not from a proxy: the header is the client's own words, ignored.
+    assert.equal(ip("203.0.113.9", "1.2.3.4"), "203.0.113.9");
+    // From a proxy: the rightmost address it did not vouch for.
+    assert.equal(ip("10.0.0.2", "6.6.6.6, 198.51.100.7, 10.0.0.5"), "198.51.100.7");
+    // Several header lines count as one list, in order.
+    assert.equal(ip("10.0.0.2", ["6.6.6.6", "198.51.100.7"]), "198.51.100.7");
+    // Garbage stops the walk at the last trusted hop.
+    assert.equal(ip("10.0.0.2", "198.51.100.7, bogus"), "10.0.0.2");
+    assert.equal(ip("10.0.0.2", "198.51.100.7, 1.2.3.4:80"), "10.0.0.2");
+    // A proxy without the header: the proxy is the client.
+    assert.equal(ip("::1"), "::1");
+    // No proxies configured: never the header.
+    assert.equal(clientIp("10.0.0.2", "6.6.6.6", []), "10.0.0.2");
+    assert.equal(clientIp(undefined, "6.6.6.6", trusted), undefined);
+  });
+
+  it("handles IPv4-mapped addresses on both sides, and gives IPv4 and canonical IPv6", () => {
+    // A dual-stack listener shows an IPv4 proxy as ::ffff:10.0.0.2.
+    assert.equal(ip("::ffff:10.0.0.2", "198.51.100.7"), "198.51.100.7");
+    assert.equal(ip("::ffff:203.0.113.9", "1.2.3.4"), "203.0.113.9");
+    assert.equal(ip("10.0.0.2", "::ffff:10.1.1.1, ::FFFF:198.51.100.7"), "198.51.100.7");
+    assert.equal(ip("10.0.0.2", "2001:DB8:0:0:0:0:0:1"), "2001:db8::1");
+    assert.equal(ip("2001:db8:0:0:1:0:0:1"), "2001:db8::1:0:0:1");
+    assert.equal(ip("fe80::1%eth0"), undefined);
+    assert.ok(Cidr.parse("::ffff:10.1.2.3").contains("10.1.2.3"));
+    assert.ok(Cidr.parse("10.0.0.0/8").contains("::ffff:10.9.9.9"));
+    const mapped = Cidr.parse("::ffff:10.0.0.0/104");
+    assert.ok(mapped.contains("10.9.9.9"));
+    assert.ok(mapped.contains("::ffff:10.9.9.9"));
+    assert.ok(!mapped.contains("11.0.0.1"));
+    assert.ok(Cidr.parse("0.0.0.0/0").contains("8.8.8.8"));
+    assert.ok(!Cidr.parse("0.0.0.0/0").contains("2001:db8::1"));
+    assert.ok(Cidr.parse("2001:db8::/32").contains("2001:db8:ffff::1"));
+    assert.ok(!Cidr.parse("2001:db8::/32").contains("2001:db9::1"));
+  });
+
+  it("refuses bad blocks", () => {
+    for (const bad of ["10.0.0.0/33", "::/129", "10.0.0", "nope", "10.0.0.0/x", "10.0.0.0/-1"]) {
+      assert.throws(() => Cidr.parse(bad), /./, bad);
+    }
+  });
+});
+
+describe("headers and Retry-After", () => {
+  const verdict = (limit: number, remaining: number, resetAtMs: number, logOnly = false) => ({
+    allowed: true,
+    logOnly,
+    source: "redis" as const,
+    limit,
+    remaining,
+    resetAtMs,
+    retryAfterMs: 0,
+  });
+  const decision = (d: Partial<Decision>): Decision => ({
+    allowed: true,
+    limit: 0,
+    remaining: 0,
+    resetAtMs: 0,
+    origin: { kind: "agent", source: "redis" },
+    logOnly: false,
+    items: [],
+    ...d,
+  });
+
+  it("carry the binding enforced rule's figures, reset in epoch seconds rounded up", () => {
+    const d = decision({
+      limit: 100,
+      remaining: 7,
+      resetAtMs: 1_700_000_000_001,
+      items: [
+        { ruleId: "dry", verdict: verdict(100, 7, 1_700_000_000_001, true) },
+        { ruleId: "api", verdict: verdict(100, 7, 1_700_000_000_001) },
+      ],
+    });
+    assert.deepEqual(rateLimitHeaders(d, true, 1_699_999_998_500), [
+      ["X-RateLimit-Limit", "100"],
+      ["X-RateLimit-Remaining", "7"],
+      ["X-RateLimit-Reset", "1700000001"],
+      ["RateLimit-Policy", '"api";q=100'],
+      ["RateLimit", '"api";r=7;t=2'],
+    ]);
+  });
+
+  it("are absent when no enforced rule applied (no match, log mode only, SDK decided)", () => {
+    assert.deepEqual(rateLimitHeaders(decision({})), []);
+    const logOnly = decision({
+      limit: 600,
+      remaining: 0,
+      resetAtMs: 5,
+      logOnly: true,
+      items: [{ ruleId: "dry", verdict: verdict(600, 0, 5, true) }],
+    });
+    assert.deepEqual(rateLimitHeaders(logOnly), []);
+    const failClosed = decision({ allowed: false, retryAfterMs: 1000, origin: { kind: "failClosed", reason: "timeout" } });
+    assert.deepEqual(rateLimitHeaders(failClosed), []);
+  });
+
+  it("Retry-After is whole seconds, rounded up, at least 1", () => {
+    const d = (ms: number | undefined) => decision({ allowed: false, retryAfterMs: ms });
+    assert.equal(retryAfterSeconds(d(1)), 1);
+    assert.equal(retryAfterSeconds(d(1000)), 1);
+    assert.equal(retryAfterSeconds(d(1001)), 2);
+    assert.equal(retryAfterSeconds(d(0)), 1);
+    assert.equal(retryAfterSeconds(d(undefined)), 1);
+  });
+
+  it("routes lose their braces", () => {
+    assert.equal(routeName("/items/{id}/parts/{*rest}"), "/items/:id/parts/*rest");
+    assert.equal(routeName("/plain/:id"), "/plain/:id");
+    assert.equal(routeName("/users{/:id}"), "/users/:id");
+  });
+});

@@ -1,0 +1,241 @@
+/**
+ * Express and Fastify middleware driven over real HTTP, in front of a real agent: a 200 with the
+ * binding rule's headers, then a 429 with Retry-After and the JSON body; the matched route as the
+ * endpoint; log-mode rules never block or show; identity headers and X-Forwarded-For believed only
+ * when configured; odd header values limited under their hash; the fail policy when the agent is away.
+ */
+
+import assert from "node:assert/strict";
+import type { AddressInfo } from "node:net";
+import type { Server } from "node:http";
+import { after, before, describe, it } from "node:test";
+
+import express from "express";
+import Fastify, { type FastifyInstance } from "fastify";
+
+import { Client, floodgateExpress, floodgateFastify, floodgateFastifyHook } from "../src/index";
+import { Agent, RedisServer, tempDir, unique } from "./helpers";
+
+const RULES = `
+# Per user and per endpoint: 2 a minute on /api/*.
+[[rules]]
+id = "mw-user"
+dimension = "user"
+match = { endpoint = "/api/*" }
+limit = 2
+windowSeconds = 60
+perEndpoint = true
+
+# A dry run on the same routes, tighter: it must never block nor show in the headers.
+[[rules]]
+id = "mw-dry"
+dimension = "ip"
+match = { endpoint = "/api/*" }
+limit = 1
+windowSeconds = 60
+mode = "log"
+
+# One request a minute per client IP on /ip.
+[[rules]]
+id = "mw-ip"
+dimension = "ip"
+match = { endpoint = "/ip" }
+limit = 1
+windowSeconds = 60
+`;
+
+interface Answer {
+  status: number;
+  headers: Headers;
+  body: string;
+}
+
+async function get(base: string, path: string, headers: Record<string, string> = {}): Promise<Answer> {
+  const r = await fetch(`${base}${path}`, { headers });
+  return { status: r.status, headers: r.headers, body: await r.text() };
+}
+
+/** The limiter's headers of an answer. */
+function limits(a: Answer): [string | null, string | null, string | null] {
+  return [a.headers.get("x-ratelimit-limit"), a.headers.get("x-ratelimit-remaining"), a.headers.get("x-ratelimit-reset")];
+}
+
+/** The scenario both frameworks must pass, on a server at `base` with the routes below. */
+function scenario(name: string, base: () => string, handled: () => number): void {
+  describe(`${name} over real HTTP`, () => {
+    it("200 with the binding rule's headers, then 429 with Retry-After and the JSON body", async () => {
+      const user = `alice-${unique()}`;
+      const t0 = Math.floor(Date.now() / 1000);
+      const first = await get(base(), "/api/items/1", { "x-user": user });
+      assert.equal(first.status, 200, first.body);
+      assert.equal(first.body, '{"ok":true}');
+      const [limit, remaining, reset] = limits(first);
+      assert.equal(limit, "2", "the enforced rule's limit, not the dry run's 1");
+      assert.equal(remaining, "1");
+      // Epoch seconds of the end of the window after the current one: within 2 × 60 s (+1 for rounding up).
+      assert.ok(Number(reset) >= t0 && Number(reset) <= Math.ceil(Date.now() / 1000) + 121, `reset ${reset}`);
+
+      // Another id on the same route: the same endpoint (the matched route), so the same counter.
+      const second = await get(base(), "/api/items/2", { "x-user": user });
+      assert.equal(second.status, 200, "the dry run's would-be rejection does not block");
+      assert.deepEqual(limits(second).slice(0, 2), ["2", "0"]);
+
+      const before = handled();
+      const third = await get(base(), "/api/items/3", { "x-user": user });
+      assert.equal(third.status, 429);
+      assert.equal(handled(), before, "the handler did not run");
+      assert.match(third.headers.get("content-type") ?? "", /^application\/json/);
+      const retryAfter = third.headers.get("retry-after");
+      assert.match(retryAfter ?? "", /^[1-9][0-9]*$/, "whole seconds, at least 1");
+      // The window is 60 s: one more request fits within two windows at the most.
+      assert.ok(Number(retryAfter) <= 120);
+      assert.deepEqual(JSON.parse(third.body), { error: "rate_limited", retryAfter: Number(retryAfter) });
+      assert.equal(third.body, `{"error":"rate_limited","retryAfter":${retryAfter}}`);
+      assert.deepEqual(limits(third).slice(0, 2), ["2", "0"]);
+
+      // Another user has a budget of its own.
+      const other = await get(base(), "/api/items/3", { "x-user": `bob-${unique()}` });
+      assert.equal(other.status, 200);
+    });
+
+    it("no headers where no enforced rule applies", async () => {
+      const a = await get(base(), "/open", { "x-user": `carol-${unique()}` });
+      assert.equal(a.status, 200);
+      assert.deepEqual(limits(a), [null, null, null]);
+    });
+
+    it("X-Forwarded-For from a trusted proxy names the client", async () => {
+      const ip = `198.51.100.${1 + Math.floor(Math.random() * 250)}`;
+      const ip2 = `2001:db8::${Math.floor(Math.random() * 0xffff).toString(16)}`;
+      const a = await get(base(), "/ip", { "x-forwarded-for": `6.6.6.6, ${ip}` });
+      assert.equal(a.status, 200);
+      assert.deepEqual(limits(a).slice(0, 2), ["1", "0"]);
+      const b = await get(base(), "/ip", { "x-forwarded-for": `7.7.7.7, ${ip}` });
+      assert.equal(b.status, 429, "the same client behind the proxy");
+      const c = await get(base(), "/ip", { "x-forwarded-for": ip2 });
+      assert.equal(c.status, 200, "another client");
+    });
+
+    it("odd header values are limited under their hash instead of breaking the check", async () => {
+      const odd = `{evil}-${unique()}`;
+      const a = await get(base(), "/api/items/1", { "x-user": odd });
+      assert.equal(a.status, 200);
+      assert.deepEqual(limits(a).slice(0, 2), ["2", "1"], "the user rule applied");
+      await get(base(), "/api/items/1", { "x-user": odd });
+      const c = await get(base(), "/api/items/1", { "x-user": odd });
+      assert.equal(c.status, 429);
+    });
+
+    it("identity headers are not believed unless configured", async () => {
+      // /untrusted/... is limited by a middleware with no userHeader: the user rule cannot apply.
+      const user = `dave-${unique()}`;
+      for (let i = 0; i < 3; i++) {
+        const a = await get(base(), "/api/untrusted/1", { "x-user": user });
+        assert.equal(a.status, 200);
+        assert.deepEqual(limits(a), [null, null, null]);
+      }
+    });
+  });
+}
+
+function middleware(store: "embedded" | "redis"): void {
+  describe(`middleware (agent on the ${store} store)`, () => {
+    let redis: RedisServer | undefined;
+    let agent: Agent;
+    let client: Client;
+    let expressServer: Server;
+    let fastify: FastifyInstance;
+    let expressBase = "";
+    let fastifyBase = "";
+    let expressHandled = 0;
+    let fastifyHandled = 0;
+
+    before(async () => {
+      if (store === "redis") redis = await RedisServer.start();
+      agent = await Agent.start({ rules: RULES, redis: redis?.url });
+      client = await Client.connect(agent.socket, { timeoutMs: 5_000 }); // figures, not latency, on a loaded box
+
+      const app = express();
+      const limit = floodgateExpress(client, { userHeader: "x-user", trustProxies: ["127.0.0.1", "::1"] });
+      const noIdentity = floodgateExpress(client, { trustProxies: ["127.0.0.1", "::1"] });
+      const ok = (_req: express.Request, res: express.Response) => {
+        expressHandled++;
+        res.json({ ok: true });
+      };
+      app.get("/api/items/:id", limit, ok);
+      app.get("/api/untrusted/:id", noIdentity, ok);
+      app.get("/open", limit, ok);
+      app.get("/ip", limit, ok);
+      expressServer = await new Promise<Server>((r) => {
+        const s = app.listen(0, "127.0.0.1", () => r(s));
+      });
+      expressBase = `http://127.0.0.1:${(expressServer.address() as AddressInfo).port}`;
+
+      fastify = Fastify();
+      await fastify.register(async (scope) => {
+        await scope.register(floodgateFastify, { client, userHeader: "x-user", trustProxies: ["127.0.0.1", "::1"] });
+        const ok = async () => {
+          fastifyHandled++;
+          return { ok: true };
+        };
+        scope.get("/api/items/:id", ok);
+        scope.get("/open", ok);
+        scope.get("/ip", ok);
+      });
+      fastify.get(
+        "/api/untrusted/:id",
+        { onRequest: floodgateFastifyHook(client, { trustProxies: ["127.0.0.1"] }) },
+        async () => {
+          fastifyHandled++;
+          return { ok: true };
+        },
+      );
+      await fastify.listen({ port: 0, host: "127.0.0.1" });
+      fastifyBase = `http://127.0.0.1:${(fastify.server.address() as AddressInfo).port}`;
+    });
+
+    after(async () => {
+      await new Promise((r) => expressServer?.close(r));
+      await fastify?.close();
+      client?.close();
+      await agent?.stop();
+      await redis?.stop();
+    });
+
+    scenario("Express", () => expressBase, () => expressHandled);
+    scenario("Fastify", () => fastifyBase, () => fastifyHandled);
+  });
+}
+
+middleware("embedded");
+middleware("redis");
+
+describe("middleware when the agent is away", () => {
+  it("fail open: the request passes without headers; fail closed: 429 with Retry-After 1", async () => {
+    const missing = `${tempDir()}/nobody.sock`;
+    const open = await Client.connect(missing);
+    const closed = await Client.connect(missing, { fail: "closed", closedRetryAfterMs: 1000 });
+    const app = express();
+    app.get("/open", floodgateExpress(open), (_req, res) => res.send("passed"));
+    app.get("/closed", floodgateExpress(closed), (_req, res) => res.send("passed"));
+    const server = await new Promise<Server>((r) => {
+      const s = app.listen(0, "127.0.0.1", () => r(s));
+    });
+    const base = `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
+    try {
+      const a = await get(base, "/open");
+      assert.equal(a.status, 200);
+      assert.equal(a.body, "passed");
+      assert.deepEqual(limits(a), [null, null, null]);
+      const b = await get(base, "/closed");
+      assert.equal(b.status, 429);
+      assert.equal(b.headers.get("retry-after"), "1");
+      assert.equal(b.body, '{"error":"rate_limited","retryAfter":1}');
+      assert.deepEqual(limits(b), [null, null, null]);
+    } finally {
+      await new Promise((r) => server.close(r));
+      open.close();
+      closed.close();
+    }
+  });
+});

@@ -1,0 +1,246 @@
+/** The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, and a decoder that never throws. */
+
+import assert from "node:assert/strict";
+import * as fs from "node:fs";
+import * as path from "node:path";
+import { describe, it } from "node:test";
+
+import { decodeFrame, encodeFrame, MAX_FRAME, type Frame, type Verdict } from "../src/index";
+import { REPO } from "./helpers";
+
+/** The vectors as PROTOCOL.md shows them: `<!-- vector: name -->` then a ```hex block. */
+function vectorsFromDoc(): Map<string, Buffer> {
+  const doc = fs.readFileSync(path.join(REPO, "protocol", "PROTOCOL.md"), "utf8");
+  const out = new Map<string, Buffer>();
+  const re = /<!--\s*vector:\s*([a-z_]+)\s*-->\s*```hex\n([\s\S]*?)```/g;
+  for (let m = re.exec(doc); m; m = re.exec(doc)) {
+    out.set(m[1], Buffer.from(m[2].replace(/\s+/g, ""), "hex"));
+  }
+  return out;
+}
+
+const v = (
+  allowed: boolean,
+  source: Verdict["source"],
+  limit: number,
+  remaining: number,
+  resetAtMs: number,
+  retryAfterMs: number,
+  logOnly = false,
+): Verdict => ({ allowed, logOnly, source, limit, remaining, resetAtMs, retryAfterMs });
+
+/** The frames PROTOCOL.md describes in words, built here independently of the hex. */
+const EXPECTED: Record<string, Frame> = {
+  hello: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 1 } },
+  hello_ok: { requestId: 0, body: { kind: "helloOk", version: 1 } },
+  check_one_item: {
+    requestId: 7,
+    body: { kind: "check", check: { form: "items", items: [{ key: "user:123", ruleId: "api", cost: 1 }] } },
+  },
+  check_two_items: {
+    requestId: 8,
+    body: {
+      kind: "check",
+      check: {
+        form: "items",
+        items: [
+          { key: "user:123", ruleId: "api", cost: 1 },
+          { key: "ip:203.0.113.5", ruleId: "login", cost: 3 },
+        ],
+      },
+    },
+  },
+  check_attributes: {
+    requestId: 9,
+    body: {
+      kind: "check",
+      check: {
+        form: "attributes",
+        attributes: { endpoint: "/search", tier: "free", user: undefined, apiKey: "abc", ip: undefined, cost: 2 },
+      },
+    },
+  },
+  decision_allowed: {
+    requestId: 7,
+    body: {
+      kind: "decision",
+      combined: v(true, "redis", 100, 99, 1700000120000, 0),
+      items: [{ ruleId: "api", verdict: v(true, "redis", 100, 99, 1700000120000, 0) }],
+    },
+  },
+  decision_denied: {
+    requestId: 8,
+    body: {
+      kind: "decision",
+      combined: v(false, "cache", 5, 0, 1700000060000, 12000),
+      items: [
+        { ruleId: "login", verdict: v(false, "cache", 5, 0, 1700000060000, 12000) },
+        { ruleId: "ip-dry-run", verdict: v(false, "local", 600, 0, 1700000030000, 500, true) },
+      ],
+    },
+  },
+  error_unknown_rule: { requestId: 7, body: { kind: "error", code: 4, message: 'unknown rule "nope"' } },
+  ping: { requestId: 3, body: { kind: "ping" } },
+  pong: { requestId: 3, body: { kind: "pong" } },
+};
+
+describe("PROTOCOL.md test vectors", () => {
+  const vectors = vectorsFromDoc();
+
+  it("the page has every vector this test knows, and no other", () => {
+    assert.deepEqual([...vectors.keys()].sort(), Object.keys(EXPECTED).sort());
+  });
+
+  for (const [name, frame] of Object.entries(EXPECTED)) {
+    it(`${name}: encodes to the page's bytes`, () => {
+      const hex = vectors.get(name);
+      assert.ok(hex, `PROTOCOL.md has no vector ${name}`);
+      assert.equal(encodeFrame(frame).toString("hex"), hex.toString("hex"));
+    });
+
+    it(`${name}: decodes from the page's bytes`, () => {
+      const hex = vectors.get(name);
+      assert.ok(hex, `PROTOCOL.md has no vector ${name}`);
+      const r = decodeFrame(hex);
+      assert.ok(r.ok, `decode failed: ${JSON.stringify(r)}`);
+      assert.equal(r.used, hex.length);
+      assert.deepEqual(r.frame, frame);
+      // Fewer bytes than the frame: wait for more, whatever the cut.
+      for (let cut = 0; cut < hex.length; cut++) {
+        const p = decodeFrame(hex.subarray(0, cut));
+        assert.equal(p.ok ? "frame" : p.type, "incomplete", `cut at ${cut}`);
+      }
+    });
+  }
+});
+
+describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
+  const pong = Buffer.from("00000006010700000003", "hex");
+
+  it("a length over the limit is fatal before the body arrives, naming the request when it can", () => {
+    const b = Buffer.from("0001000001040000002a", "hex"); // 4 + 65537 bytes announced
+    const r = decodeFrame(b);
+    assert.ok(!r.ok && r.type === "fatal");
+    assert.equal(r.code, 2);
+    assert.equal(r.requestId, 42);
+    // The largest allowed frame is incomplete, not refused.
+    const max = Buffer.alloc(10);
+    max.writeUInt32BE(MAX_FRAME - 4, 0);
+    const m = decodeFrame(max);
+    assert.ok(!m.ok && m.type === "incomplete");
+  });
+
+  it("a length under the header is fatal (code 1)", () => {
+    const r = decodeFrame(Buffer.from("0000000501070000", "hex"));
+    assert.ok(!r.ok && r.type === "fatal" && r.code === 1);
+  });
+
+  it("an unknown kind, unknown flags or source, or extra bytes are fatal", () => {
+    const unknownKind = Buffer.from("00000006010900000003", "hex");
+    const extra = Buffer.from("0000000701070000000300", "hex");
+    const vec = vectorsFromDoc().get("decision_allowed")!;
+    const badFlags = Buffer.from(vec);
+    badFlags[10] = 0x04;
+    const badSource = Buffer.from(vec);
+    badSource[11] = 4;
+    const tooManyItems = Buffer.from(vec);
+    tooManyItems[44] = 17;
+    for (const [name, b] of Object.entries({ unknownKind, extra, badFlags, badSource, tooManyItems })) {
+      const r = decodeFrame(b);
+      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${JSON.stringify(r)}`);
+    }
+  });
+
+  it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
+    const v2 = Buffer.from("00000006020700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v2, pong]));
+    assert.ok(!r.ok && r.type === "rejected");
+    assert.equal(r.code, 3);
+    assert.equal(r.frameLen, 10);
+    const vec = Buffer.from(vectorsFromDoc().get("decision_allowed")!);
+    vec[46] = 0xff; // the item's rule id "api" becomes invalid UTF-8
+    const bad = decodeFrame(vec);
+    assert.ok(!bad.ok && bad.type === "rejected");
+    assert.equal(bad.code, 5);
+    assert.equal(bad.requestId, 7);
+    assert.equal(bad.frameLen, vec.length);
+  });
+
+  it("error codes the SDK does not know are kept", () => {
+    const e = encodeFrame({ requestId: 5, body: { kind: "error", code: 999, message: "from the future" } });
+    const r = decodeFrame(e);
+    assert.ok(r.ok);
+    assert.deepEqual(r.frame.body, { kind: "error", code: 999, message: "from the future" });
+  });
+
+  it("never throws on random bytes, and never reads past what it is given", () => {
+    // A fixed-seed xorshift, so a failure reproduces.
+    let s = 0x9e3779b9;
+    const rnd = () => {
+      s ^= s << 13;
+      s ^= s >>> 17;
+      s ^= s << 5;
+      return (s >>> 0) / 0x1_0000_0000;
+    };
+    const seeds = [...vectorsFromDoc().values()];
+    for (let i = 0; i < 20_000; i++) {
+      let b: Buffer;
+      if (i % 2 === 0) {
+        // Mutations of valid frames reach deep into the body parser.
+        b = Buffer.from(seeds[i % seeds.length]);
+        const flips = 1 + Math.floor(rnd() * 4);
+        for (let f = 0; f < flips; f++) b[Math.floor(rnd() * b.length)] = Math.floor(rnd() * 256);
+      } else {
+        b = Buffer.alloc(Math.floor(rnd() * 64));
+        for (let j = 0; j < b.length; j++) b[j] = Math.floor(rnd() * 256);
+        if (b.length >= 4 && rnd() < 0.7) b.writeUInt32BE(Math.max(0, b.length - 4 + Math.floor(rnd() * 3) - 1), 0);
+      }
+      const r = decodeFrame(b);
+      if (r.ok) assert.ok(r.used <= b.length);
+      else if (r.type === "rejected") assert.ok(r.frameLen <= b.length);
+      else if (r.type === "fatal") assert.ok(r.code === 1 || r.code === 2);
+    }
+  });
+});
+
+describe("encoding refuses what the agent would refuse", () => {
+  const check = (items: { key: string; ruleId: string; cost?: number }[]): Frame => ({
+    requestId: 1,
+    body: { kind: "check", check: { form: "items", items } },
+  });
+  const refused: [string, Frame][] = [
+    ["no items", check([])],
+    ["17 items", check(Array.from({ length: 17 }, (_, i) => ({ key: `k${i}`, ruleId: "r" })))],
+    ["an empty key", check([{ key: "", ruleId: "r" }])],
+    ["a 257-byte key", check([{ key: "k".repeat(257), ruleId: "r" }])],
+    ["a key of 129 two-byte characters (258 bytes)", check([{ key: "é".repeat(129), ruleId: "r" }])],
+    ["a brace", check([{ key: "user:{x}", ruleId: "r" }])],
+    ["a control character", check([{ key: "a\nb", ruleId: "r" }])],
+    ["a C1 control character", check([{ key: "a\u0085b", ruleId: "r" }])],
+    ["a rule id with a space", check([{ key: "k", ruleId: "a b" }])],
+    ["a 129-byte rule id", check([{ key: "k", ruleId: "r".repeat(129) }])],
+    ["cost 0", check([{ key: "k", ruleId: "r", cost: 0 }])],
+    ["cost 2^32", check([{ key: "k", ruleId: "r", cost: 2 ** 32 }])],
+    ["a fractional cost", check([{ key: "k", ruleId: "r", cost: 1.5 }])],
+    ["the same item twice", check([{ key: "k", ruleId: "r" }, { key: "k", ruleId: "r" }])],
+    [
+      "a 257-byte attribute",
+      { requestId: 1, body: { kind: "check", check: { form: "attributes", attributes: { user: "u".repeat(257) } } } },
+    ],
+  ];
+  for (const [name, frame] of refused) {
+    it(`refuses ${name}`, () => assert.throws(() => encodeFrame(frame), /./));
+  }
+
+  it("accepts the limits themselves: 16 items, 256-byte keys, 128-byte rule ids, cost 2^32-1", () => {
+    const items = Array.from({ length: 16 }, (_, i) => ({
+      key: `${i}`.padEnd(256, "k"),
+      ruleId: "r".repeat(128),
+      cost: 2 ** 32 - 1,
+    }));
+    const b = encodeFrame(check(items));
+    const r = decodeFrame(b);
+    assert.ok(r.ok);
+    assert.deepEqual(r.frame, check(items));
+  });
+});
