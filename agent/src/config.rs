@@ -193,6 +193,20 @@ pub struct AgentConfig {
     /// Log filter (tracing's env-filter syntax), e.g. `info` or `floodgate_agent=debug`.
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
     pub log: String,
+
+    /// Log lines as text or as JSON objects (one per line, for log shippers).
+    #[arg(long, env = "FLOODGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+/// How log lines are written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LogFormat {
+    /// Human-readable text.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// Where the admin HTTP API listens.
@@ -227,6 +241,10 @@ pub struct RulesServerConfig {
     /// Log filter (tracing's env-filter syntax).
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
     pub log: String,
+
+    /// Log lines as text or as JSON objects.
+    #[arg(long, env = "FLOODGATE_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
 }
 
 impl AgentConfig {

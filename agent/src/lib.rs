@@ -15,6 +15,7 @@
 //! - [`admin`]: the admin HTTP router.
 //! - [`dryrun`]: log mode's would-be rejections, counted, logged and reported.
 //! - [`cli`]: `floodgate rules …`, the operators' command line for the rules API.
+//! - [`ops`]: `floodgate check` and `floodgate status`, the operators' look at a running agent.
 //!
 //! # Example
 //! ```
@@ -43,6 +44,7 @@ pub mod envoy;
 pub mod events;
 pub mod guard;
 pub mod metrics;
+pub mod ops;
 pub mod rules;
 pub mod server;
 pub mod store;

@@ -1,12 +1,15 @@
 //! `floodgate`: one binary, several roles. `floodgate agent` runs the per-host agent,
-//! `floodgate rules-server` the rules service, `floodgate rules …` is the operators' CLI.
+//! `floodgate rules-server` the rules service, `floodgate rules …` is the operators' CLI for rules,
+//! `floodgate check` and `floodgate status` look at a running agent, and `floodgate completions` /
+//! `floodgate man` print shell completions and the man page.
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
 use floodgate_agent::cli::RulesCli;
-use floodgate_agent::config::{AgentConfig, RulesServerConfig};
+use floodgate_agent::config::{AgentConfig, LogFormat, RulesServerConfig};
+use floodgate_agent::ops::{CheckCli, CheckOutcome, StatusCli};
 
 #[derive(Parser)]
 #[command(
@@ -27,6 +30,18 @@ enum Command {
     RulesServer(RulesServerConfig),
     /// Operate on rules through the rules API.
     Rules(RulesCli),
+    /// Ask the local agent for one decision (the cost is consumed): exit code 0 allowed, 1 denied,
+    /// 2 the agent could not answer.
+    Check(CheckCli),
+    /// The local agent's state: breakers, fallback, live agents, rules version, batching.
+    Status(StatusCli),
+    /// Print shell completions (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff).
+    Man,
 }
 
 fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
@@ -52,38 +67,69 @@ fn shutdown_on_signals() -> anyhow::Result<watch::Receiver<bool>> {
     Ok(rx)
 }
 
-fn init_log(filter: &str) -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+fn init_log(filter: &str, format: LogFormat) -> anyhow::Result<()> {
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter)?)
-        .with_writer(std::io::stderr)
-        .init();
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
     Ok(())
+}
+
+/// An operator's command: a one-line error and `code`, no backtrace.
+fn operator<T>(code: i32, f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    match runtime(1)?.block_on(f) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(code);
+        }
+    }
+}
+
+/// Writes to stdout; a reader that stops early (`| head`) is not an error.
+fn print_all(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().write_all(bytes) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
         Command::Agent(config) => {
-            init_log(&config.log)?;
+            init_log(&config.log, config.log_format)?;
             runtime(config.threads)?.block_on(async move {
                 let rx = shutdown_on_signals()?;
                 floodgate_agent::run(*config, rx).await
             })
         }
         Command::RulesServer(config) => {
-            init_log(&config.log)?;
+            init_log(&config.log, config.log_format)?;
             runtime(1)?.block_on(async move {
                 let rx = shutdown_on_signals()?;
                 floodgate_agent::run_rules_server(config, rx).await
             })
         }
-        Command::Rules(cli) => {
-            // An operator's command: a one-line error and exit code 1, no backtrace.
-            if let Err(e) = runtime(1)?.block_on(floodgate_agent::cli::run(cli)) {
-                eprintln!("error: {e:#}");
-                std::process::exit(1);
-            }
-            Ok(())
+        Command::Rules(cli) => operator(1, floodgate_agent::cli::run(cli)),
+        Command::Check(cli) => match operator(2, floodgate_agent::ops::check(cli))? {
+            CheckOutcome::Allowed => Ok(()),
+            CheckOutcome::Denied => std::process::exit(1),
+        },
+        Command::Status(cli) => operator(1, floodgate_agent::ops::status(cli)),
+        Command::Completions { shell } => {
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "floodgate", &mut out);
+            print_all(&out)
+        }
+        Command::Man => {
+            let mut out = Vec::new();
+            clap_mangen::Man::new(Cli::command()).render(&mut out)?;
+            print_all(&out)
         }
     }
 }

@@ -1,0 +1,162 @@
+//! Operator commands against a real agent: `floodgate check` (exit codes 0/1/2, text and JSON),
+//! `floodgate status`, completions, the man page, and JSON logs.
+
+use std::process::{Command, Output};
+
+use floodgate_tests::{floodgate_bin, Agent, RedisServer};
+
+const RULES: &str = r#"{"rules":[
+  {"id":"one","dimension":"user","limit":1,"windowSeconds":60},
+  {"id":"api","dimension":"user","match":{"endpoint":"/api/*"},"limit":5,"windowSeconds":60}]}"#;
+
+fn floodgate(args: &[&str]) -> Output {
+    Command::new(floodgate_bin())
+        .args(args)
+        .output()
+        .expect("run floodgate")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A one-minute window: the checks take milliseconds of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_prints_the_decision_and_exits_by_it() {
+    let agent = Agent::builder().rules(RULES).start().await;
+    let socket = agent.socket().to_str().unwrap().to_string();
+    let first = floodgate(&["check", "user:1", "one", "--socket", &socket]);
+    assert_eq!(first.status.code(), Some(0), "{}", text(&first.stderr));
+    assert!(
+        text(&first.stdout).starts_with("allowed: limit 1 remaining 0"),
+        "{}",
+        text(&first.stdout)
+    );
+    let second = floodgate(&["check", "user:1", "one", "--socket", &socket, "--json"]);
+    assert_eq!(second.status.code(), Some(1), "denied exits 1");
+    let d: serde_json::Value = serde_json::from_slice(&second.stdout).unwrap();
+    assert_eq!(d["allowed"], false);
+    assert!(d["retryAfterMs"].as_u64().unwrap() >= 1);
+    assert_eq!(d["items"][0]["ruleId"], "one");
+    // An attribute check: the agent picks the rules that match.
+    let attrs = floodgate(&[
+        "check",
+        "--endpoint",
+        "/api/x",
+        "--user",
+        "7",
+        "--socket",
+        &socket,
+        "--json",
+    ]);
+    assert_eq!(attrs.status.code(), Some(0), "{}", text(&attrs.stderr));
+    let d: serde_json::Value = serde_json::from_slice(&attrs.stdout).unwrap();
+    let rules: Vec<&str> = d["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["ruleId"].as_str().unwrap())
+        .collect();
+    assert_eq!(rules, ["one", "api"]);
+    assert_eq!(d["items"][1]["remaining"], 4, "1 of 5 taken");
+    // No agent: exit 2, and it says nothing was decided.
+    let gone = floodgate(&[
+        "check",
+        "user:1",
+        "one",
+        "--socket",
+        "/nonexistent/floodgate.sock",
+        "--timeout-ms",
+        "200",
+    ]);
+    assert_eq!(gone.status.code(), Some(2));
+    assert!(
+        text(&gone.stderr).contains("did not answer"),
+        "{}",
+        text(&gone.stderr)
+    );
+    // An unknown rule: the agent refuses; exit 2 with its reason.
+    let unknown = floodgate(&["check", "user:1", "nope", "--socket", &socket]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(
+        text(&unknown.stderr).contains("nope"),
+        "{}",
+        text(&unknown.stderr)
+    );
+    // Neither KEY RULE nor attributes: a usage error.
+    assert_ne!(floodgate(&["check", "--socket", &socket]).status.code(), Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reads_the_agent_in_text_and_json() {
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .rules(RULES)
+        .redis(&redis.url())
+        .arg("--agents")
+        .arg("3")
+        .start()
+        .await;
+    let admin = agent.admin_addr().await.to_string();
+    let out = floodgate(&["status", "--admin", &admin]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let t = text(&out.stdout);
+    assert!(t.contains("rules         2 (version 0)"), "{t}");
+    assert!(t.contains("breakers      0:closed"), "{t}");
+    assert!(t.contains("fallback      inactive"), "{t}");
+    assert!(t.contains("live agents   3"), "{t}");
+    let out = floodgate(&["status", "--admin", &admin, "--json"]);
+    let j: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(j["status"]["liveAgents"], 3);
+    assert_eq!(j["batch"]["rules"].as_array().unwrap().len(), 2);
+    // No agent there: exit 1 with the reason.
+    let port = floodgate_tests::free_port();
+    let out = floodgate(&["status", "--admin", &format!("127.0.0.1:{port}")]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("cannot reach"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn completions_and_man_page_cover_the_commands() {
+    let bash = floodgate(&["completions", "bash"]);
+    assert!(bash.status.success());
+    let b = text(&bash.stdout);
+    for word in ["import-envoy", "status", "--listen-tcp", "--grpc"] {
+        assert!(b.contains(word), "bash completion lacks {word}");
+    }
+    let man = floodgate(&["man"]);
+    assert!(man.status.success());
+    let m = text(&man.stdout);
+    assert!(
+        m.contains(".TH floodgate 1") && m.contains("rules\\-server"),
+        "{m}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_logs_are_one_object_per_line() {
+    let mut agent = Agent::builder()
+        .rules(RULES)
+        .arg("--log-format")
+        .arg("json")
+        .spawn();
+    let log = floodgate_tests::eventually(
+        "the agent logs its rules",
+        std::time::Duration::from_secs(10),
+        || {
+            let log = agent.log();
+            async move { log.contains("rules loaded").then_some(log) }
+        },
+    )
+    .await;
+    for line in log.lines().filter(|l| !l.is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v["level"].is_string() && v["message"].is_string(), "{line}");
+    }
+    assert!(log.lines().any(|l| l.contains("\"count\":2")), "{log}");
+    agent.terminate().await;
+}
