@@ -60,7 +60,9 @@ pub enum RulesCommand {
         id: String,
     },
     /// Turn envoyproxy/ratelimit YAML files into rules and PUT them (one `descriptor` rule per
-    /// descriptor with a rate_limit). A file that cannot be mapped writes nothing.
+    /// descriptor with a rate_limit), deleting the service's rules of the files' domains that the
+    /// files no longer have. A file that cannot be mapped writes nothing; a write refused half-way
+    /// leaves what was written before it (run it again once fixed).
     ImportEnvoy {
         /// The configuration files (one domain each).
         files: Vec<std::path::PathBuf>,
@@ -109,6 +111,55 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
             );
             return Ok(());
         }
+        // The import makes each domain what the files say: a rule the service holds for one of
+        // their domains and the files no longer have is deleted (first, so that a descriptor that
+        // moved to another id does not meet its old rule); a rule id the files want that the
+        // service holds for something else than Envoy is not overwritten.
+        let r = call("GET", "/v1/rules".into(), vec![], None).await?;
+        if r.status != 200 {
+            bail!(
+                "{} from GET /v1/rules: {}",
+                r.status,
+                String::from_utf8_lossy(&r.body)
+            );
+        }
+        let held: Vec<crate::rules::Rule> =
+            serde_json::from_value(serde_json::from_slice::<Value>(&r.body)?["rules"].clone())
+                .context("the rules service answered rules this CLI cannot read")?;
+        let domains: std::collections::HashSet<&str> = rules
+            .iter()
+            .filter_map(|r| r.envoy.as_ref())
+            .map(|e| e.domain.as_str())
+            .collect();
+        for h in &held {
+            if h.envoy.is_none() && rules.iter().any(|r| r.id == h.id) {
+                bail!("rule {} exists and is not an Envoy rule; refusing to overwrite it (name the descriptor with rate_limit.name)", h.id);
+            }
+        }
+        let mut deleted = 0;
+        for h in &held {
+            let stale = h
+                .envoy
+                .as_ref()
+                .is_some_and(|e| domains.contains(e.domain.as_str()))
+                && !rules.iter().any(|r| r.id == h.id);
+            if !stale {
+                continue;
+            }
+            let r = call("DELETE", format!("/v1/rules/{}", h.id), vec![], None).await?;
+            if !(200..300).contains(&r.status) && r.status != 404 {
+                bail!(
+                    "{} deleting stale rule {}: {}",
+                    r.status,
+                    h.id,
+                    String::from_utf8_lossy(&r.body)
+                );
+            }
+            deleted += 1;
+            if !cli.json {
+                println!("rule {} deleted (no longer in the files)", h.id);
+            }
+        }
         for rule in &rules {
             let mut body = serde_json::to_value(rule)?;
             if let Some(o) = body.as_object_mut() {
@@ -136,9 +187,12 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
             }
         }
         if cli.json {
-            println!("{}", serde_json::json!({ "written": rules.len() }));
+            println!(
+                "{}",
+                serde_json::json!({ "written": rules.len(), "deleted": deleted })
+            );
         } else {
-            println!("{} rules imported", rules.len());
+            println!("{} rules imported, {deleted} deleted", rules.len());
         }
         return Ok(());
     }

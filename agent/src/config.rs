@@ -7,6 +7,11 @@ use std::path::PathBuf;
 /// mirrors this struct.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentConfig {
+    /// A TOML config file whose keys are these flags in snake case (`redis_timeout_ms = 5`); its
+    /// values are the defaults that environment variables and flags override.
+    #[arg(long, env = "FLOODGATE_CONFIG")]
+    pub config: Option<PathBuf>,
+
     /// Unix socket the SDK connects to.
     #[arg(long, env = "FLOODGATE_SOCKET", default_value = "/tmp/floodgate.sock")]
     pub socket: PathBuf,
@@ -39,8 +44,8 @@ pub struct AgentConfig {
     )]
     pub grpc_headers: crate::envoy::GrpcHeaders,
 
-    /// Most connections the agent holds open over all its listeners (Unix socket, TCP, gRPC); past
-    /// it a frames connection gets an Error (code 7, overloaded) and is closed, a gRPC one is closed.
+    /// Most connections each listener (Unix socket, TCP, gRPC) holds open; past it a frames
+    /// connection gets an Error (code 7, overloaded) and is closed, a gRPC one is closed.
     #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 

@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! - [`config`]: the agent's flags and environment variables.
+//! - [`settings`]: the config file (TOML keys onto the flags), its generated table, reloads.
 //! - [`server`]: the socket and TCP listeners (safe binding, pipelined connections, connection cap).
 //! - [`envoy`]: Envoy's RateLimitService over gRPC, answered by the engine.
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts.
@@ -47,6 +48,7 @@ pub mod metrics;
 pub mod ops;
 pub mod rules;
 pub mod server;
+pub mod settings;
 pub mod store;
 
 use std::sync::Arc;
@@ -65,6 +67,26 @@ use crate::store::{Adjust, Layout, MemoryStore, RedisConfig, RedisStore, Store};
 /// Runs the agent until `shutdown` turns true: binds the socket, serves it and the admin API, and
 /// removes the socket on the way out.
 pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
+    run_with_reloads(config, shutdown, None).await
+}
+
+/// A reload (SIGHUP): the configuration read again, and the keys that changed.
+#[derive(Debug)]
+pub struct Reload {
+    /// The new configuration.
+    pub config: AgentConfig,
+    /// The keys (`settings::keys`) whose values differ from the running ones.
+    pub changed: Vec<String>,
+}
+
+/// [`run`], applying each [`Reload`] that arrives: the default flush interval and the rules file
+/// (read again on every reload) change at run time; the log filter is the caller's to change; any
+/// other changed key is logged as needing a restart.
+pub async fn run_with_reloads(
+    config: AgentConfig,
+    shutdown: watch::Receiver<bool>,
+    reloads: Option<tokio::sync::mpsc::UnboundedReceiver<Reload>>,
+) -> anyhow::Result<()> {
     let source = RulesSource::open(&config).await?;
     let (rules, rules_from) = source.initial().await?;
     let store = match &config.redis {
@@ -149,6 +171,10 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
     }
     let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
     source.start(&engine, &config, shutdown.clone()).await?;
+    if let Some(rx) = reloads {
+        let file = matches!(source, RulesSource::File(_));
+        tokio::spawn(apply_reloads(engine.clone(), file, rx));
+    }
     let guard_task = match (&store, guard) {
         (Store::Redis(r), Some(g)) => Some(tokio::spawn(guard_loop(
             g,
@@ -195,7 +221,9 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         Store::Memory(_) => None,
     };
 
-    let cap = server::ConnectionCap::new(config.max_connections);
+    // Each listener has a cap of its own, so clients of one (pods over TCP, say) cannot take the
+    // slots of another (the host's services on the socket, Envoy over gRPC).
+    let cap = || server::ConnectionCap::new(config.max_connections);
     let mut listeners = Vec::new();
     if let Some(addr) = config.listen_tcp {
         let tcp = tokio::net::TcpListener::bind(addr)
@@ -205,7 +233,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         listeners.push(tokio::spawn(server::serve(
             server::Listener::Tcp(tcp),
             engine.clone(),
-            cap.clone(),
+            cap(),
             shutdown.clone(),
         )));
     }
@@ -215,7 +243,7 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
             .await
             .with_context(|| format!("cannot serve gRPC on {addr}"))?;
         tracing::info!(addr = %tcp.local_addr()?, "Envoy RateLimitService (gRPC) listening");
-        let (grpc, cap, stop) = (grpc.clone(), cap.clone(), shutdown.clone());
+        let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
         listeners.push(tokio::spawn(async move {
             if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, stop).await {
                 tracing::error!(error = %e, "gRPC server failed");
@@ -226,16 +254,24 @@ pub async fn run(config: AgentConfig, shutdown: watch::Receiver<bool>) -> anyhow
         let unix = server::bind(path, config.socket_mode)
             .with_context(|| format!("cannot serve gRPC on socket {}", path.display()))?;
         tracing::info!(socket = %path.display(), "Envoy RateLimitService (gRPC) on a Unix socket");
-        let (grpc, cap, stop) = (grpc.clone(), cap.clone(), shutdown.clone());
+        let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
         listeners.push(tokio::spawn(async move {
             if let Err(e) = envoy::serve_unix(unix, grpc, cap, stop).await {
                 tracing::error!(error = %e, "gRPC server failed");
             }
         }));
     }
-    server::serve(server::Listener::Unix(listener), engine.clone(), cap, shutdown).await;
-    for l in listeners {
-        let _ = tokio::time::timeout(Duration::from_secs(2), l).await;
+    server::serve(server::Listener::Unix(listener), engine.clone(), cap(), shutdown).await;
+    // The other listeners drained in parallel with the socket; whatever is still open after one
+    // more deadline (a peer that never lets its HTTP/2 connection go) is stopped, before the last
+    // flush below.
+    let aborts: Vec<_> = listeners.iter().map(|l| l.abort_handle()).collect();
+    if tokio::time::timeout(Duration::from_secs(2), futures::future::join_all(listeners))
+        .await
+        .is_err()
+    {
+        tracing::warn!("listeners still open 2 s after shutdown; stopping them");
+        aborts.iter().for_each(|a| a.abort());
     }
     let _ = std::fs::remove_file(&config.socket);
     if let Some(path) = &config.grpc_socket {
@@ -409,6 +445,51 @@ async fn write_back(guard: &Guard, redis: &RedisStore) {
 }
 
 /// Where the agent's rules come from.
+/// Applies reloads until the sender is gone.
+async fn apply_reloads(
+    engine: Arc<Engine>,
+    rules_file: bool,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Reload>,
+) {
+    while let Some(r) = rx.recv().await {
+        let mut applied = Vec::new();
+        let mut restart = Vec::new();
+        for key in &r.changed {
+            match key.as_str() {
+                "flush_interval_ms" => {
+                    engine
+                        .batcher()
+                        .set_flush_ms(None, r.config.flush_interval_ms.max(1));
+                    applied.push(format!("flush_interval_ms={}", r.config.flush_interval_ms));
+                }
+                "log" => applied.push(format!("log={}", r.config.log)),
+                "rules" if rules_file => {}
+                // The config file is where the new values came from, not a setting.
+                "config" => {}
+                other => restart.push(other.to_string()),
+            }
+        }
+        match (&r.config.rules, rules_file) {
+            (Some(path), true) => match RuleSet::load(path) {
+                Ok(set) => {
+                    let n = set.len();
+                    engine.swap_rules(set);
+                    applied.push(format!("rules={} ({n} rules)", path.display()));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reload: the rules file is refused; the running rules stay")
+                }
+            },
+            _ if r.changed.iter().any(|k| k == "rules") => restart.push("rules".into()),
+            _ => {}
+        }
+        tracing::info!(applied = %applied.join(", "), "reload (SIGHUP)");
+        if !restart.is_empty() {
+            tracing::warn!(keys = %restart.join(", "), "reload: these changed and take effect only after a restart");
+        }
+    }
+}
+
 enum RulesSource {
     /// A file read at start.
     File(std::path::PathBuf),

@@ -3,7 +3,7 @@
 //! `floodgate check` and `floodgate status` look at a running agent, and `floodgate completions` /
 //! `floodgate man` print shell completions and the man page.
 
-use clap::{CommandFactory, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::watch;
 
@@ -67,15 +67,71 @@ fn shutdown_on_signals() -> anyhow::Result<watch::Receiver<bool>> {
     Ok(rx)
 }
 
-fn init_log(filter: &str, format: LogFormat) -> anyhow::Result<()> {
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_new(filter)?)
-        .with_writer(std::io::stderr);
+/// Changes the log filter of a running process.
+type LogHandle =
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>;
+
+fn init_log(filter: &str, format: LogFormat) -> anyhow::Result<LogHandle> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let (filter, handle) =
+        tracing_subscriber::reload::Layer::new(tracing_subscriber::EnvFilter::try_new(filter)?);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().flatten_event(true).init(),
+        LogFormat::Text => registry.with(fmt).init(),
+        LogFormat::Json => registry.with(fmt.json().flatten_event(true)).init(),
     }
-    Ok(())
+    Ok(handle)
+}
+
+/// On SIGHUP: reads the command line, environment and config file again, sets the new log filter,
+/// and hands the new configuration and what changed to the agent.
+fn reload_on_sighup(
+    args: Vec<std::ffi::OsString>,
+    log: LogHandle,
+) -> anyhow::Result<tokio::sync::mpsc::UnboundedReceiver<floodgate_agent::Reload>> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut hup = signal(SignalKind::hangup())?;
+    let mut current = agent_matches(&args)?;
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            let next = match agent_matches(&args) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reload (SIGHUP) refused: the configuration is invalid; nothing changed");
+                    continue;
+                }
+            };
+            let Ok(config) = AgentConfig::from_arg_matches(&next) else {
+                continue;
+            };
+            let agent = AgentConfig::augment_args(clap::Command::new("agent"));
+            let changed = floodgate_agent::settings::changed(&agent, &current, &next);
+            if changed.iter().any(|k| k == "log") {
+                match tracing_subscriber::EnvFilter::try_new(&config.log) {
+                    Ok(f) => {
+                        let _ = log.reload(f);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "reload: the log filter is invalid; it stays"),
+                }
+            }
+            current = next;
+            if tx.send(floodgate_agent::Reload { config, changed }).is_err() {
+                return;
+            }
+        }
+    });
+    Ok(rx)
+}
+
+/// The `agent` subcommand's matches, config file applied.
+fn agent_matches(args: &[std::ffi::OsString]) -> anyhow::Result<clap::ArgMatches> {
+    let matches = command(args)?.try_get_matches_from(args)?;
+    match matches.subcommand() {
+        Some(("agent", m)) => Ok(m.clone()),
+        _ => anyhow::bail!("not the agent command"),
+    }
 }
 
 /// An operator's command: a one-line error and `code`, no backtrace.
@@ -98,18 +154,61 @@ fn print_all(bytes: &[u8]) -> anyhow::Result<()> {
     }
 }
 
+/// The command line with `floodgate agent`'s config file (`--config`, `FLOODGATE_CONFIG`) applied as
+/// its flags' defaults: flags and environment variables override the file.
+fn command(args: &[std::ffi::OsString]) -> anyhow::Result<clap::Command> {
+    let cmd = Cli::command();
+    let agent = args
+        .iter()
+        .skip(1)
+        .find(|a| !a.to_string_lossy().starts_with('-'));
+    if agent.is_none_or(|a| a != "agent") {
+        return Ok(cmd);
+    }
+    let Some(path) = floodgate_agent::settings::config_path(args) else {
+        return Ok(cmd);
+    };
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| anyhow::anyhow!("cannot read config file {}: {e}", path.display()))?;
+    let mut failure = None;
+    let cmd = cmd.mut_subcommand("agent", |sc| {
+        floodgate_agent::settings::apply_file(sc.clone(), &text).unwrap_or_else(|e| {
+            failure = Some(format!("{}: {e}", path.display()));
+            sc
+        })
+    });
+    match failure {
+        Some(e) => anyhow::bail!(e),
+        None => Ok(cmd),
+    }
+}
+
+fn parse() -> Cli {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cmd = match command(&args) {
+        Ok(cmd) => cmd,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let matches = cmd.get_matches_from(args);
+    Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit())
+}
+
 fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+    let cli = parse();
     match cli.command {
         Command::Agent(config) => {
-            init_log(&config.log, config.log_format)?;
+            let log = init_log(&config.log, config.log_format)?;
             runtime(config.threads)?.block_on(async move {
                 let rx = shutdown_on_signals()?;
-                floodgate_agent::run(*config, rx).await
+                let reloads = reload_on_sighup(std::env::args_os().collect(), log)?;
+                floodgate_agent::run_with_reloads(*config, rx, Some(reloads)).await
             })
         }
         Command::RulesServer(config) => {
-            init_log(&config.log, config.log_format)?;
+            let _log = init_log(&config.log, config.log_format)?;
             runtime(1)?.block_on(async move {
                 let rx = shutdown_on_signals()?;
                 floodgate_agent::run_rules_server(config, rx).await

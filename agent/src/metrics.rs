@@ -40,6 +40,8 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
+    ("floodgate_connections_refused_total", "Connections refused because their listener (unix, tcp, grpc) held its --max-connections"),
+    ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits, hits_addend 0)"),
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
 ];
 
@@ -266,7 +268,7 @@ pub fn connection_refused(listener: &'static str) {
 }
 
 /// A ShouldRateLimit answered: `code` is `ok`, `over_limit`, `unmatched` (no descriptor had a rule)
-/// or `error`.
+/// or `error`; `uncounted_descriptor` counts a descriptor answered OK without being counted.
 pub fn grpc_request(code: &'static str) {
     if on() {
         counter!("floodgate_grpc_requests_total", "code" => code).increment(1);

@@ -1,6 +1,6 @@
 //! The frames server: binds the Unix socket safely, listens on TCP where asked, and serves pipelined
-//! connections (many request ids in flight, answers written as they complete) under one connection
-//! cap shared by every listener.
+//! connections (many request ids in flight, answers written as they complete) under a connection
+//! cap per listener.
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, FileTypeExt, PermissionsExt};
@@ -73,11 +73,11 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     result
 }
 
-/// Most connections an agent holds open by default, over all its listeners (each costs a task and its
-/// buffers, about 10 KiB idle; a host's services need far fewer, an accept loop gone wrong far more).
+/// Most connections one listener holds open by default (each costs a task and its buffers, about
+/// 10 KiB idle; a host's services need far fewer, an accept loop gone wrong far more).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 4_096;
 
-/// The agent's cap on open connections, shared by its listeners (Unix socket, TCP, gRPC).
+/// A listener's cap on open connections (each of the Unix socket, TCP and gRPC listeners has one).
 #[derive(Debug, Clone)]
 pub struct ConnectionCap {
     slots: Arc<Semaphore>,
@@ -102,11 +102,6 @@ impl ConnectionCap {
     /// The cap.
     pub fn max(&self) -> usize {
         self.max
-    }
-
-    /// Connections open now.
-    pub fn open(&self) -> usize {
-        self.max - self.slots.available_permits()
     }
 }
 

@@ -35,6 +35,28 @@ pub fn rate_limit_headers(f: HeaderFigures<'_>, ietf: bool, now_ms: u64) -> Vec<
     h
 }
 
+/// The enforced item whose figures a combined verdict (`limit`, `remaining`, `reset_at_ms`) carries:
+/// the rule the headers name. None when no enforced rule applied (`limit` 0).
+pub fn binding_rule(
+    items: &[crate::ItemDecision],
+    limit: u64,
+    remaining: u64,
+    reset_at_ms: u64,
+) -> Option<&str> {
+    if limit == 0 {
+        return None;
+    }
+    items
+        .iter()
+        .filter(|i| !i.verdict.log_only)
+        .find(|i| {
+            i.verdict.limit == limit
+                && i.verdict.remaining == remaining
+                && i.verdict.reset_at_ms == reset_at_ms
+        })
+        .map(|i| i.rule_id.as_str())
+}
+
 /// `Retry-After` in whole seconds: rounded up, never 0 (a client told 0 retries at once).
 pub fn retry_after_seconds(retry_after_ms: u64) -> u64 {
     retry_after_ms.div_ceil(1_000).max(1)

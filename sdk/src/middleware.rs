@@ -416,18 +416,7 @@ pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderN
 
 /// The enforced rule whose figures the decision carries, if any.
 fn binding_rule(d: &Decision) -> Option<&str> {
-    if d.limit == 0 {
-        return None;
-    }
-    d.items
-        .iter()
-        .filter(|i| !i.verdict.log_only)
-        .find(|i| {
-            i.verdict.limit == d.limit
-                && i.verdict.remaining == d.remaining
-                && i.verdict.reset_at_ms == d.reset_at_ms
-        })
-        .map(|i| i.rule_id.as_str())
+    floodgate_protocol::http::binding_rule(&d.items, d.limit, d.remaining, d.reset_at_ms)
 }
 
 /// `Retry-After` in whole seconds: rounded up, never 0.

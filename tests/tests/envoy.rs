@@ -228,13 +228,34 @@ async fn unknown_domains_pass_and_bad_requests_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    // Asked to give units back, or to look without consuming: that descriptor is answered OK
+    // uncounted, the request's others are still decided.
     let mut negative = descriptor(&[("remote_address", "1.2.3.4")]);
     negative.is_negative_hits = true;
-    let e = client
-        .should_rate_limit(request("edge", vec![negative]))
+    let mut look = descriptor(&[("remote_address", "1.2.3.4")]);
+    look.hits_addend = Some(UInt64Value { value: 0 });
+    let counted = descriptor(&[("api_key", "n")]);
+    let r = client
+        .should_rate_limit(request("edge", vec![negative, look, counted]))
         .await
-        .unwrap_err();
-    assert!(e.message().contains("is_negative_hits"), "{e}");
+        .unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert!(r.statuses[0].current_limit.is_none() && r.statuses[1].current_limit.is_none());
+    assert_eq!(r.statuses[2].limit_remaining, 9);
+    let again = request("edge", vec![descriptor(&[("remote_address", "1.2.3.4")])]);
+    assert_eq!(
+        client.should_rate_limit(again).await.unwrap().statuses[0].limit_remaining,
+        2,
+        "neither took a unit of 1.2.3.4's 3"
+    );
+    let many = request(
+        "edge",
+        (0..65)
+            .map(|i| descriptor(&[("api_key", &format!("k{i}"))]))
+            .collect(),
+    );
+    let e = client.should_rate_limit(many).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
     // A value with braces cannot pick a Redis hash tag: it is escaped into the key and limited.
     let braces = || request("edge", vec![descriptor(&[("remote_address", "{evil}")])]);
     for code in [Code::Ok, Code::Ok, Code::Ok, Code::OverLimit] {
@@ -423,5 +444,36 @@ async fn import_envoy_writes_rules_through_the_api() {
     assert_eq!(
         r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit),
         Some(2)
+    );
+    // A rule written by hand at a path another rule answers would break every agent's set: refused.
+    let (status, body) = floodgate_tests::http_request(
+        rules_api,
+        "PUT",
+        "/v1/rules/twin",
+        r#"{"dimension":"descriptor","limit":1,"windowSeconds":1,"envoy":{"domain":"edge","descriptors":[{"key":"remote_address"}]}}"#,
+    )
+    .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("edge.remote_address"), "{body}");
+    // Importing again without a descriptor deletes its rule.
+    let fewer = dir.path().join("fewer.yaml");
+    std::fs::write(
+        &fewer,
+        CONFIG.replace(
+            "  - key: client\n    rate_limit: {unit: day, requests_per_unit: 6}\n",
+            "",
+        ),
+    )
+    .unwrap();
+    let out = run(&fewer);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains("4 rules imported, 1 deleted"),
+        "{text}"
+    );
+    let (_, listed) = floodgate_tests::http_get(rules_api, "/v1/rules").await;
+    assert!(
+        !listed.contains("\"edge.client\"") && listed.contains("\"edge.api_key\""),
+        "{listed}"
     );
 }

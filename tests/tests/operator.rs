@@ -160,3 +160,77 @@ async fn json_logs_are_one_object_per_line() {
     assert!(log.lines().any(|l| l.contains("\"count\":2")), "{log}");
     agent.terminate().await;
 }
+
+fn write_rules(path: &std::path::Path, limit: u64) {
+    let text = format!(r#"{{"rules":[{{"id":"r","dimension":"user","limit":{limit},"windowSeconds":60}}]}}"#);
+    std::fs::write(path, text).unwrap();
+}
+
+/// `--config`: the file's keys are the flags' defaults. SIGHUP reads it again: the flush interval
+/// and the rules file change at run time, other changes are reported as needing a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_file_is_read_and_sighup_reloads_what_it_can() {
+    let dir = tempfile::tempdir().unwrap();
+    let (rules, config) = (dir.path().join("rules.json"), dir.path().join("floodgate.toml"));
+    write_rules(&rules, 1);
+    let toml = |flush: u64, timeout: u64| {
+        format!(
+            "rules = {:?}\nflush_interval_ms = {flush}\nredis_timeout_ms = {timeout}\nrules_listen = \"off\"\n",
+            rules.display().to_string()
+        )
+    };
+    std::fs::write(&config, toml(100, 5)).unwrap();
+    let agent = Agent::builder()
+        .arg("--config")
+        .arg(config.to_str().unwrap())
+        .start()
+        .await;
+    let client = floodgate_tests::patient_client(agent.socket()).await;
+    assert!(client.allow("user:1", "r", 1).await.unwrap().allowed);
+    let d = client.allow("user:1", "r", 1).await.unwrap();
+    assert!(!d.allowed && d.limit == 1, "the file's rules apply: {d:?}");
+    let admin = agent.admin_addr().await;
+    let (_, batch) = floodgate_tests::http_get(admin, "/v1/batch").await;
+    assert!(batch.contains("\"defaultFlushIntervalMs\":100"), "{batch}");
+
+    write_rules(&rules, 5);
+    std::fs::write(&config, toml(50, 9)).unwrap();
+    floodgate_tests::signal(agent.pid().unwrap(), 1);
+    floodgate_tests::eventually(
+        "the reload is applied",
+        std::time::Duration::from_secs(10),
+        || async {
+            let (_, batch) = floodgate_tests::http_get(admin, "/v1/batch").await;
+            batch.contains("\"defaultFlushIntervalMs\":50").then_some(())
+        },
+    )
+    .await;
+    let d = client.allow("user:2", "r", 1).await.unwrap();
+    assert_eq!((d.allowed, d.limit), (true, 5), "the rules file was read again");
+    let log = agent.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("only after a restart") && l.contains("redis_timeout_ms")),
+        "{log}"
+    );
+    // A broken file on reload changes nothing and says so.
+    std::fs::write(&config, "flush_interval_ms = \"soon\"\n").unwrap();
+    floodgate_tests::signal(agent.pid().unwrap(), 1);
+    floodgate_tests::eventually(
+        "the refusal is logged",
+        std::time::Duration::from_secs(10),
+        || async { agent.log().contains("reload (SIGHUP) refused").then_some(()) },
+    )
+    .await;
+    let (_, batch) = floodgate_tests::http_get(admin, "/v1/batch").await;
+    assert!(batch.contains("\"defaultFlushIntervalMs\":50"), "{batch}");
+    // A bad key at start: the agent does not start, and names it.
+    std::fs::write(&config, "sockett = \"/x\"\n").unwrap();
+    let out = floodgate(&["agent", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("unknown key \"sockett\""),
+        "{}",
+        text(&out.stderr)
+    );
+}

@@ -75,57 +75,67 @@ async fn bad_input_over_tcp_gets_the_same_errors() {
     assert!(c.recv().await.is_none());
 }
 
+/// A connection the agent serves (a Check answered), retried while the listener's slots are still
+/// held by `wait_ready`'s probe connections closing.
+async fn served(
+    connect: impl Fn() -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<RawConn>> + Send>>,
+) -> RawConn {
+    floodgate_tests::eventually("a served connection", std::time::Duration::from_secs(5), || {
+        let c = connect();
+        async move {
+            let mut c = c.await.ok()?;
+            c.send(&check(1, "user:s")).await.ok()?;
+            matches!(c.recv().await?.body, Body::Decision(_)).then_some(c)
+        }
+    })
+    .await
+}
+
+fn refused_count(metrics: &str, listener: &str) -> u64 {
+    let series = format!("floodgate_connections_refused_total{{listener=\"{listener}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(series.as_str()))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Each listener has a cap of its own (here 1): past it a client is told why and closed, and the
+/// other listener's clients are not affected.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_connection_cap_a_client_is_told_and_closed() {
-    let (agent, addr) = tcp_agent(&["--max-connections", "2"]).await;
-    // Two connections, one per listener, each proven served.
-    let mut a = RawConn::connect(agent.socket()).await.unwrap();
-    a.send(&check(1, "user:a")).await.unwrap();
-    assert!(matches!(a.recv().await.unwrap().body, Body::Decision(_)));
-    let mut b = RawConn::connect_tcp(addr).await.unwrap();
-    b.send(&check(1, "user:b")).await.unwrap();
-    assert!(matches!(b.recv().await.unwrap().body, Body::Decision(_)));
-    for refused in [
-        RawConn::connect_tcp(addr).await,
-        RawConn::connect(agent.socket()).await,
-    ] {
+    let (agent, addr) = tcp_agent(&["--max-connections", "1"]).await;
+    let socket = agent.socket().to_path_buf();
+    let admin = agent.admin_addr().await;
+    let mut a = served(|| {
+        let s = socket.clone();
+        Box::pin(async move { RawConn::connect(&s).await })
+    })
+    .await;
+    let b = served(|| Box::pin(RawConn::connect_tcp(addr))).await;
+    let (_, before) = floodgate_tests::http_get(admin, "/metrics").await;
+    for refused in [RawConn::connect_tcp(addr).await, RawConn::connect(&socket).await] {
         let mut c = refused.unwrap();
         match c.recv().await.expect("an Error before the close").body {
             Body::Error(e) => {
                 assert_eq!(e.code, ErrorCode::Overloaded);
-                assert!(e.message.contains("maximum of 2 connections"), "{}", e.message);
+                assert!(e.message.contains("maximum of 1 connections"), "{}", e.message);
             }
             other => panic!("{other:?}"),
         }
         assert!(c.recv().await.is_none(), "then closed");
     }
-    // The served connections are untouched; once one closes, its slot is free again.
+    let (_, after) = floodgate_tests::http_get(admin, "/metrics").await;
+    for listener in ["tcp", "unix"] {
+        assert_eq!(
+            refused_count(&after, listener),
+            refused_count(&before, listener) + 1,
+            "{listener}: {after}"
+        );
+    }
+    // The served connection is untouched; once the TCP one closes, its slot is free again.
     a.send(&check(2, "user:a")).await.unwrap();
     assert!(matches!(a.recv().await.unwrap().body, Body::Decision(_)));
     drop(b);
-    let served = floodgate_tests::eventually(
-        "a slot frees when a connection closes",
-        std::time::Duration::from_secs(5),
-        || async {
-            let mut c = RawConn::connect_tcp(addr).await.ok()?;
-            c.send(&check(1, "user:c")).await.ok()?;
-            match c.recv().await?.body {
-                Body::Decision(d) => Some(d),
-                _ => None,
-            }
-        },
-    )
-    .await;
-    assert!(served.combined.allowed);
-    // Counted per listener (the wait above may have been refused too, while the slot was busy).
-    let (_, metrics) = floodgate_tests::http_get(agent.admin_addr().await, "/metrics").await;
-    let refused = |listener: &str| -> u64 {
-        let series = format!("floodgate_connections_refused_total{{listener=\"{listener}\"}} ");
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(series.as_str()))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0)
-    };
-    assert!(refused("tcp") >= 1 && refused("unix") == 1, "{metrics}");
+    served(|| Box::pin(RawConn::connect_tcp(addr))).await;
 }

@@ -1,5 +1,5 @@
 //! The gRPC listeners: tonic over a TCP address or a Unix socket, each connection holding a slot of
-//! the agent's connection cap (past it a connection is closed at once: HTTP/2 has no place for the
+//! its listener's connection cap (past it a connection is closed at once: HTTP/2 has no place for the
 //! frames protocol's Error, so the refusal is logged and counted instead).
 
 use std::io;
@@ -129,6 +129,9 @@ where
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
 {
     tonic::transport::Server::builder()
+        // A peer that vanished without closing (its node gone) is found and its slot freed.
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(RateLimitServiceServer::from_arc(service))
         .serve_with_incoming_shutdown(stream, async move { stopped(&mut shutdown).await })
         .await

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate_protocol::http::{rate_limit_headers, retry_after_seconds, HeaderFigures};
+use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
 use floodgate_protocol::{Check, Decision, ErrorCode, Item, MAX_ITEMS};
 use tonic::{Request, Response, Status};
 
@@ -39,8 +39,16 @@ impl EnvoyService {
         EnvoyService { engine, headers }
     }
 
-    /// Decides one request (what the gRPC method calls).
+    /// Decides one request (what the gRPC method calls). A rule set swapped between the descriptor
+    /// lookup and the check (a rule removed) is answered from the new set: one retry.
     pub async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        match self.decide_once(&req).await {
+            Err(e) if e.code() == tonic::Code::Unavailable => self.decide_once(&req).await,
+            other => other,
+        }
+    }
+
+    async fn decide_once(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("rate limit domain must not be empty"));
         }
@@ -49,28 +57,35 @@ impl EnvoyService {
                 "rate limit descriptor list must not be empty",
             ));
         }
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Status::invalid_argument(format!(
+                "{} descriptors in one request; at most {MAX_DESCRIPTORS}",
+                req.descriptors.len()
+            )));
+        }
         let rules = self.engine.rules();
-        // Which item each descriptor became (None: no rule answers it, so it is not limited).
-        let mut slots: Vec<Option<usize>> = Vec::with_capacity(req.descriptors.len());
+        // What each descriptor became: an item of the check, or answered without one.
+        let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
         let mut items: Vec<Item> = Vec::new();
-        for (n, d) in req.descriptors.iter().enumerate() {
-            if d.is_negative_hits {
-                return Err(Status::invalid_argument(format!(
-                    "descriptor {n}: is_negative_hits is not supported (nothing is given back)"
-                )));
-            }
+        for d in &req.descriptors {
             let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-            let rule = rules.for_descriptor(&req.domain, entries);
-            let Some(rule) = rule.filter(|r| !r.envoy.as_ref().is_some_and(|e| e.unlimited)) else {
-                slots.push(None);
+            let Some(rule) = rules.for_descriptor(&req.domain, entries) else {
+                slots.push(Slot::NoRule);
                 continue;
             };
+            if rule.envoy.as_ref().is_some_and(|e| e.unlimited) {
+                slots.push(Slot::Unlimited);
+                continue;
+            }
+            // Asked to give units back, or to look without consuming: neither exists here, so the
+            // descriptor is answered OK without being counted (counted in the metrics), and the
+            // request's other descriptors are still decided.
+            if d.is_negative_hits || d.hits_addend.is_some_and(|h| h.value == 0) {
+                crate::metrics::grpc_request("uncounted_descriptor");
+                slots.push(Slot::NoRule);
+                continue;
+            }
             let cost = match d.hits_addend {
-                Some(h) if h.value == 0 => {
-                    return Err(Status::invalid_argument(format!(
-                        "descriptor {n}: hits_addend 0 (a look without consuming) is not supported"
-                    )))
-                }
                 Some(h) => h.value,
                 // envoyproxy/ratelimit's rule: an unset (0) request hits_addend is 1.
                 None => u64::from(req.hits_addend.max(1)),
@@ -82,7 +97,7 @@ impl EnvoyService {
             match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
                 Some(i) => {
                     items[i].cost = items[i].cost.saturating_add(cost);
-                    slots.push(Some(i));
+                    slots.push(Slot::Item(i));
                 }
                 None if items.len() == MAX_ITEMS => {
                     return Err(Status::invalid_argument(format!(
@@ -91,7 +106,7 @@ impl EnvoyService {
                 }
                 None => {
                     items.push(Item::new(key, rule.id.clone(), cost));
-                    slots.push(Some(items.len() - 1));
+                    slots.push(Slot::Item(items.len() - 1));
                 }
             }
         }
@@ -99,7 +114,7 @@ impl EnvoyService {
             crate::metrics::grpc_request("unmatched");
             return Ok(RateLimitResponse {
                 overall_code: Code::Ok as i32,
-                statuses: slots.iter().map(|_| unlimited()).collect(),
+                statuses: slots.iter().map(|s| not_limited(*s)).collect(),
                 ..Default::default()
             });
         }
@@ -129,18 +144,17 @@ impl EnvoyService {
         Ok(response)
     }
 
-    fn response(
-        &self,
-        d: &Decision,
-        slots: &[Option<usize>],
-        rules: &crate::rules::RuleSet,
-    ) -> RateLimitResponse {
+    fn response(&self, d: &Decision, slots: &[Slot], rules: &crate::rules::RuleSet) -> RateLimitResponse {
         let now = now_ms();
         let statuses = slots
             .iter()
             .map(|slot| {
-                let Some(item) = slot.and_then(|i| d.items.get(i)) else {
-                    return unlimited();
+                let item = match slot {
+                    Slot::Item(i) => d.items.get(*i),
+                    _ => None,
+                };
+                let Some(item) = item else {
+                    return not_limited(*slot);
                 };
                 let v = &item.verdict;
                 let over = !v.allowed && !v.log_only;
@@ -166,8 +180,8 @@ impl EnvoyService {
         let allowed = d.combined.allowed;
         let mut headers = Vec::new();
         if self.headers != GrpcHeaders::None {
-            if let Some(rule) = binding_rule(d) {
-                let c = &d.combined;
+            let c = &d.combined;
+            if let Some(rule) = binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms) {
                 let figures = HeaderFigures {
                     rule,
                     limit: c.limit,
@@ -207,29 +221,33 @@ impl RateLimitService for EnvoyService {
     }
 }
 
-/// A descriptor no rule answers: OK, no limit (as envoyproxy/ratelimit answers one).
-fn unlimited() -> DescriptorStatus {
-    DescriptorStatus {
-        code: Code::Ok as i32,
-        ..Default::default()
-    }
+/// Most descriptors one request may carry (Envoy sends a handful; this bounds the work one request
+/// can ask for).
+pub const MAX_DESCRIPTORS: usize = 64;
+
+/// What one descriptor of a request became.
+#[derive(Debug, Clone, Copy)]
+enum Slot {
+    /// This item of the check.
+    Item(usize),
+    /// No rule answers it (or it asked for what cannot be done): OK, no limit.
+    NoRule,
+    /// An unlimited rule answers it: OK, no limit, all remaining.
+    Unlimited,
 }
 
-/// The enforced item whose figures the combined verdict carries.
-fn binding_rule(d: &Decision) -> Option<&str> {
-    let c = &d.combined;
-    if c.limit == 0 {
-        return None;
+/// The status of a descriptor that is not counted, as envoyproxy/ratelimit answers one: OK without
+/// a limit, remaining 0 when no rule applies and the largest count when it is unlimited.
+fn not_limited(slot: Slot) -> DescriptorStatus {
+    DescriptorStatus {
+        code: Code::Ok as i32,
+        limit_remaining: if matches!(slot, Slot::Unlimited) {
+            u32::MAX
+        } else {
+            0
+        },
+        ..Default::default()
     }
-    d.items
-        .iter()
-        .filter(|i| !i.verdict.log_only)
-        .find(|i| {
-            i.verdict.limit == c.limit
-                && i.verdict.remaining == c.remaining
-                && i.verdict.reset_at_ms == c.reset_at_ms
-        })
-        .map(|i| i.rule_id.as_str())
 }
 
 /// Envoy's unit for a window that is exactly one; any other window is `UNKNOWN`.

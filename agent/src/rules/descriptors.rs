@@ -16,7 +16,8 @@ pub struct DescriptorIndex {
 struct Node {
     /// `key` → `value` → child.
     exact: HashMap<String, HashMap<String, Node>>,
-    /// `(key, prefix)` children of values ending in `*`, in rule order.
+    /// `(key, prefix)` children of values ending in `*`, the longest prefix first (the most specific
+    /// wins, whatever order the rules come in: a file's or the rules service's, sorted by id).
     prefixed: Vec<(String, String, Node)>,
     /// `key` → child for entries without a value (any value, each counted apart).
     any: HashMap<String, Node>,
@@ -107,10 +108,5 @@ impl DescriptorIndex {
             node = next;
         }
         None
-    }
-
-    /// Whether any rule answers this domain.
-    pub fn has_domain(&self, domain: &str) -> bool {
-        self.domains.contains_key(domain)
     }
 }

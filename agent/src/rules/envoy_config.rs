@@ -220,6 +220,10 @@ fn rule_for(
     if multiplier == 0 {
         return Err(format!("descriptor {name}: unit_multiplier must be at least 1"));
     }
+    let window = seconds
+        .checked_mul(multiplier)
+        .filter(|w| *w <= 31_536_000)
+        .ok_or_else(|| format!("descriptor {name}: the window (unit × unit_multiplier) is over a year"))?;
     let limit = match rl.requests_per_unit {
         Some(n) => NonZeroU64::new(n).ok_or_else(|| {
             format!(
@@ -234,7 +238,7 @@ fn rule_for(
         dimension: Dimension::Descriptor,
         matches: Default::default(),
         limit,
-        window_seconds: (seconds * multiplier) as f64,
+        window_seconds: window as f64,
         burst: None,
         algorithm: Default::default(),
         mode: if d.shadow_mode { Mode::Log } else { Mode::Enforce },
@@ -439,6 +443,7 @@ descriptors:
                 "share_threshold",
             ),
             ("  - a\n", "envoy ratelimit config"),
+            ("  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1, unit_multiplier: 307445734561825861}\n", "over a year"),
         ] {
             let err = rules_from_yaml(&format!("{base}{body}")).unwrap_err();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");

@@ -407,11 +407,6 @@ impl RuleSet {
         self.descriptors.lookup(domain, entries)
     }
 
-    /// Whether any rule answers descriptors of `domain`.
-    pub fn has_domain(&self, domain: &str) -> bool {
-        self.descriptors.has_domain(domain)
-    }
-
     /// All rules, in file order.
     pub fn iter(&self) -> impl Iterator<Item = &Arc<Rule>> {
         self.ordered.iter()

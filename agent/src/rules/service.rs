@@ -295,6 +295,24 @@ async fn put(
                 .into_response()
         }
     };
+    // A rule valid alone can still break the set (two rules answering one Envoy descriptor), and
+    // agents refuse a broken set whole: refuse the write instead.
+    if rule.envoy.is_some() {
+        match state.store.snapshot().await {
+            Ok((_, mut rules)) => {
+                rules.retain(|r| r.id != rule.id);
+                rules.push(rule.clone());
+                if let Err(e) = super::RuleSet::new(rules) {
+                    return (
+                        StatusCode::CONFLICT,
+                        Json(json!({ "error": format!("the rule set would be invalid: {e}") })),
+                    )
+                        .into_response();
+                }
+            }
+            Err(e) => return store_error(e),
+        }
+    }
     match state.store.put(&rule, expected, &actor.0).await {
         Ok((stored, version, created)) => {
             state.announce(version);
