@@ -95,6 +95,8 @@ mod tests {
         assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(wire_safe("x".repeat(257)).len(), 18);
+        // PROTOCOL.md's worked example.
+        assert_eq!(wire_safe("{victim}".into()), "h:0a5b9694d4ec70f5");
     }
 
     #[test]

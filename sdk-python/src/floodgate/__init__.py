@@ -1,0 +1,51 @@
+"""Floodgate's Python client: ask the local agent whether a request may pass.
+
+One client per process holds one multiplexed Unix-socket connection to the agent: many checks are
+in flight at once, each with its own request id. Every call returns within its timeout (10 ms by
+default); when the agent is unreachable or late the call answers by its fail policy (open by
+default, closed per client or per call) and the client reconnects in the background.
+
+- :class:`AsyncClient`: asyncio (ASGI apps, FastAPI, Starlette).
+- :class:`Client`: threads (WSGI apps, Django, scripts); thread-safe.
+- :mod:`floodgate.middleware`: ASGI, WSGI and Django middleware.
+- :mod:`floodgate.protocol`: the wire format (``protocol/PROTOCOL.md``).
+
+Example::
+
+    from floodgate import AsyncClient
+
+    client = await AsyncClient.connect("/tmp/floodgate.sock")
+    d = await client.allow("user:123", "api-per-user", 1)
+    if not d.allowed:
+        ...  # 429; d.retry_after_ms is always set on a denial
+"""
+
+from .aio import AsyncClient
+from .client import Client
+from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
+from .errors import AgentError, FloodgateError, InvalidCheck
+from .protocol import Attributes, Item, ItemDecision, Source, Verdict, wire_safe
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "ClientConfig",
+    "ClientStats",
+    "Decision",
+    "Degraded",
+    "FailPolicy",
+    "LocalLimit",
+    "Origin",
+    "AgentError",
+    "FloodgateError",
+    "InvalidCheck",
+    "Attributes",
+    "Item",
+    "ItemDecision",
+    "Source",
+    "Verdict",
+    "wire_safe",
+    "__version__",
+]

@@ -1,0 +1,473 @@
+"""The asyncio client: one multiplexed Unix-socket connection per event loop, many checks in flight.
+
+Every call returns within its timeout (10 ms by default), whatever the agent does: when the agent
+is unreachable, late or confused the call answers by its fail policy (open by default, closed per
+client or per call) and the client reconnects in the background with backoff and jitter. Only a
+check the caller got wrong raises (:class:`~floodgate.InvalidCheck` before sending,
+:class:`~floodgate.AgentError` for an unknown rule).
+
+Example::
+
+    client = await AsyncClient.connect("/tmp/floodgate.sock")
+    d = await client.allow("user:123", "api-per-user")
+    if not d.allowed:
+        ...  # 429, Retry-After: ceil(d.retry_after_ms / 1000)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import random
+import time
+from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple, Union
+
+from . import protocol as p
+from .decision import (
+    TIMEOUT,
+    UNAVAILABLE,
+    ClientConfig,
+    ClientStats,
+    Core,
+    Decision,
+    Degraded,
+    FailPolicy,
+    local_key_attributes,
+    local_key_items,
+)
+
+# Past this many bytes waiting in the socket's send buffer (an agent that stopped reading), calls
+# answer by their policy instead of queueing more.
+_MAX_WRITE_BUFFER = 1 << 20
+
+
+class _HandshakeError(Exception):
+    pass
+
+
+class _Conn(asyncio.Protocol):
+    """One connection: parses what the agent sends and wakes the waiting calls."""
+
+    def __init__(self, client: "AsyncClient", loop: asyncio.AbstractEventLoop) -> None:
+        self.client = client
+        self.buf = bytearray()
+        self.transport: Optional[asyncio.Transport] = None
+        self.hello: asyncio.Future = loop.create_future()
+        self.lost: asyncio.Future = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        pending = self.client._pending
+        decode = p.decode_reply
+        while True:
+            status, value, used = decode(buf, pos)
+            if status == 0:
+                break
+            if status == 3:
+                self._broken(f"agent sent a broken frame: {value}")
+                return
+            pos += used
+            if status == 1:
+                rid, body = value  # type: ignore[misc]
+                if not self.hello.done():
+                    self._handshake_answer(body)
+                    if self.transport is None or self.transport.is_closing():
+                        return
+                    continue
+                if isinstance(body, (p.DecisionBody, p.ErrorBody)):
+                    fut = pending.pop(rid, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(body)
+                # HelloOk or Pong after the handshake: nothing waits for them.
+            else:
+                # An answer this SDK cannot read (bad text, another version): its call answers by
+                # its fail policy now instead of waiting out its timeout.
+                fut = pending.pop(value, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(UNAVAILABLE)
+        if pos:
+            del buf[:pos]
+
+    def _handshake_answer(self, body: object) -> None:
+        if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+            self.hello.set_result(None)
+        elif isinstance(body, p.HelloOk):
+            self._broken(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+        elif isinstance(body, p.ErrorBody):
+            self._broken(f"agent refused Hello: {int(body.code)}: {body.message}")
+        else:
+            self._broken("unexpected answer to Hello")
+
+    def _broken(self, why: str) -> None:
+        if not self.hello.done():
+            self.hello.set_exception(_HandshakeError(why))
+        self.buf.clear()
+        if self.transport is not None:
+            self.transport.abort()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        if not self.hello.done():
+            self.hello.set_exception(_HandshakeError("agent closed during Hello"))
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.client._lost(self)
+
+
+class AsyncClient:
+    """A client of the local agent for asyncio code. Use one per process (per event loop); it holds
+    one connection on which every call is multiplexed by request id. ``path`` is the agent's Unix
+    socket, or ``tcp://host:port`` for an agent's ``--listen-tcp``.
+
+    ``AsyncClient(path)`` returns at once; the connection is made on first use (or by
+    :meth:`start`), and remade in the background whenever it breaks. :meth:`connect` creates one and
+    waits up to ``connect_timeout`` for the first connection, so the first calls reach the agent.
+    Keyword arguments override fields of :class:`~floodgate.ClientConfig`.
+    """
+
+    def __init__(
+        self,
+        path: str = "/tmp/floodgate.sock",
+        config: Optional[ClientConfig] = None,
+        **overrides: Any,
+    ) -> None:
+        config = config or ClientConfig()
+        if overrides:
+            config = ClientConfig(**{**config.__dict__, **overrides})
+        self.path = str(path)
+        self._tcp = p.tcp_address(self.path)
+        self._core = Core(config)
+        self._config = config
+        self._pending: Dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._task: Optional[asyncio.Task] = None
+        self._conn: Optional[_Conn] = None
+        self._ready: Optional[asyncio.Event] = None
+        self._out: List[bytes] = []
+        self._deadlines: Dict[float, _Deadlines] = {}
+        self._flush_scheduled = False
+        self._closed = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(
+        cls, path: str = "/tmp/floodgate.sock", config: Optional[ClientConfig] = None, **overrides: Any
+    ) -> "AsyncClient":
+        """A started client: waits up to ``connect_timeout`` for the first connection (it is not an
+        error if the agent is not there: calls then answer by the fail policy)."""
+        client = cls(path, config, **overrides)
+        await client.start()
+        return client
+
+    async def start(self) -> None:
+        """Starts the background connection task if needed and waits up to ``connect_timeout`` for
+        its first attempt."""
+        self._ensure_started()
+        assert self._ready is not None
+        try:
+            await asyncio.wait_for(self._ready.wait(), self._config.connect_timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _ensure_started(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            if self._closed:
+                raise RuntimeError("this AsyncClient is closed")
+            self._loop = loop
+            self._ready = asyncio.Event()
+            self._task = loop.create_task(self._run())
+        elif self._loop is not loop:
+            raise RuntimeError("an AsyncClient belongs to the event loop it started on; make one per loop")
+        return loop
+
+    async def close(self) -> None:
+        """Stops reconnecting and closes the connection; calls in flight answer by their policy."""
+        self._closed = True
+        if self._ready is not None:
+            self._ready.set()
+        task, self._task = self._task, None
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.abort()
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._fail_pending()
+
+    async def __aenter__(self) -> "AsyncClient":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    def is_connected(self) -> bool:
+        """Whether the client holds a live connection to the agent right now."""
+        c = self._conn
+        return c is not None and c.transport is not None and not c.transport.is_closing()
+
+    def stats(self) -> ClientStats:
+        """Counts of degraded answers and connections, for the service's metrics."""
+        return self._core.snapshot()
+
+    # --- calls -------------------------------------------------------------------------------
+
+    async def allow(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """One ``(key, rule_id, cost)`` item."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost)
+        local = local_key_items([(key, rule_id, cost)]) if self._config.fallback_limit is not None else None
+        return await self._call(rid, data, timeout, fail, local)
+
+    async def check(
+        self,
+        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int]]],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Up to 16 items at once: allowed only if every enforced item is; a denial consumes
+        nothing. Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost])`` tuples."""
+        items = list(items)
+        rid = self._next_id()
+        data = p.check_items_frame(rid, items)
+        local = local_key_items(items) if self._config.fallback_limit is not None else None
+        return await self._call(rid, data, timeout, fail, local)
+
+    async def check_attributes(
+        self,
+        endpoint: Optional[str] = None,
+        tier: Optional[str] = None,
+        user: Optional[str] = None,
+        api_key: Optional[str] = None,
+        ip: Optional[str] = None,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Request attributes (``None`` = absent) for the agent to match against its rules; every
+        matching rule is checked, all or nothing."""
+        return await self.check_request(
+            p.Attributes(endpoint, tier, user, api_key, ip, cost), timeout=timeout, fail=fail
+        )
+
+    async def check_request(
+        self,
+        attributes: p.Attributes,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
+        rid = self._next_id()
+        data = p.check_attributes_frame(rid, attributes)
+        local = local_key_attributes(attributes) if self._config.fallback_limit is not None else None
+        return await self._call(rid, data, timeout, fail, local)
+
+    def _next_id(self) -> int:
+        while True:
+            rid = next(self._ids) & 0xFFFF_FFFF
+            if rid != 0 and rid not in self._pending:
+                return rid
+
+    async def _call(
+        self,
+        rid: int,
+        data: bytes,
+        timeout: Optional[float],
+        fail: Union[FailPolicy, str, None],
+        local: Optional[Tuple[str, int]],
+    ) -> Decision:
+        core = self._core
+        policy = core.policy(fail)
+        loop = self._ensure_started()
+        tmo = max(self._config.timeout if timeout is None else timeout, 0.0)
+        conn = self._conn
+        waited = None
+        if conn is None and self._ready is not None and not self._ready.is_set():
+            # A client used before its first connection attempt finished: wait for it, within the
+            # call's timeout, so that the first calls of a lazily started client reach the agent.
+            started = loop.time()
+            try:
+                await asyncio.wait_for(self._ready.wait(), tmo)
+            except asyncio.TimeoutError:
+                pass
+            waited = loop.time() - started
+            conn = self._conn
+        pending = self._pending
+        if (
+            conn is None
+            or conn.transport is None
+            or conn.transport.is_closing()
+            or len(pending) >= self._config.max_pending
+            or conn.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER
+        ):
+            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+        fut = loop.create_future()
+        if not pending and not self._out:
+            # Nothing in flight: write now (a lone caller pays no extra loop iteration).
+            conn.transport.write(data)
+        else:
+            # Others are in flight: coalesce the checks of this loop iteration into one write.
+            self._out.append(data)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                loop.call_soon(self._flush)
+        pending[rid] = fut
+        core.note_in_flight(len(pending))
+        if waited is None:
+            self._deadline(loop, tmo, fut)
+        else:
+            loop.call_later(max(tmo - waited, 0.0), _expire, fut)
+        try:
+            reply = await fut
+        finally:
+            pending.pop(rid, None)
+        return core.result(reply, policy, local)
+
+    def _deadline(self, loop: asyncio.AbstractEventLoop, timeout: float, fut: asyncio.Future) -> None:
+        """Wakes ``fut`` with TIMEOUT after ``timeout`` unless it is answered first.
+
+        Calls with the same timeout expire in the order they started, so each timeout value keeps a
+        FIFO of deadlines and one timer for its oldest: one append per call instead of a timer
+        handle per call (a heap push and a cancel), which is most of a call's cost in asyncio."""
+        q = self._deadlines.get(timeout)
+        if q is None:
+            if len(self._deadlines) >= 64:
+                # Many distinct per-call timeouts: a timer each for the rest.
+                loop.call_later(timeout, _expire, fut)
+                return
+            q = self._deadlines[timeout] = _Deadlines(loop, timeout)
+        q.add(fut)
+
+    def _flush(self) -> None:
+        """Writes every check queued since the last flush in one write (one syscall for a burst)."""
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        conn = self._conn
+        if not out or conn is None or conn.transport is None or conn.transport.is_closing():
+            return
+        conn.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    # --- the connection ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff: Optional[float] = None
+        cfg = self._config
+        assert self._ready is not None
+        while not self._closed:
+            conn = None
+            try:
+                conn = await asyncio.wait_for(self._handshake(loop), cfg.connect_timeout)
+            except asyncio.CancelledError:
+                raise
+            except (OSError, asyncio.TimeoutError, _HandshakeError):
+                conn = None
+            if conn is not None:
+                up_since = time.monotonic()
+                self._conn = conn
+                self._core.connected()
+                self._ready.set()
+                await asyncio.shield(conn.lost)
+                self._conn = None
+                self._fail_pending()
+                if self._closed:
+                    return
+                # Back off afresh only after a connection that lasted: an agent that accepts and
+                # then drops every connection must not be hammered every reconnect_min.
+                if time.monotonic() - up_since >= 1.0:
+                    backoff = None
+            self._ready.set()
+            delay = cfg.reconnect_min if backoff is None else min(backoff * 2, cfg.reconnect_max)
+            backoff = delay
+            # Jitter: a fleet of processes whose agent restarted must not reconnect in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+
+    async def _handshake(self, loop: asyncio.AbstractEventLoop) -> _Conn:
+        if self._tcp is not None:
+            # asyncio sets TCP_NODELAY on its TCP transports: a check is not held back for Nagle.
+            transport, conn = await loop.create_connection(lambda: _Conn(self, loop), *self._tcp)
+        else:
+            transport, conn = await loop.create_unix_connection(lambda: _Conn(self, loop), self.path)
+        try:
+            transport.write(p.HELLO_FRAME)
+            await conn.hello
+        except BaseException:
+            transport.abort()
+            raise
+        return conn
+
+    def _lost(self, conn: _Conn) -> None:
+        if self._conn is conn:
+            self._conn = None
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Wakes every waiting call: the connection is gone, they answer by their policy."""
+        pending, self._pending = self._pending, {}
+        self._out = []
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_result(UNAVAILABLE)
+
+
+class _Deadlines:
+    """The waiting calls of one timeout value, oldest first, with one timer for the oldest."""
+
+    __slots__ = ("loop", "timeout", "queue", "timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self.loop = loop
+        self.timeout = timeout
+        self.queue: Deque[Tuple[float, asyncio.Future]] = collections.deque()
+        self.timer: Optional[asyncio.TimerHandle] = None
+
+    def add(self, fut: asyncio.Future) -> None:
+        when = self.loop.time() + self.timeout
+        self.queue.append((when, fut))
+        if self.timer is None:
+            self.timer = self.loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.timer = None
+        q = self.queue
+        now = self.loop.time()
+        while q:
+            when, fut = q[0]
+            if fut.done():
+                q.popleft()
+            elif when <= now:
+                q.popleft()
+                fut.set_result(TIMEOUT)
+            else:
+                self.timer = self.loop.call_at(when, self._fire)
+                return
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(TIMEOUT)

@@ -1,0 +1,464 @@
+"""The synchronous client, for WSGI apps and threads: thread-safe, one connection per process.
+
+A background thread owns the socket: it connects and says Hello, reads answers and wakes the
+calling thread by request id, writes what callers could not write at once, and reconnects with
+backoff and jitter. Callers write their own checks when the socket takes them (the common case),
+so a call costs one ``send`` and one wake-up. Like the asyncio client, every call returns within
+its timeout, answering by its fail policy when the agent cannot.
+
+Example::
+
+    client = Client("/tmp/floodgate.sock")
+    d = client.allow("user:123", "api-per-user")
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import selectors
+import socket
+import threading
+import time
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+
+from . import protocol as p
+from .decision import (
+    TIMEOUT,
+    UNAVAILABLE,
+    ClientConfig,
+    ClientStats,
+    Core,
+    Decision,
+    Degraded,
+    FailPolicy,
+    local_key_attributes,
+    local_key_items,
+)
+
+_MAX_OUT = 1 << 20
+
+
+class _Waiter:
+    """One call waiting for its answer: a lock held until the reader thread releases it."""
+
+    __slots__ = ("lock", "reply")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.reply: object = None
+
+    def wake(self, reply: object) -> None:
+        self.reply = reply
+        try:
+            self.lock.release()
+        except RuntimeError:  # already woken
+            pass
+
+
+_clients: "weakref.WeakSet[Client]" = weakref.WeakSet()
+_fork_lock = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _fork_lock
+    _fork_lock = threading.Lock()
+    for c in list(_clients):
+        c._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+class Client:
+    """A thread-safe client of the local agent. Use one per process: it holds one connection on
+    which calls from every thread are multiplexed by request id. ``path`` is the agent's Unix socket,
+    or ``tcp://host:port`` for an agent's ``--listen-tcp``.
+
+    The constructor starts the background thread and waits up to ``connect_timeout`` for the first
+    connection (it is not an error if the agent is not there). Keyword arguments override fields of
+    :class:`~floodgate.ClientConfig`. A process forked after the client was made (a pre-forking
+    server) gets a fresh connection of its own on its first call.
+    """
+
+    def __init__(self, path: str = "/tmp/floodgate.sock", config: Optional[ClientConfig] = None, **overrides: Any):
+        config = config or ClientConfig()
+        if overrides:
+            config = ClientConfig(**{**config.__dict__, **overrides})
+        self.path = str(path)
+        self._tcp = p.tcp_address(self.path)
+        self._config = config
+        self._core = Core(config)
+        self._forked = False
+        self._closed = False
+        self._init_state()
+        _clients.add(self)
+        self._start()
+
+    def _init_state(self) -> None:
+        self._lock = threading.Lock()  # guards _sock and _out
+        self._pending: Dict[int, _Waiter] = {}
+        self._ids = itertools.count(1)
+        self._sock: Optional[socket.socket] = None
+        self._out: List[bytes] = []
+        self._out_len = 0
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread: Optional[threading.Thread] = None
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="floodgate-client", daemon=True)
+        self._thread.start()
+        self._ready.wait(self._config.connect_timeout)
+
+    def _restart_after_fork(self) -> None:
+        # The parent's thread does not exist here, and its socket is the parent's connection.
+        with _fork_lock:
+            if not self._forked:
+                return
+            self._forked = False
+            if self._closed:
+                return
+            # The child's copies of the parent's descriptors: closing them leaves the parent's alone.
+            old = [self._sock, self._wake_r, self._wake_w]
+            self._init_state()
+            for s in old:
+                if s is not None:
+                    try:
+                        s.close()
+                    except OSError:
+                        pass
+            self._core = Core(self._config)
+            self._start()
+
+    def close(self) -> None:
+        """Stops the background thread and closes the connection; waiting calls answer by policy."""
+        self._closed = True
+        self._stop.set()
+        self._wake()
+        t = self._thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=2)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def config(self) -> ClientConfig:
+        return self._config
+
+    def is_connected(self) -> bool:
+        """Whether the client holds a live connection to the agent right now."""
+        return self._sock is not None
+
+    def stats(self) -> ClientStats:
+        """Counts of degraded answers and connections, for the service's metrics."""
+        return self._core.snapshot()
+
+    # --- calls -------------------------------------------------------------------------------
+
+    def allow(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """One ``(key, rule_id, cost)`` item."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost)
+        local = local_key_items([(key, rule_id, cost)]) if self._config.fallback_limit is not None else None
+        return self._call(rid, data, timeout, fail, local)
+
+    def check(
+        self,
+        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int]]],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Up to 16 items at once: allowed only if every enforced item is; a denial consumes nothing."""
+        items = list(items)
+        rid = self._next_id()
+        data = p.check_items_frame(rid, items)
+        local = local_key_items(items) if self._config.fallback_limit is not None else None
+        return self._call(rid, data, timeout, fail, local)
+
+    def check_attributes(
+        self,
+        endpoint: Optional[str] = None,
+        tier: Optional[str] = None,
+        user: Optional[str] = None,
+        api_key: Optional[str] = None,
+        ip: Optional[str] = None,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Request attributes (``None`` = absent) for the agent to match against its rules."""
+        return self.check_request(p.Attributes(endpoint, tier, user, api_key, ip, cost), timeout=timeout, fail=fail)
+
+    def check_request(
+        self,
+        attributes: p.Attributes,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
+        rid = self._next_id()
+        data = p.check_attributes_frame(rid, attributes)
+        local = local_key_attributes(attributes) if self._config.fallback_limit is not None else None
+        return self._call(rid, data, timeout, fail, local)
+
+    def _next_id(self) -> int:
+        while True:
+            rid = next(self._ids) & 0xFFFF_FFFF
+            if rid != 0 and rid not in self._pending:
+                return rid
+
+    def _call(
+        self,
+        rid: int,
+        data: bytes,
+        timeout: Optional[float],
+        fail: Union[FailPolicy, str, None],
+        local: Optional[Tuple[str, int]],
+    ) -> Decision:
+        if self._forked:
+            self._restart_after_fork()
+        core = self._core
+        policy = core.policy(fail)
+        pending = self._pending
+        if self._sock is None or len(pending) >= self._config.max_pending:
+            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+        w = _Waiter()
+        pending[rid] = w
+        core.note_in_flight(len(pending))
+        if not self._send(data):
+            pending.pop(rid, None)
+            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+        w.lock.acquire(True, max(self._config.timeout if timeout is None else timeout, 0.0))
+        pending.pop(rid, None)
+        reply = w.reply
+        return core.result(TIMEOUT if reply is None else reply, policy, local)
+
+    def _send(self, data: bytes) -> bool:
+        """Writes a frame now if the socket takes it, else queues it for the I/O thread. False when
+        there is no connection or the queue is full (an agent that stopped reading)."""
+        with self._lock:
+            sock = self._sock
+            if sock is None or self._out_len > _MAX_OUT:
+                return False
+            if self._out:
+                self._out.append(data)
+                self._out_len += len(data)
+                return True
+            try:
+                n = sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                # Broken: the I/O thread sees it too and reconnects; this call answers by policy.
+                return False
+            if n < len(data):
+                self._out.append(data[n:])
+                self._out_len += len(data) - n
+                wake = True
+            else:
+                wake = False
+        if wake:
+            self._wake()
+        return True
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    # --- the I/O thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff: Optional[float] = None
+        cfg = self._config
+        while not self._stop.is_set():
+            conn = self._handshake()
+            if conn is not None:
+                sock, leftover = conn
+                up_since = time.monotonic()
+                with self._lock:
+                    self._sock = sock
+                self._core.connected()
+                self._ready.set()
+                try:
+                    self._serve(sock, leftover)
+                except Exception:  # noqa: BLE001 - never let the I/O thread die; reconnect instead
+                    pass
+                with self._lock:
+                    self._sock = None
+                    self._out = []
+                    self._out_len = 0
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+                self._fail_pending()
+                if time.monotonic() - up_since >= 1.0:
+                    backoff = None
+            self._ready.set()
+            if self._stop.is_set():
+                break
+            delay = cfg.reconnect_min if backoff is None else min(backoff * 2, cfg.reconnect_max)
+            backoff = delay
+            self._stop.wait(delay * random.uniform(0.5, 1.0))
+        self._fail_pending()
+        for s in (self._wake_r, self._wake_w):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    def _handshake(self) -> Optional[Tuple[socket.socket, bytearray]]:
+        deadline = time.monotonic() + self._config.connect_timeout
+        sock: Optional[socket.socket] = None
+        try:
+            if self._tcp is not None:
+                sock = socket.create_connection(self._tcp, timeout=self._config.connect_timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(self._config.connect_timeout)
+                sock.connect(self.path)
+            sock.sendall(p.HELLO_FRAME)
+            buf = bytearray()
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise OSError("Hello timed out")
+                sock.settimeout(left)
+                chunk = sock.recv(65536)
+                if not chunk:
+                    raise OSError("agent closed during Hello")
+                buf += chunk
+                status, value, used = p.decode_reply(buf, 0)
+                if status == 0:
+                    continue
+                if status == 1:
+                    _, body = value  # type: ignore[misc]
+                    if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+                        del buf[:used]
+                        sock.setblocking(False)
+                        return sock, buf
+                raise OSError("unexpected answer to Hello")
+        except OSError:
+            if sock is not None:
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+            return None
+
+    def _serve(self, sock: socket.socket, buf: bytearray) -> None:
+        sel = selectors.DefaultSelector()
+        try:
+            sel.register(sock, selectors.EVENT_READ, "sock")
+            sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+            writing = False
+            if buf and not self._dispatch(buf):
+                return
+            while not self._stop.is_set():
+                with self._lock:
+                    want_write = bool(self._out)
+                if want_write != writing:
+                    sel.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0), "sock")
+                    writing = want_write
+                for key, events in sel.select():
+                    if key.data == "wake":
+                        try:
+                            while self._wake_r.recv(4096):
+                                pass
+                        except (BlockingIOError, InterruptedError):
+                            pass
+                        continue
+                    if events & selectors.EVENT_WRITE:
+                        if not self._flush(sock):
+                            return
+                    if events & selectors.EVENT_READ:
+                        try:
+                            chunk = sock.recv(65536)
+                        except (BlockingIOError, InterruptedError):
+                            continue
+                        except OSError:
+                            return
+                        if not chunk:
+                            return
+                        buf += chunk
+                        if not self._dispatch(buf):
+                            return
+        finally:
+            sel.close()
+
+    def _flush(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if not self._out:
+                return True
+            data = b"".join(self._out)
+            try:
+                n = sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                n = 0
+            except OSError:
+                return False
+            rest = data[n:]
+            self._out = [rest] if rest else []
+            self._out_len = len(rest)
+        return True
+
+    def _dispatch(self, buf: bytearray) -> bool:
+        """Wakes the calls answered in ``buf`` and drops what was used; False when the stream broke."""
+        pos = 0
+        pending = self._pending
+        decode = p.decode_reply
+        try:
+            while True:
+                status, value, used = decode(buf, pos)
+                if status == 0:
+                    return True
+                if status == 3:
+                    return False
+                pos += used
+                if status == 1:
+                    rid, body = value  # type: ignore[misc]
+                    if isinstance(body, (p.DecisionBody, p.ErrorBody)):
+                        w = pending.pop(rid, None)
+                        if w is not None:
+                            w.wake(body)
+                else:
+                    w = pending.pop(value, None)
+                    if w is not None:
+                        w.wake(UNAVAILABLE)
+        finally:
+            if pos:
+                del buf[:pos]
+
+    def _fail_pending(self) -> None:
+        # Emptied in place: a caller that registered its waiter just now is in this same dict.
+        pending = self._pending
+        for rid in list(pending):
+            w = pending.pop(rid, None)
+            if w is not None:
+                w.wake(UNAVAILABLE)

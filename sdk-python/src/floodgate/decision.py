@@ -1,0 +1,270 @@
+"""Decisions as the SDK returns them, the client configuration, and what both clients share: the
+fail policy, the per-process fallback limit and the counters."""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+from .errors import AgentError
+from .protocol import Attributes, DecisionBody, ErrorBody, ErrorCode, ItemDecision, Source
+
+
+class FailPolicy(str, enum.Enum):
+    """What a call answers when the agent cannot."""
+
+    OPEN = "open"
+    """Allow: a limiter outage must not become an API outage (the default)."""
+    CLOSED = "closed"
+    """Deny with a Retry-After: for checks where over-admission is worse than downtime."""
+
+
+class Degraded(str, enum.Enum):
+    """Why the SDK answered by itself instead of the agent."""
+
+    UNAVAILABLE = "unavailable"
+    """No connection to the agent (down, restarting, socket missing), or it could not answer."""
+    TIMEOUT = "timeout"
+    """The agent did not answer within the call's timeout."""
+
+
+class Origin(str, enum.Enum):
+    """Who decided."""
+
+    AGENT = "agent"
+    """The agent (see :attr:`Decision.source`)."""
+    FAIL_OPEN = "fail_open"
+    """The SDK's fail policy: allowed because the agent could not answer."""
+    FAIL_CLOSED = "fail_closed"
+    """The SDK's fail policy: denied because the agent could not answer."""
+    LOCAL_LIMIT = "local_limit"
+    """The SDK's per-process fallback limit decided because the agent could not."""
+
+
+@dataclass
+class LocalLimit:
+    """A per-process limit per check key, enforced by fail-open calls while the agent is away: a
+    token bucket of ``limit`` refilled over ``per`` seconds."""
+
+    limit: int
+    per: float
+
+
+@dataclass
+class ClientConfig:
+    """How a client behaves; the defaults are the Rust SDK's. Durations are in seconds."""
+
+    timeout: float = 0.010
+    """Longest a call waits for the agent (10 ms)."""
+    fail: FailPolicy = FailPolicy.OPEN
+    """What a call answers when the agent cannot (open)."""
+    closed_retry_after: float = 1.0
+    """The Retry-After a fail-closed answer carries (1 s)."""
+    reconnect_min: float = 0.010
+    """First reconnection delay; doubles after each failure (10 ms), with jitter."""
+    reconnect_max: float = 1.0
+    """Longest reconnection delay (1 s)."""
+    connect_timeout: float = 0.25
+    """Longest a connection attempt and its Hello may take (250 ms)."""
+    max_pending: int = 8192
+    """Checks in flight at most; past it calls answer by their fail policy."""
+    fallback_limit: Optional[LocalLimit] = None
+    """Off by default; see :class:`LocalLimit`."""
+
+
+@dataclass
+class ClientStats:
+    """Counts of calls the SDK answered by itself, for the service's own metrics."""
+
+    unavailable: int = 0
+    """Calls answered by the fail policy because there was no connection (or no usable answer)."""
+    timeouts: int = 0
+    """Calls answered by the fail policy because the agent was late."""
+    connects: int = 0
+    """Connections established (the first one included)."""
+    local_denied: int = 0
+    """Degraded calls the per-process fallback limit denied."""
+    max_in_flight: int = 0
+    """Most checks that were waiting for the agent at once on the connection (pipelining depth)."""
+
+
+@dataclass
+class Decision:
+    """The answer to a check."""
+
+    allowed: bool
+    """Whether the request may pass."""
+    limit: int
+    """The binding rule's limit (0 when no rule applied or the SDK decided alone)."""
+    remaining: int
+    """Units left under the binding rule."""
+    reset_at_ms: int
+    """Unix ms at which the binding key is back to its full limit."""
+    retry_after_ms: Optional[int]
+    """On a denial, ms until retrying can succeed (at least 1); ``None`` when allowed."""
+    origin: Origin
+    """Who decided."""
+    source: Optional[Source] = None
+    """Where the agent's answer came from (``None`` when the SDK decided)."""
+    degraded: Optional[Degraded] = None
+    """Why the SDK decided (``None`` when the agent did)."""
+    log_only: bool = False
+    """Only rules in log mode applied: the figures are theirs and nothing was enforced."""
+    items: List[ItemDecision] = field(default_factory=list)
+    """Per-rule verdicts from the agent (empty when the SDK decided alone)."""
+
+    @property
+    def from_agent(self) -> bool:
+        """Whether the agent decided (not the SDK's fail policy)."""
+        return self.origin is Origin.AGENT
+
+    @property
+    def reset_at(self) -> float:
+        """:attr:`reset_at_ms` in Unix seconds."""
+        return self.reset_at_ms / 1000.0
+
+    @property
+    def retry_after(self) -> Optional[float]:
+        """:attr:`retry_after_ms` in seconds."""
+        return None if self.retry_after_ms is None else self.retry_after_ms / 1000.0
+
+
+def decision_from_agent(d: DecisionBody) -> Decision:
+    """The SDK's decision for an agent's answer."""
+    c = d.combined
+    return Decision(
+        c.allowed,
+        c.limit,
+        c.remaining,
+        c.reset_at_ms,
+        None if c.allowed else max(c.retry_after_ms, 1),
+        Origin.AGENT,
+        c.source,
+        None,
+        c.log_only,
+        d.items,
+    )
+
+
+# Sentinels a waiting call may be woken with instead of an agent's answer.
+UNAVAILABLE = object()
+TIMEOUT = object()
+
+_LOCAL_KEYS = 100_000
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def local_key_items(items: Sequence[Any]) -> Tuple[str, int]:
+    """The fallback limiter's key and cost for items."""
+    parts = []
+    cost = 1
+    for it in items:
+        key, rule = it[0], it[1]
+        parts.append(f"{rule}\0{key}\0")
+        c = it[2] if len(it) > 2 else 1
+        if isinstance(c, int) and c > cost:
+            cost = c
+    return "".join(parts), cost
+
+
+def local_key_attributes(a: Attributes) -> Tuple[str, int]:
+    """The fallback limiter's key and cost for attributes."""
+    return "attributes\0" + "".join(f"{v or ''}\0" for _, v in a.fields()), a.cost
+
+
+class Core:
+    """What the asyncio and the threaded client share: configuration, counters, the fail policy
+    and the fallback limit. Thread-safe."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self._lock = threading.Lock()
+        self._local: Dict[str, Tuple[float, float]] = {}
+
+    def policy(self, fail: Union[FailPolicy, str, None]) -> FailPolicy:
+        if fail is None:
+            return self.config.fail
+        return fail if isinstance(fail, FailPolicy) else FailPolicy(fail)
+
+    def result(
+        self,
+        reply: object,
+        policy: FailPolicy,
+        local: Optional[Tuple[str, int]],
+    ) -> Decision:
+        """A call's decision from what it was woken with; raises :class:`AgentError` for a check the
+        agent refuses as the caller's mistake (unknown rule, invalid item)."""
+        if isinstance(reply, DecisionBody):
+            return decision_from_agent(reply)
+        if isinstance(reply, ErrorBody):
+            if reply.code in (ErrorCode.UNKNOWN_RULE, ErrorCode.INVALID_ITEM):
+                raise AgentError(reply.code, reply.message)
+            # Overload, an internal error, a code from a newer agent: the agent's trouble.
+            return self.degraded(policy, Degraded.UNAVAILABLE, local)
+        if reply is TIMEOUT:
+            return self.degraded(policy, Degraded.TIMEOUT, local)
+        return self.degraded(policy, Degraded.UNAVAILABLE, local)
+
+    def degraded(self, policy: FailPolicy, why: Degraded, local: Optional[Tuple[str, int]]) -> Decision:
+        """The fail policy's answer (or the fallback limit's, for fail-open calls when configured)."""
+        with self._lock:
+            if why is Degraded.TIMEOUT:
+                self.stats.timeouts += 1
+            else:
+                self.stats.unavailable += 1
+        now = _now_ms()
+        limit = self.config.fallback_limit
+        if policy is FailPolicy.OPEN and limit is not None and local is not None:
+            return self._local_limit(limit, local[0], local[1], why, now)
+        retry = int(self.config.closed_retry_after * 1000)
+        if policy is FailPolicy.OPEN:
+            return Decision(True, 0, 0, now, None, Origin.FAIL_OPEN, None, why)
+        return Decision(False, 0, 0, now + retry, max(retry, 1), Origin.FAIL_CLOSED, None, why)
+
+    def _local_limit(self, limit: LocalLimit, key: str, cost: int, why: Degraded, now_ms: int) -> Decision:
+        capacity = float(max(limit.limit, 1))
+        rate = capacity / max(limit.per, 1e-3)  # tokens per second
+        now = time.monotonic()
+        with self._lock:
+            if len(self._local) >= _LOCAL_KEYS and key not in self._local:
+                self._local.clear()
+            tokens, at = self._local.get(key, (capacity, now))
+            tokens = min(tokens + (now - at) * rate, capacity)
+            allowed = tokens >= cost
+            if allowed:
+                tokens -= cost
+            else:
+                self.stats.local_denied += 1
+            self._local[key] = (tokens, now)
+        retry = 0 if allowed else max(math.ceil((cost - tokens) / rate * 1000), 1)
+        return Decision(
+            allowed,
+            limit.limit,
+            int(max(tokens, 0.0)),
+            now_ms + retry,
+            None if allowed else retry,
+            Origin.LOCAL_LIMIT,
+            None,
+            why,
+        )
+
+    def note_in_flight(self, n: int) -> None:
+        if n > self.stats.max_in_flight:
+            self.stats.max_in_flight = n
+
+    def snapshot(self) -> ClientStats:
+        with self._lock:
+            s = self.stats
+            return ClientStats(s.unavailable, s.timeouts, s.connects, s.local_denied, s.max_in_flight)
+
+    def connected(self) -> None:
+        with self._lock:
+            self.stats.connects += 1

@@ -1,0 +1,40 @@
+"""HTTP middleware that asks the agent once per request, as the Rust SDK's tower Layer does.
+
+- :class:`FloodgateMiddleware` (:mod:`.asgi`): Starlette, FastAPI, any ASGI app.
+- :class:`FloodgateWSGIMiddleware` (:mod:`.wsgi`): any WSGI app.
+- ``floodgate.middleware.django.FloodgateDjangoMiddleware`` (:mod:`.django`, imports Django).
+
+The helpers they share (headers, ``Retry-After``, trusted proxies, wire-safe values) are here too.
+"""
+
+from ._common import (
+    Cidr,
+    binding_rule,
+    build_attributes,
+    client_ip,
+    format_ip,
+    header_text,
+    parse_cidrs,
+    rate_limit_headers,
+    rejection_body,
+    retry_after_seconds,
+    route_name,
+)
+from .asgi import FloodgateMiddleware
+from .wsgi import FloodgateWSGIMiddleware
+
+__all__ = [
+    "FloodgateMiddleware",
+    "FloodgateWSGIMiddleware",
+    "Cidr",
+    "binding_rule",
+    "build_attributes",
+    "client_ip",
+    "format_ip",
+    "header_text",
+    "parse_cidrs",
+    "rate_limit_headers",
+    "rejection_body",
+    "retry_after_seconds",
+    "route_name",
+]

@@ -1,0 +1,279 @@
+"""What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
+(``sdk/src/middleware.rs``): headers, 429s, trusted proxies, wire-safe values."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import threading
+import time
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ..decision import Decision
+from ..protocol import Attributes, wire_safe
+
+log = logging.getLogger("floodgate")
+
+IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]
+
+RATE_LIMIT_HEADERS = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset")
+IETF_HEADERS = ("ratelimit-policy", "ratelimit")
+
+
+class Cidr:
+    """An address block, ``10.0.0.0/8`` or a single address. An IPv4-mapped IPv6 block (prefix at
+    least 96) is its IPv4 block, and addresses are compared mapped-to-IPv4 too."""
+
+    __slots__ = ("network",)
+
+    def __init__(self, text: str) -> None:
+        addr, _, prefix = text.partition("/")
+        try:
+            ip = ipaddress.ip_address(addr.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an IP address or CIDR block") from None
+        top = 32 if ip.version == 4 else 128
+        if prefix.strip():
+            try:
+                bits = int(prefix.strip())
+            except ValueError:
+                bits = -1
+            if not 0 <= bits <= top:
+                raise ValueError(f"{text!r}: the prefix must be 0..={top}")
+        else:
+            bits = top
+        if ip.version == 6 and ip.ipv4_mapped is not None and bits >= 96:  # type: ignore[union-attr]
+            ip, bits = ip.ipv4_mapped, bits - 96  # type: ignore[union-attr]
+        self.network = ipaddress.ip_network(f"{ip}/{bits}", strict=False)
+
+    def contains(self, ip: IPAddress) -> bool:
+        """Whether ``ip`` is in the block (an IPv4-mapped IPv6 address counts as its IPv4 address)."""
+        if ip.version == 6 and ip.ipv4_mapped is not None:  # type: ignore[union-attr]
+            ip = ip.ipv4_mapped  # type: ignore[union-attr]
+        return ip.version == self.network.version and ip in self.network
+
+    def __repr__(self) -> str:
+        return f"Cidr({str(self.network)!r})"
+
+
+def parse_cidrs(blocks: Iterable[str]) -> List[Cidr]:
+    """The trusted proxies; raises ``ValueError`` naming a bad block."""
+    if isinstance(blocks, str):
+        blocks = [blocks]
+    return [Cidr(b) for b in blocks]
+
+
+def parse_ip(text: str) -> Optional[IPAddress]:
+    """An address as Rust's ``IpAddr`` parses it (no brackets, ports or zone ids), else ``None``."""
+    if not text or "%" in text or not text.isascii():
+        return None
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
+
+
+def format_ip(ip: IPAddress) -> str:
+    """An address written as Rust writes it (RFC 5952; an IPv4-mapped address as ``::ffff:a.b.c.d``),
+    so that one client gets the same key behind the Python and the Rust SDK."""
+    if ip.version == 6 and ip.ipv4_mapped is not None:  # type: ignore[union-attr]
+        return f"::ffff:{ip.ipv4_mapped}"  # type: ignore[union-attr]
+    return str(ip)
+
+
+def client_ip(peer: Optional[str], forwarded_for: Sequence[str], trusted: Sequence[Cidr]) -> Optional[IPAddress]:
+    """The client's address: the peer, unless the peer is a trusted proxy; then ``X-Forwarded-For``
+    read from the right, skipping trusted proxies, up to the first address they did not vouch for.
+    ``forwarded_for`` is every value of the header, in order. A client can write anything at the left
+    of the header; only what trusted proxies appended counts."""
+    ip = parse_ip(peer) if peer else None
+    if ip is None:
+        return None
+    if not any(c.contains(ip) for c in trusted):
+        return ip
+    hops = [h.strip() for v in forwarded_for for h in v.split(",")]
+    client = ip
+    for hop in reversed(hops):
+        addr = parse_ip(hop)
+        if addr is None:
+            # Garbage where an address should be: stop at the last address we could vouch for.
+            break
+        client = addr
+        if not any(c.contains(addr) for c in trusted):
+            break
+    return client
+
+
+def header_text(raw: Union[bytes, str, None]) -> Optional[str]:
+    """A header value as the Rust Layer reads one: only visible ASCII (and tabs), trimmed, non-empty;
+    anything else counts as absent."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = raw.encode("latin-1")
+        except UnicodeEncodeError:
+            return None
+    for b in raw:
+        if not (32 <= b < 127 or b == 9):
+            return None
+    v = raw.decode("ascii").strip(" \t")
+    return v or None
+
+
+def route_name(route: str) -> str:
+    """A route as the agent may see it: ``{param}`` (and Starlette's ``{param:conv}``) becomes
+    ``:param``, ``{*rest}`` becomes ``*rest`` (braces are refused on the wire, since Redis reads them
+    as hash tags). Rules and ``costs`` name routes either way."""
+    out = []
+    for seg in route.split("/"):
+        if len(seg) >= 2 and seg[0] == "{" and seg[-1] == "}":
+            inner = seg[1:-1]
+            out.append(inner if inner.startswith("*") else ":" + inner.split(":", 1)[0])
+        else:
+            out.append(seg)
+    return "/".join(out)
+
+
+def normalise_costs(costs: Optional[Mapping[str, int]]) -> Dict[str, int]:
+    return {route_name(k): max(int(v), 1) for k, v in (costs or {}).items()}
+
+
+def _safe(v: Optional[str]) -> Optional[str]:
+    if v is None:
+        return None
+    v = str(v)
+    # An empty value is absent (the wire's "" means absent; a check with an empty attribute is
+    # invalid and would otherwise let the request pass unchecked).
+    return wire_safe(v) if v else None
+
+
+def build_attributes(
+    endpoint: Optional[str],
+    tier: Optional[str],
+    user: Optional[str],
+    api_key: Optional[str],
+    ip: Optional[str],
+    costs: Mapping[str, int],
+) -> Attributes:
+    """The attributes a request is checked as: every value wire-safe, the cost from the endpoint."""
+    cost = costs.get(endpoint, 1) if endpoint else 1
+    return Attributes(_safe(endpoint), _safe(tier), _safe(user), _safe(api_key), _safe(ip), cost)
+
+
+def binding_rule(d: Decision) -> Optional[str]:
+    """The enforced rule whose figures the decision carries, if any (none: no headers)."""
+    if d.limit == 0:
+        return None
+    for it in d.items:
+        v = it.verdict
+        if not v.log_only and v.limit == d.limit and v.remaining == d.remaining and v.reset_at_ms == d.reset_at_ms:
+            return it.rule_id
+    return None
+
+
+def rate_limit_headers(d: Decision, ietf: bool = False, now_ms: Optional[int] = None) -> List[Tuple[str, str]]:
+    """The headers for a decision, lower-case names: ``X-RateLimit-Limit``, ``-Remaining`` and
+    ``-Reset`` (epoch seconds, rounded up) of the binding enforced rule, and with ``ietf`` the
+    draft's ``RateLimit-Policy`` and ``RateLimit``. None when no enforced rule applied."""
+    rule = binding_rule(d)
+    if rule is None:
+        return []
+    reset_s = -(-d.reset_at_ms // 1000)
+    h = [
+        ("x-ratelimit-limit", str(d.limit)),
+        ("x-ratelimit-remaining", str(d.remaining)),
+        ("x-ratelimit-reset", str(reset_s)),
+    ]
+    if ietf:
+        now = int(time.time() * 1000) if now_ms is None else now_ms
+        t = -(-max(d.reset_at_ms - now, 0) // 1000)
+        h.append(("ratelimit-policy", f'"{rule}";q={d.limit}'))
+        h.append(("ratelimit", f'"{rule}";r={d.remaining};t={t}'))
+    return h
+
+
+def retry_after_seconds(d: Decision) -> int:
+    """``Retry-After`` in whole seconds: rounded up, never 0."""
+    ms = 1000 if d.retry_after_ms is None else d.retry_after_ms
+    return max(-(-ms // 1000), 1)
+
+
+def rejection_body(seconds: int) -> bytes:
+    """The 429's JSON body."""
+    return json.dumps({"error": "rate_limited", "retryAfter": seconds}, separators=(",", ":")).encode()
+
+
+class RareWarning:
+    """Logs at most one warning a minute (a bad request per request must not flood the log)."""
+
+    def __init__(self) -> None:
+        self._last = -1
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object) -> None:
+        minute = int(time.time() // 60)
+        with self._lock:
+            if self._last == minute:
+                return
+            self._last = minute
+        log.warning(message, *args)
+
+
+class Once:
+    """Logs a warning once per process."""
+
+    def __init__(self) -> None:
+        self._done = False
+
+    def warn(self, message: str) -> None:
+        if not self._done:
+            self._done = True
+            log.warning(message)
+
+
+CHECK_FAILED = RareWarning()
+NO_PEER = Once()
+
+
+Extractor = Callable[..., Optional[str]]
+
+
+class Settings:
+    """The middleware's configuration, the same for every framework (extractors take the framework's
+    request: an ASGI scope, a WSGI environ, a Django request)."""
+
+    def __init__(
+        self,
+        *,
+        endpoint: Optional[Extractor] = None,
+        tier: Optional[Extractor] = None,
+        user: Optional[Extractor] = None,
+        api_key: Optional[Extractor] = None,
+        ip: Optional[Extractor] = None,
+        tier_header: Optional[str] = None,
+        user_header: Optional[str] = None,
+        api_key_header: Optional[str] = None,
+        trust_proxies: Iterable[str] = (),
+        costs: Optional[Mapping[str, int]] = None,
+        ietf_headers: bool = False,
+        timeout: Optional[float] = None,
+        fail: Optional[str] = None,
+    ) -> None:
+        for name, f, h in (("tier", tier, tier_header), ("user", user, user_header), ("api_key", api_key, api_key_header)):
+            if f is not None and h is not None:
+                raise ValueError(f"give {name} or {name}_header, not both")
+        self.endpoint = endpoint
+        self.tier = tier
+        self.user = user
+        self.api_key = api_key
+        self.ip = ip
+        self.tier_header = tier_header.lower() if tier_header else None
+        self.user_header = user_header.lower() if user_header else None
+        self.api_key_header = api_key_header.lower() if api_key_header else None
+        self.trusted = parse_cidrs(trust_proxies)
+        self.costs = normalise_costs(costs)
+        self.ietf = bool(ietf_headers)
+        self.timeout = timeout
+        self.fail = fail

@@ -1,0 +1,297 @@
+"""A pure ASGI middleware (Starlette, FastAPI, any ASGI app): one agent check per HTTP request.
+
+Every response a rule applied to carries ``X-RateLimit-Limit``, ``X-RateLimit-Remaining`` and
+``X-RateLimit-Reset`` of the binding rule; a rejection is a 429 with ``Retry-After`` (whole seconds,
+rounded up, at least 1) and ``{"error":"rate_limited","retryAfter":N}``. Rules in log mode never
+block and never show; when the agent cannot answer, the client's fail policy decides (open by
+default: the request passes without headers).
+
+The endpoint is the matched route when the app is a Starlette/FastAPI app (``/items/{id}`` is sent
+as ``/items/:id``), else the raw path. The client IP is the peer (``scope["client"]``), or the
+``X-Forwarded-For`` entry a trusted proxy added. Tier, user and API key are read only where
+configured: a header the client writes itself would let it pick its tier or spend another user's
+quota, so ``user_header`` is for a header an authenticating hop in front of this service sets.
+
+Example::
+
+    app = FastAPI()
+    app.add_middleware(FloodgateMiddleware, socket="/tmp/floodgate.sock", user_header="x-user-id")
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional, Tuple
+
+from ..aio import AsyncClient
+from ..errors import FloodgateError
+from ._common import (
+    CHECK_FAILED,
+    IETF_HEADERS,
+    NO_PEER,
+    RATE_LIMIT_HEADERS,
+    Settings,
+    build_attributes,
+    client_ip,
+    format_ip,
+    header_text,
+    rate_limit_headers,
+    rejection_body,
+    retry_after_seconds,
+    route_name,
+)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_OURS = frozenset(n.encode() for n in RATE_LIMIT_HEADERS + IETF_HEADERS)
+
+
+def scope_header(scope: Scope, name: str) -> Optional[str]:
+    """The first value of a request header (``name`` lower-case), as the Rust Layer reads it."""
+    key = name.encode("latin-1")
+    for k, v in scope.get("headers") or ():
+        if k.lower() == key:
+            return header_text(v)
+    return None
+
+
+def _all_headers(scope: Scope, name: bytes) -> List[str]:
+    out = []
+    for k, v in scope.get("headers") or ():
+        if k.lower() == name:
+            t = header_text(v)
+            if t is not None:
+                out.append(t)
+    return out
+
+
+_flat_cache: Dict[int, Tuple[Any, int, Any]] = {}
+
+
+def _flatten(routes: Any) -> Any:
+    """FastAPI (since 0.16x) keeps an included router as one internal route; its public
+    ``iter_route_contexts`` lists the routes it holds, with their full paths. Cached per route list
+    (and its length, so routes added later are seen)."""
+    hit = _flat_cache.get(id(routes))
+    if hit is not None and hit[0] is routes and hit[1] == len(routes):
+        return hit[2]
+    flat = routes
+    try:
+        from fastapi.routing import iter_route_contexts  # type: ignore[attr-defined]
+
+        flat = list(iter_route_contexts(routes))
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001 - an older or newer FastAPI: walk the routes as they are
+        pass
+    if isinstance(routes, list):
+        if len(_flat_cache) > 256:
+            _flat_cache.clear()
+        _flat_cache[id(routes)] = (routes, len(routes), flat)
+    return flat
+
+
+def _match_routes(routes: Any, scope: Scope, prefix: str) -> Optional[str]:
+    from starlette.routing import Match  # only reached for Starlette apps
+
+    partial = None
+    for route in _flatten(routes or ()):
+        try:
+            match, child = route.matches(scope)
+        except Exception:  # noqa: BLE001 - a route that cannot be matched is not ours to fix
+            continue
+        if match == Match.NONE:
+            continue
+        path = prefix + (getattr(route, "path", "") or "")
+        sub = getattr(route, "routes", None)  # Mount and Host: the routes inside
+        if sub:
+            inner = _match_routes(sub, {**scope, **child}, path)
+            found = inner if inner is not None else path
+        else:
+            found = path
+        if match == Match.FULL:
+            return found
+        if partial is None:
+            partial = found
+    return partial
+
+
+def starlette_route(scope: Scope) -> Optional[str]:
+    """The route template a Starlette/FastAPI app will route this request to (``None`` if the app is
+    not one, or nothing matches). Mounted apps and included routers give their full template."""
+    app = scope.get("app")
+    router = getattr(app, "router", app)
+    routes = getattr(router, "routes", None)
+    if not routes:
+        return None
+    try:
+        return _match_routes(routes, scope, "")
+    except ImportError:
+        return None
+
+
+def default_endpoint(scope: Scope) -> Optional[str]:
+    """The matched route (Starlette/FastAPI), else the request's raw path."""
+    route = starlette_route(scope)
+    if route:
+        return route_name(route)
+    raw = scope.get("raw_path")
+    if isinstance(raw, (bytes, bytearray)) and raw:
+        path = bytes(raw).split(b"?", 1)[0].decode("latin-1")
+    else:
+        path = scope.get("root_path", "") + scope.get("path", "")
+    return path or None
+
+
+class FloodgateMiddleware:
+    """The ASGI middleware. Give it ``socket`` (a path; the middleware makes its own
+    :class:`~floodgate.AsyncClient` on first use, in the server's event loop) or ``client``.
+
+    Options (all keyword): ``user_header`` / ``tier_header`` / ``api_key_header`` (read a header an
+    authenticating hop sets), or ``user`` / ``tier`` / ``api_key`` (callables taking the ASGI scope,
+    e.g. reading what your auth middleware put in ``scope["state"]``); ``endpoint`` and ``ip``
+    replace the default extractors; ``trust_proxies`` (CIDR blocks whose ``X-Forwarded-For`` entries
+    are believed); ``costs`` (``{route: cost}``, 1 elsewhere); ``ietf_headers``; ``timeout`` and
+    ``fail`` (per-call overrides of the client's). Other keyword arguments configure the client
+    (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        socket: str = "/tmp/floodgate.sock",
+        client: Optional[AsyncClient] = None,
+        endpoint: Optional[Callable[[Scope], Optional[str]]] = None,
+        tier: Optional[Callable[[Scope], Optional[str]]] = None,
+        user: Optional[Callable[[Scope], Optional[str]]] = None,
+        api_key: Optional[Callable[[Scope], Optional[str]]] = None,
+        ip: Optional[Callable[[Scope], Optional[str]]] = None,
+        tier_header: Optional[str] = None,
+        user_header: Optional[str] = None,
+        api_key_header: Optional[str] = None,
+        trust_proxies: Any = (),
+        costs: Optional[Dict[str, int]] = None,
+        ietf_headers: bool = False,
+        timeout: Optional[float] = None,
+        fail: Optional[str] = None,
+        **client_config: Any,
+    ) -> None:
+        self.app = app
+        self.settings = Settings(
+            endpoint=endpoint,
+            tier=tier,
+            user=user,
+            api_key=api_key,
+            ip=ip,
+            tier_header=tier_header,
+            user_header=user_header,
+            api_key_header=api_key_header,
+            trust_proxies=trust_proxies,
+            costs=costs,
+            ietf_headers=ietf_headers,
+            timeout=timeout,
+            fail=fail,
+        )
+        self._socket = socket
+        self._client_config = client_config
+        self._client = client
+        self._own_client = client is None
+        self._starting: Optional[asyncio.Task] = None
+        self._client_loop: Optional[asyncio.AbstractEventLoop] = None
+
+    async def _get_client(self) -> AsyncClient:
+        if not self._own_client:
+            return self._client  # type: ignore[return-value]
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            # First request (or a new event loop): our own client, started once; requests that
+            # arrive meanwhile wait for the same start (at most connect_timeout).
+            self._client = AsyncClient(self._socket, **self._client_config)
+            self._client_loop = loop
+            self._starting = loop.create_task(self._client.start())
+        starting = self._starting
+        if starting is not None and not starting.done():
+            await asyncio.shield(starting)
+        return self._client
+
+    def _value(self, scope: Scope, f: Optional[Callable[[Scope], Optional[str]]], header: Optional[str]) -> Optional[str]:
+        if f is not None:
+            return f(scope)
+        if header is not None:
+            return scope_header(scope, header)
+        return None
+
+    def attributes(self, scope: Scope):  # noqa: ANN201 - floodgate.Attributes
+        """What the request is checked as."""
+        s = self.settings
+        endpoint = s.endpoint(scope) if s.endpoint is not None else default_endpoint(scope)
+        if s.ip is not None:
+            ip = s.ip(scope)
+        else:
+            peer = scope.get("client")
+            addr = client_ip(peer[0] if peer else None, _all_headers(scope, b"x-forwarded-for"), s.trusted)
+            if addr is None:
+                NO_PEER.warn(
+                    "floodgate: no peer address on the request, so IP rules do not apply (said once)"
+                )
+            ip = format_ip(addr) if addr is not None else None
+        return build_attributes(
+            endpoint,
+            self._value(scope, s.tier, s.tier_header),
+            self._value(scope, s.user, s.user_header),
+            self._value(scope, s.api_key, s.api_key_header),
+            ip,
+            s.costs,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        s = self.settings
+        try:
+            attributes = self.attributes(scope)
+            client = await self._get_client()
+            decision = await client.check_request(attributes, timeout=s.timeout, fail=s.fail)
+        except FloodgateError as e:
+            # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
+            # rules matched), not something a client can cause: the request passes.
+            CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
+            await self.app(scope, receive, send)
+            return
+        headers = [(n.encode(), v.encode()) for n, v in rate_limit_headers(decision, s.ietf)]
+        if not decision.allowed:
+            secs = retry_after_seconds(decision)
+            body = rejection_body(secs)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 429,
+                    "headers": [
+                        (b"retry-after", str(secs).encode()),
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        *headers,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        if not headers:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: MutableMapping[str, Any]) -> None:
+            if message.get("type") == "http.response.start":
+                message = dict(message)
+                kept: List[Tuple[bytes, bytes]] = [
+                    (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in _OURS
+                ]
+                message["headers"] = kept + headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)

@@ -1,0 +1,158 @@
+"""A thin Django middleware: the WSGI middleware's behaviour, with the endpoint taken from Django's
+URL resolver (``items/<int:pk>`` is sent as ``/items/:pk``; an unmatched path as itself).
+
+Configure it in ``settings.py``::
+
+    MIDDLEWARE = ["floodgate.middleware.django.FloodgateDjangoMiddleware", ...]
+    FLOODGATE = {
+        "socket": "/run/floodgate/floodgate.sock",
+        "user_header": "x-authenticated-user",  # set by your auth hop, or "user": callable(request)
+        "trust_proxies": ["10.0.0.0/8"],
+        "costs": {"/api/search": 5},
+    }
+
+Every key of ``FLOODGATE`` is a keyword of :class:`~floodgate.middleware.FloodgateWSGIMiddleware`;
+extractors (``endpoint``, ``tier``, ``user``, ``api_key``, ``ip``) take the Django request and may be
+given as dotted paths. It is a synchronous middleware (Django adapts it under ASGI).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any, Callable, Dict, Optional
+
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse
+from django.urls import Resolver404, resolve
+from django.utils.module_loading import import_string
+
+from ..client import Client
+from ..errors import FloodgateError
+from ._common import (
+    CHECK_FAILED,
+    NO_PEER,
+    Settings,
+    build_attributes,
+    client_ip,
+    format_ip,
+    header_text,
+    rate_limit_headers,
+    rejection_body,
+    retry_after_seconds,
+)
+
+_CONVERTER = re.compile(r"<(?:[^>:]+:)?([^>]+)>")
+_clients: Dict[str, Client] = {}
+_clients_lock = threading.Lock()
+
+
+def django_route_name(route: str) -> str:
+    """A Django route as the agent sees it: ``items/<int:pk>`` becomes ``/items/:pk``."""
+    r = _CONVERTER.sub(lambda m: ":" + m.group(1), route)
+    return r if r.startswith("/") else "/" + r
+
+
+def default_endpoint(request: HttpRequest) -> Optional[str]:
+    """The route Django resolves the request to, else its path."""
+    try:
+        match = resolve(request.path_info, getattr(request, "urlconf", None))
+        if match.route:
+            return django_route_name(match.route)
+    except Resolver404:
+        pass
+    return request.path or None
+
+
+def _shared_client(socket: str, config: Dict[str, Any]) -> Client:
+    # One connection per process, however many times Django builds the middleware.
+    with _clients_lock:
+        c = _clients.get(socket)
+        if c is None:
+            c = _clients[socket] = Client(socket, **config)
+        return c
+
+
+def _callable(v: Any) -> Optional[Callable[..., Optional[str]]]:
+    if v is None:
+        return None
+    return import_string(v) if isinstance(v, str) else v
+
+
+class FloodgateDjangoMiddleware:
+    """Asks the agent once per request; 429 with ``Retry-After`` on a rejection, ``X-RateLimit-*``
+    headers on every response a rule applied to."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+        conf = dict(getattr(settings, "FLOODGATE", {}) or {})
+        socket = conf.pop("socket", "/tmp/floodgate.sock")
+        client = conf.pop("client", None)
+        options: Dict[str, Any] = {
+            k: conf.pop(k)
+            for k in (
+                "tier_header",
+                "user_header",
+                "api_key_header",
+                "trust_proxies",
+                "costs",
+                "ietf_headers",
+                "timeout",
+                "fail",
+            )
+            if k in conf
+        }
+        if "costs" in options:
+            # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
+            options["costs"] = {
+                (django_route_name(k) if "<" in k or not k.startswith("/") else k): v
+                for k, v in dict(options["costs"]).items()
+            }
+        extractors: Dict[str, Any] = {k: _callable(conf.pop(k, None)) for k in ("endpoint", "tier", "user", "api_key", "ip")}
+        self.settings = Settings(**options, **extractors)
+        self.client: Client = client if client is not None else _shared_client(socket, conf)
+
+    def _value(self, request: HttpRequest, f: Optional[Callable[..., Optional[str]]], header: Optional[str]) -> Optional[str]:
+        if f is not None:
+            return f(request)
+        if header is not None:
+            return header_text(request.META.get("HTTP_" + header.upper().replace("-", "_")))
+        return None
+
+    def attributes(self, request: HttpRequest):  # noqa: ANN201 - floodgate.Attributes
+        """What the request is checked as."""
+        s = self.settings
+        endpoint = s.endpoint(request) if s.endpoint is not None else default_endpoint(request)
+        if s.ip is not None:
+            ip = s.ip(request)
+        else:
+            xff = header_text(request.META.get("HTTP_X_FORWARDED_FOR"))
+            addr = client_ip(request.META.get("REMOTE_ADDR"), [xff] if xff else [], s.trusted)
+            if addr is None:
+                NO_PEER.warn("floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)")
+            ip = format_ip(addr) if addr is not None else None
+        return build_attributes(
+            endpoint,
+            self._value(request, s.tier, s.tier_header),
+            self._value(request, s.user, s.user_header),
+            self._value(request, s.api_key, s.api_key_header),
+            ip,
+            s.costs,
+        )
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        s = self.settings
+        try:
+            decision = self.client.check_request(self.attributes(request), timeout=s.timeout, fail=s.fail)
+        except FloodgateError as e:
+            CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
+            return self.get_response(request)
+        if decision.allowed:
+            response = self.get_response(request)
+        else:
+            secs = retry_after_seconds(decision)
+            response = HttpResponse(rejection_body(secs), status=429, content_type="application/json")
+            response["Retry-After"] = str(secs)
+        for name, value in rate_limit_headers(decision, s.ietf):
+            response[name] = value
+        return response

@@ -1,0 +1,172 @@
+"""A WSGI middleware (Flask, Bottle, Pyramid, any WSGI app): one agent check per request, through
+the thread-safe :class:`~floodgate.Client`. The same behaviour as the ASGI middleware and the Rust
+Layer; see :mod:`floodgate.middleware.asgi`.
+
+A plain WSGI app has no route table the middleware can read, so the endpoint is the request path
+unless ``endpoint`` (a callable taking the environ) says otherwise; the client IP is
+``REMOTE_ADDR``, or the ``X-Forwarded-For`` entry a trusted proxy added.
+
+Example::
+
+    app = FloodgateWSGIMiddleware(app, socket="/tmp/floodgate.sock", user_header="x-user-id")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from urllib.parse import quote
+
+from ..client import Client
+from ..errors import FloodgateError
+from ._common import (
+    CHECK_FAILED,
+    IETF_HEADERS,
+    NO_PEER,
+    RATE_LIMIT_HEADERS,
+    Settings,
+    build_attributes,
+    client_ip,
+    format_ip,
+    header_text,
+    rate_limit_headers,
+    rejection_body,
+    retry_after_seconds,
+)
+
+Environ = Dict[str, Any]
+StartResponse = Callable[..., Any]
+
+_OURS = frozenset(RATE_LIMIT_HEADERS + IETF_HEADERS)
+# RFC 3986 pchar: what stays unescaped when the raw path is rebuilt from PATH_INFO.
+_PCHAR = "/:@!$&'()*+,;=-._~"
+
+
+def environ_header(environ: Environ, name: str) -> Optional[str]:
+    """A request header from the environ (``X-User-Id`` is ``HTTP_X_USER_ID``), as the Rust Layer
+    reads one."""
+    return header_text(environ.get("HTTP_" + name.upper().replace("-", "_")))
+
+
+def default_endpoint(environ: Environ) -> Optional[str]:
+    """The request's path, percent-encoded as it was sent (``RAW_URI`` or ``REQUEST_URI`` when the
+    server gives it, else rebuilt from ``SCRIPT_NAME`` and ``PATH_INFO``)."""
+    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
+    if isinstance(raw, str) and raw.startswith("/"):
+        return raw.split("?", 1)[0]
+    path = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
+    try:
+        b = path.encode("latin-1")  # WSGI carries the path's bytes as latin-1 text
+    except UnicodeEncodeError:
+        b = path.encode("utf-8", "surrogatepass")
+    return quote(b, safe=_PCHAR) or None
+
+
+class FloodgateWSGIMiddleware:
+    """The WSGI middleware. Give it ``socket`` (the middleware makes a :class:`~floodgate.Client`)
+    or ``client``. Options as :class:`~floodgate.middleware.FloodgateMiddleware`, with extractors
+    taking the WSGI environ. Other keyword arguments configure the client when the middleware makes it.
+    """
+
+    def __init__(
+        self,
+        app: Callable[[Environ, StartResponse], Iterable[bytes]],
+        *,
+        socket: str = "/tmp/floodgate.sock",
+        client: Optional[Client] = None,
+        endpoint: Optional[Callable[[Environ], Optional[str]]] = None,
+        tier: Optional[Callable[[Environ], Optional[str]]] = None,
+        user: Optional[Callable[[Environ], Optional[str]]] = None,
+        api_key: Optional[Callable[[Environ], Optional[str]]] = None,
+        ip: Optional[Callable[[Environ], Optional[str]]] = None,
+        tier_header: Optional[str] = None,
+        user_header: Optional[str] = None,
+        api_key_header: Optional[str] = None,
+        trust_proxies: Any = (),
+        costs: Optional[Dict[str, int]] = None,
+        ietf_headers: bool = False,
+        timeout: Optional[float] = None,
+        fail: Optional[str] = None,
+        **client_config: Any,
+    ) -> None:
+        self.app = app
+        self.settings = Settings(
+            endpoint=endpoint,
+            tier=tier,
+            user=user,
+            api_key=api_key,
+            ip=ip,
+            tier_header=tier_header,
+            user_header=user_header,
+            api_key_header=api_key_header,
+            trust_proxies=trust_proxies,
+            costs=costs,
+            ietf_headers=ietf_headers,
+            timeout=timeout,
+            fail=fail,
+        )
+        self.client = client if client is not None else Client(socket, **client_config)
+
+    def _value(self, environ: Environ, f: Optional[Callable[[Environ], Optional[str]]], header: Optional[str]) -> Optional[str]:
+        if f is not None:
+            return f(environ)
+        if header is not None:
+            return environ_header(environ, header)
+        return None
+
+    def attributes(self, environ: Environ):  # noqa: ANN201 - floodgate.Attributes
+        """What the request is checked as."""
+        s = self.settings
+        endpoint = s.endpoint(environ) if s.endpoint is not None else default_endpoint(environ)
+        if s.ip is not None:
+            ip = s.ip(environ)
+        else:
+            xff = environ_header(environ, "x-forwarded-for")
+            addr = client_ip(environ.get("REMOTE_ADDR"), [xff] if xff else [], s.trusted)
+            if addr is None:
+                NO_PEER.warn("floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)")
+            ip = format_ip(addr) if addr is not None else None
+        return build_attributes(
+            endpoint,
+            self._value(environ, s.tier, s.tier_header),
+            self._value(environ, s.user, s.user_header),
+            self._value(environ, s.api_key, s.api_key_header),
+            ip,
+            s.costs,
+        )
+
+    def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
+        s = self.settings
+        try:
+            decision = self.client.check_request(self.attributes(environ), timeout=s.timeout, fail=s.fail)
+        except FloodgateError as e:
+            CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
+            return self.app(environ, start_response)
+        headers = rate_limit_headers(decision, s.ietf)
+        if not decision.allowed:
+            secs = retry_after_seconds(decision)
+            body = rejection_body(secs)
+            start_response(
+                "429 Too Many Requests",
+                [
+                    ("Retry-After", str(secs)),
+                    ("Content-Type", "application/json"),
+                    ("Content-Length", str(len(body))),
+                    *[(_title(n), v) for n, v in headers],
+                ],
+            )
+            return [body]
+        if not headers:
+            return self.app(environ, start_response)
+        ours = [(_title(n), v) for n, v in headers]
+
+        def start_with_headers(status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None) -> Any:
+            kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS]
+            if exc_info is None:
+                return start_response(status, kept + ours)
+            return start_response(status, kept + ours, exc_info)
+
+        return self.app(environ, start_with_headers)
+
+
+def _title(name: str) -> str:
+    return "-".join(part[:1].upper() + part[1:] for part in name.split("-")).replace("Ratelimit", "RateLimit")

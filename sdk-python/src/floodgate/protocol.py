@@ -1,0 +1,727 @@
+"""Floodgate's wire protocol, version 1: frames to bytes and bytes to frames.
+
+``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
+and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
+it answers ``None`` (incomplete: read more), a :class:`Decoded` frame, a :class:`Rejected` frame
+(well delimited but refused: skip it and go on) or :class:`Fatal` (the stream cannot be trusted).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+
+from .errors import InvalidCheck
+
+VERSION = 1
+"""The protocol version this module speaks."""
+
+MAX_FRAME = 64 * 1024
+"""Largest frame on the wire, the 4-byte length prefix included."""
+LEN_PREFIX = 4
+HEADER = 6
+"""Bytes after the length prefix in every frame: version, kind, request id."""
+MAX_ITEMS = 16
+MAX_KEY = 256
+MAX_RULE_ID = 128
+MAX_ATTRIBUTE = 256
+MAX_MESSAGE = 1024
+MAX_COST = 0xFFFF_FFFF
+VERDICT_LEN = 34
+
+
+class Kind(enum.IntEnum):
+    """Frame kinds: the byte after the version."""
+
+    HELLO = 0x01
+    HELLO_OK = 0x02
+    CHECK = 0x03
+    DECISION = 0x04
+    ERROR = 0x05
+    PING = 0x06
+    PONG = 0x07
+
+
+class ErrorCode(enum.IntEnum):
+    """The codes an Error frame carries. Unknown codes are kept as plain ints."""
+
+    MALFORMED_FRAME = 1
+    FRAME_TOO_LARGE = 2
+    UNSUPPORTED_VERSION = 3
+    UNKNOWN_RULE = 4
+    INVALID_ITEM = 5
+    UNEXPECTED_FRAME = 6
+    OVERLOADED = 7
+    INTERNAL = 8
+
+
+class Source(enum.IntEnum):
+    """Where a verdict came from."""
+
+    REDIS = 0
+    """An atomic script on the shared Redis state."""
+    LOCAL = 1
+    """The agent's own state: the embedded store, or local counters of a batched rule."""
+    CACHE = 2
+    """A rejection the agent cached until its reset time."""
+    FALLBACK = 3
+    """The store was unavailable; the rule's fail mode (or the fallback limiter) decided."""
+
+
+_SOURCES = (Source.REDIS, Source.LOCAL, Source.CACHE, Source.FALLBACK)
+_ERROR_CODES = {c.value: c for c in ErrorCode}
+
+FLAG_ALLOWED = 0x01
+FLAG_LOG_ONLY = 0x02
+FORM_ITEMS = 0
+FORM_ATTRIBUTES = 1
+
+
+# --- frame bodies ---------------------------------------------------------------------------------
+
+
+class Item(NamedTuple):
+    """One ``(key, rule_id, cost)`` item of a check."""
+
+    key: str
+    rule_id: str
+    cost: int = 1
+
+
+@dataclass
+class Attributes:
+    """Request attributes the agent matches against its rules (``None`` = absent)."""
+
+    endpoint: Optional[str] = None
+    tier: Optional[str] = None
+    user: Optional[str] = None
+    api_key: Optional[str] = None
+    ip: Optional[str] = None
+    cost: int = 1
+
+    def fields(self) -> List[Tuple[str, Optional[str]]]:
+        """The attributes with their names, in wire order."""
+        return [
+            ("endpoint", self.endpoint),
+            ("tier", self.tier),
+            ("user", self.user),
+            ("apiKey", self.api_key),
+            ("ip", self.ip),
+        ]
+
+
+@dataclass
+class Hello:
+    min_version: int = VERSION
+    max_version: int = VERSION
+
+
+@dataclass
+class HelloOk:
+    version: int = VERSION
+
+
+@dataclass
+class Check:
+    """A check: ``items`` (form 0) or ``attributes`` (form 1), exactly one of them."""
+
+    items: Optional[List[Item]] = None
+    attributes: Optional[Attributes] = None
+
+
+@dataclass
+class Verdict:
+    """The figures of one decision, per item or combined."""
+
+    allowed: bool
+    log_only: bool
+    source: Source
+    limit: int
+    remaining: int
+    reset_at_ms: int
+    retry_after_ms: int
+
+
+@dataclass
+class ItemDecision:
+    """A verdict named by its rule."""
+
+    rule_id: str
+    verdict: Verdict
+
+
+@dataclass
+class DecisionBody:
+    """The answer to a check as the wire carries it."""
+
+    combined: Verdict
+    items: List[ItemDecision] = field(default_factory=list)
+
+
+@dataclass
+class ErrorBody:
+    """The content of an Error frame. ``code`` is an :class:`ErrorCode`, or an int for codes this
+    version does not know."""
+
+    code: Union[ErrorCode, int]
+    message: str
+
+
+@dataclass
+class Ping:
+    pass
+
+
+@dataclass
+class Pong:
+    pass
+
+
+Body = Union[Hello, HelloOk, Check, DecisionBody, ErrorBody, Ping, Pong]
+
+
+@dataclass
+class Frame:
+    """One frame: a request id and what it carries."""
+
+    request_id: int
+    body: Body
+
+
+class Decoded(NamedTuple):
+    """A frame and the bytes it took."""
+
+    frame: Frame
+    used: int
+
+
+class Rejected(NamedTuple):
+    """A well-delimited frame whose content is refused: skip ``frame_len`` bytes and go on."""
+
+    code: int
+    request_id: int
+    reason: str
+    frame_len: int
+
+
+class Fatal(NamedTuple):
+    """The stream cannot be resynchronised: close the connection."""
+
+    code: int
+    request_id: Optional[int]
+    reason: str
+
+
+DecodeResult = Union[None, Decoded, Rejected, Fatal]
+
+
+# --- validation -----------------------------------------------------------------------------------
+
+# Braces (Redis hash tags) and control characters (Unicode category Cc: U+0000-U+001F, U+007F-U+009F,
+# as Rust's char::is_control) are refused in keys and attributes.
+_FORBIDDEN = re.compile("[{}\x00-\x1f\x7f-\x9f]")
+_RULE_ID = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+
+
+def _text(name: str, value: object, limit: int) -> bytes:
+    if not isinstance(value, str):
+        raise InvalidCheck(f"{name} must be a str, not {type(value).__name__}")
+    if not value:
+        raise InvalidCheck(f"{name} is empty")
+    m = _FORBIDDEN.search(value)
+    if m is not None:
+        raise InvalidCheck(
+            f"{name} contains {m.group()!r}: braces (Redis hash tags) and control characters are not allowed"
+        )
+    try:
+        b = value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidCheck(f"{name} is not valid Unicode text (a lone surrogate)") from None
+    if len(b) > limit:
+        raise InvalidCheck(f"{name} is {len(b)} bytes, over the {limit}-byte limit")
+    return b
+
+
+def validate_rule_id(rule_id: object) -> bytes:
+    """The rule id as bytes; raises :class:`InvalidCheck` unless it is 1 to 128 of ``[A-Za-z0-9_.:-]``."""
+    if not isinstance(rule_id, str) or _RULE_ID.fullmatch(rule_id) is None:
+        raise InvalidCheck(
+            f"rule id {rule_id!r} must be 1 to {MAX_RULE_ID} ASCII letters, digits and _ - . :"
+        )
+    return rule_id.encode("ascii")
+
+
+def _cost(cost: object) -> int:
+    if not isinstance(cost, int) or not 1 <= cost <= MAX_COST:
+        raise InvalidCheck(f"cost must be an int from 1 to {MAX_COST}, not {cost!r}")
+    return cost
+
+
+# Encoded (validated) rule ids: most services name a handful of rules.
+_rule_cache: dict = {}
+
+
+def _rule_bytes(rule_id: object) -> bytes:
+    b = _rule_cache.get(rule_id)
+    if b is None:
+        b = validate_rule_id(rule_id)
+        if len(_rule_cache) >= 1024:
+            _rule_cache.clear()
+        _rule_cache[rule_id] = b
+    return b
+
+
+# --- encoding -------------------------------------------------------------------------------------
+
+_HDR = struct.Struct(">IBBI")
+_STR16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_VERDICT = struct.Struct(">BBQQQQ")
+_ERR = struct.Struct(">HH")
+_PREFIX_ITEMS = b"\x00"
+
+
+def _frame(kind: int, request_id: int, body: bytes, version: int = VERSION) -> bytes:
+    n = HEADER + len(body)
+    if LEN_PREFIX + n > MAX_FRAME:
+        raise InvalidCheck(f"frame of {LEN_PREFIX + n} bytes exceeds the {MAX_FRAME}-byte limit")
+    return _HDR.pack(n, version, kind, request_id & 0xFFFF_FFFF) + body
+
+
+def items_body(items: Iterable[object]) -> bytes:
+    """The body of a form-0 Check (validated): ``items`` are :class:`Item` or ``(key, rule_id[, cost])``."""
+    parts = []
+    n = 0
+    key: Any
+    rule_id: Any
+    cost: Any
+    for it in items:
+        n += 1
+        if n > MAX_ITEMS:
+            break
+        try:
+            if len(it) == 2:  # type: ignore[arg-type]
+                key, rule_id = it  # type: ignore[misc]
+                cost = 1
+            else:
+                key, rule_id, cost = it  # type: ignore[misc]
+        except (TypeError, ValueError):
+            raise InvalidCheck(f"an item is (key, rule_id[, cost]), not {it!r}") from None
+        k = _text("key", key, MAX_KEY)
+        r = _rule_bytes(rule_id)
+        parts.append(b"".join((_STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(_cost(cost)))))
+    if not 1 <= n <= MAX_ITEMS:
+        raise InvalidCheck(f"a check carries 1 to {MAX_ITEMS} items, not {n if n <= MAX_ITEMS else 'more'}")
+    return b"".join((_PREFIX_ITEMS, bytes((n,)), *parts))
+
+
+def attributes_body(a: Attributes) -> bytes:
+    """The body of a form-1 Check (validated)."""
+    parts = [b"\x01"]
+    for name, value in a.fields():
+        if value is None:
+            parts.append(b"\x00\x00")
+        else:
+            b = _text(name, value, MAX_ATTRIBUTE)
+            parts.append(_STR16.pack(len(b)))
+            parts.append(b)
+    parts.append(_U32.pack(_cost(a.cost)))
+    return b"".join(parts)
+
+
+def _str8(s: str) -> bytes:
+    b = _truncate(s, 0xFF)
+    return bytes((len(b),)) + b
+
+
+def _str16(s: str, limit: int = 0xFFFF) -> bytes:
+    b = _truncate(s, limit)
+    return _STR16.pack(len(b)) + b
+
+
+def _truncate(s: str, limit: int) -> bytes:
+    b = s.encode("utf-8", "replace")
+    if len(b) <= limit:
+        return b
+    return b[:limit].decode("utf-8", "ignore").encode("utf-8")
+
+
+def _verdict_bytes(v: Verdict) -> bytes:
+    flags = (FLAG_ALLOWED if v.allowed else 0) | (FLAG_LOG_ONLY if v.log_only else 0)
+    return _VERDICT.pack(flags, int(v.source), v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms)
+
+
+def encode(frame: Frame) -> bytes:
+    """The frame as bytes. Checks are validated (raises :class:`InvalidCheck`); the other kinds are
+    encoded as given (the agent-side kinds exist for tests and fake agents)."""
+    b = frame.body
+    rid = frame.request_id
+    if isinstance(b, Check):
+        if (b.items is None) == (b.attributes is None):
+            raise InvalidCheck("a check carries items or attributes, exactly one of them")
+        body = items_body(b.items) if b.items is not None else attributes_body(b.attributes)  # type: ignore[arg-type]
+        return _frame(Kind.CHECK, rid, body)
+    if isinstance(b, Hello):
+        return _frame(Kind.HELLO, rid, bytes((b.min_version, b.max_version)), min(b.max_version, VERSION))
+    if isinstance(b, HelloOk):
+        return _frame(Kind.HELLO_OK, rid, bytes((b.version,)))
+    if isinstance(b, DecisionBody):
+        parts = [_verdict_bytes(b.combined), bytes((len(b.items),))]
+        for it in b.items:
+            parts.append(_str8(it.rule_id))
+            parts.append(_verdict_bytes(it.verdict))
+        return _frame(Kind.DECISION, rid, b"".join(parts))
+    if isinstance(b, ErrorBody):
+        return _frame(Kind.ERROR, rid, _STR16.pack(int(b.code)) + _str16(b.message, MAX_MESSAGE))
+    if isinstance(b, Ping):
+        return _frame(Kind.PING, rid, b"")
+    if isinstance(b, Pong):
+        return _frame(Kind.PONG, rid, b"")
+    raise TypeError(f"not a frame body: {b!r}")
+
+
+def check_items_frame(request_id: int, items: Iterable[object]) -> bytes:
+    """A Check frame for items (validated; raises :class:`InvalidCheck`)."""
+    return _frame(Kind.CHECK, request_id, items_body(items))
+
+
+def check_one_frame(request_id: int, key: str, rule_id: str, cost: int = 1) -> bytes:
+    """A Check frame for one item (validated; raises :class:`InvalidCheck`): ``allow``'s fast path."""
+    k = _text("key", key, MAX_KEY)
+    r = _rule_bytes(rule_id)
+    c = _cost(cost)
+    return b"".join(
+        (_HDR.pack(15 + len(k) + len(r), VERSION, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
+         _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c))
+    )
+
+
+def check_attributes_frame(request_id: int, attributes: Attributes) -> bytes:
+    """A Check frame for request attributes (validated; raises :class:`InvalidCheck`)."""
+    return _frame(Kind.CHECK, request_id, attributes_body(attributes))
+
+
+HELLO_FRAME = encode(Frame(0, Hello(VERSION, VERSION)))
+
+
+# --- decoding -------------------------------------------------------------------------------------
+
+
+class _Malformed(Exception):
+    pass
+
+
+class _BadText(Exception):
+    pass
+
+
+def _verdict(buf: Union[bytes, bytearray, memoryview], off: int, end: int) -> Verdict:
+    if off + VERDICT_LEN > end:
+        raise _Malformed("body ends inside a verdict")
+    flags, source, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, off)
+    if flags & ~(FLAG_ALLOWED | FLAG_LOG_ONLY):
+        raise _Malformed(f"unknown verdict flags 0x{flags:02x}")
+    if source > 3:
+        raise _Malformed(f"unknown source {source}")
+    return Verdict(
+        bool(flags & FLAG_ALLOWED), bool(flags & FLAG_LOG_ONLY), _SOURCES[source], limit, remaining, reset, retry
+    )
+
+
+class _Reader:
+    __slots__ = ("buf", "pos", "end", "bad_text")
+
+    def __init__(self, buf: Union[bytes, bytearray, memoryview], pos: int, end: int) -> None:
+        self.buf = buf
+        self.pos = pos
+        self.end = end
+        self.bad_text: Optional[str] = None
+
+    def take(self, n: int) -> bytes:
+        if self.pos + n > self.end:
+            raise _Malformed(f"body ends early: wanted {n} more bytes, {self.end - self.pos} left")
+        b = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return b
+
+    def u8(self) -> int:
+        if self.pos >= self.end:
+            raise _Malformed("body ends early")
+        v = self.buf[self.pos]
+        self.pos += 1
+        return v
+
+    def u16(self) -> int:
+        return int.from_bytes(self.take(2), "big")
+
+    def u32(self) -> int:
+        return int.from_bytes(self.take(4), "big")
+
+    def text(self, n: int) -> str:
+        b = self.take(n)
+        try:
+            return b.decode("utf-8")
+        except UnicodeDecodeError:
+            if self.bad_text is None:
+                self.bad_text = "text is not valid UTF-8"
+            return ""
+
+    def str8(self) -> str:
+        return self.text(self.u8())
+
+    def str16(self) -> str:
+        return self.text(self.u16())
+
+    def verdict(self) -> Verdict:
+        v = _verdict(self.buf, self.pos, self.end)
+        self.pos += VERDICT_LEN
+        return v
+
+
+def _body(kind: int, r: _Reader) -> Body:
+    if kind == Kind.DECISION:
+        combined = r.verdict()
+        n = r.u8()
+        if n > MAX_ITEMS:
+            raise _Malformed(f"a decision carries at most {MAX_ITEMS} items, not {n}")
+        items = []
+        for _ in range(n):
+            rule_id = r.str8()
+            items.append(ItemDecision(rule_id, r.verdict()))
+        return DecisionBody(combined, items)
+    if kind == Kind.ERROR:
+        code = r.u16()
+        return ErrorBody(_ERROR_CODES.get(code, code), r.str16())
+    if kind == Kind.HELLO_OK:
+        return HelloOk(r.u8())
+    if kind == Kind.PONG:
+        return Pong()
+    if kind == Kind.PING:
+        return Ping()
+    if kind == Kind.HELLO:
+        return Hello(r.u8(), r.u8())
+    if kind == Kind.CHECK:
+        form = r.u8()
+        if form == FORM_ITEMS:
+            n = r.u8()
+            check_items: List[Item] = []
+            for _ in range(n):
+                key = r.str16()
+                rule_id = r.str8()
+                check_items.append(Item(key, rule_id, r.u32()))
+            return Check(items=check_items)
+        if form == FORM_ATTRIBUTES:
+            v = [r.str16() or None for _ in range(5)]
+            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost=r.u32()))
+        raise _Malformed(f"unknown check form {form}")
+    raise _Malformed(f"unknown frame kind 0x{kind:02x}")
+
+
+def _check_limits(c: Check) -> Optional[str]:
+    try:
+        if c.items is not None:
+            items_body(c.items)
+        elif c.attributes is not None:
+            attributes_body(c.attributes)
+    except InvalidCheck as e:
+        return str(e)
+    return None
+
+
+def decode(buf: Union[bytes, bytearray, memoryview], pos: int = 0) -> DecodeResult:
+    """Decodes one frame starting at ``buf[pos]``. Never raises.
+
+    Returns ``None`` when more bytes are needed, :class:`Decoded` (the frame and the bytes it took),
+    :class:`Rejected` (skip ``frame_len`` bytes and go on) or :class:`Fatal` (close the stream).
+    """
+    try:
+        avail = len(buf) - pos
+        if avail < LEN_PREFIX:
+            return None
+        length = int.from_bytes(buf[pos : pos + 4], "big")
+        frame_len = LEN_PREFIX + length
+        if frame_len > MAX_FRAME:
+            rid = int.from_bytes(buf[pos + 6 : pos + 10], "big") if avail >= LEN_PREFIX + HEADER else None
+            return Fatal(
+                ErrorCode.FRAME_TOO_LARGE, rid, f"frame of {frame_len} bytes exceeds the {MAX_FRAME}-byte limit"
+            )
+        if length < HEADER:
+            return Fatal(ErrorCode.MALFORMED_FRAME, None, f"length {length} is shorter than the {HEADER}-byte header")
+        if avail < frame_len:
+            return None
+        version = buf[pos + 4]
+        kind = buf[pos + 5]
+        rid = int.from_bytes(buf[pos + 6 : pos + 10], "big")
+        if version != VERSION and kind != Kind.HELLO:
+            return Rejected(
+                ErrorCode.UNSUPPORTED_VERSION,
+                rid,
+                f"frame version {version}; this peer speaks version {VERSION}",
+                frame_len,
+            )
+        end = pos + frame_len
+        r = _Reader(buf, pos + LEN_PREFIX + HEADER, end)
+        try:
+            body = _body(kind, r)
+        except _Malformed as e:
+            return Fatal(ErrorCode.MALFORMED_FRAME, rid, str(e))
+        if r.pos != end:
+            return Fatal(ErrorCode.MALFORMED_FRAME, rid, f"{end - r.pos} unexpected bytes after the body")
+        if r.bad_text is not None:
+            return Rejected(ErrorCode.INVALID_ITEM, rid, r.bad_text, frame_len)
+        if isinstance(body, Check):
+            problem = _check_limits(body)
+            if problem is not None:
+                return Rejected(ErrorCode.INVALID_ITEM, rid, problem, frame_len)
+        return Decoded(Frame(rid, body), frame_len)
+    except Exception as e:  # noqa: BLE001 - the decoder must never raise; this is a bug guard
+        return Fatal(ErrorCode.MALFORMED_FRAME, None, f"undecodable frame ({type(e).__name__}: {e})")
+
+
+# --- the client's fast path -----------------------------------------------------------------------
+
+
+_HEAD = struct.Struct(">IBBI")
+
+
+def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]:
+    """The client's decoder for what an agent sends: ``(status, value, used)``.
+
+    ``status`` 0: incomplete (read more). 1: ``value`` is ``(request_id, body)`` with body a
+    :class:`DecisionBody`, :class:`ErrorBody`, :class:`HelloOk` or :class:`Pong`; skip ``used``
+    bytes. 2: a refused frame for request id ``value``; skip ``used`` bytes. 3: fatal, ``value`` is the
+    reason: close the connection. Never raises. A well-formed Decision takes a fast path; anything
+    else goes through :func:`decode`.
+    """
+    try:
+        avail = len(buf) - pos
+        if avail < 10:
+            if avail < 4 or 4 + int.from_bytes(buf[pos : pos + 4], "big") > avail:
+                res = decode(buf, pos)
+                return (0, None, 0) if res is None else _slow(res)
+        length, version, kind, rid = _HEAD.unpack_from(buf, pos)
+        total = 4 + length
+        if kind == 4 and version == 1 and 45 <= total <= avail:
+            end = pos + total
+            flags, src, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, pos + 10)
+            count = buf[pos + 44]
+            off = pos + 45
+            if flags < 4 and src < 4 and count <= MAX_ITEMS:
+                items = []
+                for _ in range(count):
+                    if off >= end:
+                        break
+                    n = buf[off]
+                    off += 1
+                    if off + n + VERDICT_LEN > end:
+                        break
+                    rule = bytes(buf[off : off + n]).decode("utf-8")
+                    off += n
+                    f, s, li, re_, rs, rt = _VERDICT.unpack_from(buf, off)
+                    if f >= 4 or s >= 4:
+                        break
+                    off += VERDICT_LEN
+                    items.append(ItemDecision(rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt)))
+                else:
+                    if off == end:
+                        combined = Verdict(bool(flags & 1), bool(flags & 2), _SOURCES[src], limit, remaining, reset, retry)
+                        return 1, (rid, DecisionBody(combined, items)), total
+    except (UnicodeDecodeError, struct.error, IndexError):
+        pass
+    res = decode(buf, pos)
+    if res is None:
+        return 0, None, 0
+    return _slow(res)
+
+
+def _slow(res: DecodeResult) -> Tuple[int, Any, int]:
+    if isinstance(res, Decoded):
+        f = res.frame
+        if isinstance(f.body, (DecisionBody, ErrorBody, HelloOk, Pong)):
+            return 1, (f.request_id, f.body), res.used
+        # Hello, Check or Ping: only a client sends those; an agent that does is confused.
+        return 3, f"the agent sent a {type(f.body).__name__} frame", res.used
+    if isinstance(res, Rejected):
+        return 2, res.request_id, res.frame_len
+    if isinstance(res, Fatal):
+        return 3, res.reason, 0
+    return 0, None, 0
+
+
+def fnv1a64(data: bytes) -> int:
+    """64-bit FNV-1a of ``data``."""
+    h = 0xCBF29CE484222325
+    for b in data:
+        h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h
+
+
+def wire_safe(value: str) -> str:
+    """A value the agent accepts as an attribute: as it is when the wire allows it (at most 256 bytes
+    of UTF-8, no braces, no control characters), else ``h:`` and the 16 lower-case hex digits of the
+    64-bit FNV-1a of its UTF-8 bytes: the same value always maps to the same key. Matches the Rust
+    SDK's ``middleware::wire_safe`` (PROTOCOL.md, "Values the wire refuses").
+    """
+    try:
+        b = value.encode("utf-8")
+    except UnicodeEncodeError:
+        # Lone surrogates (text decoded with surrogateescape) are no valid UTF-8: always hashed.
+        b = value.encode("utf-8", "surrogatepass")
+    else:
+        if len(b) <= MAX_ATTRIBUTE and _FORBIDDEN.search(value) is None:
+            return value
+    return f"h:{fnv1a64(b):016x}"
+
+
+def tcp_address(path: str) -> Optional[Tuple[str, int]]:
+    """``(host, port)`` for ``tcp://host:port`` (an agent's ``--listen-tcp``; ``[::1]`` for IPv6),
+    ``None`` for a Unix socket path. Raises ``ValueError`` for a ``tcp://`` address without a port."""
+    if not path.startswith("tcp://"):
+        return None
+    host, sep, port = path[len("tcp://"):].rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{path!r}: a TCP agent address is tcp://host:port")
+    return host.strip("[]"), int(port)
+
+
+def parse_hex(text: str) -> bytes:
+    """Bytes from whitespace-separated hex pairs, as PROTOCOL.md writes its vectors."""
+    return bytes(int(x, 16) for x in text.split())
+
+
+__all__: Sequence[str] = [
+    "VERSION",
+    "MAX_FRAME",
+    "MAX_ITEMS",
+    "MAX_KEY",
+    "MAX_RULE_ID",
+    "MAX_ATTRIBUTE",
+    "Kind",
+    "ErrorCode",
+    "Source",
+    "Item",
+    "Attributes",
+    "Hello",
+    "HelloOk",
+    "Check",
+    "Verdict",
+    "ItemDecision",
+    "DecisionBody",
+    "ErrorBody",
+    "Ping",
+    "Pong",
+    "Frame",
+    "Decoded",
+    "Rejected",
+    "Fatal",
+    "encode",
+    "decode",
+    "check_items_frame",
+    "check_attributes_frame",
+    "wire_safe",
+    "fnv1a64",
+    "validate_rule_id",
+]

@@ -1,0 +1,136 @@
+"""Real HTTP servers in threads for the middleware tests (uvicorn for ASGI, wsgiref for WSGI, both on a
+free loopback port) and a plain HTTP/1.1 client."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from typing import Any, Dict, Iterable, Optional, Tuple
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from conftest import eventually
+
+
+class Response:
+    def __init__(self, status: int, headers: Dict[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def num(self, name: str) -> int:
+        v = self.headers.get(name.lower())
+        assert v is not None, f"{name} missing: {self.headers}"
+        return int(v)
+
+    def __repr__(self) -> str:
+        return f"Response({self.status}, {self.headers}, {self.body[:80]!r})"
+
+
+def request(port: int, method: str, path: str, headers: Iterable[Tuple[str, str]] = ()) -> Response:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.putrequest(method, path)
+        for k, v in headers:
+            conn.putheader(k, v)
+        conn.putheader("Content-Length", "0")
+        conn.endheaders()
+        r = conn.getresponse()
+        body = r.read()
+        hs: Dict[str, str] = {}
+        for k, v in r.getheaders():
+            hs[k.lower()] = v
+        return Response(r.status, hs, body)
+    finally:
+        conn.close()
+
+
+class UvicornServer:
+    """An ASGI app served by uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.port = sock.getsockname()[1]
+        # proxy_headers off: uvicorn would otherwise rewrite scope["client"] from X-Forwarded-For
+        # itself (it trusts 127.0.0.1 by default), and the middleware's own proxy rules are under test.
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, proxy_headers=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        eventually("uvicorn started", lambda: self.server.started, timeout=10)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, *args: Any) -> None:  # noqa: D401 - silence per-request logging
+        pass
+
+
+class WsgiServer:
+    """A WSGI app served by wsgiref on a free loopback port, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.httpd: WSGIServer = make_server("127.0.0.1", 0, app, handler_class=_Quiet)
+        self.port = self.httpd.server_port
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(10)
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+MIDDLEWARE_RULES = """
+[[rules]]
+id = "api"
+dimension = "user"
+match = { endpoint = "/api/*" }
+limit = 6
+windowSeconds = 3600
+
+[[rules]]
+id = "login"
+dimension = "ip"
+match = { endpoint = "/login" }
+limit = 2
+windowSeconds = 3600
+
+# Would reject every client after its first request, if it were enforced.
+[[rules]]
+id = "ip-dry-run"
+dimension = "ip"
+limit = 1
+windowSeconds = 3600
+mode = "log"
+"""
+# An hour-long window (see rules.py); X-RateLimit-Reset is at most two windows ahead (+1 s rounding).
+MAX_RESET_S = 2 * 3600 + 1
+
+
+def check_429(r: Response, limit: Optional[int] = None) -> int:
+    """The rejection's shape: 429, Retry-After in whole seconds (1 to two windows), the JSON body
+    naming the same number, and X-RateLimit-Remaining 0. Returns Retry-After."""
+    import json
+
+    assert r.status == 429, r
+    retry = r.num("retry-after")
+    assert 1 <= retry <= MAX_RESET_S, retry
+    assert now_s() + retry <= r.num("x-ratelimit-reset") + 1, "retrying is possible before the full reset"
+    assert r.num("x-ratelimit-remaining") == 0
+    if limit is not None:
+        assert r.num("x-ratelimit-limit") == limit
+    assert r.headers.get("content-type") == "application/json"
+    assert json.loads(r.body) == {"error": "rate_limited", "retryAfter": retry}
+    return retry

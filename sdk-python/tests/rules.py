@@ -1,0 +1,70 @@
+"""Rules files the tests give their agents, and the figures they imply."""
+
+from __future__ import annotations
+
+import time
+
+# An hour-long window: a test (a few seconds) straddles a window edge once in ~1,000 runs, which
+# could shift a `remaining` by the previous window's weight.
+WINDOW_S = 3600
+
+CLIENT_RULES = f"""
+# Rules named by items checks match an endpoint no attribute check in these tests sends.
+[[rules]]
+id = "r"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 3
+windowSeconds = {WINDOW_S}
+
+[[rules]]
+id = "tight"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 1
+windowSeconds = {WINDOW_S}
+
+[[rules]]
+id = "burst"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 500
+windowSeconds = {WINDOW_S}
+
+# A bucket of 2, refilled at 10 per 600 s: one token per 60 s.
+[[rules]]
+id = "tb"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 10
+windowSeconds = 600
+burst = 2
+algorithm = "token_bucket"
+
+[[rules]]
+id = "search"
+dimension = "user"
+match = {{ endpoint = "/search" }}
+limit = 2
+windowSeconds = {WINDOW_S}
+
+# Would reject after one request, if it were enforced.
+[[rules]]
+id = "dry"
+dimension = "ip"
+match = {{ endpoint = "/dry" }}
+limit = 1
+windowSeconds = {WINDOW_S}
+mode = "log"
+"""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def window_reset_ms(at_ms: int, window_s: int = WINDOW_S) -> int:
+    """A sliding window's reset once the current window holds anything: the end of the window after
+    the current one (PROTOCOL.md, Decision)."""
+    w = window_s * 1000
+    return (at_ms // w + 2) * w

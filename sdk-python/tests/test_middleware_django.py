@@ -1,0 +1,73 @@
+"""The Django middleware in a minimal Django project served over real HTTP (Django's WSGI handler
+under wsgiref), asking a real agent: the endpoint is Django's resolved route, a 200 with headers,
+then a 429 with Retry-After and the JSON body."""
+
+from __future__ import annotations
+
+import django
+import pytest
+from conftest import unique
+from django.conf import settings
+from django.http import HttpResponse
+from django.urls import path
+from http_util import MIDDLEWARE_RULES, WsgiServer, check_429, request
+
+
+def item(request, pk):  # noqa: ANN001, ANN201
+    return HttpResponse(f"item {pk}")
+
+
+def hello(request):  # noqa: ANN001, ANN201
+    return HttpResponse("hello")
+
+
+urlpatterns = [
+    path("api/items/<int:pk>", item),
+    path("api/hello", hello),
+]
+
+
+@pytest.fixture
+def django_app(make_agent):  # noqa: ANN001, ANN201
+    agent = make_agent(MIDDLEWARE_RULES)
+    conf = {
+        "socket": agent.socket,
+        "timeout": 2.0,
+        "user_header": "X-User-Id",
+        # Costs by Django route, in Django's spelling or the agent's.
+        "costs": {"api/items/<int:pk>": 4, "/api/hello": 1},
+    }
+    if settings.configured:
+        settings.FLOODGATE = conf
+    else:
+        settings.configure(
+            DEBUG=False,
+            ALLOWED_HOSTS=["*"],
+            ROOT_URLCONF=__name__,
+            SECRET_KEY="test",
+            MIDDLEWARE=["floodgate.middleware.django.FloodgateDjangoMiddleware"],
+            INSTALLED_APPS=[],
+            FLOODGATE=conf,
+        )
+        django.setup()
+    from django.core.wsgi import get_wsgi_application
+
+    server = WsgiServer(get_wsgi_application())
+    yield server
+    server.close()
+
+
+def test_django_route_costs_headers_and_429(django_app) -> None:  # noqa: ANN001
+    port = django_app.port
+    user = [("X-User-Id", unique("u"))]
+    r = request(port, "GET", "/api/items/41", user)
+    assert (r.status, r.body) == (200, b"item 41")
+    assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (6, 2), "route api/items/<int:pk> costs 4"
+    r = request(port, "GET", "/api/hello", user)
+    assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1)
+    # An unresolved path is checked as itself: Django's 404 carries the headers too.
+    r = request(port, "GET", "/api/nowhere", user)
+    assert (r.status, r.num("x-ratelimit-remaining")) == (404, 0)
+    check_429(request(port, "GET", "/api/hello", user), limit=6)
+    # The rejection did not reach the view, and another user passes.
+    assert request(port, "GET", "/api/hello", [("X-User-Id", unique("v"))]).status == 200

@@ -1,0 +1,147 @@
+"""The middleware's shared rules, as the Rust Layer's unit tests state them: X-Forwarded-For believed
+only from trusted proxies, IPv4-mapped addresses, routes without braces, Retry-After rounding, the
+binding rule's headers, wire-safe attribute values."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+
+from floodgate import Decision, ItemDecision, Origin, Source, Verdict
+from floodgate.middleware import (
+    Cidr,
+    build_attributes,
+    client_ip,
+    format_ip,
+    header_text,
+    parse_cidrs,
+    rate_limit_headers,
+    rejection_body,
+    retry_after_seconds,
+    route_name,
+)
+from floodgate.middleware.django import django_route_name
+
+
+def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
+    trusted = parse_cidrs(["10.0.0.0/8", "::1"])
+
+    def ip(peer: str, xff: list) -> str:
+        got = client_ip(peer, xff, trusted)
+        assert got is not None
+        return format_ip(got)
+
+    # Not from a proxy: the header is the client's own words, ignored.
+    assert ip("203.0.113.9", ["1.2.3.4"]) == "203.0.113.9"
+    # From a proxy: the rightmost address it did not vouch for.
+    assert ip("10.0.0.2", ["6.6.6.6, 198.51.100.7, 10.0.0.5"]) == "198.51.100.7"
+    # Several header lines count as one list, in order.
+    assert ip("10.0.0.2", ["6.6.6.6", "198.51.100.7"]) == "198.51.100.7"
+    # Garbage stops the walk at the last trusted hop (ports, brackets and zone ids are garbage too).
+    for bad in ["bogus", "198.51.100.7:80", "[::2]", "fe80::1%eth0", ""]:
+        assert ip("10.0.0.2", [f"198.51.100.7, {bad}"]) == "10.0.0.2", bad
+    # A proxy without the header: the proxy is the client.
+    assert ip("::1", []) == "::1"
+    # No peer: no IP at all.
+    assert client_ip(None, ["1.2.3.4"], trusted) is None
+    # An IPv4-mapped peer is in an IPv4 block, and keeps its own spelling as a key.
+    assert ip("::ffff:10.9.9.9", ["198.51.100.7"]) == "198.51.100.7"
+    assert ip("::ffff:203.0.113.1", []) == "::ffff:203.0.113.1"
+
+
+def test_cidrs() -> None:
+    with pytest.raises(ValueError):
+        Cidr("10.0.0.0/33")
+    with pytest.raises(ValueError):
+        Cidr("not-an-ip")
+    a = ipaddress.ip_address
+    assert Cidr("::ffff:10.1.2.3").contains(a("10.1.2.3"))
+    assert Cidr("10.0.0.0/8").contains(a("::ffff:10.9.9.9"))
+    assert Cidr("0.0.0.0/0").contains(a("8.8.8.8"))
+    assert not Cidr("0.0.0.0/0").contains(a("2001:db8::1"))
+    mapped = Cidr("::ffff:10.0.0.0/104")
+    assert mapped.contains(a("10.9.9.9")) and mapped.contains(a("::ffff:10.9.9.9"))
+    assert not mapped.contains(a("11.0.0.1"))
+    assert Cidr("10.1.2.3/8").contains(a("10.200.0.1")), "host bits are allowed, as in Rust"
+
+
+def test_addresses_are_written_as_rust_writes_them() -> None:
+    # RFC 5952, as Rust's Display: the longest run of zero groups (the leftmost on a tie, never a
+    # single group) is "::"; lower case; an IPv4-mapped address in dotted form.
+    rust = {
+        "2001:0DB8:0000:0000:0000:0000:0000:0001": "2001:db8::1",
+        "0:0:0:0:0:0:0:1": "::1",
+        "0:0:0:0:0:0:0:0": "::",
+        "2001:db8:0:0:1:0:0:1": "2001:db8::1:0:0:1",
+        "1:0:0:2:0:0:0:3": "1:0:0:2::3",
+        "2001:db8:0:1:1:1:1:1": "2001:db8:0:1:1:1:1:1",
+        "::ffff:1.2.3.4": "::ffff:1.2.3.4",
+        "0:0:0:0:0:ffff:0a00:0001": "::ffff:10.0.0.1",
+        "203.0.113.5": "203.0.113.5",
+    }
+    for text, want in rust.items():
+        assert format_ip(ipaddress.ip_address(text)) == want, text
+
+
+def test_routes_lose_their_braces() -> None:
+    assert route_name("/items/{id}/parts/{*rest}") == "/items/:id/parts/*rest"
+    assert route_name("/items/{id:int}") == "/items/:id"
+    assert route_name("/plain/path") == "/plain/path"
+    assert django_route_name("api/items/<int:pk>/<slug>") == "/api/items/:pk/:slug"
+
+
+def test_header_values_are_read_as_the_rust_layer_reads_them() -> None:
+    assert header_text(b"  alice\t") == "alice"
+    assert header_text(b"") is None and header_text(b"   ") is None and header_text(None) is None
+    assert header_text("caf\u00e9") is None, "only visible ASCII: anything else counts as absent"
+    assert header_text(b"a\x7fb") is None
+
+
+def verdict(allowed: bool, log_only: bool, limit: int, remaining: int, reset: int, retry: int = 0) -> Verdict:
+    return Verdict(allowed, log_only, Source.LOCAL, limit, remaining, reset, retry)
+
+
+def agent_decision(combined: Verdict, items: list) -> Decision:
+    return Decision(
+        combined.allowed, combined.limit, combined.remaining, combined.reset_at_ms,
+        None if combined.allowed else max(combined.retry_after_ms, 1), Origin.AGENT, combined.source,
+        None, combined.log_only, items,
+    )
+
+
+def test_headers_come_from_the_binding_enforced_rule() -> None:
+    api = verdict(True, False, 6, 5, 2_001)
+    dry = verdict(False, True, 1, 0, 9_000, 500)
+    d = agent_decision(api, [ItemDecision("ip-dry-run", dry), ItemDecision("api", api)])
+    assert rate_limit_headers(d, ietf=True, now_ms=1_000) == [
+        ("x-ratelimit-limit", "6"),
+        ("x-ratelimit-remaining", "5"),
+        ("x-ratelimit-reset", "3"),  # 2.001 s rounded up
+        ("ratelimit-policy", '"api";q=6'),
+        ("ratelimit", '"api";r=5;t=2'),
+    ]
+    # Only log-mode rules applied: no headers (a dry run is invisible); no rule: none either.
+    only_dry = verdict(True, True, 1, 0, 9_000)
+    assert rate_limit_headers(agent_decision(only_dry, [ItemDecision("ip-dry-run", dry)])) == []
+    assert rate_limit_headers(agent_decision(verdict(True, False, 0, 0, 0), [])) == []
+    # The SDK's own answers (fail open) carry none.
+    fail_open = Decision(True, 0, 0, 5_000, None, Origin.FAIL_OPEN)
+    assert rate_limit_headers(fail_open) == []
+
+
+def test_retry_after_is_whole_seconds_rounded_up_and_never_zero() -> None:
+    def d(ms):  # noqa: ANN001, ANN202
+        return Decision(False, 5, 0, 0, ms, Origin.FAIL_CLOSED)
+
+    assert [retry_after_seconds(d(ms)) for ms in (1, 1_000, 1_001, 0, None)] == [1, 1, 2, 1, 1]
+    assert rejection_body(4) == b'{"error":"rate_limited","retryAfter":4}'
+
+
+def test_attributes_are_wire_safe_and_costed_by_endpoint() -> None:
+    a = build_attributes("/search", "", "{victim}", "k" * 300, "203.0.113.5", {"/search": 5})
+    assert a.endpoint == "/search" and a.cost == 5
+    assert a.tier is None, "an empty value is absent, not an invalid check"
+    assert a.user == "h:0a5b9694d4ec70f5", "PROTOCOL.md's worked example"
+    assert a.api_key is not None and a.api_key.startswith("h:") and len(a.api_key) == 18
+    assert build_attributes(None, None, None, None, None, {"/search": 5}).cost == 1

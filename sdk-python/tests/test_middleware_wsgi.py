@@ -1,0 +1,83 @@
+"""The WSGI middleware in front of a plain WSGI app served by wsgiref over real HTTP, asking a real
+agent: a 200 with the limiter's headers, then a 429 with Retry-After and the JSON body; costs by
+path, identity only from the configured header, X-Forwarded-For only through a trusted proxy, log
+mode invisible, fail open and closed without an agent."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from conftest import unique
+from http_util import MAX_RESET_S, MIDDLEWARE_RULES, WsgiServer, check_429, now_s, request
+
+from floodgate import Client
+from floodgate.middleware import FloodgateWSGIMiddleware
+
+
+def app(environ, start_response):  # noqa: ANN001, ANN201
+    path = environ["PATH_INFO"]
+    if path == "/missing":
+        start_response("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"nope"]
+    # The app sets a header of the limiter's name: the limiter's value replaces it.
+    start_response("200 OK", [("Content-Type", "text/plain"), ("X-RateLimit-Remaining", "999")])
+    return [f"hello {path}".encode()]
+
+
+def test_wsgi_headers_and_429_over_http(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(MIDDLEWARE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    wrapped = FloodgateWSGIMiddleware(
+        app,
+        client=client,
+        user_header="X-User-Id",
+        costs={"/api/search": 2},
+        trust_proxies=["127.0.0.0/8"],
+    )
+    server = WsgiServer(wrapped)
+    port = server.port
+    user = [("X-User-Id", unique("u"))]
+    try:
+        r = request(port, "GET", "/api/hello", user)
+        assert r.status == 200 and r.body == b"hello /api/hello"
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (6, 5)
+        assert now_s() <= r.num("x-ratelimit-reset") <= now_s() + MAX_RESET_S
+        r = request(port, "GET", "/api/search?q=cats", user)
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 3), "cost 2 for /api/search"
+        r = request(port, "GET", "/api/missing", user)
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 2)
+        for left in (1, 0):
+            r = request(port, "GET", "/api/hello", user)
+            assert (r.status, r.num("x-ratelimit-remaining")) == (200, left)
+        check_429(request(port, "GET", "/api/hello", user), limit=6)
+        # Without the configured header there is no user: the per-user rule does not apply.
+        r = request(port, "GET", "/api/hello", [("X-Other", "x")])
+        assert r.status == 200 and "x-ratelimit-limit" not in r.headers
+        # Log mode is invisible (limit 1 per IP, three passes without headers).
+        for _ in range(3):
+            r = request(port, "GET", "/missing")
+            assert r.status == 404 and "x-ratelimit-limit" not in r.headers
+        # Through the trusted proxy (loopback), X-Forwarded-For names the client; the rightmost
+        # address the proxy did not vouch for counts.
+        for left in (1, 0):
+            r = request(port, "POST", "/login", [("X-Forwarded-For", "6.6.6.6, 198.51.100.7")])
+            assert (r.status, r.num("x-ratelimit-remaining")) == (200, left)
+        check_429(request(port, "POST", "/login", [("X-Forwarded-For", "198.51.100.7")]), limit=2)
+        assert request(port, "POST", "/login", [("X-Forwarded-For", "198.51.100.8")]).status == 200
+    finally:
+        server.close()
+        client.close()
+
+
+def test_wsgi_without_an_agent_fails_open_or_closed() -> None:
+    nobody = os.path.join(tempfile.mkdtemp(), "nobody.sock")
+    for fail, status in (("open", 200), ("closed", 429)):
+        server = WsgiServer(FloodgateWSGIMiddleware(app, socket=nobody, fail=fail, user_header="x-user-id"))
+        try:
+            r = request(server.port, "GET", "/api/hello", [("X-User-Id", "u")])
+            assert r.status == status and "x-ratelimit-limit" not in r.headers
+            if fail == "closed":
+                assert r.num("retry-after") == 1 and r.body == b'{"error":"rate_limited","retryAfter":1}'
+        finally:
+            server.close()

@@ -1,0 +1,247 @@
+"""The wire format: PROTOCOL.md's hex vectors both ways, the decoding rules, the limits a check is
+validated against before anything is sent, the wire_safe hash PROTOCOL.md documents, and a decoder
+that never raises on any input."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from conftest import PROTOCOL_MD
+
+from floodgate import InvalidCheck
+from floodgate import protocol as p
+from floodgate.protocol import (
+    Attributes,
+    Check,
+    DecisionBody,
+    Decoded,
+    ErrorBody,
+    ErrorCode,
+    Fatal,
+    Frame,
+    Hello,
+    HelloOk,
+    Item,
+    ItemDecision,
+    Ping,
+    Pong,
+    Rejected,
+    Source,
+    Verdict,
+)
+
+DOC = PROTOCOL_MD.read_text()
+
+
+def vector(name: str) -> bytes:
+    marker = f"<!-- vector: {name} -->"
+    at = DOC.index(marker)
+    rest = DOC[at + len(marker):]
+    start = rest.index("```hex") + len("```hex")
+    end = start + rest[start:].index("```")
+    return p.parse_hex(rest[start:end])
+
+
+ALLOWED = Verdict(True, False, Source.REDIS, 100, 99, 1_700_000_120_000, 0)
+DENIED = Verdict(False, False, Source.CACHE, 5, 0, 1_700_000_060_000, 12_000)
+DRY = Verdict(False, True, Source.LOCAL, 600, 0, 1_700_000_030_000, 500)
+
+FRAMES = {
+    "hello": Frame(0, Hello(1, 1)),
+    "hello_ok": Frame(0, HelloOk(1)),
+    "check_one_item": Frame(7, Check(items=[Item("user:123", "api", 1)])),
+    "check_two_items": Frame(8, Check(items=[Item("user:123", "api", 1), Item("ip:203.0.113.5", "login", 3)])),
+    "check_attributes": Frame(9, Check(attributes=Attributes(endpoint="/search", tier="free", api_key="abc", cost=2))),
+    "decision_allowed": Frame(7, DecisionBody(ALLOWED, [ItemDecision("api", ALLOWED)])),
+    "decision_denied": Frame(8, DecisionBody(DENIED, [ItemDecision("login", DENIED), ItemDecision("ip-dry-run", DRY)])),
+    "error_unknown_rule": Frame(7, ErrorBody(ErrorCode.UNKNOWN_RULE, 'unknown rule "nope"')),
+    "ping": Frame(3, Ping()),
+    "pong": Frame(3, Pong()),
+}
+
+
+def test_every_vector_in_protocol_md_is_covered() -> None:
+    named = set(re.findall(r"<!-- vector: ([a-z_]+) -->", DOC))
+    assert named == set(FRAMES), "PROTOCOL.md's vectors and this test's frames differ"
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_vector_encodes_to_its_bytes(name: str) -> None:
+    assert p.encode(FRAMES[name]).hex(" ") == vector(name).hex(" ")
+
+
+@pytest.mark.parametrize("name", sorted(FRAMES))
+def test_vector_decodes_to_its_frame(name: str) -> None:
+    data = vector(name)
+    assert p.decode(data) == Decoded(FRAMES[name], len(data))
+    # Every prefix is incomplete, never an error.
+    for cut in range(len(data)):
+        assert p.decode(data[:cut]) is None, cut
+    # Two frames back to back: the second starts where the first ended.
+    twice = data + data
+    first = p.decode(twice)
+    assert isinstance(first, Decoded)
+    assert p.decode(twice, first.used) == Decoded(FRAMES[name], len(data))
+
+
+def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
+    assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
+    assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
+    assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
+    assert p.HELLO_FRAME == vector("hello")
+    status, value, used = p.decode_reply(vector("decision_denied"), 0)
+    assert (status, used) == (1, len(vector("decision_denied")))
+    assert value == (8, FRAMES["decision_denied"].body)
+
+
+def test_wire_safe_matches_the_worked_example_in_protocol_md() -> None:
+    m = re.search(r'`wire_safe\("(.+?)"\)` = `(h:[0-9a-f]{16})`', DOC)
+    assert m, "PROTOCOL.md has no wire_safe worked example"
+    value, expected = m.groups()
+    assert p.wire_safe(value) == expected
+    # The example's bytes as PROTOCOL.md lists them.
+    listed = re.search(r"`" + re.escape(value) + r"` is the bytes `([0-9a-f ]+)`", DOC)
+    assert listed and p.parse_hex(listed.group(1)) == value.encode()
+
+
+def test_fnv1a64_known_values_and_wire_safe_rules() -> None:
+    # Reference values of 64-bit FNV-1a (the algorithm's published test vectors).
+    assert p.fnv1a64(b"") == 0xCBF29CE484222325
+    assert p.fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    assert p.fnv1a64(b"foobar") == 0x85944171F73967E8
+    assert p.wire_safe("alice") == "alice"
+    assert p.wire_safe("x" * 256) == "x" * 256  # 256 bytes is still fine
+    for odd in ["x" * 257, "é" * 129, "{", "}", "a\x07b", "tab\there", "nel\x85", "del\x7f"]:
+        h = p.wire_safe(odd)
+        assert re.fullmatch(r"h:[0-9a-f]{16}", h), (odd, h)
+        assert h == f"h:{p.fnv1a64(odd.encode()):016x}"
+        # The hash is itself a valid attribute.
+        p.attributes_body(Attributes(user=h))
+    assert p.wire_safe("{") != p.wire_safe("}")
+    assert p.wire_safe("ü") == "ü"  # non-ASCII text is fine when short and printable
+    # A lone surrogate (undecodable bytes carried by surrogateescape) is no valid UTF-8: hashed.
+    assert p.wire_safe("a\udcff").startswith("h:")
+
+
+@pytest.mark.parametrize(
+    "items",
+    [
+        [],
+        [("", "r", 1)],
+        [("k" * 257, "r", 1)],
+        [("é" * 129, "r", 1)],  # 258 bytes of UTF-8, 129 characters
+        [("a{b", "r", 1)],
+        [("a}b", "r", 1)],
+        [("a\nb", "r", 1)],
+        [("a\u0085b", "r", 1)],  # Cc, as Rust's char::is_control
+        [("k", "", 1)],
+        [("k", "r" * 129, 1)],
+        [("k", "bad rule", 1)],
+        [("k", "régle", 1)],
+        [("k", "r", 0)],
+        [("k", "r", 2**32)],
+        [("k", "r", "1")],
+        [(1, "r", 1)],
+        [("k",)],
+        [("k", "r", 1)] * 17,
+    ],
+)
+def test_invalid_items_are_refused_before_sending(items) -> None:  # noqa: ANN001
+    with pytest.raises(InvalidCheck):
+        p.check_items_frame(1, items)
+
+
+def test_limits_are_inclusive() -> None:
+    p.check_items_frame(1, [("k" * 256, "r" * 128, 2**32 - 1)] * 16)
+    p.check_items_frame(1, [("é" * 128, "a-b_c.d:e", 1)])  # 256 bytes
+
+
+@pytest.mark.parametrize("field", ["endpoint", "tier", "user", "api_key", "ip"])
+def test_invalid_attributes_are_refused(field: str) -> None:
+    for bad in ["", "x" * 257, "{tag}", "a\x00b"]:
+        with pytest.raises(InvalidCheck):
+            p.check_attributes_frame(1, Attributes(**{field: bad}))
+    with pytest.raises(InvalidCheck):
+        p.check_attributes_frame(1, Attributes(cost=0))
+    p.check_attributes_frame(1, Attributes(**{field: "x" * 256}))
+
+
+def _frame(kind: int, rid: int, body: bytes, version: int = 1, length: int = -1) -> bytes:
+    n = 6 + len(body) if length < 0 else length
+    return n.to_bytes(4, "big") + bytes((version, kind)) + rid.to_bytes(4, "big") + body
+
+
+def test_decoding_rules() -> None:
+    verdict = p._verdict_bytes(ALLOWED)
+    # 2: over the limit, before the body arrives; the request id named when the header is there.
+    assert p.decode(_frame(4, 9, b"", length=65533)) == Fatal(
+        ErrorCode.FRAME_TOO_LARGE, 9, "frame of 65537 bytes exceeds the 65536-byte limit"
+    )
+    assert isinstance(p.decode(b"\xff\xff\xff\xff"), Fatal)
+    # The largest length is accepted (and waits for its body).
+    assert p.decode(_frame(4, 9, b"", length=65532)) is None
+    # 3: shorter than the header.
+    assert p.decode(b"\x00\x00\x00\x05\x01\x04\x00\x00\x00").code == ErrorCode.MALFORMED_FRAME  # type: ignore[union-attr]
+    # 4: unknown kind, trailing bytes, a short body, unknown flags or source, 17 items.
+    for bad in [
+        _frame(0x09, 1, b""),
+        _frame(0x07, 1, b"\x00"),
+        _frame(0x04, 1, verdict[:-1]),
+        _frame(0x04, 1, verdict + b"\x00\x00"),
+        _frame(0x04, 1, b"\x04" + verdict[1:] + b"\x00"),
+        _frame(0x04, 1, verdict[:1] + b"\x04" + verdict[2:] + b"\x00"),
+        _frame(0x04, 1, verdict + b"\x11" + (b"\x01r" + verdict) * 17),
+        _frame(0x05, 1, b"\x00\x04\x00\x10short"),
+    ]:
+        r = p.decode(bad)
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(), r)
+    # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=2)
+    assert p.decode(other_version) == Rejected(
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 2; this peer speaks version 1", len(other_version)
+    )
+    bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
+    r = p.decode(bad_text)
+    assert isinstance(r, Rejected) and (r.code, r.request_id, r.frame_len) == (ErrorCode.INVALID_ITEM, 6, len(bad_text))
+    # A Hello of any version is read (it announces the range itself).
+    assert p.decode(_frame(0x01, 0, b"\x02\x03", version=2)) == Decoded(Frame(0, Hello(2, 3)), 12)
+    # Unknown error codes are kept, not refused.
+    r = p.decode(_frame(0x05, 4, b"\x03\xe7\x00\x02hi"))
+    assert r == Decoded(Frame(4, ErrorBody(999, "hi")), 16)
+    # A Check that breaks a limit is refused for its id (error 5), not fatal.
+    r = p.decode(_frame(0x03, 3, b"\x00\x01\x00\x03a{b\x01r\x00\x00\x00\x01"))
+    assert isinstance(r, Rejected) and r.code == ErrorCode.INVALID_ITEM
+
+
+def test_decoder_never_raises_on_any_input() -> None:
+    rng = random.Random(13)
+    seeds = [vector(n) for n in FRAMES]
+    kinds = {Decoded, Rejected, Fatal, type(None)}
+    for i in range(20_000):
+        if i % 4 == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        else:
+            data = bytearray(rng.choice(seeds))
+            for _ in range(rng.randrange(1, 4)):
+                at = rng.randrange(len(data))
+                data[at] = rng.randrange(256)
+            if rng.random() < 0.3:
+                data = data[: rng.randrange(len(data) + 1)]
+            data = bytes(data)
+        r = p.decode(data)
+        assert type(r) in kinds
+        if isinstance(r, Decoded):
+            assert 10 <= r.used <= len(data)
+        status, value, used = p.decode_reply(data, 0)
+        assert status in (0, 1, 2, 3) and used >= 0
+        # The client's fast path agrees with the full decoder.
+        if r is None:
+            assert status == 0
+        elif isinstance(r, Decoded) and isinstance(r.frame.body, (DecisionBody, ErrorBody, HelloOk, Pong)):
+            assert (status, value, used) == (1, (r.frame.request_id, r.frame.body), r.used)
+        elif isinstance(r, Rejected):
+            assert (status, value, used) == (2, r.request_id, r.frame_len)
+        else:
+            assert status == 3
