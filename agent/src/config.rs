@@ -49,7 +49,8 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 
-    /// Admin HTTP address (health, readiness), or `off`.
+    /// Admin HTTP address (`/healthz`, `/readyz`, `/metrics`, `/v1/status`, `/v1/batch`), or `off`;
+    /// port 0 picks one and logs it. It has no authentication: keep it off public networks.
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
     pub admin: Admin,
 

@@ -42,6 +42,9 @@ enum Command {
     },
     /// Print the man page (roff).
     Man,
+    /// Print the Markdown table of the agent's settings (README's "Configuration" is this output).
+    #[command(hide = true)]
+    ConfigTable,
 }
 
 fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
@@ -224,6 +227,10 @@ fn main() -> anyhow::Result<()> {
             let mut out = Vec::new();
             clap_complete::generate(shell, &mut Cli::command(), "floodgate", &mut out);
             print_all(&out)
+        }
+        Command::ConfigTable => {
+            let agent = AgentConfig::augment_args(clap::Command::new("agent"));
+            print_all(floodgate_agent::settings::table(&agent).as_bytes())
         }
         Command::Man => {
             let mut out = Vec::new();

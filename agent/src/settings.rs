@@ -197,6 +197,22 @@ mod tests {
         ));
     }
 
+    /// README's table is this module's output (`floodgate config-table` prints it).
+    #[test]
+    fn the_readme_has_the_generated_table() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let start = readme
+            .find("<!-- agent-config:start -->\n")
+            .expect("start marker")
+            + 28;
+        let end = readme.find("<!-- agent-config:end -->").expect("end marker");
+        assert_eq!(
+            &readme[start..end],
+            table(&agent()),
+            "README's configuration table is stale: paste `floodgate config-table` between its markers"
+        );
+    }
+
     #[test]
     fn changes_are_found_per_key() {
         let cmd = agent();
