@@ -11,12 +11,15 @@ use crate::rules::http;
 /// The CLI's arguments.
 #[derive(Debug, clap::Args)]
 pub struct RulesCli {
-    /// The rules API, `http://host:port`.
+    /// The rules API, `http://host:port` or `https://host:port`.
     #[arg(long, env = "FLOODGATE_RULES_SERVER", default_value = "http://127.0.0.1:9791")]
     pub server: String,
     /// Bearer token.
     #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
     pub token: Option<String>,
+    /// PEM certificates to trust for an `https://` server (a private CA), besides the system's.
+    #[arg(long, env = "FLOODGATE_RULES_CA")]
+    pub ca: Option<std::path::PathBuf>,
     /// Print the API's JSON instead of text.
     #[arg(long, global = true)]
     pub json: bool,
@@ -80,6 +83,7 @@ pub enum RulesCommand {
 
 /// Runs one CLI command; prints its result.
 pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
+    http::configure(cli.ca.as_deref()).map_err(|e| anyhow::anyhow!("--ca: {e}"))?;
     let token = cli.token.as_deref();
     let call =
         |method: &'static str, path: String, extra: Vec<(&'static str, String)>, body: Option<Vec<u8>>| {

@@ -54,11 +54,21 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
     pub admin: Admin,
 
-    /// Redis URL (`redis://host:port/db`), or several separated by commas: independent shards (each
+    /// Redis URL (`redis://host:port/db`, `rediss://` for TLS, `redis://user:password@host` for
+    /// AUTH), or several separated by commas: independent shards (each
     /// hash tag placed by rendezvous hashing), or with `--redis-cluster` the seeds of one Redis
     /// Cluster. Without it the agent uses its embedded in-memory store.
     #[arg(long, env = "FLOODGATE_REDIS")]
     pub redis: Option<String>,
+
+    /// PEM certificates to trust for `rediss://` URLs (a private CA) instead of the system's store.
+    #[arg(long, env = "FLOODGATE_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+
+    /// A file holding the Redis AUTH password (kept out of the URL, `ps` and the environment); the
+    /// user, for ACLs, is the URL's (`redis://user@host`).
+    #[arg(long, env = "FLOODGATE_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
 
     /// Treat the `--redis` URLs as seed nodes of one Redis Cluster (MOVED and ASK are followed).
     #[arg(long, env = "FLOODGATE_REDIS_CLUSTER")]
@@ -142,6 +152,11 @@ pub struct AgentConfig {
     /// Bearer token for the rules service.
     #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
     pub rules_token: Option<String>,
+
+    /// PEM certificates to trust for an `https://` rules service (a private CA), besides the
+    /// system's store.
+    #[arg(long, env = "FLOODGATE_RULES_CA")]
+    pub rules_ca: Option<PathBuf>,
 
     /// How often to pull the rule set, in milliseconds (also the retry interval after a failure).
     #[arg(long, env = "FLOODGATE_RULES_POLL_MS", default_value_t = 30_000)]
@@ -230,6 +245,14 @@ pub struct RulesServerConfig {
     /// Address of the rules API.
     #[arg(long, env = "FLOODGATE_RULES_LISTEN", default_value = "127.0.0.1:9791")]
     pub listen: SocketAddr,
+
+    /// Serve the API over TLS with this certificate chain (PEM; with `--tls-key`).
+    #[arg(long, env = "FLOODGATE_RULES_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<std::path::PathBuf>,
+
+    /// The TLS certificate's private key (PEM).
+    #[arg(long, env = "FLOODGATE_RULES_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<std::path::PathBuf>,
 
     /// The store: `sqlite://path` (one file) or `postgres://user@host/db`.
     #[arg(

@@ -87,8 +87,11 @@ pub async fn run_with_reloads(
     shutdown: watch::Receiver<bool>,
     reloads: Option<tokio::sync::mpsc::UnboundedReceiver<Reload>>,
 ) -> anyhow::Result<()> {
+    rules::http::configure(config.rules_ca.as_deref()).map_err(|e| anyhow::anyhow!("--rules-ca: {e}"))?;
     let source = RulesSource::open(&config).await?;
     let (rules, rules_from) = source.initial().await?;
+    let access =
+        store::shards::RedisAccess::load(config.redis_ca.as_deref(), config.redis_password_file.as_deref())?;
     let store = match &config.redis {
         Some(_) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
             urls: config.redis_urls(),
@@ -96,6 +99,7 @@ pub async fn run_with_reloads(
             timeout: Duration::from_millis(config.redis_timeout_ms.max(1)),
             layout: Layout::new(config.redis_buckets, config.redis_tags),
             coalesce: config.coalesce,
+            access: access.clone(),
         })?)),
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };
@@ -149,8 +153,12 @@ pub async fn run_with_reloads(
     let mut events_task = None;
     if let (Store::Redis(_), true) = (&store, config.events) {
         let (events, rx) = events::Events::new(config.events_queue);
-        let shards =
-            store::shards::Shards::new(&config.redis_urls(), config.redis_cluster, config.redis_buckets)?;
+        let shards = store::shards::Shards::new(
+            &config.redis_urls(),
+            config.redis_cluster,
+            config.redis_buckets,
+            &access,
+        )?;
         let stream = events::StreamConfig {
             stream: config.events_stream.clone(),
             maxlen: config.events_maxlen,
@@ -703,6 +711,14 @@ pub async fn run_rules_server(
     tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = config.tokens.len(), "rules service listening");
     tokio::spawn(rules::service::poll_version(state.clone(), shutdown.clone()));
     let app = rules::service::app(state.clone());
+    if let (Some(cert), Some(key)) = (&config.tls_cert, &config.tls_key) {
+        let tls =
+            rules::http::server_tls(cert, key).map_err(|e| anyhow::anyhow!("rules service TLS: {e}"))?;
+        tracing::info!(cert = %cert.display(), "rules service over TLS (https)");
+        serve_tls(listener, app, tls, shutdown, state).await;
+        tracing::info!("rules service stopped");
+        return Ok(());
+    }
     axum::serve(listener, app)
         .with_graceful_shutdown(async move {
             server::stopped(&mut shutdown).await;
@@ -712,4 +728,44 @@ pub async fn run_rules_server(
         .await?;
     tracing::info!("rules service stopped");
     Ok(())
+}
+
+/// Serves `app` over TLS until `shutdown`: then held watches answer, and open connections get 2 s.
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    tls: Arc<rustls::ServerConfig>,
+    mut shutdown: watch::Receiver<bool>,
+    state: Arc<rules::service::ServiceState>,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let mut tasks = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((tcp, _)) = accepted else {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                };
+                let (acceptor, app) = (acceptor.clone(), app.clone());
+                tasks.spawn(async move {
+                    // A peer that never finishes its handshake is dropped after 10 s.
+                    let Ok(Ok(stream)) = tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await else {
+                        return;
+                    };
+                    let service = hyper_util::service::TowerToHyperService::new(app);
+                    let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+            _ = server::stopped(&mut shutdown) => break,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+    state.close();
+    let drain = async { while tasks.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(2), drain).await.is_err() {
+        tasks.abort_all();
+    }
 }

@@ -14,12 +14,18 @@ pub struct RulesServer {
     log: PathBuf,
     _dir: tempfile::TempDir,
     addr: std::net::SocketAddr,
+    scheme: &'static str,
 }
 
 impl RulesServer {
     /// Starts one on a free loopback port over `db` (`sqlite://…` or `postgres://…`) with these
     /// tokens (`name:secret`), and waits until it listens.
     pub async fn start(db: &str, tokens: &[&str]) -> Self {
+        Self::start_with(db, tokens, &[]).await
+    }
+
+    /// The same with extra arguments; `--tls-cert` among them makes its URL `https://`.
+    pub async fn start_with(db: &str, tokens: &[&str], extra: &[&str]) -> Self {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("rules-server.log");
         let mut cmd = Command::new(floodgate_bin());
@@ -27,6 +33,12 @@ impl RulesServer {
         for t in tokens {
             cmd.args(["--token", t]);
         }
+        cmd.args(extra);
+        let scheme = if extra.contains(&"--tls-cert") {
+            "https"
+        } else {
+            "http"
+        };
         let child = cmd
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -53,12 +65,13 @@ impl RulesServer {
             log,
             _dir: dir,
             addr,
+            scheme,
         }
     }
 
-    /// `http://127.0.0.1:PORT`.
+    /// `http://127.0.0.1:PORT` (`https://` when it serves TLS).
     pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        format!("{}://{}", self.scheme, self.addr)
     }
 
     /// Its log so far.

@@ -1,9 +1,9 @@
-//! A small HTTP/1.1 client for the rules service (plain `http://host:port`, one request per
-//! connection): what the agent's follower and the `floodgate rules` CLI need, nothing more.
+//! The rules service's HTTP client (the agent's follower and the `floodgate rules` CLI): reqwest
+//! over rustls, `http://` or `https://`, trusting the system's roots plus an optional private CA
+//! (`--rules-ca`); and the TLS settings the rules service serves with.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A response: status, headers (lower-case names) and body.
 #[derive(Debug)]
@@ -26,7 +26,63 @@ impl Response {
     }
 }
 
-/// Sends one request to `base` (`http://host:port`) and reads the whole response, within `timeout`.
+static CLIENT: OnceLock<Result<reqwest::Client, String>> = OnceLock::new();
+
+/// Makes rustls use ring (once per process).
+pub fn tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// PEM certificates from a file, for a root store.
+pub fn pem_certs(pem: &[u8]) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+    use rustls::pki_types::pem::PemObject;
+    let certs: Vec<_> = rustls::pki_types::CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("not PEM certificates: {e}"))?;
+    if certs.is_empty() {
+        return Err("no certificate in the PEM file".into());
+    }
+    Ok(certs)
+}
+
+/// Sets the roots the client trusts: the system's, plus the PEM certificates of `ca` (a private
+/// CA). Call before the first request; later calls change nothing.
+pub fn configure(ca: Option<&std::path::Path>) -> Result<(), String> {
+    let built = build(ca);
+    let ok = built.as_ref().map(|_| ()).map_err(Clone::clone);
+    let _ = CLIENT.set(built);
+    ok
+}
+
+fn build(ca: Option<&std::path::Path>) -> Result<reqwest::Client, String> {
+    tls_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    // The system's store (a missing or partly unreadable one still leaves the private CA).
+    for cert in rustls_native_certs::load_native_certs().certs {
+        let _ = roots.add(cert);
+    }
+    if let Some(path) = ca {
+        let pem = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        for cert in pem_certs(&pem).map_err(|e| format!("{}: {e}", path.display()))? {
+            roots.add(cert).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+    }
+    let tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    reqwest::Client::builder()
+        .use_preconfigured_tls(tls)
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| format!("cannot build the HTTP client: {e}"))
+}
+
+fn client() -> Result<&'static reqwest::Client, String> {
+    CLIENT.get_or_init(|| build(None)).as_ref().map_err(Clone::clone)
+}
+
+/// Sends one request to `base` (`http://host:port` or `https://host:port`) and reads the whole
+/// response (any framing: length, chunked), within `timeout`.
 pub async fn request(
     base: &str,
     method: &str,
@@ -36,67 +92,68 @@ pub async fn request(
     body: Option<&[u8]>,
     timeout: Duration,
 ) -> Result<Response, String> {
-    let host = base
-        .strip_prefix("http://")
-        .ok_or_else(|| format!("{base:?}: only http://host:port is supported"))?
-        .trim_end_matches('/');
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(host)
-            .await
-            .map_err(|e| format!("connect {host}: {e}"))?;
-        let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n");
-        if let Some(t) = token {
-            head.push_str(&format!("Authorization: Bearer {t}\r\n"));
-        }
-        for (k, v) in extra {
-            head.push_str(&format!("{k}: {v}\r\n"));
-        }
-        let body = body.unwrap_or_default();
-        if !body.is_empty() || method == "PUT" || method == "POST" {
-            head.push_str(&format!(
-                "Content-Type: application/json\r\nContent-Length: {}\r\n",
-                body.len()
-            ));
-        }
-        head.push_str("\r\n");
-        s.write_all(head.as_bytes()).await.map_err(|e| e.to_string())?;
-        s.write_all(body).await.map_err(|e| e.to_string())?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).await.map_err(|e| e.to_string())?;
-        parse(&raw)
-    };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| format!("{method} {base}{path}: no answer within {timeout:?}"))?
-}
-
-fn parse(raw: &[u8]) -> Result<Response, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("response without a header end")?;
-    let head = std::str::from_utf8(&raw[..split]).map_err(|_| "response head is not UTF-8")?;
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|c| c.parse().ok())
-        .ok_or("response without a status")?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
-        .collect();
-    let mut body = raw[split + 4..].to_vec();
-    if let Some(n) = headers
-        .iter()
-        .find(|(k, _)| k == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
-    {
-        body.truncate(n);
+    let base = base.trim_end_matches('/');
+    if !(base.starts_with("http://") || base.starts_with("https://")) {
+        return Err(format!(
+            "{base:?}: the rules service is http://host:port or https://host:port"
+        ));
     }
+    let method_v = reqwest::Method::from_bytes(method.as_bytes()).map_err(|e| e.to_string())?;
+    let mut rb = client()?
+        .request(method_v, format!("{base}{path}"))
+        .timeout(timeout);
+    if let Some(t) = token {
+        rb = rb.bearer_auth(t);
+    }
+    for (k, v) in extra {
+        rb = rb.header(*k, v);
+    }
+    let body = body.unwrap_or_default();
+    if !body.is_empty() || method == "PUT" || method == "POST" {
+        rb = rb.header("content-type", "application/json").body(body.to_vec());
+    }
+    let what = |e: reqwest::Error| {
+        if e.is_timeout() {
+            format!("{method} {base}{path}: no answer within {timeout:?}")
+        } else {
+            format!("{method} {base}{path}: {e}")
+        }
+    };
+    let r = rb.send().await.map_err(what)?;
+    let status = r.status().as_u16();
+    let headers = r
+        .headers()
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let body = r.bytes().await.map_err(what)?.to_vec();
     Ok(Response {
         status,
         headers,
         body,
     })
+}
+
+/// The rules service's TLS: its certificate chain and key (PEM files).
+pub fn server_tls(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    use rustls::pki_types::pem::PemObject;
+    tls_provider();
+    let read =
+        |p: &std::path::Path| std::fs::read(p).map_err(|e| format!("cannot read {}: {e}", p.display()));
+    let chain = pem_certs(&read(cert)?).map_err(|e| format!("{}: {e}", cert.display()))?;
+    let key = rustls::pki_types::PrivateKeyDer::from_pem_slice(&read(key)?)
+        .map_err(|e| format!("{}: not a PEM private key: {e}", key.display()))?;
+    let config = rustls::ServerConfig::builder()
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(|e| format!("the certificate and key do not fit: {e}"))?;
+    Ok(Arc::new(config))
 }

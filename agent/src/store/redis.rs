@@ -58,6 +58,8 @@ pub struct RedisConfig {
     pub layout: Layout,
     /// Most check items one coalesced script call carries (1: one call per check).
     pub coalesce: usize,
+    /// TLS roots and the AUTH password kept out of the URLs.
+    pub access: super::shards::RedisAccess,
 }
 
 impl RedisConfig {
@@ -69,6 +71,7 @@ impl RedisConfig {
             timeout,
             layout: Layout::default(),
             coalesce: DEFAULT_COALESCE,
+            access: Default::default(),
         }
     }
 }
@@ -138,7 +141,12 @@ impl RedisStore {
     /// Prepares a store. Connects lazily: an agent starts (and fails open) even while Redis is away.
     pub fn new(config: &RedisConfig) -> Result<Self, StoreError> {
         Ok(RedisStore {
-            shards: Shards::new(&config.urls, config.cluster, config.layout.buckets())?,
+            shards: Shards::new(
+                &config.urls,
+                config.cluster,
+                config.layout.buckets(),
+                &config.access,
+            )?,
             layout: config.layout,
             script: Script::new(CHECK_LUA),
             flush: Script::new(FLUSH_LUA),

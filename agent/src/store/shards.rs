@@ -51,6 +51,62 @@ impl ConnectionLike for Conn {
     }
 }
 
+/// How the agent proves itself to Redis beyond its URLs: TLS roots for `rediss://` and a password
+/// kept out of the URL (and so out of `ps` and the environment).
+#[derive(Debug, Clone, Default)]
+pub struct RedisAccess {
+    /// PEM certificates to trust for `rediss://` instead of the system's store (a private CA).
+    pub ca: Option<Vec<u8>>,
+    /// The AUTH password (the URL's own, if any, is replaced); the user, if any, is the URL's.
+    pub password: Option<String>,
+}
+
+impl RedisAccess {
+    /// Reads `--redis-ca` and `--redis-password-file` (the password's trailing newline dropped).
+    pub fn load(
+        ca: Option<&std::path::Path>,
+        password_file: Option<&std::path::Path>,
+    ) -> Result<Self, StoreError> {
+        let read = |p: &std::path::Path| {
+            std::fs::read(p).map_err(|e| StoreError::Connection(format!("cannot read {}: {e}", p.display())))
+        };
+        let ca = ca.map(read).transpose()?;
+        let password = match password_file {
+            Some(p) => Some(
+                String::from_utf8(read(p)?)
+                    .map_err(|_| StoreError::Connection(format!("{} is not UTF-8", p.display())))?
+                    .trim_end_matches(['\n', '\r'])
+                    .to_string(),
+            ),
+            None => None,
+        };
+        Ok(RedisAccess { ca, password })
+    }
+
+    fn client(&self, url: &str) -> redis::RedisResult<Client> {
+        let mut info = redis::IntoConnectionInfo::into_connection_info(url)?;
+        if let Some(p) = &self.password {
+            let settings = info.redis_settings().clone().set_password(p);
+            info = info.set_redis_settings(settings);
+        }
+        match &self.ca {
+            Some(ca) => Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.clone()),
+                },
+            ),
+            None => Client::open(info),
+        }
+    }
+}
+
+/// Makes rustls use ring (once per process; the TLS connections to Redis need a provider).
+fn tls_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// The nodes, or the cluster.
 pub enum Shards {
     /// Independent nodes; `by_bucket[bucket]` is the node that holds the bucket.
@@ -72,18 +128,33 @@ pub enum Shards {
 }
 
 impl Shards {
-    /// Connects lazily to `urls`: independent nodes, or the seeds of one cluster.
-    pub fn new(urls: &[String], cluster: bool, buckets: u32) -> Result<Self, StoreError> {
+    /// Connects lazily to `urls`: independent nodes, or the seeds of one cluster; `rediss://` URLs
+    /// over TLS.
+    pub fn new(
+        urls: &[String],
+        cluster: bool,
+        buckets: u32,
+        access: &RedisAccess,
+    ) -> Result<Self, StoreError> {
         let err = |e: redis::RedisError| StoreError::Connection(e.to_string());
         if urls.is_empty() {
             return Err(StoreError::Connection("no Redis URL given".into()));
         }
+        tls_provider();
         if cluster {
-            let client = ClusterClient::builder(urls.iter().map(String::as_str))
+            let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                 .connection_timeout(Duration::from_millis(500))
-                .retries(2)
-                .build()
-                .map_err(err)?;
+                .retries(2);
+            if let Some(p) = &access.password {
+                builder = builder.password(p);
+            }
+            if let Some(ca) = &access.ca {
+                builder = builder.certs(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(ca.clone()),
+                });
+            }
+            let client = builder.build().map_err(err)?;
             return Ok(Shards::Cluster {
                 seeds: urls.iter().map(|u| redact(u)).collect(),
                 client: Box::new(client),
@@ -92,7 +163,7 @@ impl Shards {
         }
         let mut nodes = Vec::with_capacity(urls.len());
         for url in urls {
-            let client = Client::open(url.as_str()).map_err(err)?;
+            let client = access.client(url).map_err(err)?;
             let config = redis::aio::ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(Duration::from_millis(500)))
                 .set_number_of_retries(3)

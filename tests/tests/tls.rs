@@ -1,0 +1,199 @@
+//! Redis over TLS with AUTH: a real `redis-server` serving TLS with a certificate made here (its own
+//! CA), a password required, and agents that trust the CA (`--redis-ca`) and read the password from
+//! a file (`--redis-password-file`) — or do not, and fall back.
+
+use std::time::Duration;
+
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{eventually, free_port, patient_client, Agent, RedisServer};
+
+const RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","limit":1000,"windowSeconds":60}]}"#;
+
+struct Tls {
+    dir: tempfile::TempDir,
+}
+
+impl Tls {
+    /// A CA, and a certificate it signed for 127.0.0.1 and localhost.
+    fn make() -> Tls {
+        let dir = tempfile::tempdir().unwrap();
+        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "floodgate test CA");
+        let ca_key = rcgen::KeyPair::generate().unwrap();
+        let ca = ca_params.self_signed(&ca_key).unwrap();
+        let params =
+            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
+        std::fs::write(dir.path().join("server.pem"), cert.pem()).unwrap();
+        std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();
+        Tls { dir }
+    }
+
+    fn path(&self, name: &str) -> String {
+        self.dir.path().join(name).to_str().unwrap().to_string()
+    }
+}
+
+/// Answers come from Redis (not the fallback) within the patience.
+async fn answered_by_redis(agent: &Agent) -> bool {
+    let client = patient_client(agent.socket()).await;
+    let mut tries = 0;
+    loop {
+        let d = client.allow("user:1", "api", 1).await.unwrap();
+        if d.origin == Origin::Agent(Source::Redis) {
+            return true;
+        }
+        tries += 1;
+        if tries > 20 {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca_and_a_password_file() {
+    let tls = Tls::make();
+    let tls_port = free_port();
+    let redis = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port.to_string(),
+        "--tls-cert-file",
+        &tls.path("server.pem"),
+        "--tls-key-file",
+        &tls.path("server.key"),
+        "--tls-ca-cert-file",
+        &tls.path("ca.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    // The password is set once the server answers (the support code pings without one).
+    let mut conn = redis.conn();
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("requirepass")
+        .arg("s3cret")
+        .query(&mut conn)
+        .unwrap();
+    let password = tls.dir.path().join("password");
+    std::fs::write(&password, "s3cret\n").unwrap();
+    let url = format!("rediss://127.0.0.1:{tls_port}");
+
+    let agent = Agent::builder()
+        .patient_redis(&url)
+        .rules(RULES)
+        .arg("--redis-ca")
+        .arg(&tls.path("ca.pem"))
+        .arg("--redis-password-file")
+        .arg(password.to_str().unwrap())
+        .start()
+        .await;
+    eventually(
+        "checks answered by Redis over TLS",
+        Duration::from_secs(10),
+        || async { answered_by_redis(&agent).await.then_some(()) },
+    )
+    .await;
+    // The counts are on the TLS server: read back over its plain port with the password.
+    let mut conn = redis::Client::open(format!("redis://:s3cret@127.0.0.1:{}", redis.port()))
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();
+    assert!(!keys.is_empty(), "the agent's counters are in Redis");
+
+    // Without the CA, the system's store does not trust the certificate; with a wrong password,
+    // Redis refuses the AUTH: either way no answer comes from Redis (the fail mode answers).
+    let wrong = tls.dir.path().join("wrong");
+    std::fs::write(&wrong, "nope").unwrap();
+    for args in [
+        vec!["--redis-password-file", password.to_str().unwrap()],
+        vec![
+            "--redis-ca",
+            &tls.path("ca.pem"),
+            "--redis-password-file",
+            wrong.to_str().unwrap(),
+        ],
+    ] {
+        let mut b = Agent::builder().redis(&url).rules(RULES);
+        for a in &args {
+            b = b.arg(a);
+        }
+        let refused = b.start().await;
+        let client = patient_client(refused.socket()).await;
+        for _ in 0..5 {
+            let d = client.allow("user:2", "api", 1).await.unwrap();
+            assert!(d.allowed, "fail open while Redis cannot be reached: {d:?}");
+            assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{args:?}: {d:?}");
+        }
+    }
+}
+
+/// The rules service over TLS: the CLI writes a rule through https, an agent follows the service
+/// through https (trusting the private CA) and enforces the rule; without the CA nothing connects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rules_service_over_https() {
+    let tls = Tls::make();
+    let db = format!("sqlite://{}", tls.dir.path().join("rules.db").display());
+    let server = floodgate_tests::RulesServer::start_with(
+        &db,
+        &["ops:t0ken"],
+        &[
+            "--tls-cert",
+            &tls.path("server.pem"),
+            "--tls-key",
+            &tls.path("server.key"),
+        ],
+    )
+    .await;
+    let url = server.url();
+    assert!(url.starts_with("https://"), "{url}");
+    let rule = tls.dir.path().join("rule.json");
+    std::fs::write(&rule, r#"{"dimension":"user","limit":2,"windowSeconds":60}"#).unwrap();
+    let cli = |ca: bool| {
+        let mut cmd = std::process::Command::new(floodgate_tests::floodgate_bin());
+        cmd.args(["rules", "--server", &url, "--token", "t0ken"]);
+        if ca {
+            cmd.args(["--ca", &tls.path("ca.pem")]);
+        }
+        cmd.args(["put", "tls-rule", "--file", rule.to_str().unwrap()]);
+        cmd.env_remove("FLOODGATE_RULES_CA").output().unwrap()
+    };
+    let refused = cli(false);
+    assert!(
+        !refused.status.success(),
+        "the system's store does not trust the private CA"
+    );
+    let written = cli(true);
+    assert!(
+        written.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&written.stdout),
+        String::from_utf8_lossy(&written.stderr)
+    );
+    // A one-minute window: the checks take milliseconds of it.
+    let agent = Agent::builder()
+        .arg("--rules-url")
+        .arg(&url)
+        .arg("--rules-token")
+        .arg("t0ken")
+        .arg("--rules-ca")
+        .arg(&tls.path("ca.pem"))
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let d = eventually(
+        "the agent follows the https service",
+        Duration::from_secs(10),
+        || async { client.allow("user:1", "tls-rule", 1).await.ok() },
+    )
+    .await;
+    assert!(d.allowed && d.limit == 2, "{d:?}");
+    assert!(client.allow("user:1", "tls-rule", 1).await.unwrap().allowed);
+    assert!(!client.allow("user:1", "tls-rule", 1).await.unwrap().allowed);
+}
