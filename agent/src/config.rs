@@ -55,7 +55,8 @@ pub struct AgentConfig {
     pub admin: Admin,
 
     /// Redis URL (`redis://host:port/db`, `rediss://` for TLS, `redis://user:password@host` for
-    /// AUTH), or several separated by commas: independent shards (each
+    /// AUTH, `redis+sentinel://s1:26379,s2:26379/mymaster` for the master Sentinel names), or several
+    /// separated by commas: independent shards (each
     /// hash tag placed by rendezvous hashing), or with `--redis-cluster` the seeds of one Redis
     /// Cluster. Without it the agent uses its embedded in-memory store.
     #[arg(long, env = "FLOODGATE_REDIS")]
@@ -307,8 +308,14 @@ impl AgentConfig {
             .unwrap_or_else(|| Self::state_dir().join("floodgate-rules-cache.json"))
     }
 
-    /// The `--redis` URLs, split at commas.
+    /// The `--redis` URLs, split at commas (a `redis+sentinel://` URL, whose sentinels are
+    /// comma-separated, is one).
     pub fn redis_urls(&self) -> Vec<String> {
+        if let Some(r) = self.redis.as_deref().map(str::trim) {
+            if r.starts_with("redis+sentinel://") || r.starts_with("rediss+sentinel://") {
+                return vec![r.to_string()];
+            }
+        }
         self.redis
             .iter()
             .flat_map(|s| s.split(','))

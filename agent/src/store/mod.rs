@@ -7,6 +7,7 @@ mod coalesce;
 pub mod layout;
 mod memory;
 mod redis;
+mod sentinel;
 pub mod shards;
 
 use std::sync::Arc;

@@ -21,6 +21,8 @@ pub enum Conn {
     Node(ConnectionManager),
     /// The cluster (routes by slot, refreshes its slot map on MOVED).
     Cluster(ClusterConnection),
+    /// The master the sentinels name.
+    Sentinel(super::sentinel::SentinelConn),
 }
 
 impl ConnectionLike for Conn {
@@ -28,6 +30,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Node(c) => c.req_packed_command(cmd),
             Conn::Cluster(c) => c.req_packed_command(cmd),
+            Conn::Sentinel(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -40,6 +43,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Node(c) => c.req_packed_commands(pipeline, offset, count),
             Conn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            Conn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -47,6 +51,7 @@ impl ConnectionLike for Conn {
         match self {
             Conn::Node(c) => c.get_db(),
             Conn::Cluster(c) => c.get_db(),
+            Conn::Sentinel(c) => c.get_db(),
         }
     }
 }
@@ -125,6 +130,13 @@ pub enum Shards {
         /// The connection, once made.
         conn: OnceCell<ClusterConnection>,
     },
+    /// One master found through Sentinel (one shard; failovers are followed).
+    Sentinel {
+        /// The URL without its password, for logs.
+        name: String,
+        /// The connection to whichever node is master.
+        conn: super::sentinel::SentinelConn,
+    },
 }
 
 impl Shards {
@@ -141,6 +153,20 @@ impl Shards {
             return Err(StoreError::Connection("no Redis URL given".into()));
         }
         tls_provider();
+        if let [url] = urls {
+            if super::sentinel::is_sentinel(url) {
+                let parsed = super::sentinel::SentinelUrl::parse(url).map_err(StoreError::Connection)?;
+                return Ok(Shards::Sentinel {
+                    name: redact(url),
+                    conn: super::sentinel::SentinelConn::new(&parsed, access.password.as_deref())?,
+                });
+            }
+        }
+        if urls.iter().any(|u| super::sentinel::is_sentinel(u)) {
+            return Err(StoreError::Connection(
+                "a redis+sentinel:// URL names one master; it cannot be one of several shards".into(),
+            ));
+        }
         if cluster {
             let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                 .connection_timeout(Duration::from_millis(500))
@@ -182,7 +208,7 @@ impl Shards {
     pub fn len(&self) -> usize {
         match self {
             Shards::Nodes { nodes, .. } => nodes.len(),
-            Shards::Cluster { .. } => 1,
+            Shards::Cluster { .. } | Shards::Sentinel { .. } => 1,
         }
     }
 
@@ -200,7 +226,7 @@ impl Shards {
     pub fn shard_of_bucket(&self, bucket: u32) -> usize {
         match self {
             Shards::Nodes { by_bucket, .. } => by_bucket[bucket as usize % by_bucket.len()],
-            Shards::Cluster { .. } => 0,
+            Shards::Cluster { .. } | Shards::Sentinel { .. } => 0,
         }
     }
 
@@ -213,6 +239,7 @@ impl Shards {
                 .await
                 .map(|c| Conn::Cluster(c.clone()))
                 .map_err(|e| StoreError::Connection(e.to_string())),
+            Shards::Sentinel { conn, .. } => Ok(Conn::Sentinel(conn.clone())),
         }
     }
 
@@ -225,6 +252,7 @@ impl Shards {
                 format!("{} shards: {}", nodes.len(), names.join(", "))
             }
             Shards::Cluster { seeds, .. } => format!("a cluster (seeds {})", seeds.join(", ")),
+            Shards::Sentinel { name, .. } => format!("the master of {name}"),
         }
     }
 }

@@ -1,0 +1,201 @@
+//! Redis behind Sentinel (`redis+sentinel://s1:26379,s2:26379/mymaster`): the sentinels name the
+//! master, and after any failed call the next one asks them again, so a failover costs the calls
+//! in flight (answered by the fail mode), then the new master answers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+use super::StoreError;
+
+/// A parsed `redis+sentinel://` (or `rediss+sentinel://`: TLS to the master) URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SentinelUrl {
+    /// The sentinels, `host:port`.
+    pub sentinels: Vec<String>,
+    /// The monitored master's name.
+    pub service: String,
+    /// TLS to the master.
+    pub tls: bool,
+    /// The master's AUTH user and password from the URL.
+    pub user: Option<String>,
+    /// The password.
+    pub password: Option<String>,
+}
+
+/// Whether `url` names Redis through Sentinel.
+pub fn is_sentinel(url: &str) -> bool {
+    url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://")
+}
+
+impl SentinelUrl {
+    /// Parses `redis+sentinel://[user:password@]host:port[,host:port…]/service`.
+    pub fn parse(url: &str) -> Result<Self, String> {
+        let (tls, rest) = if let Some(r) = url.strip_prefix("rediss+sentinel://") {
+            (true, r)
+        } else if let Some(r) = url.strip_prefix("redis+sentinel://") {
+            (false, r)
+        } else {
+            return Err(format!(
+                "{}: not a redis+sentinel:// URL",
+                super::shards::redact(url)
+            ));
+        };
+        let (auth, rest) = match rest.rsplit_once('@') {
+            Some((a, r)) => (Some(a), r),
+            None => (None, rest),
+        };
+        let (hosts, service) = rest
+            .split_once('/')
+            .ok_or_else(|| "a redis+sentinel:// URL ends in /<master name>".to_string())?;
+        let service = service.trim_end_matches('/').to_string();
+        if service.is_empty() {
+            return Err("a redis+sentinel:// URL ends in /<master name>".into());
+        }
+        let sentinels: Vec<String> = hosts
+            .split(',')
+            .filter(|h| !h.is_empty())
+            .map(String::from)
+            .collect();
+        if sentinels.is_empty() {
+            return Err("a redis+sentinel:// URL names at least one sentinel host:port".into());
+        }
+        let (user, password) = match auth.map(|a| a.split_once(':').unwrap_or((a, ""))) {
+            Some((u, p)) => (
+                Some(u.to_string()).filter(|u| !u.is_empty()),
+                Some(p.to_string()).filter(|p| !p.is_empty()),
+            ),
+            None => (None, None),
+        };
+        Ok(SentinelUrl {
+            sentinels,
+            service,
+            tls,
+            user,
+            password,
+        })
+    }
+}
+
+struct Inner {
+    client: tokio::sync::Mutex<SentinelClient>,
+    conn: std::sync::Mutex<Option<MultiplexedConnection>>,
+}
+
+/// The connection to the current master, asked of the sentinels again after a failed call.
+#[derive(Clone)]
+pub struct SentinelConn {
+    inner: Arc<Inner>,
+}
+
+impl SentinelConn {
+    /// A client for `url`; `password` (from `--redis-password-file`) replaces the URL's.
+    pub fn new(url: &SentinelUrl, password: Option<&str>) -> Result<Self, StoreError> {
+        let mut info = redis::RedisConnectionInfo::default();
+        if let Some(u) = &url.user {
+            info = info.set_username(u);
+        }
+        if let Some(p) = password.or(url.password.as_deref()) {
+            info = info.set_password(p);
+        }
+        let mut node = SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+        if url.tls {
+            node = node.set_tls_mode(redis::TlsMode::Secure);
+        }
+        let sentinels: Vec<String> = url.sentinels.iter().map(|h| format!("redis://{h}")).collect();
+        let client = SentinelClient::build(
+            sentinels,
+            url.service.clone(),
+            Some(node),
+            SentinelServerType::Master,
+        )
+        .map_err(|e| StoreError::Connection(e.to_string()))?;
+        Ok(SentinelConn {
+            inner: Arc::new(Inner {
+                client: tokio::sync::Mutex::new(client),
+                conn: std::sync::Mutex::new(None),
+            }),
+        })
+    }
+
+    fn cached(&self) -> Option<MultiplexedConnection> {
+        self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn forget(&self) {
+        *self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    async fn get(&self) -> redis::RedisResult<MultiplexedConnection> {
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        let mut client = self.inner.client.lock().await;
+        if let Some(c) = self.cached() {
+            return Ok(c);
+        }
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(Duration::from_millis(500)))
+            .set_response_timeout(None);
+        let c = client.get_async_connection_with_config(&config).await?;
+        *self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+}
+
+impl ConnectionLike for SentinelConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        Box::pin(async move {
+            let mut c = self.get().await?;
+            let r = c.req_packed_command(cmd).await;
+            if r.is_err() {
+                // A dropped connection or a master turned replica (READONLY): ask again next time.
+                self.forget();
+            }
+            r
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        Box::pin(async move {
+            let mut c = self.get().await?;
+            let r = c.req_packed_commands(pipeline, offset, count).await;
+            if r.is_err() {
+                self.forget();
+            }
+            r
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinel_urls_parse() {
+        let u = SentinelUrl::parse("redis+sentinel://app:pw@10.0.0.1:26379,10.0.0.2:26379/mymaster").unwrap();
+        assert_eq!(u.sentinels, ["10.0.0.1:26379", "10.0.0.2:26379"]);
+        assert_eq!((u.service.as_str(), u.tls), ("mymaster", false));
+        assert_eq!(
+            (u.user.as_deref(), u.password.as_deref()),
+            (Some("app"), Some("pw"))
+        );
+        assert!(SentinelUrl::parse("rediss+sentinel://h:1/m").unwrap().tls);
+        assert!(SentinelUrl::parse("redis+sentinel://h:1").is_err());
+        assert!(SentinelUrl::parse("redis+sentinel:///m").is_err());
+        assert!(is_sentinel("redis+sentinel://h:1/m") && !is_sentinel("redis://h:1"));
+    }
+}

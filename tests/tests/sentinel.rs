@@ -1,0 +1,183 @@
+//! Redis behind Sentinel: a real master, a replica and a sentinel; an agent on
+//! `redis+sentinel://…/mymaster` under load while the sentinel fails the master over. No check is
+//! lost: answers come from Redis, then (while the old master turns replica) from the fail mode,
+//! then from the new master.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{eventually, free_port, patient_client, Agent, RedisServer};
+
+const RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","limit":1000000000,"windowSeconds":60}]}"#;
+
+struct Sentinel {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Sentinel {
+    fn start(master_port: u16) -> Sentinel {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\n\
+                 sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
+        let child = Command::new(bin)
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server --sentinel");
+        Sentinel {
+            child,
+            port,
+            _dir: dir,
+        }
+    }
+
+    fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
+        let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?
+            .get_connection_with_timeout(Duration::from_millis(500))?;
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c.query(&mut conn)
+    }
+
+    fn master_port(&self) -> Option<u16> {
+        let addr: Vec<String> = self
+            .cmd(&["SENTINEL", "get-master-addr-by-name", "mymaster"])
+            .ok()?;
+        addr.get(1)?.parse().ok()
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn info(redis: &RedisServer, field: &str) -> Option<String> {
+    let text: String = redis::cmd("INFO")
+        .arg("replication")
+        .query(&mut redis.conn())
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{field}:")))
+        .map(|v| v.trim().to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failover_under_load_loses_no_check() {
+    let master = RedisServer::start();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+    eventually("the replica is in sync", Duration::from_secs(10), || async {
+        (info(&replica, "master_link_status").as_deref() == Some("up")).then_some(())
+    })
+    .await;
+    let sentinel = Sentinel::start(master.port());
+    eventually(
+        "the sentinel knows the master and its replica",
+        Duration::from_secs(15),
+        || async {
+            let replicas: Vec<redis::Value> = sentinel.cmd(&["SENTINEL", "replicas", "mymaster"]).ok()?;
+            (!replicas.is_empty() && sentinel.master_port() == Some(master.port())).then_some(())
+        },
+    )
+    .await;
+
+    let agent = Agent::builder()
+        .redis(&format!("redis+sentinel://127.0.0.1:{}/mymaster", sentinel.port))
+        .rules(RULES)
+        // Long enough that a loaded CI machine's answers are Redis's, short enough that a call to a
+        // master mid-failover is answered by the fail mode at once rather than late.
+        .arg("--redis-timeout-ms")
+        .arg("200")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    eventually("answers from the master", Duration::from_secs(10), || async {
+        let d = client.allow("user:0", "api", 1).await.ok()?;
+        (d.origin == Origin::Agent(Source::Redis)).then_some(())
+    })
+    .await;
+
+    // Load: one check after another until told to stop; every answer recorded.
+    let stop = Arc::new(AtomicBool::new(false));
+    let answers: Arc<Mutex<Vec<Result<Origin, String>>>> = Arc::default();
+    let load = {
+        let (client, stop, answers) = (client.clone(), stop.clone(), answers.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let r = client.allow(&format!("user:{}", n % 1000), "api", 1).await;
+                answers
+                    .lock()
+                    .unwrap()
+                    .push(r.map(|d| d.origin).map_err(|e| e.to_string()));
+                n += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _: String = sentinel.cmd(&["SENTINEL", "FAILOVER", "mymaster"]).unwrap();
+    eventually(
+        "the sentinel names the replica master",
+        Duration::from_secs(20),
+        || async { (sentinel.master_port() == Some(replica.port())).then_some(()) },
+    )
+    .await;
+    let failed_over_at = answers.lock().unwrap().len();
+    let redis_again = || {
+        let answers = answers.clone();
+        async move {
+            let a = answers.lock().unwrap();
+            let after = a[failed_over_at..]
+                .iter()
+                .filter(|o| matches!(o, Ok(Origin::Agent(Source::Redis))))
+                .count();
+            (after >= 50).then_some(())
+        }
+    };
+    eventually(
+        "answers from the new master",
+        Duration::from_secs(20),
+        redis_again,
+    )
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    load.await.unwrap();
+
+    let answers = answers.lock().unwrap();
+    let errors: Vec<&String> = answers.iter().filter_map(|a| a.as_ref().err()).collect();
+    assert!(errors.is_empty(), "no check may fail: {errors:?}");
+    let not_agent = answers
+        .iter()
+        .filter(|a| !matches!(a, Ok(Origin::Agent(_))))
+        .count();
+    assert_eq!(
+        not_agent,
+        0,
+        "every check answered by the agent ({} checks)",
+        answers.len()
+    );
+    assert_eq!(info(&replica, "role").as_deref(), Some("master"));
+    let keys: i64 = redis::cmd("DBSIZE").query(&mut replica.conn()).unwrap();
+    assert!(keys > 0, "the new master holds counters");
+}
