@@ -337,10 +337,9 @@ fn the_defaults_render_an_agent_daemonset_and_a_rules_service() {
 fn the_production_values_mount_the_redis_secrets_and_serve_grpc() {
     let production = production_values();
     let docs = render(&["-f", production.as_str()]);
-    let values: serde_yaml::Value = serde_yaml::from_str(
-        &std::fs::read_to_string(&production).expect("read the production values"),
-    )
-    .expect("the production values are YAML");
+    let values: serde_yaml::Value =
+        serde_yaml::from_str(&std::fs::read_to_string(&production).expect("read the production values"))
+            .expect("the production values are YAML");
     let redis_url = str_at(&values, &["redis", "url"]);
     assert!(redis_url.starts_with("rediss://"), "production uses TLS to Redis");
     check_common(&docs, redis_url);
@@ -357,7 +356,10 @@ fn the_production_values_mount_the_redis_secrets_and_serve_grpc() {
     let password = volume(daemonset, "redis-password").expect("a redis-password volume");
     assert_eq!(str_at(password, &["secret", "secretName"]), password_secret);
     let mounted = mounts(agent);
-    for (name, key) in [("redis-ca", "redis_ca"), ("redis-password", "redis_password_file")] {
+    for (name, key) in [
+        ("redis-ca", "redis_ca"),
+        ("redis-password", "redis_password_file"),
+    ] {
         let (_, dir) = mounted
             .iter()
             .find(|(n, _)| *n == name)
@@ -417,7 +419,11 @@ fn a_bad_value_fails_the_schema() {
         let args = ["template", "t", chart, "--set", set];
         let out = run_helm(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "--set {set} was accepted\n{}", describe(&args, &out));
+        assert!(
+            !out.status.success(),
+            "--set {set} was accepted\n{}",
+            describe(&args, &out)
+        );
         assert!(
             stderr.contains("schema") || stderr.contains(word),
             "--set {set} failed for another reason than the schema\n{}",
