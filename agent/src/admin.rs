@@ -8,8 +8,8 @@ use axum::http::StatusCode;
 use axum::routing::{get, put};
 use axum::Router;
 
-use crate::engine::Engine;
-use crate::store::Store;
+use floodgate_core::engine::Engine;
+use floodgate_core::engine::Store;
 use std::sync::atomic::Ordering::Relaxed;
 
 /// The admin router; tests call it without a socket.
@@ -36,7 +36,7 @@ async fn metrics(
                 axum::http::header::CONTENT_TYPE,
                 "text/plain; version=0.0.4; charset=utf-8",
             )],
-            crate::metrics::render(&engine, &handle),
+            crate::exporter::render(&engine, &handle),
         )
             .into_response(),
         None => (StatusCode::NOT_FOUND, "metrics are off (--metrics false)\n").into_response(),

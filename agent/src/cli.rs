@@ -6,7 +6,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use serde_json::Value;
 
-use crate::rules::http;
+use floodgate_rules_service::http;
 
 /// The CLI's arguments.
 #[derive(Debug, clap::Args)]
@@ -127,7 +127,7 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
                 String::from_utf8_lossy(&r.body)
             );
         }
-        let held: Vec<crate::rules::Rule> =
+        let held: Vec<floodgate_core::rules::Rule> =
             serde_json::from_value(serde_json::from_slice::<Value>(&r.body)?["rules"].clone())
                 .context("the rules service answered rules this CLI cannot read")?;
         let domains: std::collections::HashSet<&str> = rules
@@ -307,7 +307,7 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
 }
 
 /// Every file's rules, checked together as one set (so two files cannot give one id twice).
-fn envoy_rules(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<crate::rules::Rule>> {
+fn envoy_rules(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<floodgate_core::rules::Rule>> {
     if files.is_empty() {
         bail!("name at least one envoyproxy/ratelimit YAML file");
     }
@@ -315,11 +315,11 @@ fn envoy_rules(files: &[std::path::PathBuf]) -> anyhow::Result<Vec<crate::rules:
     for f in files {
         let text = std::fs::read_to_string(f).with_context(|| format!("cannot read {}", f.display()))?;
         rules.extend(
-            crate::rules::envoy_config::rules_from_yaml(&text)
+            floodgate_core::rules::envoy_config::rules_from_yaml(&text)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", f.display()))?,
         );
     }
-    crate::rules::RuleSet::new(rules.clone())?;
+    floodgate_core::rules::RuleSet::new(rules.clone())?;
     Ok(rules)
 }
 
@@ -333,7 +333,7 @@ fn line(r: &Value) -> String {
     if let Some(t) = m["tier"].as_str() {
         matches.push(format!("tier={t}"));
     }
-    if let Ok(e) = serde_json::from_value::<crate::rules::EnvoyMatch>(r["envoy"].clone()) {
+    if let Ok(e) = serde_json::from_value::<floodgate_core::rules::EnvoyMatch>(r["envoy"].clone()) {
         matches.push(format!(
             "envoy={}{}",
             e.path(),

@@ -76,39 +76,39 @@ pub struct AgentConfig {
     pub redis_cluster: bool,
 
     /// Buckets per (rule, window) of the Redis key layout; the same on every agent of a fleet.
-    #[arg(long, env = "FLOODGATE_REDIS_BUCKETS", default_value_t = crate::store::layout::DEFAULT_BUCKETS)]
+    #[arg(long, env = "FLOODGATE_REDIS_BUCKETS", default_value_t = floodgate_core::store::layout::DEFAULT_BUCKETS)]
     pub redis_buckets: u32,
 
     /// Hash tags (bucket groups) of the Redis key layout; the same on every agent of a fleet.
-    #[arg(long, env = "FLOODGATE_REDIS_TAGS", default_value_t = crate::store::layout::DEFAULT_TAGS)]
+    #[arg(long, env = "FLOODGATE_REDIS_TAGS", default_value_t = floodgate_core::store::layout::DEFAULT_TAGS)]
     pub redis_tags: u32,
 
     /// Most check items one coalesced script call carries: sync checks that arrive together for one
     /// shard share a call (1 turns coalescing off: one call per check).
-    #[arg(long, env = "FLOODGATE_COALESCE", default_value_t = crate::store::DEFAULT_COALESCE)]
+    #[arg(long, env = "FLOODGATE_COALESCE", default_value_t = floodgate_redis::DEFAULT_COALESCE)]
     pub coalesce: usize,
 
     /// Default flush interval of batched rules in milliseconds (a rule's flushIntervalMs overrides
     /// it; both can be changed at run time through the admin API).
-    #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = crate::batch::DEFAULT_FLUSH_MS)]
+    #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = floodgate_core::batch::DEFAULT_FLUSH_MS)]
     pub flush_interval_ms: u64,
 
     /// Most (rule, key) counters tracked for batched rules; past it new keys run sync.
-    #[arg(long, env = "FLOODGATE_BATCH_MAX_KEYS", default_value_t = crate::batch::DEFAULT_MAX_KEYS)]
+    #[arg(long, env = "FLOODGATE_BATCH_MAX_KEYS", default_value_t = floodgate_core::batch::DEFAULT_MAX_KEYS)]
     pub batch_max_keys: usize,
 
     /// Sync checks per second of one (rule, key) on this agent that promote it to batched execution
     /// while it stays hot (0 turns promotion off).
-    #[arg(long, env = "FLOODGATE_HOT_KEY_RATE", default_value_t = crate::engine::DEFAULT_HOT_KEY_RATE)]
+    #[arg(long, env = "FLOODGATE_HOT_KEY_RATE", default_value_t = floodgate_core::engine::DEFAULT_HOT_KEY_RATE)]
     pub hot_key_rate: u64,
 
     /// Accuracy target of `auto` rules: batched when the expected over-admission stays within this
     /// fraction of the limit.
-    #[arg(long, env = "FLOODGATE_ACCURACY", default_value_t = crate::engine::DEFAULT_ACCURACY)]
+    #[arg(long, env = "FLOODGATE_ACCURACY", default_value_t = floodgate_core::engine::DEFAULT_ACCURACY)]
     pub accuracy: f64,
 
     /// Most (rule, key) rejections cached locally (0 turns the cache off).
-    #[arg(long, env = "FLOODGATE_REJECTION_CACHE", default_value_t = crate::cache::DEFAULT_CAP)]
+    #[arg(long, env = "FLOODGATE_REJECTION_CACHE", default_value_t = floodgate_core::cache::DEFAULT_CAP)]
     pub rejection_cache: usize,
 
     /// Longest a check waits for Redis before the rule's fail mode decides, in milliseconds.
@@ -212,7 +212,7 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_THREADS", default_value_t = 1)]
     pub threads: usize,
 
-    /// Log filter (tracing's env-filter syntax), e.g. `info` or `floodgate_agent=debug`.
+    /// Log filter (tracing's env-filter syntax), e.g. `info`, or `info,floodgate_core=debug` (targets: `floodgate_core`, `floodgate_redis`, `floodgate_rules_service`, `floodgate_agent`).
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
     pub log: String,
 
@@ -275,6 +275,18 @@ pub struct RulesServerConfig {
     /// Log lines as text or as JSON objects.
     #[arg(long, env = "FLOODGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+}
+
+impl RulesServerConfig {
+    /// What the rules service runs with.
+    pub fn serve_options(&self) -> floodgate_rules_service::ServeOptions {
+        floodgate_rules_service::ServeOptions {
+            listen: self.listen,
+            db: self.db.clone(),
+            tokens: self.tokens.clone(),
+            tls: self.tls_cert.clone().zip(self.tls_key.clone()),
+        }
+    }
 }
 
 impl AgentConfig {

@@ -214,7 +214,7 @@ fn main() -> anyhow::Result<()> {
             let _log = init_log(&config.log, config.log_format)?;
             runtime(1)?.block_on(async move {
                 let rx = shutdown_on_signals()?;
-                floodgate_agent::run_rules_server(config, rx).await
+                floodgate_rules_service::run(config.serve_options(), rx).await
             })
         }
         Command::Rules(cli) => operator(1, floodgate_agent::cli::run(cli)),

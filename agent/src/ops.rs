@@ -9,7 +9,7 @@ use floodgate_protocol::Source;
 use floodgate_sdk::{Attributes, Client, ClientConfig, Decision, Item, Origin};
 use serde_json::Value;
 
-use crate::rules::http;
+use floodgate_rules_service::http;
 
 /// `floodgate check`: a real check (its cost is consumed), printed.
 #[derive(Debug, clap::Args)]

@@ -14,7 +14,8 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, VERSION};
 
-use crate::engine::{Answer, Engine};
+use floodgate_core::engine::{Answer, Engine};
+use floodgate_core::tasks::stopped;
 
 /// Most checks one connection may have waiting on the store; past it the agent stops reading that
 /// connection until answers drain (backpressure instead of unbounded memory).
@@ -226,7 +227,7 @@ pub async fn serve(
                         });
                     }
                     None => {
-                        crate::metrics::connection_refused(listener.name());
+                        floodgate_core::metrics::connection_refused(listener.name());
                         warn_refused(listener.name(), cap.max());
                         tasks.spawn(stream.refuse(cap.max()));
                     }
@@ -308,27 +309,6 @@ where
     }
 }
 
-/// Resolves once `shutdown` is true (or its sender is gone).
-pub async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|s| *s).await.map(|_| ());
-}
-
-/// Runs `f` every `period` (the first time at once) until `shutdown`: the agent's periodic chores.
-pub async fn every<F, Fut>(period: std::time::Duration, mut shutdown: watch::Receiver<bool>, mut f: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let mut tick = tokio::time::interval(period);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stopped(&mut shutdown) => break,
-        }
-        f().await;
-    }
-}
-
 type Pending = FuturesUnordered<
     std::pin::Pin<
         Box<dyn std::future::Future<Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>)> + Send>,
@@ -357,7 +337,7 @@ fn process(
                 frame_len,
             }) => {
                 pos += frame_len;
-                crate::metrics::check_error();
+                floodgate_core::metrics::check_error();
                 error(out, request_id, code, reason);
             }
             Err(DecodeError::Fatal {
@@ -386,18 +366,18 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
     match frame.body {
         Body::Check(check) => {
             // Timed only when metrics are on (a clock read per check otherwise saved).
-            let start = crate::metrics::on().then(std::time::Instant::now);
+            let start = floodgate_core::metrics::on().then(std::time::Instant::now);
             match engine.check(check) {
                 Answer::Ready(result) => {
                     if let Some(start) = start {
-                        crate::metrics::check(&result, start.elapsed());
+                        floodgate_core::metrics::check(&result, start.elapsed());
                     }
                     answer(out, id, result)
                 }
                 Answer::Pending(fut) => pending.push(Box::pin(async move {
                     let result = fut.await;
                     if let Some(start) = start {
-                        crate::metrics::check(&result, start.elapsed());
+                        floodgate_core::metrics::check(&result, start.elapsed());
                     }
                     (id, result)
                 })),

@@ -419,8 +419,8 @@ pub struct PlacementRow {
 /// then on `nodes + 1`, and counts the keys whose shard changed (rendezvous hashing: only those the
 /// new node wins, ideally 1 / (nodes + 1)).
 pub fn placement(keys: usize, nodes: usize) -> PlacementRow {
-    use floodgate_agent::store::shards::rendezvous;
-    use floodgate_agent::store::Layout;
+    use floodgate_core::store::Layout;
+    use floodgate_redis::shards::rendezvous;
     let layout = Layout::default();
     let names: Vec<String> = (0..=nodes)
         .map(|i| format!("redis://10.0.0.{}:6379", i + 1))
@@ -481,9 +481,9 @@ pub struct CompensationRow {
 /// would answer item 2 locally and nothing would need taking back, and so is hot-key promotion (the
 /// hot key would be counted locally and taken back exactly).
 pub async fn compensation(checks: u64, clients: usize) -> anyhow::Result<CompensationRow> {
-    use floodgate_agent::store::shards::rendezvous;
-    use floodgate_agent::store::Layout;
+    use floodgate_core::store::Layout;
     use floodgate_protocol::Item;
+    use floodgate_redis::shards::rendezvous;
     let shards = floodgate_tests::Shards::start(3);
     let agent = Agent::builder()
         .redis(&shards.urls())

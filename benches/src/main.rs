@@ -272,7 +272,7 @@ struct RunArgs {
     #[arg(long, default_value_t = 5)]
     redis_timeout_ms: u64,
     /// The Redis agent's `--coalesce` (most check items per script call; 1 turns coalescing off).
-    #[arg(long, default_value_t = floodgate_agent::store::DEFAULT_COALESCE)]
+    #[arg(long, default_value_t = floodgate_redis::DEFAULT_COALESCE)]
     coalesce: usize,
     /// Worker threads of the agents under test (the agent's default is 1; 0: one per core).
     #[arg(long, default_value_t = 1)]

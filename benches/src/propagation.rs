@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use floodgate_agent::rules::http::request;
+use floodgate_rules_service::http::request;
 use floodgate_tests::{http_get, Agent, RulesServer};
 use serde::Serialize;
 

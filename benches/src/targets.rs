@@ -4,8 +4,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use anyhow::{bail, Context};
-use floodgate_agent::store::{Layout, CHECK_LUA};
+use floodgate_core::store::Layout;
 use floodgate_protocol::{decode, Body, Check, DecodeError, Frame, Item, Source};
+use floodgate_redis::CHECK_LUA;
 use floodgate_tests::RedisServer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;

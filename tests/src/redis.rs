@@ -161,7 +161,7 @@ pub fn sleep_until_window_offset(
 }
 
 /// A sliding-window client's count in the current window and the window hash's TTL in ms, read the
-/// way the scripts lay them out (`floodgate_agent::store::Layout`, default buckets and tags).
+/// way the scripts lay them out (`floodgate_core::store::Layout`, default buckets and tags).
 pub fn window_count(
     conn: &mut impl redis::ConnectionLike,
     rule_id: &str,
@@ -179,7 +179,7 @@ pub fn window_count_at(
     key: &str,
     idx: u64,
 ) -> (u64, i64) {
-    let layout = floodgate_agent::store::Layout::default();
+    let layout = floodgate_core::store::Layout::default();
     let hash = format!(
         "fg:{{{}}}:{rule_id}/{}:{idx}",
         layout.tag(key),

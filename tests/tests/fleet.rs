@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use floodgate_agent::store::shards::rendezvous;
-use floodgate_agent::store::Layout;
+use floodgate_core::store::Layout;
 use floodgate_protocol::Item;
+use floodgate_redis::shards::rendezvous;
 use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{
     command_calls, dbsize, eventually, patient_client, redis_time_ms, sleep_until_window_offset,

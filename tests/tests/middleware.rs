@@ -194,7 +194,7 @@ async fn ietf_headers_peer_address_from_axum_and_fail_open() {
     });
     let url = format!("http://{addr}");
     let t = std::time::Duration::from_secs(5);
-    let post = || floodgate_agent::rules::http::request(&url, "POST", "/login", None, &[], None, t);
+    let post = || floodgate_rules_service::http::request(&url, "POST", "/login", None, &[], None, t);
     let first = post().await.unwrap();
     assert_eq!(first.status, 200);
     assert_eq!(first.header("ratelimit-policy"), Some("\"login\";q=2"));

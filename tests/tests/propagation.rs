@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use floodgate_agent::rules::http::request;
+use floodgate_rules_service::http::request;
 use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{
     eventually, http_get, patient_client, rejection_events, Agent, RedisServer, RulesServer,

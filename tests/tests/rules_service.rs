@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use floodgate_agent::rules::http::{request, Response};
+use floodgate_rules_service::http::{request, Response};
 use floodgate_tests::{PgDatabase, RulesServer};
 
 const T: Duration = Duration::from_secs(10);
@@ -228,8 +228,8 @@ async fn two_services_migrate_a_fresh_postgres_database_at_once() {
         let db = PgDatabase::create();
         let url = db.url();
         let (a, b) = tokio::join!(
-            floodgate_agent::rules::store::RulesStore::open(&url),
-            floodgate_agent::rules::store::RulesStore::open(&url)
+            floodgate_rules_service::store::RulesStore::open(&url),
+            floodgate_rules_service::store::RulesStore::open(&url)
         );
         let (a, b) = (a.unwrap(), b.unwrap());
         assert_eq!((a.version().await.unwrap(), b.version().await.unwrap()), (0, 0));

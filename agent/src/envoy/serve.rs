@@ -14,7 +14,8 @@ use tonic::transport::server::Connected;
 
 use super::proto::RateLimitServiceServer;
 use super::EnvoyService;
-use crate::server::{stopped, ConnectionCap};
+use crate::server::ConnectionCap;
+use floodgate_core::tasks::stopped;
 
 /// A connection and its slot under the cap (freed when tonic drops the connection).
 struct Capped<IO> {
@@ -78,7 +79,7 @@ where
                 Ok(io) => match cap.try_acquire() {
                     Some(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
                     None => {
-                        crate::metrics::connection_refused("grpc");
+                        floodgate_core::metrics::connection_refused("grpc");
                         crate::server::warn_refused("grpc", cap.max());
                     }
                 },

@@ -12,7 +12,7 @@ use super::proto::{
     Code, DescriptorStatus, Duration, Entry, HeaderValue, RateLimit, RateLimitRequest, RateLimitResponse,
     RateLimitService, Unit,
 };
-use crate::engine::{Answer, Engine};
+use floodgate_core::engine::{Answer, Engine};
 
 /// Which rate-limit headers go into `response_headers_to_add`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -81,7 +81,7 @@ impl EnvoyService {
             // descriptor is answered OK without being counted (counted in the metrics), and the
             // request's other descriptors are still decided.
             if d.is_negative_hits || d.hits_addend.is_some_and(|h| h.value == 0) {
-                crate::metrics::grpc_request("uncounted_descriptor");
+                floodgate_core::metrics::grpc_request("uncounted_descriptor");
                 slots.push(Slot::NoRule);
                 continue;
             }
@@ -111,7 +111,7 @@ impl EnvoyService {
             }
         }
         if items.is_empty() {
-            crate::metrics::grpc_request("unmatched");
+            floodgate_core::metrics::grpc_request("unmatched");
             return Ok(RateLimitResponse {
                 overall_code: Code::Ok as i32,
                 statuses: slots.iter().map(|s| not_limited(*s)).collect(),
@@ -123,9 +123,9 @@ impl EnvoyService {
             Answer::Ready(r) => r,
             Answer::Pending(f) => f.await,
         };
-        crate::metrics::check(&result, start.elapsed());
+        floodgate_core::metrics::check(&result, start.elapsed());
         let decision = result.map_err(|e| {
-            crate::metrics::grpc_request("error");
+            floodgate_core::metrics::grpc_request("error");
             match e.code {
                 ErrorCode::InvalidItem => Status::invalid_argument(e.message),
                 ErrorCode::Overloaded => Status::resource_exhausted(e.message),
@@ -136,7 +136,7 @@ impl EnvoyService {
             }
         })?;
         let response = self.response(&decision, &slots, &rules);
-        crate::metrics::grpc_request(if response.overall_code == Code::Ok as i32 {
+        floodgate_core::metrics::grpc_request(if response.overall_code == Code::Ok as i32 {
             "ok"
         } else {
             "over_limit"
@@ -144,7 +144,12 @@ impl EnvoyService {
         Ok(response)
     }
 
-    fn response(&self, d: &Decision, slots: &[Slot], rules: &crate::rules::RuleSet) -> RateLimitResponse {
+    fn response(
+        &self,
+        d: &Decision,
+        slots: &[Slot],
+        rules: &floodgate_core::rules::RuleSet,
+    ) -> RateLimitResponse {
         let now = now_ms();
         let statuses = slots
             .iter()

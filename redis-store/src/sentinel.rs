@@ -9,7 +9,7 @@ use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 
-use super::StoreError;
+use floodgate_core::store::StoreError;
 
 /// A parsed `redis+sentinel://` (or `rediss+sentinel://`: TLS to the master) URL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,7 +41,7 @@ impl SentinelUrl {
         } else {
             return Err(format!(
                 "{}: not a redis+sentinel:// URL",
-                super::shards::redact(url)
+                floodgate_core::store::redact(url)
             ));
         };
         let (auth, rest) = match rest.rsplit_once('@') {

@@ -3,12 +3,8 @@
 mod descriptors;
 pub mod envoy_config;
 pub mod fields;
-pub mod follow;
-pub mod http;
 mod matching;
 mod model;
-pub mod service;
-pub mod store;
 
 pub use matching::items_for;
 pub use model::{

@@ -2,20 +2,22 @@
 //! on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode. Independent nodes
 //! or a Redis Cluster (`shards`), keys laid out by `layout`.
 
+mod coalesce;
+
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use redis::{ErrorKind, RedisError, Script, ScriptInvocation};
 
-use super::coalesce;
-use super::layout::Layout;
-use super::shards::Shards;
-use super::{Planned, StoreError};
-use crate::algo::Outcome;
-use crate::batch::{FlushEntry, Learned};
-use crate::guard::membership::{AGENTS_KEY, HEARTBEAT_LUA};
-use crate::guard::LedgerEntry;
-use crate::rules::Algorithm;
+use floodgate_core::algo::Outcome;
+use floodgate_core::batch::{FlushEntry, Learned};
+use floodgate_core::guard::LedgerEntry;
+use floodgate_core::metrics;
+use floodgate_core::rules::Algorithm;
+use floodgate_core::shared::{Adjust, Adjusted, BoxFuture, FlushReply, Flushed, Route, SharedStore};
+use floodgate_core::store::{Layout, Planned, StoreError};
+
+use crate::shards::{RedisAccess, Shards};
 
 /// The check script, embedded at build time: the two algorithms' functions and the all-or-nothing
 /// driver, as one script with one SHA (see `lua/check.lua`).
@@ -24,6 +26,12 @@ pub const CHECK_LUA: &str = concat!(
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/check.lua"),
 );
+
+/// The heartbeat script: Redis TIME as the clock, so agents' clocks need not agree.
+pub const HEARTBEAT_LUA: &str = include_str!("../../../lua/heartbeat.lua");
+
+/// Key of the live-agents set (its own hash tag, so on a cluster it lives on one slot).
+pub const AGENTS_KEY: &str = "fg:{agents}:live";
 
 /// The flush script of batched rules (see `lua/flush.lua`).
 pub const FLUSH_LUA: &str = concat!(
@@ -59,7 +67,7 @@ pub struct RedisConfig {
     /// Most check items one coalesced script call carries (1: one call per check).
     pub coalesce: usize,
     /// TLS roots and the AUTH password kept out of the URLs.
-    pub access: super::shards::RedisAccess,
+    pub access: RedisAccess,
 }
 
 impl RedisConfig {
@@ -76,41 +84,6 @@ impl RedisConfig {
     }
 }
 
-/// Where an item goes: the shard (whose breaker guards it) and the call group (items one script call
-/// may carry together: a whole node, or on a cluster one hash tag).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Route {
-    /// The shard index.
-    pub shard: usize,
-    /// The call group.
-    pub call: u32,
-}
-
-/// What an adjustment does to the counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Adjust {
-    /// Add units whatever the verdict (what agents admitted locally).
-    Add,
-    /// Take units back (a check consumed them here but was rejected elsewhere).
-    TakeBack,
-}
-
-/// What an adjustment did: units applied, entries to try again (the call failed), and the error.
-#[derive(Debug, Default)]
-pub struct Adjusted {
-    /// Units applied by calls that succeeded.
-    pub units: u64,
-    /// Entries of calls that failed surely (not applied): try them again later.
-    pub retry: Vec<LedgerEntry>,
-    /// Units of calls that timed out: they may or may not have been applied, and are not retried
-    /// (counting them twice would be worse).
-    pub unknown: u64,
-    /// Units that landed past their rule's limit (adds only; also counted in the metrics).
-    pub over: u64,
-    /// The last error.
-    pub error: Option<StoreError>,
-}
-
 /// Redis as the shared counter store.
 pub struct RedisStore {
     shards: Shards,
@@ -121,20 +94,6 @@ pub struct RedisStore {
     timeout: Duration,
     coalesce: usize,
     workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
-}
-
-/// A flush call's answer: Redis's clock, and what each entry learned.
-#[derive(Debug, Clone)]
-pub struct FlushReply {
-    /// Redis `TIME` in ms when the call ran.
-    pub now_ms: u64,
-    /// Local clock (ms) when the call was sent and when it was answered: Redis's clock was read in
-    /// between, which is what the clock offset is learned from.
-    pub sent_ms: u64,
-    /// See `sent_ms`.
-    pub answered_ms: u64,
-    /// Per entry, in order.
-    pub learned: Vec<Learned>,
 }
 
 impl RedisStore {
@@ -314,9 +273,9 @@ impl RedisStore {
                         if matches!(how, Adjust::Add) {
                             for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
                                 let count = u64::try_from(r[4]).unwrap_or(0);
-                                done.over += crate::metrics::over_admitted(
+                                done.over += metrics::over_admitted(
                                     &e.rule,
-                                    crate::metrics::OverSource::Fallback,
+                                    metrics::OverSource::Fallback,
                                     count,
                                     e.units,
                                 );
@@ -339,10 +298,7 @@ impl RedisStore {
 
     /// Sends a flush: entries grouped by call and in chunks of [`FLUSH_CHUNK`], a few calls at once.
     /// Each chunk comes back with its own result (a failing shard does not fail the others).
-    pub async fn flush(
-        &self,
-        entries: Vec<FlushEntry>,
-    ) -> Vec<(Vec<FlushEntry>, Result<FlushReply, StoreError>)> {
+    pub async fn flush(&self, entries: Vec<FlushEntry>) -> Flushed {
         let mut groups: Vec<(Route, Vec<FlushEntry>)> = Vec::new();
         for e in entries {
             let route = self.route(&e.key);
@@ -369,8 +325,8 @@ impl RedisStore {
                 let mut conn = self.shards.conn(route.shard).await?;
                 inv.invoke_async::<Vec<u64>>(&mut conn).await.map_err(classify)
             };
-            let sent_ms = super::Clock::System.now_ms();
-            crate::metrics::flush_batch(chunk.len());
+            let sent_ms = floodgate_core::store::Clock::System.now_ms();
+            metrics::flush_batch(chunk.len());
             let reply = match tokio::time::timeout(timeout, call).await {
                 Err(_) => Err(StoreError::Timeout(timeout)),
                 Ok(Err(e)) => Err(e),
@@ -382,7 +338,7 @@ impl RedisStore {
                 Ok(Ok(v)) => Ok(FlushReply {
                     now_ms: v[0],
                     sent_ms,
-                    answered_ms: super::Clock::System.now_ms(),
+                    answered_ms: floodgate_core::store::Clock::System.now_ms(),
                     learned: v[1..]
                         .chunks_exact(3)
                         .map(|x| Learned {
@@ -393,7 +349,7 @@ impl RedisStore {
                         .collect(),
                 }),
             };
-            crate::metrics::redis_call(route.shard, reply.is_ok());
+            metrics::redis_call(route.shard, reply.is_ok());
             (chunk, reply)
         });
         // A few calls at a time: a flush of many keys must not queue hundreds of calls (and their
@@ -527,8 +483,55 @@ impl RedisStore {
                     )))
                 }
             });
-        crate::metrics::redis_call(shard, reply.is_ok());
+        metrics::redis_call(shard, reply.is_ok());
         reply
+    }
+}
+
+impl SharedStore for RedisStore {
+    fn describe(&self) -> String {
+        RedisStore::describe(self)
+    }
+
+    fn shard_count(&self) -> usize {
+        RedisStore::shard_count(self)
+    }
+
+    fn route(&self, key: &str) -> Route {
+        RedisStore::route(self, key)
+    }
+
+    fn check(self: Arc<Self>, items: Vec<Planned>) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>> {
+        Box::pin(async move { RedisStore::check(&self, items).await })
+    }
+
+    fn adjust(&self, entries: Vec<LedgerEntry>, how: Adjust) -> BoxFuture<'_, Adjusted> {
+        Box::pin(RedisStore::adjust(self, entries, how))
+    }
+
+    fn flush(&self, entries: Vec<FlushEntry>) -> BoxFuture<'_, Flushed> {
+        Box::pin(RedisStore::flush(self, entries))
+    }
+
+    fn probe(&self, shard: usize) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::probe(self, shard))
+    }
+
+    fn preload(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::preload(self))
+    }
+
+    fn heartbeat<'a>(
+        &'a self,
+        id: &'a str,
+        ttl: Duration,
+        leaving: bool,
+    ) -> BoxFuture<'a, Result<u64, StoreError>> {
+        Box::pin(RedisStore::heartbeat(self, id, ttl, leaving))
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::ping(self))
     }
 }
 

@@ -5,12 +5,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// The heartbeat script: Redis TIME as the clock, so agents' clocks need not agree.
-pub const HEARTBEAT_LUA: &str = include_str!("../../../lua/heartbeat.lua");
-
-/// Key of the live-agents set (its own hash tag, so on a cluster it lives on one slot).
-pub const AGENTS_KEY: &str = "fg:{agents}:live";
-
 /// Membership settings.
 #[derive(Debug, Clone)]
 pub struct MembershipConfig {

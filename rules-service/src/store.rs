@@ -8,7 +8,7 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::AnyPool;
 use sqlx::Row;
 
-use super::model::Rule;
+use floodgate_core::rules::Rule;
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +82,7 @@ pub struct RulesStore {
 const MIGRATION_LOCK: i64 = 0x464c_4f4f_4447_5445;
 
 fn now_ms() -> u64 {
-    crate::store::Clock::System.now_ms()
+    floodgate_core::store::Clock::System.now_ms()
 }
 
 impl RulesStore {
@@ -105,7 +105,7 @@ impl RulesStore {
             .await?;
         let store = RulesStore {
             pool,
-            url: crate::store::shards::redact(url),
+            url: floodgate_core::store::redact(url),
             postgres: url.starts_with("postgres"),
         };
         store.migrate().await?;
@@ -369,7 +369,7 @@ fn row_rule(row: &sqlx::any::AnyRow) -> Result<Rule, StoreOpError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rules::fields::rule_from_body;
+    use floodgate_core::rules::fields::rule_from_body;
 
     fn rule(id: &str, limit: u64) -> Rule {
         rule_from_body(

@@ -3,7 +3,7 @@
 
 mod breaker;
 mod fallback;
-pub(crate) mod membership;
+pub mod membership;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerSnapshot, BreakerState, Permit, Transition};
 pub use fallback::{Fallback, LedgerEntry};

@@ -10,9 +10,9 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use super::http;
-use super::model::{Rule, RuleSet};
-use crate::engine::Engine;
+use floodgate_core::engine::Engine;
+use floodgate_core::rules::{Rule, RuleSet};
+use floodgate_rules_service::http;
 
 /// Where and how to follow.
 #[derive(Debug, Clone)]
@@ -113,7 +113,7 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
         );
         let outcome = tokio::select! {
             r = call => r,
-            _ = crate::server::stopped(&mut shutdown) => return,
+            _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
         };
         let wait = match outcome {
             Ok(r) if r.status == 200 => match serde_json::from_slice::<Snapshot>(&r.body) {
@@ -155,7 +155,7 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
         if !wait.is_zero() {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = crate::server::stopped(&mut shutdown) => return,
+                _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
             }
         }
     }
@@ -164,10 +164,11 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{MemoryStore, Store};
+    use floodgate_core::engine::Store;
+    use floodgate_core::store::MemoryStore;
 
     fn rule(id: &str, limit: u64) -> Rule {
-        crate::rules::fields::rule_from_body(
+        floodgate_core::rules::fields::rule_from_body(
             id,
             format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60}}"#).as_bytes(),
         )

@@ -9,8 +9,10 @@ use std::sync::Weak;
 use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Planned, RedisStore, StoreError};
-use crate::algo::Outcome;
+use floodgate_core::algo::Outcome;
+use floodgate_core::store::{Planned, StoreError};
+
+use super::RedisStore;
 
 /// Script calls in flight per call group: one being run by Redis while the next is on the wire.
 pub const MAX_IN_FLIGHT: usize = 2;

@@ -15,9 +15,11 @@ use axum::{Json, Router};
 use serde_json::json;
 use tokio::sync::watch;
 
-use super::fields::rule_from_body;
-use super::model::Rule;
-use super::store::{RulesStore, StoreOpError};
+use floodgate_core::rules::fields::rule_from_body;
+use floodgate_core::rules::{Rule, RuleSet};
+use floodgate_core::tasks::stopped;
+
+use crate::store::{RulesStore, StoreOpError};
 
 /// The longest a watch (long poll) may hold a request, in seconds.
 pub const MAX_WATCH_SECONDS: u64 = 55;
@@ -33,7 +35,7 @@ pub struct ServiceState {
     /// Turns true when the service stops: held watches answer at once instead of holding shutdown.
     closing: watch::Sender<bool>,
     /// Log mode's would-be rejections, as agents report them.
-    pub dry_run: crate::dryrun::DryRunTotals,
+    pub dry_run: floodgate_core::dryrun::DryRunTotals,
 }
 
 impl ServiceState {
@@ -131,7 +133,7 @@ pub async fn poll_version(state: Arc<ServiceState>, mut stop: watch::Receiver<bo
                     state.announce(v);
                 }
             }
-            _ = crate::server::stopped(&mut stop) => break,
+            _ = stopped(&mut stop) => break,
         }
     }
 }
@@ -302,7 +304,7 @@ async fn put(
             Ok((_, mut rules)) => {
                 rules.retain(|r| r.id != rule.id);
                 rules.push(rule.clone());
-                if let Err(e) = super::RuleSet::new(rules) {
+                if let Err(e) = RuleSet::new(rules) {
                     return (
                         StatusCode::CONFLICT,
                         Json(json!({ "error": format!("the rule set would be invalid: {e}") })),
@@ -360,7 +362,7 @@ async fn dry_run(State(state): State<Arc<ServiceState>>, Path(id): Path<String>)
         .get(&id)
         .map(|(t, _)| t)
         .filter(|t| t.version == rule.version)
-        .unwrap_or_else(|| crate::dryrun::Tally {
+        .unwrap_or_else(|| floodgate_core::dryrun::Tally {
             version: rule.version,
             ..Default::default()
         });
@@ -390,7 +392,7 @@ async fn report_dry_run(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Response {
-    let mut t = match serde_json::from_slice::<crate::dryrun::Tally>(&body) {
+    let mut t = match serde_json::from_slice::<floodgate_core::dryrun::Tally>(&body) {
         Ok(t) => t,
         Err(e) => {
             return error(
@@ -401,8 +403,10 @@ async fn report_dry_run(
     };
     match state.store.get(&id).await {
         Ok(Some(rule)) if t.version <= rule.version => {
-            t.top_keys.truncate(crate::dryrun::KEYS_CAP);
-            state.dry_run.add(&id, t, crate::store::Clock::System.now_ms());
+            t.top_keys.truncate(floodgate_core::dryrun::KEYS_CAP);
+            state
+                .dry_run
+                .add(&id, t, floodgate_core::store::Clock::System.now_ms());
             StatusCode::NO_CONTENT.into_response()
         }
         Ok(Some(rule)) => error(

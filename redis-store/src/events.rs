@@ -1,81 +1,18 @@
-//! Rejection events `{key, ruleId, ts, agent, version, mode}` to a Redis Stream, off the request
-//! path: a check that the limiter rejects (not a repeat answered from the rejection cache), and a
-//! would-be rejection of a rule in log mode (`mode` `log`: its dry run), puts its event in a bounded
-//! queue (`try_send`, never waiting); a writer task takes what
-//! has queued, up to [`BATCH`] at a time, and writes it as one pipeline of `XADD <stream> MAXLEN ~ N`.
-//! A full queue drops the event and counts it; so does a write that fails (the events are not worth
-//! holding the agent's memory for while Redis is away).
+//! The rejection events' writer: takes what has queued (`floodgate_core::events`), up to [`BATCH`]
+//! at a time, and writes it as one pipeline of `XADD <stream> MAXLEN ~ N`. A write that fails drops
+//! its events and counts them (they are not worth holding the agent's memory for while Redis is away).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use floodgate_core::events::Event;
+use floodgate_core::metrics;
+use floodgate_core::tasks::stopped;
 use tokio::sync::{mpsc, watch};
 
-use crate::store::shards::Shards;
+use crate::shards::Shards;
 
 /// Events per pipeline.
 pub const BATCH: usize = 512;
-
-/// One rejection.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Event {
-    /// The client key that was rejected.
-    pub key: String,
-    /// The rule that rejected it.
-    pub rule: String,
-    /// When (Unix ms).
-    pub ts_ms: u64,
-    /// The rule's version.
-    pub version: u64,
-    /// A log-mode rule's would-be rejection (the request passed).
-    pub dry_run: bool,
-}
-
-/// The request path's side: a bounded queue and its counters.
-pub struct Events {
-    tx: mpsc::Sender<Event>,
-    /// Events dropped because the queue was full.
-    pub dropped: AtomicU64,
-    /// Events queued.
-    pub queued: AtomicU64,
-}
-
-impl std::fmt::Debug for Events {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Events")
-            .field("queued", &self.queued)
-            .field("dropped", &self.dropped)
-            .finish()
-    }
-}
-
-impl Events {
-    /// A queue of `capacity` events and its receiving end (for [`write_loop`]).
-    pub fn new(capacity: usize) -> (Events, mpsc::Receiver<Event>) {
-        let (tx, rx) = mpsc::channel(capacity.max(1));
-        (
-            Events {
-                tx,
-                dropped: AtomicU64::new(0),
-                queued: AtomicU64::new(0),
-            },
-            rx,
-        )
-    }
-
-    /// Queues an event, or drops and counts it when the queue is full (or the writer is gone).
-    pub fn emit(&self, event: Event) {
-        match self.tx.try_send(event) {
-            Ok(()) => {
-                self.queued.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(_) => {
-                self.dropped.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::events(0, 1);
-            }
-        }
-    }
-}
 
 /// Where the writer writes.
 #[derive(Debug, Clone)]
@@ -103,7 +40,7 @@ pub async fn write_loop(
     loop {
         let got = tokio::select! {
             n = rx.recv_many(&mut batch, BATCH) => n,
-            _ = crate::server::stopped(&mut stop) => {
+            _ = stopped(&mut stop) => {
                 // Stopping: every check is answered, so the queue holds all there will be. Write it
                 // out; what a failed write loses is counted.
                 rx.close();
@@ -118,9 +55,9 @@ pub async fn write_loop(
                     };
                     let n = batch.len() as u64;
                     if ok {
-                        crate::metrics::events(n, 0);
+                        metrics::events(n, 0);
                     } else {
-                        crate::metrics::events(0, n);
+                        metrics::events(0, n);
                     }
                 }
             }
@@ -133,10 +70,10 @@ pub async fn write_loop(
             Err(e) => Err(e.to_string()),
         };
         match written {
-            Ok(()) => crate::metrics::events(batch.len() as u64, 0),
+            Ok(()) => metrics::events(batch.len() as u64, 0),
             Err(e) => {
                 failures += 1;
-                crate::metrics::events(0, batch.len() as u64);
+                metrics::events(0, batch.len() as u64);
                 if failures == 1 || failures % 100 == 0 {
                     tracing::warn!(error = %e, events = batch.len(), failures, "could not write rejection events; dropped");
                 }
@@ -179,27 +116,5 @@ where
             redis::ErrorKind::Io,
             "XADD pipeline timed out after 2 s",
         ))),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_full_queue_drops_and_counts_without_waiting() {
-        let (events, mut rx) = Events::new(2);
-        for i in 0..5 {
-            events.emit(Event {
-                key: format!("user:{i}"),
-                rule: "r".into(),
-                ts_ms: i,
-                version: 1,
-                dry_run: false,
-            });
-        }
-        assert_eq!(events.queued.load(Ordering::Relaxed), 2);
-        assert_eq!(events.dropped.load(Ordering::Relaxed), 3);
-        assert_eq!(rx.try_recv().unwrap().key, "user:0");
     }
 }

@@ -1,5 +1,5 @@
-//! Prometheus metrics (the `metrics` crate, rendered by `metrics-exporter-prometheus` at the admin
-//! port's `/metrics`). Names follow Prometheus conventions: units in names, `_total` for counters.
+//! Metrics recorded where things happen, through the `metrics` facade (the agent installs the
+//! Prometheus exporter and renders it at the admin port's `/metrics`). Names follow Prometheus conventions: units in names, `_total` for counters.
 //!
 //! Off (`--metrics false`) nothing is recorded: every function here returns at once on one relaxed
 //! load, so the request path pays nothing for metrics it does not export.
@@ -13,15 +13,11 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use floodgate_protocol::{Decision, Source};
-use metrics::{counter, gauge, histogram};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use metrics::{counter, histogram};
 
-use crate::engine::Engine;
-use crate::guard::BreakerState;
 use crate::rules::Rule;
 
 static ON: AtomicBool = AtomicBool::new(false);
-static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Every metric the agent exports, with its help text (the dashboard test checks against the
 /// exposition itself, not this list).
@@ -45,49 +41,15 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
 ];
 
-/// Installs the recorder (once per process) and turns recording on; returns the handle that renders.
-pub fn install() -> anyhow::Result<PrometheusHandle> {
-    if let Some(h) = HANDLE.get() {
-        ON.store(true, Ordering::Relaxed);
-        return Ok(h.clone());
-    }
-    // Check latency: 10 µs to 1 s, denser below 2 ms where the targets are.
-    let latency = [
-        0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 1.0,
-    ];
-    let keys = [1.0, 4.0, 16.0, 64.0, 256.0, 512.0];
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Full("floodgate_check_duration_seconds".into()), &latency)?
-        .set_buckets_for_metric(Matcher::Full("floodgate_flush_batch_keys".into()), &keys)?
-        .install_recorder()?;
-    for (name, help) in METRICS {
-        metrics::describe_counter!(*name, *help);
-    }
-    let handle = HANDLE.get_or_init(|| handle).clone();
+/// Turns recording on (the exporter's installer calls it once its recorder is in place).
+pub fn enable() {
     ON.store(true, Ordering::Relaxed);
-    // Unlabelled series exist from the start, so a scrape shows them before the first event.
-    counter!("floodgate_check_errors_total").increment(0);
-    counter!("floodgate_flush_batches_total").increment(0);
-    counter!("floodgate_events_sent_total").increment(0);
-    counter!("floodgate_events_dropped_total").increment(0);
-    let _ = histogram!("floodgate_check_duration_seconds");
-    let _ = histogram!("floodgate_flush_batch_keys");
-    Ok(handle)
 }
 
 /// Whether metrics are recorded.
 #[inline]
 pub fn on() -> bool {
     ON.load(Ordering::Relaxed)
-}
-
-/// Keeps the exporter's histograms drained (their samples pile up between renders otherwise).
-pub async fn upkeep(handle: PrometheusHandle, stop: tokio::sync::watch::Receiver<bool>) {
-    crate::server::every(Duration::from_secs(5), stop, || {
-        handle.run_upkeep();
-        std::future::ready(())
-    })
-    .await;
 }
 
 fn source(s: Source) -> &'static str {
@@ -191,7 +153,8 @@ pub enum OverSource {
 }
 
 impl OverSource {
-    fn label(self) -> &'static str {
+    /// The `source` label.
+    pub fn label(self) -> &'static str {
         match self {
             OverSource::Flush => "flush",
             OverSource::Fallback => "fallback",
@@ -227,37 +190,6 @@ pub fn events(sent: u64, dropped: u64) {
     if dropped > 0 {
         counter!("floodgate_events_dropped_total").increment(dropped);
     }
-}
-
-/// Sets the gauges from the engine's state and renders the exposition.
-pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
-    gauge!("floodgate_rules_version").set(engine.rules().version() as f64);
-    gauge!("floodgate_rejection_cache_entries").set(engine.cache().len() as f64);
-    gauge!("floodgate_live_agents").set(engine.live_agents() as f64);
-    // Series that count rare events exist at 0 from the first scrape, so rate() and alerts see them.
-    for rule in engine.rules().iter() {
-        for source in [OverSource::Flush, OverSource::Fallback] {
-            counter!("floodgate_over_admitted_total", "rule" => rule.id.clone(), "source" => source.label())
-                .increment(0);
-        }
-    }
-    match engine.guard() {
-        Some(g) => {
-            for (shard, b) in g.breakers.iter().enumerate() {
-                counter!("floodgate_redis_errors_total", "shard" => shard.to_string()).increment(0);
-                counter!("floodgate_redis_calls_total", "shard" => shard.to_string()).increment(0);
-                let state = match b.snapshot().state {
-                    BreakerState::Closed => 0.0,
-                    BreakerState::HalfOpen => 1.0,
-                    BreakerState::Open => 2.0,
-                };
-                gauge!("floodgate_breaker_state", "shard" => shard.to_string()).set(state);
-            }
-            gauge!("floodgate_fallback_active").set(if g.all_closed() { 0.0 } else { 1.0 });
-        }
-        None => gauge!("floodgate_fallback_active").set(0.0),
-    }
-    handle.render()
 }
 
 /// A connection refused because the agent holds its `--max-connections` already.

@@ -1,23 +1,17 @@
-//! Counter stores: the embedded in-memory store and Redis, behind one interface.
+//! The embedded in-memory store, what every store is asked (`Planned` items) and how it fails
+//! (`StoreError`); the key layout the Redis scripts use. The choice between the embedded store and
+//! the fleet's shared one is the engine's `Store`.
 //!
 //! Both run the same algorithms (`crate::algo` in Rust, `lua/` in Redis) with all-or-nothing semantics
 //! within one call: costs are committed only if every enforced item passes.
 
-mod coalesce;
 pub mod layout;
 mod memory;
-mod redis;
-mod sentinel;
-pub mod shards;
 
 use std::sync::Arc;
 
 pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
-pub use self::redis::{
-    Adjust, Adjusted, FlushReply, RedisConfig, RedisStore, Route, ADJUST_CHUNK, CHECK_LUA, DEFAULT_COALESCE,
-    FLUSH_CHUNK, FLUSH_LUA,
-};
 
 use crate::rules::Rule;
 
@@ -50,21 +44,21 @@ pub enum StoreError {
     Server(String),
 }
 
-/// The store an agent uses.
-#[derive(Clone)]
-pub enum Store {
-    /// The embedded in-memory store: exact for one agent, no fleet-wide sharing.
-    Memory(Arc<MemoryStore>),
-    /// Redis: fleet-wide state through atomic scripts.
-    Redis(Arc<RedisStore>),
+/// The URL without its password, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
 }
 
-impl Store {
-    /// A short name for logs: `memory` or the Redis URL without credentials.
-    pub fn describe(&self) -> String {
-        match self {
-            Store::Memory(_) => "embedded in-memory store".into(),
-            Store::Redis(r) => format!("redis: {}", r.describe()),
-        }
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn passwords_stay_out_of_logs() {
+        assert_eq!(redact("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
     }
 }

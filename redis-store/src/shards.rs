@@ -11,8 +11,8 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Client, Cmd, Pipeline, RedisFuture, Value};
 use tokio::sync::OnceCell;
 
-use super::layout::fnv1a;
-use super::StoreError;
+use floodgate_core::store::layout::fnv1a;
+use floodgate_core::store::{redact, StoreError};
 
 /// One connection to wherever a call goes: a node's connection manager or the cluster connection.
 #[derive(Clone)]
@@ -22,7 +22,7 @@ pub enum Conn {
     /// The cluster (routes by slot, refreshes its slot map on MOVED).
     Cluster(ClusterConnection),
     /// The master the sentinels name.
-    Sentinel(super::sentinel::SentinelConn),
+    Sentinel(crate::sentinel::SentinelConn),
 }
 
 impl ConnectionLike for Conn {
@@ -135,7 +135,7 @@ pub enum Shards {
         /// The URL without its password, for logs.
         name: String,
         /// The connection to whichever node is master.
-        conn: super::sentinel::SentinelConn,
+        conn: crate::sentinel::SentinelConn,
     },
 }
 
@@ -154,15 +154,15 @@ impl Shards {
         }
         tls_provider();
         if let [url] = urls {
-            if super::sentinel::is_sentinel(url) {
-                let parsed = super::sentinel::SentinelUrl::parse(url).map_err(StoreError::Connection)?;
+            if crate::sentinel::is_sentinel(url) {
+                let parsed = crate::sentinel::SentinelUrl::parse(url).map_err(StoreError::Connection)?;
                 return Ok(Shards::Sentinel {
                     name: redact(url),
-                    conn: super::sentinel::SentinelConn::new(&parsed, access.password.as_deref())?,
+                    conn: crate::sentinel::SentinelConn::new(&parsed, access.password.as_deref())?,
                 });
             }
         }
-        if urls.iter().any(|u| super::sentinel::is_sentinel(u)) {
+        if urls.iter().any(|u| crate::sentinel::is_sentinel(u)) {
             return Err(StoreError::Connection(
                 "a redis+sentinel:// URL names one master; it cannot be one of several shards".into(),
             ));
@@ -272,23 +272,9 @@ pub fn rendezvous(names: &[&str], bucket: u32) -> usize {
     (0..names.len()).max_by_key(|&i| score(names[i])).unwrap_or(0)
 }
 
-/// The URL without its password, for logs.
-pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn passwords_stay_out_of_logs() {
-        assert_eq!(redact("redis://:secret@host:6379/0"), "redis://***@host:6379/0");
-        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
-    }
 
     #[test]
     fn a_new_node_takes_only_the_buckets_it_wins() {

@@ -1,0 +1,164 @@
+//! The agent's background work against the shared store: flushes of batched counts, and the guard's
+//! heartbeat, probes, write-back and sweeps.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use floodgate_core::engine::Engine;
+use floodgate_core::guard::{BreakerState, Guard, Permit, Transition};
+use floodgate_core::rules::Rule;
+use floodgate_core::shared::{Adjust, SharedStore};
+use floodgate_core::store::{Clock, StoreError};
+use floodgate_core::tasks::stopped;
+use tokio::sync::watch;
+
+/// How often the flusher looks for rules whose flush is due (the shortest useful interval).
+const FLUSH_TICK: Duration = Duration::from_millis(5);
+
+/// Flushes batched rules' counts when due, until shutdown.
+pub(super) async fn flush_loop(
+    engine: Arc<Engine>,
+    redis: Arc<dyn SharedStore>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(FLUSH_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => { flush(&engine, redis.as_ref(), false).await; }
+            _ = stopped(&mut shutdown) => break,
+        }
+    }
+}
+
+/// One flush: the entries of every due rule (all when `force`), sent per shard, the replies applied.
+/// Returns the number of entries sent.
+pub(super) async fn flush(engine: &Engine, redis: &dyn SharedStore, force: bool) -> usize {
+    let batcher = engine.batcher();
+    if batcher.keys() == 0 {
+        return 0;
+    }
+    let rules: Vec<Arc<Rule>> = engine.rules().iter().cloned().collect();
+    let entries = batcher.take_due(&rules, engine.live_agents(), force);
+    let sent = entries.len();
+    if sent == 0 {
+        return 0;
+    }
+    for (chunk, reply) in redis.flush(entries).await {
+        match reply {
+            Ok(r) => {
+                batcher.learn_clock(r.now_ms, r.sent_ms, r.answered_ms);
+                batcher.apply(&chunk, Ok(&r.learned));
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, entries = chunk.len(), "flush failed");
+                let surely = !matches!(e, StoreError::Timeout(_));
+                batcher.apply(&chunk, Err(surely));
+            }
+        }
+    }
+    sent
+}
+
+/// The guard's background work for a Redis store: the heartbeat (learning N), the write-back of what
+/// the fallback admitted once the breaker is closed again, and the fallback's expiry sweep.
+pub(super) async fn guard_loop(
+    guard: Arc<Guard>,
+    redis: Arc<dyn SharedStore>,
+    engine: Arc<Engine>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let interval = guard.membership.config().interval;
+    let mut beat = tokio::time::interval(interval);
+    beat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut sweep = tokio::time::interval(Duration::from_secs(5));
+    let id = guard.membership.config().id.clone();
+    let ttl = guard.membership.config().ttl;
+    if let Err(e) = redis.preload().await {
+        tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
+    }
+    loop {
+        tokio::select! {
+            _ = beat.tick() => match redis.heartbeat(&id, ttl, false).await {
+                Ok(n) => {
+                    let before = guard.membership.live();
+                    guard.membership.observe(n);
+                    if n != before {
+                        tracing::info!(live_agents = n, "live agents changed");
+                    }
+                }
+                Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
+            },
+            _ = tick.tick() => {
+                for shard in 0..guard.breakers.len() {
+                    if guard.breaker(shard).snapshot().state != BreakerState::Closed {
+                        probe(&guard, redis.as_ref(), shard).await;
+                    }
+                }
+                if guard.fallback.pending() > 0 {
+                    write_back(&guard, redis.as_ref()).await;
+                }
+            }
+            _ = sweep.tick() => {
+                guard.fallback.sweep();
+                engine.cache().sweep(Clock::System.now_ms());
+            }
+            _ = stopped(&mut shutdown) => break,
+        }
+    }
+    write_back(&guard, redis.as_ref()).await;
+    let _ = redis.heartbeat(&id, ttl, true).await;
+}
+
+/// Once the cool-down is over, one background call decides whether the store is back: it loads the
+/// check script (a restarted Redis has an empty cache) with a timeout no check could afford, so a
+/// slow reconnection does not keep the breaker open, and no caller waits on it.
+async fn probe(guard: &Guard, redis: &dyn SharedStore, shard: usize) {
+    let breaker = guard.breaker(shard);
+    let permit = breaker.permit(std::time::Instant::now());
+    if permit != Permit::Probe {
+        return;
+    }
+    let ok = redis.probe(shard).await.is_ok();
+    if breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
+        tracing::info!(shard, "store answers again: circuit breaker closed");
+    }
+}
+
+/// Most ledger entries one write-back pass takes: bounded work per pass on the agent's thread.
+const WRITE_BACK_BATCH: usize = 10_000;
+
+/// Writes back what the fallback admitted, for the shards whose breaker is closed (the rest waits).
+async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
+    let entries = guard.fallback.drain(WRITE_BACK_BATCH);
+    if entries.is_empty() {
+        return;
+    }
+    let (ready, waiting): (Vec<_>, Vec<_>) = entries
+        .into_iter()
+        .partition(|e| guard.breaker(redis.route(&e.key).shard).snapshot().state == BreakerState::Closed);
+    guard.fallback.restore(waiting);
+    if ready.is_empty() {
+        return;
+    }
+    let keys = ready.len();
+    let done = redis.adjust(ready, Adjust::Add).await;
+    guard
+        .fallback
+        .written_back
+        .fetch_add(done.units, std::sync::atomic::Ordering::Relaxed);
+    match done.error {
+        None => tracing::info!(
+            keys,
+            units = done.units,
+            over_limit = done.over,
+            "wrote back what the fallback admitted while Redis was away"
+        ),
+        Some(e) => {
+            // A timed-out call may have been applied: it is dropped rather than risk counting twice.
+            tracing::warn!(error = %e, keys, units = done.units, over_limit = done.over, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
+            guard.fallback.restore(done.retry);
+        }
+    }
+}

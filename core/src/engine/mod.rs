@@ -1,0 +1,453 @@
+//! The decision engine: resolves rules, asks the store, applies fail modes and combines verdicts.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use floodgate_protocol::{Check, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS};
+
+use crate::algo::Outcome;
+use crate::batch::{Batcher, HotKeys};
+use crate::cache::RejectionCache;
+use crate::guard::Guard;
+use crate::rules::{items_for, Algorithm, Execution, Rule, RuleSet};
+use crate::shared::SharedStore;
+use crate::store::{Clock, MemoryStore, Planned};
+
+mod shared;
+
+/// The shortest Retry-After a fail-closed rule gives while its store is away (longer while the breaker's
+/// cool-down lasts). Short enough that clients come back soon after Redis does, long enough not to
+/// invite a retry storm.
+pub const FAIL_CLOSED_RETRY_MS: u64 = 1_000;
+
+/// The answer to a check: at once (embedded store, errors) or after a store round trip.
+pub enum Answer {
+    /// Answered without waiting.
+    Ready(Result<Decision, ErrorBody>),
+    /// Answered when the future completes; it never fails past the store timeout.
+    Pending(Pin<Box<dyn Future<Output = Result<Decision, ErrorBody>> + Send>>),
+}
+
+/// The store an agent uses.
+#[derive(Clone)]
+pub enum Store {
+    /// The embedded in-memory store: exact for one agent, no fleet-wide sharing.
+    Memory(Arc<MemoryStore>),
+    /// Redis (`floodgate-redis`): fleet-wide state through atomic scripts.
+    Redis(Arc<dyn SharedStore>),
+}
+
+impl Store {
+    /// A short name for logs: `memory` or the Redis URL without credentials.
+    pub fn describe(&self) -> String {
+        match self {
+            Store::Memory(_) => "embedded in-memory store".into(),
+            Store::Redis(r) => format!("redis: {}", r.describe()),
+        }
+    }
+}
+
+/// The engine's tunables (the agent's flags fill them; defaults in one place).
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Most cached rejections (0 turns the cache off).
+    pub cache_cap: usize,
+    /// Default flush interval of batched rules, in ms.
+    pub flush_ms: u64,
+    /// Most batched counters tracked; past it new keys run sync.
+    pub max_batched_keys: usize,
+    /// Sync checks per second of one (rule, key) on this agent that promote it to batched (0: off).
+    pub hot_key_rate: u64,
+    /// The accuracy target of `auto`: batched when the expected over-admission stays within this
+    /// fraction of the limit.
+    pub accuracy: f64,
+    /// Where rejection events go (none: not emitted).
+    pub events: Option<Arc<crate::events::Events>>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions {
+            cache_cap: crate::cache::DEFAULT_CAP,
+            flush_ms: crate::batch::DEFAULT_FLUSH_MS,
+            max_batched_keys: crate::batch::DEFAULT_MAX_KEYS,
+            hot_key_rate: DEFAULT_HOT_KEY_RATE,
+            accuracy: DEFAULT_ACCURACY,
+            events: None,
+        }
+    }
+}
+
+/// Sync checks per second of one key on one agent that make it hot: ~1 % of a Redis core's checks.
+pub const DEFAULT_HOT_KEY_RATE: u64 = 2_000;
+
+/// The default accuracy target of `auto` (5 % of the limit).
+pub const DEFAULT_ACCURACY: f64 = 0.05;
+
+/// The engine: a rule set (swapped whole), a store, and for Redis the guard (breaker, fallback),
+/// the batched counters and the rejection cache.
+pub struct Engine {
+    rules: RwLock<Arc<RuleSet>>,
+    store: Store,
+    guard: Option<Arc<Guard>>,
+    clock: Clock,
+    cache: RejectionCache,
+    dry_run: crate::dryrun::DryRun,
+    batcher: Arc<Batcher>,
+    hot: HotKeys,
+    accuracy: f64,
+    events: Option<Arc<crate::events::Events>>,
+    taken_back: Arc<TakenBack>,
+    store_errors: AtomicU64,
+    last_error_log_ms: AtomicU64,
+}
+
+impl Engine {
+    /// An engine over `rules` and `store`, without a guard: a Redis failure is decided by each rule's
+    /// fail mode alone (allow, or deny with a Retry-After). The agent adds the guard and its loop.
+    pub fn new(rules: RuleSet, store: Store) -> Arc<Self> {
+        Self::with_guard(rules, store, None, EngineOptions::default())
+    }
+
+    /// An engine with a guard for its Redis store: breaker, limit/N fallback, membership. The guard's
+    /// background loop (the agent starts it) probes and writes back; without it an open breaker
+    /// would never close.
+    pub fn with_guard(
+        rules: RuleSet,
+        store: Store,
+        guard: Option<Arc<Guard>>,
+        options: EngineOptions,
+    ) -> Arc<Self> {
+        Arc::new(Engine {
+            rules: RwLock::new(Arc::new(rules)),
+            store,
+            guard,
+            clock: Clock::System,
+            cache: RejectionCache::new(options.cache_cap),
+            dry_run: Default::default(),
+            batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),
+            hot: HotKeys::new(options.hot_key_rate),
+            accuracy: options.accuracy,
+            events: options.events,
+            taken_back: Arc::default(),
+            store_errors: AtomicU64::new(0),
+            last_error_log_ms: AtomicU64::new(0),
+        })
+    }
+
+    /// The rule set in force.
+    pub fn rules(&self) -> Arc<RuleSet> {
+        self.rules.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Replaces the rule set; checks in flight finish with the set they started with.
+    pub fn swap_rules(&self, rules: RuleSet) {
+        *self.rules.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(rules);
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The guard (breaker, fallback, membership) of a Redis store.
+    pub fn guard(&self) -> Option<&Arc<Guard>> {
+        self.guard.as_ref()
+    }
+
+    /// The batched counters.
+    pub fn batcher(&self) -> &Arc<Batcher> {
+        &self.batcher
+    }
+
+    /// The hot-key detector.
+    pub fn hot_keys(&self) -> &HotKeys {
+        &self.hot
+    }
+
+    /// Live agents (N): learned from heartbeats, 1 without a guard.
+    pub fn live_agents(&self) -> u64 {
+        self.guard.as_ref().map_or(1, |g| g.membership.live().max(1))
+    }
+
+    /// Whether `rule` runs batched for `n` live agents, by its execution mode (`auto`: when the
+    /// expected over-admission, n × interval × rate plus one check per agent and flush, stays within
+    /// the accuracy target). Sliding window only.
+    pub fn batched_by_rule(&self, rule: &Rule, n: u64) -> bool {
+        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+            return false;
+        }
+        match rule.execution {
+            Execution::Sync => false,
+            Execution::Batched => true,
+            Execution::Auto => self.accurate_enough(rule, n),
+        }
+    }
+
+    /// Whether batching `rule` keeps the expected over-admission (n × interval × rate, plus one check
+    /// per agent and slot) within the accuracy target: `auto` rules and hot-key promotion ask this.
+    fn accurate_enough(&self, rule: &Rule, n: u64) -> bool {
+        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+            return false;
+        }
+        let limit = rule.limit.get() as f64;
+        let interval = self.batcher.flush_ms(rule) as f64;
+        let expected = n as f64 * interval / rule.window_ms() as f64 * limit + n as f64;
+        expected <= self.accuracy * limit
+    }
+
+    /// The rejection cache.
+    pub fn cache(&self) -> &RejectionCache {
+        &self.cache
+    }
+
+    /// Units taken back after checks rejected across call groups.
+    pub fn taken_back(&self) -> &TakenBack {
+        &self.taken_back
+    }
+
+    /// Store failures since start (each decided by the rules' fail modes).
+    pub fn store_errors(&self) -> u64 {
+        self.store_errors.load(Ordering::Relaxed)
+    }
+
+    /// Decides a check.
+    pub fn check(self: &Arc<Self>, check: Check) -> Answer {
+        let plan = match self.plan(check) {
+            Ok(plan) => plan,
+            Err(e) => return Answer::Ready(Err(e)),
+        };
+        if plan.is_empty() {
+            return Answer::Ready(Ok(Decision {
+                combined: no_rule(),
+                items: Vec::new(),
+            }));
+        }
+        // Items of rules in log mode: what they would have rejected is the dry run's to count. With
+        // events on, every item: a rejection becomes an event (the key is only in the plan).
+        let events = self.events.is_some();
+        let logged: Vec<(usize, Arc<Rule>, String)> = plan
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| events || !p.rule.enforced())
+            .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
+            .collect();
+        let answer = match &self.store {
+            Store::Memory(m) => {
+                let outcomes = m.check(&plan);
+                Answer::Ready(Ok(combine(&plan, &outcomes, &[Source::Local])))
+            }
+            Store::Redis(r) => self.check_redis(r, plan),
+        };
+        if logged.is_empty() {
+            return answer;
+        }
+        match answer {
+            Answer::Ready(Ok(d)) => {
+                self.observe(&logged, &d);
+                Answer::Ready(Ok(d))
+            }
+            Answer::Pending(fut) => {
+                let this = self.clone();
+                Answer::Pending(Box::pin(async move {
+                    let r = fut.await;
+                    if let Ok(d) = &r {
+                        this.observe(&logged, d);
+                    }
+                    r
+                }))
+            }
+            other => other,
+        }
+    }
+
+    /// Counts the log-mode items a decision would have rejected, and emits an event for each enforced
+    /// item the limiter rejected and for each would-be rejection the dry run calls news (`mode`
+    /// `log`). Repeats answered from the rejection cache make no event: the key's first rejection
+    /// already said it is blocked until its reset, and a hot abusive key must not flood the stream
+    /// (and Redis) the cache keeps it away from; they are counted in
+    /// `floodgate_checks_total{source="cache"}`.
+    fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
+        if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
+            return;
+        }
+        let now = self.clock.now_ms();
+        for (i, rule, key) in logged {
+            let Some(it) = d.items.get(*i) else { continue };
+            if it.verdict.allowed {
+                continue;
+            }
+            if it.verdict.source == Source::Cache {
+                continue;
+            }
+            // A log-mode rule's would-be rejection is an event when the dry run says it is news
+            // (the key's first since its last report), as an enforced key's repeats are kept off
+            // the stream by the rejection cache.
+            let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
+            if let (Some(events), true) = (&self.events, news) {
+                events.emit(crate::events::Event {
+                    key: key.clone(),
+                    rule: rule.id.clone(),
+                    ts_ms: now,
+                    version: rule.version,
+                    dry_run: !rule.enforced(),
+                });
+            }
+        }
+    }
+
+    /// Log mode's would-be rejections since they were last reported.
+    pub fn dry_run(&self) -> &crate::dryrun::DryRun {
+        &self.dry_run
+    }
+
+    fn plan(&self, check: Check) -> Result<Vec<Planned>, ErrorBody> {
+        let rules = self.rules();
+        let plan: Vec<Planned> = match check {
+            Check::Items(items) => items
+                .into_iter()
+                .map(|item| match rules.get(&item.rule_id) {
+                    Some(rule) => Ok(Planned {
+                        rule: rule.clone(),
+                        key: item.key,
+                        cost: u64::from(item.cost),
+                    }),
+                    None => Err(ErrorBody {
+                        code: ErrorCode::UnknownRule,
+                        message: format!("unknown rule {:?}", item.rule_id),
+                    }),
+                })
+                .collect::<Result<_, _>>()?,
+            Check::Attributes(a) => items_for(&rules, &a)
+                .into_iter()
+                .map(|(rule, key)| Planned {
+                    rule,
+                    key,
+                    cost: u64::from(a.cost),
+                })
+                .collect(),
+        };
+        if plan.len() > MAX_ITEMS {
+            return Err(ErrorBody {
+                code: ErrorCode::InvalidItem,
+                message: format!(
+                    "{} rules matched; at most {MAX_ITEMS} can be checked at once",
+                    plan.len()
+                ),
+            });
+        }
+        for (i, p) in plan.iter().enumerate() {
+            if plan[..i].iter().any(|q| q.rule.id == p.rule.id && q.key == p.key) {
+                return Err(ErrorBody {
+                    code: ErrorCode::InvalidItem,
+                    message: format!("item ({:?}, {:?}) appears twice in one check", p.key, p.rule.id),
+                });
+            }
+        }
+        Ok(plan)
+    }
+}
+
+/// Units taken back from Redis after checks rejected across groups.
+#[derive(Default)]
+pub struct TakenBack {
+    /// Units a take-back was sent for.
+    pub requested: AtomicU64,
+    /// Units taken back.
+    pub done: AtomicU64,
+    /// Units whose take-back failed or timed out (they stay counted until their window ends).
+    pub failed: AtomicU64,
+}
+
+/// An item a check did not look at because another item rejected it: its rule's plain figures.
+fn unseen(rule: &Rule, now: u64) -> Outcome {
+    let limit = display_limit(rule);
+    Outcome {
+        allowed: true,
+        limit,
+        remaining: limit,
+        reset_at_ms: now,
+        retry_after_ms: 0,
+    }
+}
+
+/// The decision from every item's outcome and source.
+fn finish(plan: &[Planned], out: Vec<Option<(Outcome, Source)>>) -> Decision {
+    let now = Clock::System.now_ms();
+    let (outcomes, sources): (Vec<Outcome>, Vec<Source>) = plan
+        .iter()
+        .zip(out)
+        .map(|(p, o)| o.unwrap_or_else(|| (unseen(&p.rule, now), Source::Fallback)))
+        .unzip();
+    combine(plan, &outcomes, &sources)
+}
+
+fn display_limit(rule: &Rule) -> u64 {
+    match rule.algorithm {
+        crate::rules::Algorithm::SlidingWindow => rule.limit.get(),
+        crate::rules::Algorithm::TokenBucket => rule.burst(),
+    }
+}
+
+fn no_rule() -> Verdict {
+    Verdict {
+        allowed: true,
+        log_only: false,
+        source: Source::Local,
+        limit: 0,
+        remaining: 0,
+        reset_at_ms: 0,
+        retry_after_ms: 0,
+    }
+}
+
+/// Per-item verdicts and the combined one: allowed only if every enforced item is; the figures of the
+/// binding item (on a denial the longest retry, else the smallest remaining). `sources` has one
+/// source per item, or one for all.
+pub fn combine(plan: &[Planned], outcomes: &[Outcome], sources: &[Source]) -> Decision {
+    let items: Vec<ItemDecision> = plan
+        .iter()
+        .zip(outcomes)
+        .enumerate()
+        .map(|(i, (p, o))| ItemDecision {
+            rule_id: p.rule.id.clone(),
+            verdict: Verdict {
+                allowed: o.allowed,
+                log_only: !p.rule.enforced(),
+                source: sources
+                    .get(i)
+                    .or(sources.first())
+                    .copied()
+                    .unwrap_or(Source::Local),
+                limit: o.limit,
+                remaining: o.remaining,
+                reset_at_ms: o.reset_at_ms,
+                retry_after_ms: o.retry_after_ms,
+            },
+        })
+        .collect();
+    let enforced = || items.iter().filter(|i| !i.verdict.log_only);
+    let denied = enforced()
+        .filter(|i| !i.verdict.allowed)
+        .max_by_key(|i| i.verdict.retry_after_ms);
+    let binding = denied
+        .or_else(|| enforced().min_by_key(|i| (i.verdict.remaining, i.verdict.limit)))
+        .map(|i| i.verdict);
+    let combined = match binding {
+        Some(v) => v,
+        // Only log-mode items: allowed, with the figures of the tightest of them, marked log-only.
+        None => {
+            let mut v = items
+                .iter()
+                .min_by_key(|i| (i.verdict.remaining, i.verdict.limit))
+                .map(|i| i.verdict)
+                .unwrap_or_else(no_rule);
+            v.allowed = true;
+            v.retry_after_ms = 0;
+            v
+        }
+    };
+    Decision { combined, items }
+}

@@ -1,0 +1,97 @@
+//! The store the fleet shares (Redis): what the engine and the agent's background loops ask of it,
+//! as a trait, so the engine holds no I/O of its own. `floodgate-redis` implements it.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algo::Outcome;
+use crate::batch::{FlushEntry, Learned};
+use crate::guard::LedgerEntry;
+use crate::store::{Planned, StoreError};
+
+/// A boxed future: what the trait's calls return (the engine holds the store as a trait object).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A flush's answers: each chunk of entries sent, with its own result.
+pub type Flushed = Vec<(Vec<FlushEntry>, Result<FlushReply, StoreError>)>;
+
+/// A counter store shared by the fleet. Every call is bounded by the store's own timeout.
+pub trait SharedStore: Send + Sync + 'static {
+    /// The nodes without passwords, for logs.
+    fn describe(&self) -> String;
+    /// How many shards (each with its own breaker).
+    fn shard_count(&self) -> usize;
+    /// Where a client key's counters live.
+    fn route(&self, key: &str) -> Route;
+    /// Checks the items of one check atomically (all or nothing); outcomes in item order. Every item
+    /// has the same route (the engine groups them).
+    fn check(self: Arc<Self>, items: Vec<Planned>) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>>;
+    /// Adds or takes back ledger entries' units.
+    fn adjust(&self, entries: Vec<LedgerEntry>, how: Adjust) -> BoxFuture<'_, Adjusted>;
+    /// Writes batched counts and learns the fleet's; each chunk comes back with its own result.
+    fn flush(&self, entries: Vec<FlushEntry>) -> BoxFuture<'_, Flushed>;
+    /// The breaker's probe of one shard: succeeds only when checks would.
+    fn probe(&self, shard: usize) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Loads the scripts on every shard ahead of the checks.
+    fn preload(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Writes this agent's heartbeat (removes it when `leaving`); answers the live-agent count.
+    fn heartbeat<'a>(
+        &'a self,
+        id: &'a str,
+        ttl: Duration,
+        leaving: bool,
+    ) -> BoxFuture<'a, Result<u64, StoreError>>;
+    /// Whether every shard answers (readiness).
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+}
+
+/// Where an item goes: the shard (whose breaker guards it) and the call group (items one script call
+/// may carry together: a whole node, or on a cluster one hash tag).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Route {
+    /// The shard index.
+    pub shard: usize,
+    /// The call group.
+    pub call: u32,
+}
+
+/// What an adjustment does to the counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Adjust {
+    /// Add units whatever the verdict (what agents admitted locally).
+    Add,
+    /// Take units back (a check consumed them here but was rejected elsewhere).
+    TakeBack,
+}
+
+/// What an adjustment did: units applied, entries to try again (the call failed), and the error.
+#[derive(Debug, Default)]
+pub struct Adjusted {
+    /// Units applied by calls that succeeded.
+    pub units: u64,
+    /// Entries of calls that failed surely (not applied): try them again later.
+    pub retry: Vec<LedgerEntry>,
+    /// Units of calls that timed out: they may or may not have been applied, and are not retried
+    /// (counting them twice would be worse).
+    pub unknown: u64,
+    /// Units that landed past their rule's limit (adds only; also counted in the metrics).
+    pub over: u64,
+    /// The last error.
+    pub error: Option<StoreError>,
+}
+
+/// A flush call's answer: Redis's clock, and what each entry learned.
+#[derive(Debug, Clone)]
+pub struct FlushReply {
+    /// Redis `TIME` in ms when the call ran.
+    pub now_ms: u64,
+    /// Local clock (ms) when the call was sent and when it was answered: Redis's clock was read in
+    /// between, which is what the clock offset is learned from.
+    pub sent_ms: u64,
+    /// See `sent_ms`.
+    pub answered_ms: u64,
+    /// Per entry, in order.
+    pub learned: Vec<Learned>,
+}

@@ -1,0 +1,21 @@
+//! Redis as the fleet's shared counter store: the [`SharedStore`](floodgate_core::shared::SharedStore)
+//! the agent's engine asks, and the rejection events' stream writer.
+//!
+//! # Map
+//! - [`store`]: [`RedisStore`]: one atomic Lua script call per check (per shard), EVALSHA with a
+//!   reload on NOSCRIPT, bounded timeouts, errors classified for the rule's fail mode; flushes of
+//!   batched counts, adjustments (write-back, take-back), probes and heartbeats; `store/coalesce.rs`:
+//!   checks that arrive together for one call group share a script call.
+//! - [`shards`]: independent nodes, a Redis Cluster or a Sentinel-named master; TLS and AUTH.
+//! - `sentinel`: the master the sentinels name, asked again after a failed call.
+//! - [`events`]: the rejection events' writer (`XADD … MAXLEN ~`).
+
+pub mod events;
+mod sentinel;
+pub mod shards;
+pub mod store;
+
+pub use store::{
+    RedisConfig, RedisStore, ADJUST_CHUNK, AGENTS_KEY, CHECK_LUA, DEFAULT_COALESCE, FLUSH_CHUNK, FLUSH_LUA,
+    HEARTBEAT_LUA,
+};

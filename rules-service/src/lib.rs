@@ -1,0 +1,14 @@
+//! Floodgate's rules service and the HTTP client that reaches it.
+//!
+//! # Map
+//! - [`service`]: the API (`PUT/GET/DELETE /v1/rules`, watches, dry-run reports, tokens, audit).
+//! - [`store`]: the rules store over SQLite or PostgreSQL (versions, migrations, the audit log).
+//! - [`server`]: `floodgate rules-server`: the API served until shutdown, over HTTP or TLS.
+//! - [`http`]: the client agents and the CLI use (reqwest over rustls), and the server's TLS settings.
+
+pub mod http;
+pub mod server;
+pub mod service;
+pub mod store;
+
+pub use server::{run, ServeOptions};
