@@ -18,6 +18,7 @@
 //!   path with metrics and events on vs off).
 //! - `grpc`: issue 12's figure (Envoy's ShouldRateLimit over gRPC vs the frames protocol).
 //! - `sdk`: the Rust SDK against a running agent (the Python and Node SDK benchmarks' baseline).
+//! - `instructions`: issue 14's instructions per check under callgrind, and where they go.
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
@@ -26,6 +27,7 @@ mod echo;
 mod fleet;
 mod gateway;
 mod grpc;
+mod instructions;
 mod open;
 mod propagation;
 mod report;
@@ -221,6 +223,23 @@ enum Command {
         #[arg(long, default_value = "target/bench/sdk.json")]
         json: PathBuf,
     },
+    /// Instructions per check under callgrind (in-memory, Redis sync, cache hit) and where they go:
+    /// each scenario's agent runs twice (n and 2n checks after the same warm-up); the difference is n
+    /// checks' worth.
+    Instructions {
+        /// n: checks of the shorter run.
+        #[arg(long, default_value_t = 20_000)]
+        checks: u64,
+        /// Only the scenarios whose name contains this.
+        #[arg(long, default_value = "")]
+        only: String,
+        /// Where callgrind's files go.
+        #[arg(long, default_value_os_t = instructions::default_dir())]
+        dir: PathBuf,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/instructions.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -394,6 +413,15 @@ fn main() -> anyhow::Result<()> {
         }
         Some(Command::Placement { keys, nodes, json }) => {
             let rows: Vec<_> = nodes.iter().map(|&n| fleet::placement(keys, n)).collect();
+            write_json(&json, &rows)
+        }
+        Some(Command::Instructions {
+            checks,
+            only,
+            dir,
+            json,
+        }) => {
+            let rows = runtime.block_on(instructions::run(checks, &only, &dir))?;
             write_json(&json, &rows)
         }
         Some(Command::Memory { keys, json }) => {

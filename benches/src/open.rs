@@ -58,7 +58,7 @@ pub fn drive(
                 }
                 out.clear();
                 while i < total && t0 + intended(i) <= now {
-                    check_frame((i + 1) as u32, key(i), &mut out);
+                    check_frame((i + 1) as u32, key(i), "bench", &mut out);
                     i += 1;
                 }
                 writer.write_all(&out)?;

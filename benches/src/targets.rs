@@ -61,20 +61,26 @@ impl Target {
     }
 }
 
-/// The check frame for key number `k` (what the SDK sends for `allow("user:k", "bench", 1)`).
-pub fn check_frame(id: u32, k: usize, out: &mut Vec<u8>) {
+/// The check frame for key number `k` (what the SDK sends for `allow("user:k", rule, 1)`).
+pub fn check_frame(id: u32, k: usize, rule: &str, out: &mut Vec<u8>) {
     Frame::new(
         id,
-        Body::Check(Check::Items(vec![Item::new(format!("user:{k}"), "bench", 1)])),
+        Body::Check(Check::Items(vec![Item::new(format!("user:{k}"), rule, 1)])),
     )
     .encode(out)
     .expect("a valid bench frame");
 }
 
 impl Conn {
-    /// Sends `keys.len()` checks at once and waits for all their answers; returns how many of them
-    /// the agent answered from its fail mode (source `fallback`: the store was late or away).
+    /// Sends `keys.len()` checks of the `bench` rule at once and waits for all their answers; returns
+    /// how many of them the agent answered from its fail mode (source `fallback`: the store was late
+    /// or away).
     pub async fn round_trip(&mut self, keys: &[usize]) -> anyhow::Result<u64> {
+        self.round_trip_on("bench", keys).await
+    }
+
+    /// [`round_trip`](Self::round_trip) with checks of `rule` (bare EVALSHA always runs `bench`'s).
+    pub async fn round_trip_on(&mut self, rule: &str, keys: &[usize]) -> anyhow::Result<u64> {
         match self {
             Conn::Uds {
                 stream,
@@ -84,7 +90,7 @@ impl Conn {
             } => {
                 out.clear();
                 for &k in keys {
-                    check_frame(*next_id, k, out);
+                    check_frame(*next_id, k, rule, out);
                     *next_id = next_id.wrapping_add(1).max(1);
                 }
                 stream.write_all(out).await?;

@@ -51,6 +51,8 @@ pub struct AgentBuilder {
     yaml: bool,
     socket: Option<PathBuf>,
     args: Vec<String>,
+    wrapper: Vec<String>,
+    ready_within: Option<Duration>,
 }
 
 impl AgentBuilder {
@@ -91,6 +93,19 @@ impl AgentBuilder {
         self
     }
 
+    /// Runs the agent under this command (e.g. `valgrind --tool=callgrind`), which gets the binary
+    /// and its arguments after its own.
+    pub fn under(mut self, wrapper: &[&str]) -> Self {
+        self.wrapper = wrapper.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    /// How long [`start`](Self::start) waits for the socket (default 10 s; longer under a wrapper).
+    pub fn ready_within(mut self, d: Duration) -> Self {
+        self.ready_within = Some(d);
+        self
+    }
+
     /// Spawns the agent without waiting for it (for tests that expect it to fail).
     pub fn spawn(self) -> Agent {
         let dir = tempfile::tempdir().expect("temp dir");
@@ -99,7 +114,14 @@ impl AgentBuilder {
             .clone()
             .unwrap_or_else(|| dir.path().join("agent.sock"));
         let log = dir.path().join("agent.log");
-        let mut cmd = Command::new(floodgate_bin());
+        let mut cmd = match self.wrapper.split_first() {
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(floodgate_bin());
+                c
+            }
+            None => Command::new(floodgate_bin()),
+        };
         cmd.arg("agent")
             .arg("--socket")
             .arg(&socket)
@@ -144,6 +166,7 @@ impl AgentBuilder {
             child: Some(child),
             socket,
             log,
+            ready_within: self.ready_within.unwrap_or(Duration::from_secs(10)),
             _dir: dir,
         }
     }
@@ -166,6 +189,7 @@ pub struct Agent {
     child: Option<Child>,
     socket: PathBuf,
     log: PathBuf,
+    ready_within: Duration,
     _dir: tempfile::TempDir,
 }
 
@@ -216,9 +240,9 @@ impl Agent {
     }
 
     /// Waits until the socket accepts connections and the agent has logged its start (panics after
-    /// 10 s, showing the log).
+    /// 10 s, or the builder's `ready_within`, showing the log).
     pub async fn wait_ready(&mut self) {
-        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let deadline = std::time::Instant::now() + self.ready_within;
         loop {
             if tokio::net::UnixStream::connect(&self.socket).await.is_ok()
                 && self.log().contains("rules loaded")
@@ -230,7 +254,8 @@ impl Agent {
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "agent not ready in 10 s; log:\n{}",
+                "agent not ready in {:?}; log:\n{}",
+                self.ready_within,
                 self.log()
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -239,8 +264,13 @@ impl Agent {
 
     /// Waits for the process to exit and returns its exit code (panics after 10 s).
     pub async fn wait_exit(&mut self) -> Option<i32> {
+        self.wait_exit_within(Duration::from_secs(10)).await
+    }
+
+    /// Waits up to `limit` for the process to exit and returns its exit code (panics past it).
+    pub async fn wait_exit_within(&mut self, limit: Duration) -> Option<i32> {
         let child = self.child.as_mut()?;
-        let status = eventually("the agent exits", Duration::from_secs(10), || {
+        let status = eventually("the agent exits", limit, || {
             let s = child.try_wait().ok().flatten();
             async move { s }
         })
@@ -251,10 +281,15 @@ impl Agent {
 
     /// Sends SIGTERM and waits for a clean exit.
     pub async fn terminate(&mut self) -> Option<i32> {
+        self.terminate_within(Duration::from_secs(10)).await
+    }
+
+    /// Sends SIGTERM and waits up to `limit` for a clean exit.
+    pub async fn terminate_within(&mut self, limit: Duration) -> Option<i32> {
         if let Some(pid) = self.pid() {
             crate::signal(pid, 15);
         }
-        self.wait_exit().await
+        self.wait_exit_within(limit).await
     }
 
     /// Kills with SIGKILL (leaves its socket file behind, like a crash).

@@ -1,0 +1,322 @@
+//! Instructions per check, counted by callgrind: repeatable where seconds on this shared VM are not.
+//!
+//! Each scenario starts an agent under `valgrind --tool=callgrind` twice, drives it with `n` checks
+//! the first time and `2n` the second (after the same warm-up both times), stops it with SIGTERM so
+//! callgrind writes its counts, and takes the difference: startup, warm-up and shutdown cancel, and
+//! what is left is `n` checks' worth. Per function, the same difference of self (exclusive) counts
+//! says where a check's instructions go; functions are grouped by crate into the categories the
+//! issue asks about (redis-rs, tokio's timers, tasks and I/O, allocation, formatting, the agent's
+//! own code).
+//!
+//! What callgrind does not count: the kernel's side of every syscall (a socket read or write, an
+//! epoll wait), which the /proc CPU figures of the other benchmarks include. The background loops
+//! (flush tick, heartbeat) run for longer in the `2n` run and are counted in the difference; they
+//! cost a few thousand instructions per 5 ms tick, small against `n` checks.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use floodgate_tests::{Agent, RedisServer};
+use serde::Serialize;
+
+use crate::targets::Target;
+
+/// Rules of the scenarios: `bench` never rejects; `tight` rejects a key's second check for 10 minutes.
+const RULES: &str = r#"{"rules":[
+ {"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60},
+ {"id":"tight","dimension":"user","limit":1,"windowSeconds":600}
+]}"#;
+
+/// One path measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Scenario {
+    /// Its name in the report.
+    pub name: &'static str,
+    /// On Redis (else the embedded store).
+    pub redis: bool,
+    /// The rule checked.
+    pub rule: &'static str,
+    /// Connections.
+    pub clients: usize,
+    /// Checks in flight per connection.
+    pub in_flight: usize,
+    /// Distinct keys the checks cycle through.
+    pub keys: usize,
+}
+
+/// The scenarios issue 14 asks for: in-memory (one in flight and pipelined), Redis sync at 16 and 64
+/// in flight, and a rejection answered from the cache.
+pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "memory, 16 clients × 1",
+        redis: false,
+        rule: "bench",
+        clients: 16,
+        in_flight: 1,
+        keys: 10_000,
+    },
+    Scenario {
+        name: "memory, 16 clients × 64 pipelined",
+        redis: false,
+        rule: "bench",
+        clients: 16,
+        in_flight: 64,
+        keys: 10_000,
+    },
+    Scenario {
+        name: "redis sync, 16 clients × 1",
+        redis: true,
+        rule: "bench",
+        clients: 16,
+        in_flight: 1,
+        keys: 10_000,
+    },
+    Scenario {
+        name: "redis sync, 64 clients × 1",
+        redis: true,
+        rule: "bench",
+        clients: 64,
+        in_flight: 1,
+        keys: 10_000,
+    },
+    Scenario {
+        name: "redis, cache hit, 16 clients × 1",
+        redis: true,
+        rule: "tight",
+        clients: 16,
+        in_flight: 1,
+        keys: 100,
+    },
+];
+
+/// One scenario's counts.
+#[derive(Debug, Serialize)]
+pub struct Counted {
+    /// The scenario.
+    pub scenario: String,
+    /// Checks the difference is made of.
+    pub checks: u64,
+    /// Instructions per check (all of the agent's threads).
+    pub per_check: f64,
+    /// Per category: instructions per check, largest first.
+    pub categories: Vec<(String, f64)>,
+    /// The functions with the most self instructions per check.
+    pub top: Vec<(String, f64)>,
+}
+
+/// Counts every scenario whose name contains `only` (all when empty).
+pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<Counted>> {
+    std::fs::create_dir_all(out_dir)?;
+    let redis = RedisServer::start();
+    let mut all = Vec::new();
+    for s in SCENARIOS.iter().filter(|s| s.name.contains(only)) {
+        let mut profiles = Vec::new();
+        for (i, n) in [checks, 2 * checks].into_iter().enumerate() {
+            let file = out_dir.join(format!("callgrind.{}.{i}.out", slug(s.name)));
+            let _ = std::fs::remove_file(&file);
+            measure(s, &redis, n, &file).await?;
+            profiles.push(profile(&file)?);
+        }
+        let total = |p: &HashMap<String, u64>| p.get(TOTAL).copied().unwrap_or(0);
+        let diff = total(&profiles[1]).saturating_sub(total(&profiles[0]));
+        let per = |x: i128| x as f64 / checks as f64;
+        let mut deltas: Vec<(String, f64)> = profiles[1]
+            .iter()
+            .filter(|(f, _)| f.as_str() != TOTAL)
+            .map(|(f, &v)| {
+                (
+                    f.clone(),
+                    per(v as i128 - *profiles[0].get(f).unwrap_or(&0) as i128),
+                )
+            })
+            .collect();
+        deltas.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let mut cats: HashMap<&'static str, f64> = HashMap::new();
+        for (f, v) in &deltas {
+            *cats.entry(category(f)).or_default() += v;
+        }
+        let mut categories: Vec<(String, f64)> = cats.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
+        categories.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let counted = Counted {
+            scenario: s.name.into(),
+            checks,
+            per_check: per(diff as i128),
+            categories,
+            top: deltas.into_iter().take(25).collect(),
+        };
+        print(&counted);
+        all.push(counted);
+    }
+    Ok(all)
+}
+
+/// One agent under callgrind: warm-up, `n` checks, SIGTERM; the counts land in `file`.
+async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<()> {
+    let out = format!("--callgrind-out-file={}", file.display());
+    let mut b = Agent::builder()
+        .rules(RULES)
+        .under(&["valgrind", "--tool=callgrind", "--quiet", &out])
+        .ready_within(Duration::from_secs(120));
+    if s.redis {
+        // Everything runs ~50× slower under callgrind: a patient store timeout keeps every check on
+        // the path measured instead of the fail mode's.
+        b = b
+            .redis(&redis.url())
+            .arg("--redis-timeout-ms")
+            .arg("5000")
+            .arg("--breaker-min-streak-ms")
+            .arg("60000");
+    }
+    let mut agent = b.start().await;
+    let target = Target::Agent(agent.socket().to_path_buf());
+    let per_client = (n / s.clients as u64).max(1);
+    let warm = (2 * s.keys as u64 / s.clients as u64).max(s.in_flight as u64 * 4);
+    let tasks: Vec<_> = (0..s.clients)
+        .map(|c| {
+            let (target, s) = (target.clone(), *s);
+            tokio::spawn(async move {
+                let mut conn = target.connect().await?;
+                let mut k = c;
+                let mut batch = Vec::with_capacity(s.in_flight);
+                let mut fallbacks = 0;
+                for phase in [warm, per_client] {
+                    let mut sent = 0;
+                    while sent < phase {
+                        batch.clear();
+                        for _ in 0..s.in_flight.min((phase - sent) as usize) {
+                            batch.push(k % s.keys);
+                            k += s.clients;
+                        }
+                        sent += batch.len() as u64;
+                        let f = conn.round_trip_on(s.rule, &batch).await?;
+                        if phase == per_client {
+                            fallbacks += f;
+                        }
+                    }
+                }
+                anyhow::Ok(fallbacks)
+            })
+        })
+        .collect();
+    let mut fallbacks = 0;
+    for t in tasks {
+        fallbacks += t.await??;
+    }
+    if fallbacks > 0 {
+        bail!("{fallbacks} checks answered by the fail mode: not the path measured");
+    }
+    agent.terminate_within(Duration::from_secs(120)).await;
+    if !file.exists() {
+        bail!(
+            "callgrind wrote no {}; agent log:\n{}",
+            file.display(),
+            agent.log()
+        );
+    }
+    Ok(())
+}
+
+const TOTAL: &str = "PROGRAM TOTALS";
+
+/// Self instructions per function (and the program's total) from `callgrind_annotate`.
+fn profile(file: &Path) -> anyhow::Result<HashMap<String, u64>> {
+    let out = Command::new("callgrind_annotate")
+        .args(["--threshold=100", "--auto=no", "--show-percs=no"])
+        .arg(file)
+        .output()
+        .context("callgrind_annotate (valgrind)")?;
+    if !out.status.success() {
+        bail!(
+            "callgrind_annotate failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut map = HashMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let line = line.trim_start();
+        let Some((count, rest)) = line.split_once(char::is_whitespace) else {
+            continue;
+        };
+        let Ok(count) = count.replace(',', "").parse::<u64>() else {
+            continue;
+        };
+        let name = rest.trim();
+        // `file:function [object]`: the function (with its object when the file is unknown).
+        let name = name.split_once(':').map_or(name, |(_, f)| f).trim().to_string();
+        *map.entry(name).or_insert(0) += count;
+    }
+    Ok(map)
+}
+
+/// The category a function's self instructions count under.
+fn category(f: &str) -> &'static str {
+    let has = |p: &str| f.contains(p);
+    if has("malloc") || has("free") || has("realloc") || has("calloc") || has("alloc::alloc") {
+        "allocation (malloc/free)"
+    } else if has("memcpy") || has("memmove") || has("memset") || has("memcmp") {
+        "memcpy/memmove/memset"
+    } else if has("redis::") || has("<redis") {
+        "redis-rs (commands, parser, multiplexer)"
+    } else if has("tokio::runtime::time") || has("tokio::time") {
+        "tokio timers"
+    } else if has("tokio::runtime::task") || has("tokio::runtime::scheduler") || has("tokio::sync") {
+        "tokio tasks, scheduler, channels"
+    } else if has("tokio::") || has("mio::") {
+        "tokio I/O and other"
+    } else if has("core::fmt") || has("alloc::fmt") || has("alloc::string") {
+        "formatting, String"
+    } else if has("floodgate_protocol") {
+        "floodgate-protocol (decode, encode)"
+    } else if has("floodgate_core") {
+        "floodgate-core (engine, rules, cache, memory store)"
+    } else if has("floodgate_redis") {
+        "floodgate-redis (store, coalescer, shards)"
+    } else if has("floodgate_agent") {
+        "floodgate-agent (connection loop)"
+    } else if has("metrics") {
+        "metrics"
+    } else if has("futures_util") || has("futures::") {
+        "futures (join_all, FuturesUnordered)"
+    } else if has("hashbrown") || has("dashmap") || has("core::hash") || has("std::hash") {
+        "hashing, hash maps"
+    } else if has("syscall") || has("libc") || has("pthread") || has("epoll") || has("__GI") {
+        "libc (syscall wrappers, locks)"
+    } else {
+        "other"
+    }
+}
+
+fn print(c: &Counted) {
+    println!(
+        "\n{}: {:.0} instructions per check ({} checks)",
+        c.scenario, c.per_check, c.checks
+    );
+    for (k, v) in &c.categories {
+        if v.abs() >= 1.0 {
+            println!("  {v:>9.0}  {k}");
+        }
+    }
+    println!("  top functions (self):");
+    for (f, v) in c.top.iter().take(15) {
+        let f: String = f.chars().take(110).collect();
+        println!("  {v:>9.0}  {f}");
+    }
+}
+
+fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+        .collect::<String>()
+        .split('-')
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+/// Where the callgrind files go by default.
+pub fn default_dir() -> PathBuf {
+    PathBuf::from("target/bench/callgrind")
+}
