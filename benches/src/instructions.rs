@@ -1,17 +1,17 @@
 //! Instructions per check, counted by callgrind: repeatable where seconds on this shared VM are not.
 //!
-//! Each scenario starts an agent under `valgrind --tool=callgrind` twice, drives it with `n` checks
-//! the first time and `2n` the second (after the same warm-up both times), stops it with SIGTERM so
-//! callgrind writes its counts, and takes the difference: startup, warm-up and shutdown cancel, and
-//! what is left is `n` checks' worth. Per function, the same difference of self (exclusive) counts
-//! says where a check's instructions go; functions are grouped by crate into the categories the
-//! issue asks about (redis-rs, tokio's timers, tasks and I/O, allocation, formatting, the agent's
-//! own code).
+//! Each scenario starts an agent under `valgrind --tool=callgrind`, warms it up (connections, the
+//! script cache, every key seen once), zeroes the counts (`callgrind_control -z`), drives `n` checks,
+//! and dumps the counts (`callgrind_control -d`): startup, warm-up and shutdown are left out, and
+//! what is counted is `n` checks' worth. Per function, the self (exclusive) counts say where a
+//! check's instructions go; functions are grouped by crate into the categories the issue asks about
+//! (redis-rs, tokio's timers, tasks and I/O, allocation, formatting, the agent's own code).
 //!
 //! What callgrind does not count: the kernel's side of every syscall (a socket read or write, an
 //! epoll wait), which the /proc CPU figures of the other benchmarks include. The background loops
 //! (flush tick, heartbeat) run for longer in the `2n` run and are counted in the difference; they
-//! cost a few thousand instructions per 5 ms tick, small against `n` checks.
+//! cost a few thousand instructions per 5 ms tick, small against `n` checks (and counted: they are
+//! part of what the agent spends).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -22,7 +22,7 @@ use anyhow::{bail, Context};
 use floodgate_tests::{Agent, RedisServer};
 use serde::Serialize;
 
-use crate::targets::Target;
+use crate::targets::{Conn, Target};
 
 /// Rules of the scenarios: `bench` never rejects; `tight` rejects a key's second check for 10 minutes.
 const RULES: &str = r#"{"rules":[
@@ -97,10 +97,12 @@ pub const SCENARIOS: &[Scenario] = &[
 pub struct Counted {
     /// The scenario.
     pub scenario: String,
-    /// Checks the difference is made of.
+    /// Checks counted.
     pub checks: u64,
     /// Instructions per check (all of the agent's threads).
     pub per_check: f64,
+    /// The share of the total the functions listed add up to (≈ 1: nothing double-counted or lost).
+    pub coverage: f64,
     /// Per category: instructions per check, largest first.
     pub categories: Vec<(String, f64)>,
     /// The functions with the most self instructions per check.
@@ -113,39 +115,35 @@ pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<
     let redis = RedisServer::start();
     let mut all = Vec::new();
     for s in SCENARIOS.iter().filter(|s| s.name.contains(only)) {
-        let mut profiles = Vec::new();
-        for (i, n) in [checks, 2 * checks].into_iter().enumerate() {
-            let file = out_dir.join(format!("callgrind.{}.{i}.out", slug(s.name)));
-            let _ = std::fs::remove_file(&file);
-            measure(s, &redis, n, &file).await?;
-            profiles.push(profile(&file)?);
-        }
-        let total = |p: &HashMap<String, u64>| p.get(TOTAL).copied().unwrap_or(0);
-        let diff = total(&profiles[1]).saturating_sub(total(&profiles[0]));
-        let per = |x: i128| x as f64 / checks as f64;
-        let mut deltas: Vec<(String, f64)> = profiles[1]
+        let file = out_dir.join(format!("callgrind.{}.out", slug(s.name)));
+        let dumped = measure(s, &redis, checks, &file).await?;
+        let counts = profile(&dumped)?;
+        let per = |x: u64| x as f64 / checks as f64;
+        let mut functions: Vec<(String, f64)> = counts
             .iter()
             .filter(|(f, _)| f.as_str() != TOTAL)
-            .map(|(f, &v)| {
-                (
-                    f.clone(),
-                    per(v as i128 - *profiles[0].get(f).unwrap_or(&0) as i128),
-                )
-            })
+            .map(|(f, &v)| (f.clone(), per(v)))
             .collect();
-        deltas.sort_by(|a, b| b.1.total_cmp(&a.1));
+        functions.sort_by(|a, b| b.1.total_cmp(&a.1));
         let mut cats: HashMap<&'static str, f64> = HashMap::new();
-        for (f, v) in &deltas {
+        for (f, v) in &functions {
             *cats.entry(category(f)).or_default() += v;
         }
         let mut categories: Vec<(String, f64)> = cats.into_iter().map(|(k, v)| (k.to_string(), v)).collect();
         categories.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let total = counts.get(TOTAL).copied().unwrap_or(0);
+        let listed: u64 = counts
+            .iter()
+            .filter(|(f, _)| f.as_str() != TOTAL)
+            .map(|(_, c)| c)
+            .sum();
         let counted = Counted {
             scenario: s.name.into(),
             checks,
-            per_check: per(diff as i128),
+            per_check: per(total),
+            coverage: listed as f64 / total.max(1) as f64,
             categories,
-            top: deltas.into_iter().take(25).collect(),
+            top: functions.into_iter().take(25).collect(),
         };
         print(&counted);
         all.push(counted);
@@ -153,8 +151,8 @@ pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<
     Ok(all)
 }
 
-/// One agent under callgrind: warm-up, `n` checks, SIGTERM; the counts land in `file`.
-async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<()> {
+/// One agent under callgrind: warm-up, zero, `n` checks, dump; returns the dump's path.
+async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<PathBuf> {
     let out = format!("--callgrind-out-file={}", file.display());
     let mut b = Agent::builder()
         .rules(RULES)
@@ -172,48 +170,74 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
     }
     let mut agent = b.start().await;
     let target = Target::Agent(agent.socket().to_path_buf());
-    let per_client = (n / s.clients as u64).max(1);
-    let warm = (2 * s.keys as u64 / s.clients as u64).max(s.in_flight as u64 * 4);
-    let tasks: Vec<_> = (0..s.clients)
-        .map(|c| {
-            let (target, s) = (target.clone(), *s);
-            tokio::spawn(async move {
-                let mut conn = target.connect().await?;
-                let mut k = c;
-                let mut batch = Vec::with_capacity(s.in_flight);
-                let mut fallbacks = 0;
-                for phase in [warm, per_client] {
-                    let mut sent = 0;
-                    while sent < phase {
-                        batch.clear();
-                        for _ in 0..s.in_flight.min((phase - sent) as usize) {
-                            batch.push(k % s.keys);
-                            k += s.clients;
-                        }
-                        sent += batch.len() as u64;
-                        let f = conn.round_trip_on(s.rule, &batch).await?;
-                        if phase == per_client {
-                            fallbacks += f;
-                        }
-                    }
-                }
-                anyhow::Ok(fallbacks)
-            })
-        })
-        .collect();
-    let mut fallbacks = 0;
-    for t in tasks {
-        fallbacks += t.await??;
+    let pid = agent.pid().context("agent pid")?.to_string();
+    let mut conns = Vec::new();
+    for _ in 0..s.clients {
+        conns.push(target.connect().await?);
     }
+    // Every key seen once (a cache-hit scenario's keys rejected and cached), every connection used.
+    let warm = (2 * s.keys as u64 / s.clients as u64).max(s.in_flight as u64 * 4);
+    conns = drive(s, conns, warm).await?.0;
+    callgrind_control(&["-z", &pid])?;
+    let (_, fallbacks) = drive(s, conns, (n / s.clients as u64).max(1)).await?;
+    callgrind_control(&["-d", &pid])?;
     if fallbacks > 0 {
         bail!("{fallbacks} checks answered by the fail mode: not the path measured");
     }
     agent.terminate_within(Duration::from_secs(120)).await;
-    if !file.exists() {
+    let dumped = PathBuf::from(format!("{}.1", file.display()));
+    if !dumped.exists() {
         bail!(
             "callgrind wrote no {}; agent log:\n{}",
-            file.display(),
+            dumped.display(),
             agent.log()
+        );
+    }
+    Ok(dumped)
+}
+
+/// `per_client` checks on every connection at once, `in_flight` at a time, keys cycling; returns the
+/// connections and how many answers came from the fail mode.
+async fn drive(s: &Scenario, conns: Vec<Conn>, per_client: u64) -> anyhow::Result<(Vec<Conn>, u64)> {
+    let tasks: Vec<_> = conns
+        .into_iter()
+        .enumerate()
+        .map(|(c, mut conn)| {
+            let s = *s;
+            tokio::spawn(async move {
+                let (mut k, mut sent, mut fallbacks) = (c, 0, 0);
+                let mut batch = Vec::with_capacity(s.in_flight);
+                while sent < per_client {
+                    batch.clear();
+                    for _ in 0..s.in_flight.min((per_client - sent) as usize) {
+                        batch.push(k % s.keys);
+                        k += s.clients;
+                    }
+                    sent += batch.len() as u64;
+                    fallbacks += conn.round_trip_on(s.rule, &batch).await?;
+                }
+                anyhow::Ok((conn, fallbacks))
+            })
+        })
+        .collect();
+    let mut out = (Vec::new(), 0);
+    for t in tasks {
+        let (conn, f) = t.await??;
+        out.0.push(conn);
+        out.1 += f;
+    }
+    Ok(out)
+}
+
+fn callgrind_control(args: &[&str]) -> anyhow::Result<()> {
+    let out = Command::new("callgrind_control")
+        .args(args)
+        .output()
+        .context("callgrind_control (valgrind)")?;
+    if !out.status.success() {
+        bail!(
+            "callgrind_control {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
         );
     }
     Ok(())
@@ -245,9 +269,14 @@ fn profile(file: &Path) -> anyhow::Result<HashMap<String, u64>> {
         };
         let name = rest.trim();
         // `file:function [object]`: the function (with its object when the file is unknown).
-        let name = name.split_once(':').map_or(name, |(_, f)| f).trim().to_string();
+        let name = name.split_once(':').map_or(name, |(_, f)| f);
+        let name = name.split(" [").next().unwrap_or(name).trim().to_string();
         *map.entry(name).or_insert(0) += count;
     }
+    // A dump taken mid-run lists the frames still on a thread's stack (thread start, the runtime's
+    // worker loop) with the whole total as their own: they are not where anything is spent.
+    let total = map.get(TOTAL).copied().unwrap_or(0);
+    map.retain(|f, c| f == TOTAL || *c < total / 2);
     Ok(map)
 }
 
@@ -258,7 +287,7 @@ fn category(f: &str) -> &'static str {
         "allocation (malloc/free)"
     } else if has("memcpy") || has("memmove") || has("memset") || has("memcmp") {
         "memcpy/memmove/memset"
-    } else if has("redis::") || has("<redis") {
+    } else if has("redis::") || has("<redis") || has("combine::") {
         "redis-rs (commands, parser, multiplexer)"
     } else if has("tokio::runtime::time") || has("tokio::time") {
         "tokio timers"
@@ -266,8 +295,8 @@ fn category(f: &str) -> &'static str {
         "tokio tasks, scheduler, channels"
     } else if has("tokio::") || has("mio::") {
         "tokio I/O and other"
-    } else if has("core::fmt") || has("alloc::fmt") || has("alloc::string") {
-        "formatting, String"
+    } else if has("core::fmt") || has("alloc::fmt") || has("alloc::string") || has("itoa") {
+        "formatting (fmt, itoa), String"
     } else if has("floodgate_protocol") {
         "floodgate-protocol (decode, encode)"
     } else if has("floodgate_core") {
@@ -278,6 +307,8 @@ fn category(f: &str) -> &'static str {
         "floodgate-agent (connection loop)"
     } else if has("metrics") {
         "metrics"
+    } else if has("str::converts::from_utf8") {
+        "UTF-8 validation (frames, RESP replies)"
     } else if has("futures_util") || has("futures::") {
         "futures (join_all, FuturesUnordered)"
     } else if has("hashbrown") || has("dashmap") || has("core::hash") || has("std::hash") {
@@ -291,8 +322,11 @@ fn category(f: &str) -> &'static str {
 
 fn print(c: &Counted) {
     println!(
-        "\n{}: {:.0} instructions per check ({} checks)",
-        c.scenario, c.per_check, c.checks
+        "\n{}: {:.0} instructions per check ({} checks; functions listed cover {:.1} %)",
+        c.scenario,
+        c.per_check,
+        c.checks,
+        100.0 * c.coverage
     );
     for (k, v) in &c.categories {
         if v.abs() >= 1.0 {

@@ -123,15 +123,34 @@ pub fn check_error() {
     }
 }
 
+/// Per shard, the handles of its `floodgate_redis_calls_total` and `floodgate_redis_errors_total`
+/// series: made once, so a call does not format its shard label and look the series up again.
+static REDIS_CALLS: OnceLock<std::sync::RwLock<Vec<[metrics::Counter; 2]>>> = OnceLock::new();
+
 /// A Redis call to `shard` ended.
 pub fn redis_call(shard: usize, ok: bool) {
     if !on() {
         return;
     }
-    counter!("floodgate_redis_calls_total", "shard" => shard.to_string()).increment(1);
-    if !ok {
-        counter!("floodgate_redis_errors_total", "shard" => shard.to_string()).increment(1);
+    let calls = REDIS_CALLS.get_or_init(Default::default);
+    let count = |c: &[metrics::Counter; 2]| {
+        c[0].increment(1);
+        if !ok {
+            c[1].increment(1);
+        }
+    };
+    if let Some(c) = calls.read().unwrap_or_else(|e| e.into_inner()).get(shard) {
+        return count(c);
     }
+    let mut all = calls.write().unwrap_or_else(|e| e.into_inner());
+    while all.len() <= shard {
+        let label = all.len().to_string();
+        all.push([
+            counter!("floodgate_redis_calls_total", "shard" => label.clone()),
+            counter!("floodgate_redis_errors_total", "shard" => label),
+        ]);
+    }
+    count(&all[shard]);
 }
 
 /// A flush call carried `entries` entries.

@@ -161,7 +161,19 @@ impl Engine {
                 let items: Vec<Planned> = g.items.iter().map(|&i| plan[i].clone()).collect();
                 r.clone().check(items)
             });
-        let mut results = futures::future::join_all(calls).await.into_iter();
+        // One call (the common case: one client key per check) is awaited as it is, without
+        // join_all's bookkeeping.
+        let results = match groups.len() {
+            1 => {
+                let mut calls = calls;
+                match calls.next() {
+                    Some(call) => vec![call.await],
+                    None => Vec::new(),
+                }
+            }
+            _ => futures::future::join_all(calls).await,
+        };
+        let mut results = results.into_iter();
         // Items left to the fallback, and whether its admissions are Redis's to learn (a timed-out
         // script may still have run: admit locally but do not write it back, or it counts twice).
         let mut degraded: Vec<(usize, bool)> = Vec::new();

@@ -65,11 +65,30 @@ impl Layout {
     /// the client's own hash (`fg:{7}:login/k/ip:1.2.3.4`). Rule ids cannot contain `/`, so names
     /// never collide.
     pub fn state_key(&self, rule: &Rule, key: &str) -> String {
+        let mut out = String::new();
+        self.write_state_key(&mut out, rule, key);
+        out
+    }
+
+    /// [`state_key`](Self::state_key) appended to `out`: a caller building many keys reuses one
+    /// buffer instead of formatting a new `String` for each.
+    pub fn write_state_key(&self, out: &mut String, rule: &Rule, key: &str) {
         let bucket = self.bucket(key);
         let tag = bucket % self.tags;
+        let mut digits = itoa::Buffer::new();
+        out.push_str("fg:{");
+        out.push_str(digits.format(tag));
+        out.push_str("}:");
+        out.push_str(&rule.id);
         match rule.algorithm {
-            Algorithm::SlidingWindow => format!("fg:{{{tag}}}:{}/{bucket}", rule.id),
-            Algorithm::TokenBucket => format!("fg:{{{tag}}}:{}/k/{key}", rule.id),
+            Algorithm::SlidingWindow => {
+                out.push('/');
+                out.push_str(digits.format(bucket));
+            }
+            Algorithm::TokenBucket => {
+                out.push_str("/k/");
+                out.push_str(key);
+            }
         }
     }
 }

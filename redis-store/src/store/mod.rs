@@ -7,13 +7,13 @@ mod coalesce;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use redis::{ErrorKind, RedisError, Script, ScriptInvocation};
+use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind};
 
 use floodgate_core::algo::Outcome;
 use floodgate_core::batch::{FlushEntry, Learned};
 use floodgate_core::guard::LedgerEntry;
 use floodgate_core::metrics;
-use floodgate_core::rules::Algorithm;
+use floodgate_core::rules::{Algorithm, Rule};
 use floodgate_core::shared::{Adjust, Adjusted, BoxFuture, FlushReply, Flushed, Route, SharedStore};
 use floodgate_core::store::{Layout, Planned, StoreError};
 
@@ -94,6 +94,17 @@ pub struct RedisStore {
     timeout: Duration,
     coalesce: usize,
     workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
+}
+
+/// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
+/// take back into window `target`); `last` closes a check (all or nothing up to it).
+struct CallItem<'a> {
+    rule: &'a Rule,
+    key: &'a str,
+    cost: u64,
+    mode: u8,
+    target: u64,
+    last: bool,
 }
 
 impl RedisStore {
@@ -211,16 +222,21 @@ impl RedisStore {
         shard: usize,
         checks: Vec<Vec<Planned>>,
     ) -> Result<Vec<Vec<Outcome>>, StoreError> {
-        let mut inv = self.script.prepare_invoke();
-        let mut total = 0;
-        for items in &checks {
-            for (i, p) in items.iter().enumerate() {
-                let mode = if p.rule.enforced() { 1 } else { 0 };
-                self.push(&mut inv, p, mode, 0, i + 1 == items.len());
+        let mut items = Vec::with_capacity(checks.iter().map(Vec::len).sum());
+        for check in &checks {
+            for (i, p) in check.iter().enumerate() {
+                items.push(CallItem {
+                    rule: &p.rule,
+                    key: &p.key,
+                    cost: p.cost,
+                    mode: if p.rule.enforced() { 1 } else { 0 },
+                    target: 0,
+                    last: i + 1 == check.len(),
+                });
             }
-            total += items.len();
         }
-        let reply = self.invoke(&inv, shard, total, self.timeout).await?;
+        let cmd = self.check_cmd(&items);
+        let reply = self.invoke(&cmd, shard, items.len(), self.timeout).await?;
         let u = |x: i64| x.max(0) as u64;
         let mut outcomes = reply.chunks_exact(5).map(|v| Outcome {
             allowed: v[0] == 1,
@@ -252,21 +268,26 @@ impl RedisStore {
         let mut done = Adjusted::default();
         for (route, group) in groups {
             for chunk in group.chunks(ADJUST_CHUNK) {
-                let mut inv = self.script.prepare_invoke();
-                for e in chunk {
-                    let p = Planned {
-                        rule: e.rule.clone(),
-                        key: e.key.clone(),
+                let mode = match how {
+                    Adjust::Add => 2,
+                    Adjust::TakeBack => 3,
+                };
+                let items: Vec<CallItem<'_>> = chunk
+                    .iter()
+                    .map(|e| CallItem {
+                        rule: &e.rule,
+                        key: &e.key,
                         cost: e.units,
-                    };
-                    let mode = match how {
-                        Adjust::Add => 2,
-                        Adjust::TakeBack => 3,
-                    };
-                    self.push(&mut inv, &p, mode, e.window, true);
-                }
+                        mode,
+                        target: e.window,
+                        last: true,
+                    })
+                    .collect();
                 let units: u64 = chunk.iter().map(|e| e.units).sum();
-                match self.invoke(&inv, route.shard, chunk.len(), timeout).await {
+                match self
+                    .invoke(&self.check_cmd(&items), route.shard, chunk.len(), timeout)
+                    .await
+                {
                     Ok(reply) => {
                         done.units += units;
                         // Each add answers its window's count after it, as a flush write does.
@@ -374,8 +395,10 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(self.timeout))?
         .map_err(classify)?;
         // The call goes to this shard's connection (a cluster routes it by the key's slot).
-        let mut inv = self.script.prepare_invoke();
-        inv.key("fg:{probe}:probe")
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash())
+            .arg(1)
+            .arg("fg:{probe}:probe")
             .arg(1)
             .arg(1u64 << 50)
             .arg(1_000)
@@ -385,7 +408,7 @@ impl RedisStore {
             .arg(0)
             .arg("probe")
             .arg(1);
-        self.invoke(&inv, shard, 1, self.timeout).await.map(|_| ())
+        self.invoke(&cmd, shard, 1, self.timeout).await.map(|_| ())
     }
 
     /// Loads the check and flush scripts (SCRIPT LOAD) on every shard, so that a burst of checks after a start or
@@ -440,34 +463,55 @@ impl RedisStore {
         Ok(())
     }
 
-    fn push(&self, inv: &mut ScriptInvocation<'_>, p: &Planned, mode: u8, target: u64, last: bool) {
-        let r = &p.rule;
-        let algorithm = match r.algorithm {
-            Algorithm::SlidingWindow => 1,
-            Algorithm::TokenBucket => 2,
-        };
-        inv.key(self.layout.state_key(r, &p.key));
-        inv.arg(algorithm)
-            .arg(r.limit.get())
-            .arg(r.window_ms())
-            .arg(r.burst())
-            .arg(p.cost)
-            .arg(mode)
-            .arg(target)
-            .arg(p.key.as_str())
-            .arg(if last { 1 } else { 0 });
+    /// The EVALSHA of the check script for `items`, built straight into one command buffer: their
+    /// state keys (one reused `String`), then nine arguments each, numbers written in place. (A
+    /// `ScriptInvocation` allocates a `Vec` for every key and argument, and a `format!` per key.)
+    fn check_cmd(&self, items: &[CallItem<'_>]) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.script.get_hash()).arg(items.len());
+        let mut key = String::with_capacity(64);
+        for it in items {
+            key.clear();
+            self.layout.write_state_key(&mut key, it.rule, it.key);
+            cmd.arg(key.as_str());
+        }
+        for it in items {
+            let r = it.rule;
+            let algorithm = match r.algorithm {
+                Algorithm::SlidingWindow => 1,
+                Algorithm::TokenBucket => 2,
+            };
+            cmd.arg(algorithm)
+                .arg(r.limit.get())
+                .arg(r.window_ms())
+                .arg(r.burst())
+                .arg(it.cost)
+                .arg(it.mode)
+                .arg(it.target)
+                .arg(it.key)
+                .arg(if it.last { 1 } else { 0 });
+        }
+        cmd
     }
 
+    /// Runs a check-script command on `shard` within `timeout`; a Redis that lost the script
+    /// (NOSCRIPT: restarted, or flushed) gets it loaded and the command again.
     async fn invoke(
         &self,
-        inv: &ScriptInvocation<'_>,
+        cmd: &Cmd,
         shard: usize,
         items: usize,
         timeout: Duration,
     ) -> Result<Vec<i64>, StoreError> {
         let call = async {
             let mut conn = self.shards.conn(shard).await?;
-            inv.invoke_async::<Vec<i64>>(&mut conn).await.map_err(classify)
+            match cmd.query_async::<Vec<i64>>(&mut conn).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    self.script.load_async(&mut conn).await.map_err(classify)?;
+                    cmd.query_async::<Vec<i64>>(&mut conn).await.map_err(classify)
+                }
+                reply => reply.map_err(classify),
+            }
         };
         let reply = tokio::time::timeout(timeout, call)
             .await
