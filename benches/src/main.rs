@@ -19,6 +19,7 @@
 //! - `grpc`: issue 12's figure (Envoy's ShouldRateLimit over gRPC vs the frames protocol).
 //! - `sdk`: the Rust SDK against a running agent (the Python and Node SDK benchmarks' baseline).
 //! - `instructions`: issue 14's instructions per check under callgrind, and where they go.
+//! - `versus`: issue 14's side by side: the agent's sync path vs rate-limiter-flexible vs bare EVALSHA.
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
@@ -33,6 +34,7 @@ mod propagation;
 mod report;
 mod sdk;
 mod targets;
+mod versus;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -46,7 +48,7 @@ use crate::targets::{commandstats, Target};
 
 /// The rule every bench check uses: a limit so high that checks stay allowed, so each one does the
 /// full read-compute-write work of the script.
-const RULES: &str =
+pub(crate) const RULES: &str =
     r#"{"rules":[{"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60}]}"#;
 
 #[derive(Parser)]
@@ -240,6 +242,25 @@ enum Command {
         #[arg(long, default_value = "target/bench/instructions.json")]
         json: PathBuf,
     },
+    /// The agent's sync path vs rate-limiter-flexible (Node, ioredis) vs a bare EVALSHA on one
+    /// redis-server: checks/s, p50/p99 and CPU per check of the agent and of the Node process.
+    Versus {
+        /// Runs (the sides' order reversed every other run).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Calls in flight, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+        clients: Vec<usize>,
+        /// Seconds measured per side, level and run (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// The Node benchmark's rate-limiter-flexible script (built by `npx tsc` in sdk-node).
+        #[arg(long, default_value_os_t = versus::default_rlf())]
+        rlf: PathBuf,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/versus.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -422,6 +443,16 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let rows = runtime.block_on(instructions::run(checks, &only, &dir))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Versus {
+            runs,
+            clients,
+            seconds,
+            rlf,
+            json,
+        }) => {
+            let rows = runtime.block_on(versus::run(runs, &clients, seconds, &rlf))?;
             write_json(&json, &rows)
         }
         Some(Command::Memory { keys, json }) => {

@@ -42,6 +42,8 @@ export interface Row {
   degraded: number;
   /** Answers by source, where the limiter says (the agent's `fallback` means Redis was late). */
   sources?: Record<string, number>;
+  /** This process's CPU (user + system) per measured call, in µs. */
+  cpu_us_per_check?: number;
 }
 
 /** A growable array of latencies in µs. */
@@ -78,6 +80,11 @@ export async function closedLoop(
   const start = performance.now();
   const warmup = (seconds * 1000) / 4;
   const end = warmup + seconds * 1000;
+  // The process's CPU over the measured part only: read when the warm-up ends and when it is over.
+  let cpuAtWarmup = process.cpuUsage();
+  const warmed = setTimeout(() => {
+    cpuAtWarmup = process.cpuUsage();
+  }, warmup);
   const caller = async (c: number) => {
     let user = c * 7919;
     while (performance.now() - start < end) {
@@ -93,6 +100,8 @@ export async function closedLoop(
     }
   };
   await Promise.all(Array.from({ length: clients }, (_, c) => caller(c)));
+  clearTimeout(warmed);
+  const cpu = process.cpuUsage(cpuAtWarmup);
   const s = samples.sorted();
   return {
     clients,
@@ -101,6 +110,7 @@ export async function closedLoop(
     checks_per_s: s.length / seconds,
     degraded,
     sources,
+    cpu_us_per_check: (cpu.user + cpu.system) / Math.max(1, s.length),
   };
 }
 

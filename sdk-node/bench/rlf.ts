@@ -1,7 +1,8 @@
 /**
  * rate-limiter-flexible's RateLimiterRedis (over ioredis) on a redis-server, the same closed loop as
- * the Node SDK benchmark: `consume("user:N", 1)` over 10,000 keys, 1 and 16 in flight, on one
- * ioredis connection.
+ * the Node SDK benchmark: `consume("user:N", 1)` over 10,000 keys, 1 and 16 in flight (or
+ * `--clients`), on one ioredis connection; each row has this process's CPU per call (`loadgen
+ * versus` sets it beside the agent's).
  *
  *   node dist/bench/rlf.js --redis redis://127.0.0.1:PORT [--clients 1,16] [--seconds 3] [--json OUT]
  */
@@ -35,7 +36,7 @@ async function main(): Promise<void> {
     console.log(
       `rlf       clients ${String(clients).padStart(3)}  p50 ${row.p50_us.toFixed(1).padStart(8)} µs  p99 ${row.p99_us
         .toFixed(1)
-        .padStart(8)} µs  ${row.checks_per_s.toFixed(0).padStart(9)} checks/s  errors ${row.degraded}`,
+        .padStart(8)} µs  ${row.checks_per_s.toFixed(0).padStart(9)} checks/s  errors ${row.degraded}  cpu ${(row.cpu_us_per_check ?? 0).toFixed(1)} µs/call`,
     );
   }
   redis.disconnect();
