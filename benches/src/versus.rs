@@ -46,7 +46,11 @@ pub async fn run(runs: usize, levels: &[usize], seconds: f64, rlf: &Path) -> any
         );
     }
     let redis = RedisServer::start();
-    let agent = Agent::builder().redis(&redis.url()).rules(crate::RULES).start().await;
+    let agent = Agent::builder()
+        .redis(&redis.url())
+        .rules(crate::RULES)
+        .start()
+        .await;
     let measure = Duration::from_secs_f64(seconds);
     let mut all = Vec::new();
     for run in 0..runs.max(1) {
@@ -80,8 +84,17 @@ pub async fn run(runs: usize, levels: &[usize], seconds: f64, rlf: &Path) -> any
 async fn agent_side(agent: &Agent, level: usize, measure: Duration, run: usize) -> anyhow::Result<Side> {
     let pid = agent.pid().context("agent pid")?;
     let before = crate::cpu_ticks(pid);
-    let r = closed::run(&Target::Agent(agent.socket().to_path_buf()), level, 1, 10_000, measure).await?;
-    let ticks = crate::cpu_ticks(pid).zip(before).map(|(a, b)| a.saturating_sub(b));
+    let r = closed::run(
+        &Target::Agent(agent.socket().to_path_buf()),
+        level,
+        1,
+        10_000,
+        measure,
+    )
+    .await?;
+    let ticks = crate::cpu_ticks(pid)
+        .zip(before)
+        .map(|(a, b)| a.saturating_sub(b));
     Ok(Side {
         side: "agent sync".into(),
         in_flight: level,
@@ -95,7 +108,12 @@ async fn agent_side(agent: &Agent, level: usize, measure: Duration, run: usize) 
     })
 }
 
-async fn evalsha_side(redis: &RedisServer, level: usize, measure: Duration, run: usize) -> anyhow::Result<Side> {
+async fn evalsha_side(
+    redis: &RedisServer,
+    level: usize,
+    measure: Duration,
+    run: usize,
+) -> anyhow::Result<Side> {
     let r = closed::run(&Target::Evalsha(redis.url()), level, 1, 10_000, measure).await?;
     Ok(Side {
         side: "bare EVALSHA".into(),
@@ -136,7 +154,11 @@ fn rlf_side(rlf: &Path, redis: &RedisServer, level: usize, seconds: f64, run: us
         cpu_us_per_check: Option<f64>,
     }
     let report: Report = serde_json::from_slice(&std::fs::read(&json)?)?;
-    let row = report.results.into_iter().next().context("rlf.js reported no row")?;
+    let row = report
+        .results
+        .into_iter()
+        .next()
+        .context("rlf.js reported no row")?;
     Ok(Side {
         side: "rate-limiter-flexible".into(),
         in_flight: level,
@@ -164,7 +186,10 @@ fn summary(all: &[Side], levels: &[usize]) {
     println!("|---:|---|---:|---:|---:|---:|");
     for &level in levels {
         for side in ["agent sync", "rate-limiter-flexible", "bare EVALSHA"] {
-            let rows: Vec<&Side> = all.iter().filter(|r| r.in_flight == level && r.side == side).collect();
+            let rows: Vec<&Side> = all
+                .iter()
+                .filter(|r| r.in_flight == level && r.side == side)
+                .collect();
             let m = |f: fn(&Side) -> f64| median(rows.iter().map(|r| f(r)).collect());
             let cpu: Vec<f64> = rows.iter().filter_map(|r| r.cpu_us_per_check).collect();
             println!(
@@ -172,7 +197,11 @@ fn summary(all: &[Side], levels: &[usize]) {
                 m(|r| r.checks_per_s),
                 m(|r| r.p50_us),
                 m(|r| r.p99_us),
-                if cpu.is_empty() { "–".into() } else { format!("{:.1}", median(cpu)) },
+                if cpu.is_empty() {
+                    "–".into()
+                } else {
+                    format!("{:.1}", median(cpu))
+                },
             );
         }
     }

@@ -74,7 +74,29 @@ impl MemoryStore {
     /// Checks the items at once: costs are committed only if every enforced item passes.
     pub fn check(&self, items: &[Planned]) -> Vec<Outcome> {
         let now = self.clock.now_ms();
-        let keys: Vec<String> = items.iter().map(|p| state_key(&p.rule.id, &p.key)).collect();
+        if let [item] = items {
+            // One item (most checks): one lock, one hash lookup, nothing collected.
+            let key = state_key(&item.rule.id, &item.key);
+            let mut shard = lock(&self.shards[shard_index(&key)]);
+            return vec![match shard.entry(key) {
+                std::collections::hash_map::Entry::Occupied(mut e) => {
+                    let prior = Some(*e.get()).filter(|e| e.expires_at_ms > now).map(|e| e.state);
+                    let (outcome, entry) = decide(item, prior, now);
+                    if outcome.allowed {
+                        *e.get_mut() = entry;
+                    }
+                    outcome
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    let (outcome, entry) = decide(item, None, now);
+                    if outcome.allowed {
+                        e.insert(entry);
+                    }
+                    outcome
+                }
+            }];
+        }
+        let mut keys: Vec<String> = items.iter().map(|p| state_key(&p.rule.id, &p.key)).collect();
         let shard_of: Vec<usize> = keys.iter().map(|k| shard_index(k)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
@@ -93,46 +115,8 @@ impl MemoryStore {
                 .get(&keys[n])
                 .filter(|e| e.expires_at_ms > now)
                 .map(|e| e.state);
-            let rule = &item.rule;
-            let (outcome, entry) = match rule.algorithm {
-                Algorithm::SlidingWindow => {
-                    let prior = match prior {
-                        Some(State::Window(s)) => Some(s),
-                        _ => None,
-                    };
-                    let (o, next, exp) =
-                        algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
-                    (
-                        o,
-                        Entry {
-                            state: State::Window(next),
-                            expires_at_ms: exp,
-                        },
-                    )
-                }
-                Algorithm::TokenBucket => {
-                    let prior = match prior {
-                        Some(State::Bucket(s)) => Some(s),
-                        _ => None,
-                    };
-                    let (o, next, exp) = algo::token_bucket(
-                        prior,
-                        rule.limit.get(),
-                        rule.window_ms(),
-                        rule.burst(),
-                        item.cost,
-                        now,
-                    );
-                    (
-                        o,
-                        Entry {
-                            state: State::Bucket(next),
-                            expires_at_ms: exp,
-                        },
-                    )
-                }
-            };
-            if !outcome.allowed && rule.enforced() {
+            let (outcome, entry) = decide(item, prior, now);
+            if !outcome.allowed && item.rule.enforced() {
                 all_ok = false;
             }
             if outcome.allowed {
@@ -142,7 +126,8 @@ impl MemoryStore {
         }
         if all_ok {
             for (g, n, entry) in commits {
-                guards[g].1.insert(keys[n].clone(), entry);
+                // Each item has a key `String` of its own, used once: taken, not cloned.
+                guards[g].1.insert(std::mem::take(&mut keys[n]), entry);
             }
         }
         outcomes
@@ -169,6 +154,45 @@ impl MemoryStore {
     /// Whether no entry is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// One item's outcome from its prior state, and the entry that commits it.
+fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
+    let rule = &item.rule;
+    match rule.algorithm {
+        Algorithm::SlidingWindow => {
+            let prior = match prior {
+                Some(State::Window(s)) => Some(s),
+                _ => None,
+            };
+            let (o, next, exp) =
+                algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
+            let entry = Entry {
+                state: State::Window(next),
+                expires_at_ms: exp,
+            };
+            (o, entry)
+        }
+        Algorithm::TokenBucket => {
+            let prior = match prior {
+                Some(State::Bucket(s)) => Some(s),
+                _ => None,
+            };
+            let (o, next, exp) = algo::token_bucket(
+                prior,
+                rule.limit.get(),
+                rule.window_ms(),
+                rule.burst(),
+                item.cost,
+                now,
+            );
+            let entry = Entry {
+                state: State::Bucket(next),
+                expires_at_ms: exp,
+            };
+            (o, entry)
+        }
     }
 }
 
