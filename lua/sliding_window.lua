@@ -16,7 +16,7 @@
 -- every admitted item of a check that another item rejects). Plain values, no tables or closures:
 -- this is the per-check hot path, and Lua allocations cost as much as the Redis commands here.
 --
--- The maths is mirrored line for line by agent/src/algo/sliding_window.rs (the embedded store); a test
+-- The maths is mirrored line for line by core/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
 local function sliding_window_counts(prefix, field, idx)
   local cur = tonumber(redis.call('HGET', prefix .. ':' .. idx, field)) or 0

@@ -9,7 +9,7 @@
 -- cost. check.lua calls it for every item first and commits only if every enforced item passes (or,
 -- for a write-back, unconditionally: the bucket may then go below zero, a debt that refills first).
 --
--- The maths is mirrored line for line by agent/src/algo/token_bucket.rs (the embedded store).
+-- The maths is mirrored line for line by core/src/algo/token_bucket.rs (the embedded store).
 local function token_bucket_tokens(key, now, rate, burst)
   local v = redis.call('HMGET', key, 't', 'ts')
   local tokens = tonumber(v[1])

@@ -1,7 +1,7 @@
 //! Instructions per check, counted by callgrind: repeatable where seconds on this shared VM are not.
 //!
 //! Each scenario starts an agent under `valgrind --tool=callgrind`, warms it up (connections, the
-//! script cache, every key seen once), zeroes the counts (`callgrind_control -z`), drives `n` checks,
+//! script cache, every key checked twice, so a cache-hit scenario's keys are all cached), zeroes the counts (`callgrind_control -z`), drives `n` checks,
 //! and dumps the counts (`callgrind_control -d`): startup, warm-up and shutdown are left out, and
 //! what is counted is `n` checks' worth. Per function, the self (exclusive) counts say where a
 //! check's instructions go; functions are grouped by crate into the categories the issue asks about
@@ -9,9 +9,8 @@
 //!
 //! What callgrind does not count: the kernel's side of every syscall (a socket read or write, an
 //! epoll wait), which the /proc CPU figures of the other benchmarks include. The background loops
-//! (flush tick, heartbeat) run for longer in the `2n` run and are counted in the difference; they
-//! cost a few thousand instructions per 5 ms tick, small against `n` checks (and counted: they are
-//! part of what the agent spends).
+//! (flush tick, heartbeat) that run between the zero and the dump are counted: a few thousand
+//! instructions per 5 ms tick, small against `n` checks, and part of what the agent spends.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -116,7 +115,7 @@ pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<
     let mut all = Vec::new();
     for s in SCENARIOS.iter().filter(|s| s.name.contains(only)) {
         let file = out_dir.join(format!("callgrind.{}.out", slug(s.name)));
-        let dumped = measure(s, &redis, checks, &file).await?;
+        let (dumped, checks) = measure(s, &redis, checks, &file).await?;
         let counts = profile(&dumped)?;
         let per = |x: u64| x as f64 / checks as f64;
         let mut functions: Vec<(String, f64)> = counts
@@ -151,8 +150,9 @@ pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<
     Ok(all)
 }
 
-/// One agent under callgrind: warm-up, zero, `n` checks, dump; returns the dump's path.
-async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<PathBuf> {
+/// One agent under callgrind: warm-up, zero, about `n` checks, dump; returns the dump's path and the
+/// checks sent between the zero and the dump.
+async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<(PathBuf, u64)> {
     let out = format!("--callgrind-out-file={}", file.display());
     let mut b = Agent::builder()
         .rules(RULES)
@@ -176,10 +176,13 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
         conns.push(target.connect().await?);
     }
     // Every key seen once (a cache-hit scenario's keys rejected and cached), every connection used.
-    let warm = (2 * s.keys as u64 / s.clients as u64).max(s.in_flight as u64 * 4);
+    let warm = (2 * s.keys as u64)
+        .div_ceil(s.clients as u64)
+        .max(s.in_flight as u64 * 4);
     conns = drive(s, conns, warm).await?.0;
     callgrind_control(&["-z", &pid])?;
-    let (_, fallbacks) = drive(s, conns, (n / s.clients as u64).max(1)).await?;
+    let per_client = (n / s.clients as u64).max(1);
+    let (_, fallbacks) = drive(s, conns, per_client).await?;
     callgrind_control(&["-d", &pid])?;
     if fallbacks > 0 {
         bail!("{fallbacks} checks answered by the fail mode: not the path measured");
@@ -193,7 +196,7 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
             agent.log()
         );
     }
-    Ok(dumped)
+    Ok((dumped, per_client * s.clients as u64))
 }
 
 /// `per_client` checks on every connection at once, `in_flight` at a time, keys cycling; returns the
@@ -270,7 +273,12 @@ fn profile(file: &Path) -> anyhow::Result<HashMap<String, u64>> {
         let name = rest.trim();
         // `file:function [object]`: the function (with its object when the file is unknown).
         let name = name.split_once(':').map_or(name, |(_, f)| f);
-        let name = name.split(" [").next().unwrap_or(name).trim().to_string();
+        // A trailing ` [/path/to/object]` names the binary; `[` inside a name (`<impl [T]>`) stays.
+        let name = match name.rsplit_once(" [") {
+            Some((f, obj)) if obj.ends_with(']') && obj.starts_with('/') => f,
+            _ => name,
+        };
+        let name = name.trim().to_string();
         *map.entry(name).or_insert(0) += count;
     }
     // A dump taken mid-run lists the frames still on a thread's stack (thread start, the runtime's
@@ -283,7 +291,24 @@ fn profile(file: &Path) -> anyhow::Result<HashMap<String, u64>> {
 /// The category a function's self instructions count under.
 fn category(f: &str) -> &'static str {
     let has = |p: &str| f.contains(p);
-    if has("malloc") || has("free") || has("realloc") || has("calloc") || has("alloc::alloc") {
+    // Our crates first (`floodgate_redis::…` contains `redis::`), by the one named first: in
+    // `<floodgate_redis::…::RedisStore as floodgate_core::…::SharedStore>::check` it is the store's code.
+    const OURS: [(&str, &str); 4] = [
+        ("floodgate_protocol", "floodgate-protocol (decode, encode)"),
+        (
+            "floodgate_core",
+            "floodgate-core (engine, rules, cache, memory store)",
+        ),
+        ("floodgate_redis", "floodgate-redis (store, coalescer, shards)"),
+        ("floodgate_agent", "floodgate-agent (connection loop)"),
+    ];
+    if let Some((_, c)) = OURS
+        .iter()
+        .filter_map(|(name, c)| f.find(name).map(|at| (at, *c)))
+        .min_by_key(|(at, _)| *at)
+    {
+        c
+    } else if has("malloc") || has("free") || has("realloc") || has("calloc") || has("alloc::alloc") {
         "allocation (malloc/free)"
     } else if has("memcpy") || has("memmove") || has("memset") || has("memcmp") {
         "memcpy/memmove/memset"
@@ -297,14 +322,6 @@ fn category(f: &str) -> &'static str {
         "tokio I/O and other"
     } else if has("core::fmt") || has("alloc::fmt") || has("alloc::string") || has("itoa") {
         "formatting (fmt, itoa), String"
-    } else if has("floodgate_protocol") {
-        "floodgate-protocol (decode, encode)"
-    } else if has("floodgate_core") {
-        "floodgate-core (engine, rules, cache, memory store)"
-    } else if has("floodgate_redis") {
-        "floodgate-redis (store, coalescer, shards)"
-    } else if has("floodgate_agent") {
-        "floodgate-agent (connection loop)"
     } else if has("metrics") {
         "metrics"
     } else if has("str::converts::from_utf8") {

@@ -1,6 +1,6 @@
 //! The Redis store: one atomic Lua script call per check (per shard), EVALSHA with a transparent reload
 //! on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode. Independent nodes
-//! or a Redis Cluster (`shards`), keys laid out by `layout`.
+//! or a Redis Cluster (`shards`), keys laid out by `floodgate_core::store::layout`.
 
 mod coalesce;
 
