@@ -95,17 +95,9 @@ async fn agent_side(agent: &Agent, level: usize, measure: Duration, run: usize) 
     let ticks = crate::cpu_ticks(pid)
         .zip(before)
         .map(|(a, b)| a.saturating_sub(b));
-    Ok(Side {
-        side: "agent sync".into(),
-        in_flight: level,
-        run,
-        checks_per_s: r.checks as f64 / r.elapsed.as_secs_f64(),
-        p50_us: r.hist.value_at_quantile(0.5) as f64 / 1e3,
-        p99_us: r.hist.value_at_quantile(0.99) as f64 / 1e3,
-        // Ticks of 10 ms over the warm-up and the measurement, over every check of both.
-        cpu_us_per_check: ticks.map(|t| t as f64 * 10_000.0 / r.all_checks.max(1) as f64),
-        degraded: r.fallbacks,
-    })
+    // Ticks of 10 ms over the warm-up and the measurement, over every check of both.
+    let cpu = ticks.map(|t| t as f64 * 10_000.0 / r.all_checks.max(1) as f64);
+    Ok(closed_side("agent sync", level, run, &r, cpu))
 }
 
 async fn evalsha_side(
@@ -115,16 +107,21 @@ async fn evalsha_side(
     run: usize,
 ) -> anyhow::Result<Side> {
     let r = closed::run(&Target::Evalsha(redis.url()), level, 1, 10_000, measure).await?;
-    Ok(Side {
-        side: "bare EVALSHA".into(),
+    Ok(closed_side("bare EVALSHA", level, run, &r, None))
+}
+
+/// A closed-loop side's row (`cpu`: the deciding process's CPU per check, when there is one).
+fn closed_side(side: &str, level: usize, run: usize, r: &closed::LoopResult, cpu: Option<f64>) -> Side {
+    Side {
+        side: side.into(),
         in_flight: level,
         run,
         checks_per_s: r.checks as f64 / r.elapsed.as_secs_f64(),
         p50_us: r.hist.value_at_quantile(0.5) as f64 / 1e3,
         p99_us: r.hist.value_at_quantile(0.99) as f64 / 1e3,
-        cpu_us_per_check: None,
-        degraded: 0,
-    })
+        cpu_us_per_check: cpu,
+        degraded: r.fallbacks,
+    }
 }
 
 fn rlf_side(rlf: &Path, redis: &RedisServer, level: usize, seconds: f64, run: usize) -> anyhow::Result<Side> {
