@@ -107,7 +107,7 @@ pub fn check(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Dur
                     None => {
                         let c = rule_counters(&item.rule_id);
                         c[i].increment(1);
-                        checks.insert(item.rule_id.clone(), c);
+                        checks.insert(item.rule_id.to_string(), c);
                     }
                 }
             }

@@ -2,6 +2,7 @@
 
 use crate::limits::{MAX_ATTRIBUTE, MAX_ITEMS, MAX_KEY, MAX_RULE_ID};
 use crate::ErrorCode;
+pub use compact_str::CompactString;
 
 /// One frame: a request id and what it carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,17 +53,17 @@ pub enum Check {
 /// One `(key, ruleId, cost)` item of a check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Item {
-    /// The client key, e.g. `user:123` or `apikey:abc:endpoint:/search`.
-    pub key: String,
+    /// The client key, e.g. `user:123` or `apikey:abc:endpoint:/search` (inline up to 24 bytes).
+    pub key: CompactString,
     /// The rule to check the key against.
-    pub rule_id: String,
+    pub rule_id: CompactString,
     /// How many units this request consumes (at least 1).
     pub cost: u32,
 }
 
 impl Item {
     /// An item; validated when encoded or by [`Item::validate`].
-    pub fn new(key: impl Into<String>, rule_id: impl Into<String>, cost: u32) -> Self {
+    pub fn new(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32) -> Self {
         Item {
             key: key.into(),
             rule_id: rule_id.into(),
@@ -211,7 +212,7 @@ pub struct Verdict {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ItemDecision {
     /// The rule that decided.
-    pub rule_id: String,
+    pub rule_id: CompactString,
     /// Its verdict.
     pub verdict: Verdict,
 }

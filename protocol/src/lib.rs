@@ -29,7 +29,7 @@ pub mod limits;
 pub use codec::{decode, VERDICT_LEN};
 pub use error::{DecodeError, EncodeError, ErrorCode};
 pub use frame::{
-    validate_rule_id, Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, Source,
-    Verdict,
+    validate_rule_id, Attributes, Body, Check, CompactString, Decision, ErrorBody, Frame, Item, ItemDecision,
+    Source, Verdict,
 };
 pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, VERSION};

@@ -70,7 +70,10 @@ fn body() -> impl Strategy<Value = Body> {
                     combined,
                     items: items
                         .into_iter()
-                        .map(|(rule_id, verdict)| ItemDecision { rule_id, verdict })
+                        .map(|(rule_id, verdict): (String, _)| ItemDecision {
+                            rule_id: rule_id.into(),
+                            verdict,
+                        })
                         .collect(),
                 })
             }),

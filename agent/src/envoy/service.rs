@@ -168,7 +168,7 @@ impl EnvoyService {
                     // Shadow (log) mode answers OK, as envoyproxy/ratelimit's shadow_mode does.
                     code: if over { Code::OverLimit } else { Code::Ok } as i32,
                     current_limit: Some(RateLimit {
-                        name: item.rule_id.clone(),
+                        name: item.rule_id.to_string(),
                         requests_per_unit: u32::try_from(v.limit).unwrap_or(u32::MAX),
                         unit: unit(window_ms) as i32,
                     }),

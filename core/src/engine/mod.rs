@@ -5,7 +5,9 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use floodgate_protocol::{Check, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS};
+use floodgate_protocol::{
+    Check, CompactString, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS,
+};
 
 use crate::algo::Outcome;
 use crate::batch::{Batcher, HotKeys};
@@ -228,7 +230,7 @@ impl Engine {
         // Items of rules in log mode: what they would have rejected is the dry run's to count. With
         // events on, every item: a rejection becomes an event (the key is only in the plan).
         let events = self.events.is_some();
-        let logged: Vec<(usize, Arc<Rule>, String)> = plan
+        let logged: Vec<(usize, Arc<Rule>, CompactString)> = plan
             .iter()
             .enumerate()
             .filter(|(_, p)| events || !p.rule.enforced())
@@ -269,7 +271,7 @@ impl Engine {
     /// already said it is blocked until its reset, and a hot abusive key must not flood the stream
     /// (and Redis) the cache keeps it away from; they are counted in
     /// `floodgate_checks_total{source="cache"}`.
-    fn observe(&self, logged: &[(usize, Arc<Rule>, String)], d: &Decision) {
+    fn observe(&self, logged: &[(usize, Arc<Rule>, CompactString)], d: &Decision) {
         if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
             return;
         }
@@ -288,7 +290,7 @@ impl Engine {
             let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
             if let (Some(events), true) = (&self.events, news) {
                 events.emit(crate::events::Event {
-                    key: key.clone(),
+                    key: key.to_string(),
                     rule: rule.id.clone(),
                     ts_ms: now,
                     version: rule.version,
@@ -324,7 +326,7 @@ impl Engine {
                 .into_iter()
                 .map(|(rule, key)| Planned {
                     rule,
-                    key,
+                    key: key.into(),
                     cost: u64::from(a.cost),
                 })
                 .collect(),
@@ -412,7 +414,7 @@ pub fn combine(plan: &[Planned], outcomes: &[Outcome], sources: &[Source]) -> De
         .zip(outcomes)
         .enumerate()
         .map(|(i, (p, o))| ItemDecision {
-            rule_id: p.rule.id.clone(),
+            rule_id: p.rule.id.as_str().into(),
             verdict: Verdict {
                 allowed: o.allowed,
                 log_only: !p.rule.enforced(),

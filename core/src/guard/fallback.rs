@@ -8,6 +8,8 @@ use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use floodgate_protocol::CompactString;
+
 use crate::algo::Outcome;
 use crate::rules::Rule;
 use crate::store::{Clock, MemoryStore, Planned};
@@ -25,7 +27,7 @@ pub struct LedgerEntry {
     /// The rule as it was when admitted.
     pub rule: Arc<Rule>,
     /// The client key.
-    pub key: String,
+    pub key: CompactString,
     /// The window index (local clock) the units belong to.
     pub window: u64,
     /// Units admitted.
@@ -37,7 +39,7 @@ pub struct Fallback {
     store: MemoryStore,
     clock: Clock,
     scaled: Mutex<HashMap<(String, u64), Arc<Rule>>>,
-    ledger: Mutex<HashMap<(String, String), LedgerEntry>>,
+    ledger: Mutex<HashMap<(String, CompactString), LedgerEntry>>,
     /// Checks decided here.
     pub decided: AtomicU64,
     /// Units written back to Redis after recoveries.
@@ -185,7 +187,7 @@ impl Fallback {
         let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         ledger.retain(|_, e| e.window + 1 >= now / e.rule.window_ms());
-        let keys: Vec<(String, String)> = ledger.keys().take(max).cloned().collect();
+        let keys: Vec<(String, CompactString)> = ledger.keys().take(max).cloned().collect();
         keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
     }
 
@@ -237,7 +239,7 @@ mod tests {
         for i in 0..10_000 {
             let item = [Planned {
                 rule: rule.clone(),
-                key: format!("user:{i}"),
+                key: format!("user:{i}").into(),
                 cost: 1,
             }];
             assert!(f.check(&item, 1, &[true])[0].allowed);

@@ -13,6 +13,8 @@ use std::sync::Arc;
 pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
 
+use floodgate_protocol::CompactString;
+
 use crate::rules::Rule;
 
 /// One item to check: a rule, the client key it counts, and the cost.
@@ -20,8 +22,9 @@ use crate::rules::Rule;
 pub struct Planned {
     /// The rule.
     pub rule: Arc<Rule>,
-    /// The client key, e.g. `user:123` (validated: no braces).
-    pub key: String,
+    /// The client key, e.g. `user:123` (validated: no braces; inline up to 24 bytes, so the store's
+    /// copies of it cost no allocation).
+    pub key: CompactString,
     /// Units to consume.
     pub cost: u64,
 }
