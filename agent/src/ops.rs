@@ -115,7 +115,10 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
     if cli.json {
         println!("{}", decision_json(&decision));
     } else {
-        print!("{}", decision_text(&decision, now_ms()));
+        print!(
+            "{}",
+            decision_text(&decision, floodgate_core::store::Clock::System.now_ms())
+        );
     }
     Ok(if decision.allowed {
         CheckOutcome::Allowed
@@ -294,10 +297,4 @@ fn status_text(s: &Value, b: &Value) -> String {
         ));
     }
     out
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }

@@ -146,13 +146,25 @@ impl SentinelConn {
     }
 }
 
+/// Whether an error means the master is gone from this connection (dropped, refused, or turned
+/// replica: READONLY, MASTERDOWN), so the sentinels are asked again next time. A script or command
+/// error (NOSCRIPT on a new master, OOM, BUSY) keeps the connection: asking again would not help.
+fn lost(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly | redis::ServerErrorKind::MasterDown)
+        )
+}
+
 impl ConnectionLike for SentinelConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         Box::pin(async move {
             let mut c = self.get().await?;
             let r = c.req_packed_command(cmd).await;
-            if r.is_err() {
-                // A dropped connection or a master turned replica (READONLY): ask again next time.
+            if r.as_ref().is_err_and(lost) {
                 self.forget();
             }
             r
@@ -168,7 +180,7 @@ impl ConnectionLike for SentinelConn {
         Box::pin(async move {
             let mut c = self.get().await?;
             let r = c.req_packed_commands(pipeline, offset, count).await;
-            if r.is_err() {
+            if r.as_ref().is_err_and(lost) {
                 self.forget();
             }
             r

@@ -135,11 +135,14 @@ interface Resolved {
   logger: Logger | null;
 }
 
+/** Node runs a timer of more than 2^31 - 1 ms after 1 ms: every duration is held below it. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: VERSION, maxVersion: VERSION } });
 
 function resolveConfig(c: ClientConfig): Resolved {
   const ms = (v: number | undefined, d: number, min = 0) =>
-    typeof v === "number" && Number.isFinite(v) ? Math.max(min, v) : d;
+    typeof v === "number" && Number.isFinite(v) ? Math.min(Math.max(min, v), MAX_TIMER_MS) : d;
   return {
     timeoutMs: ms(c.timeoutMs, 10),
     fail: c.fail === "closed" ? "closed" : "open",
@@ -273,9 +276,11 @@ export class Client {
   private send(check: Check, options?: CallOptions): Promise<Decision> {
     const timeoutMs =
       typeof options?.timeoutMs === "number" && Number.isFinite(options.timeoutMs)
-        ? Math.max(0, options.timeoutMs)
+        ? Math.min(Math.max(0, options.timeoutMs), MAX_TIMER_MS)
         : this.config.timeoutMs;
-    const policy: FailPolicy = options?.fail ?? this.config.fail;
+    // As the client's own setting is read: anything but "closed" fails open.
+    const policy: FailPolicy =
+      options?.fail === undefined ? this.config.fail : options.fail === "closed" ? "closed" : "open";
     const id = this.allocateId();
     let bytes: Buffer;
     try {

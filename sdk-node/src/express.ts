@@ -14,7 +14,7 @@
 import type { IncomingMessage, ServerResponse } from "node:http";
 
 import type { Client } from "./client";
-import { Limiter, type LimitOutcome, type RateLimitOptions, type RequestView } from "./http";
+import { Limiter, stripQuery, type LimitOutcome, type RateLimitOptions, type RequestView } from "./http";
 
 /** The parts of an Express request the middleware reads (structural: no dependency on express). */
 export interface ExpressLikeRequest extends IncomingMessage {
@@ -30,11 +30,6 @@ export interface ExpressLikeRequest extends IncomingMessage {
 
 /** An Express/Connect middleware. */
 export type ExpressMiddleware = (req: ExpressLikeRequest, res: ServerResponse, next: (err?: unknown) => void) => void;
-
-function stripQuery(url: string): string {
-  const q = url.search(/[?#]/);
-  return q < 0 ? url : url.slice(0, q);
-}
 
 /** What the extractors see of an Express request. */
 export function expressView(req: ExpressLikeRequest): RequestView {
@@ -85,7 +80,14 @@ export function floodgateExpress(client: Client, options: RateLimitOptions = {})
     }
     limiter.decide(view).then(
       (outcome) => {
-        if (applyToNodeResponse(res, outcome)) next();
+        let go = true;
+        try {
+          go = applyToNodeResponse(res, outcome);
+        } catch {
+          // A header value Node refuses (a rule id no agent sends): the request passes unlimited
+          // rather than crash the process from an unhandled rejection.
+        }
+        if (go) next();
       },
       () => next(),
     );

@@ -13,7 +13,7 @@
 import type { IncomingMessage } from "node:http";
 
 import type { Client } from "./client";
-import { Limiter, type RateLimitOptions, type RequestView } from "./http";
+import { Limiter, stripQuery, type RateLimitOptions, type RequestView } from "./http";
 
 /** The parts of a Fastify request the hook reads (structural: no dependency on fastify). */
 export interface FastifyLikeRequest {
@@ -39,11 +39,6 @@ export type FastifyHook = (request: FastifyLikeRequest, reply: FastifyLikeReply)
 /** Options of the plugin: the middleware's options and the client. */
 export interface FastifyPluginOptions extends RateLimitOptions {
   client: Client;
-}
-
-function stripQuery(url: string): string {
-  const q = url.search(/[?#]/);
-  return q < 0 ? url : url.slice(0, q);
 }
 
 /** What the extractors see of a Fastify request. */

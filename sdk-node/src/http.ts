@@ -9,7 +9,7 @@ import * as net from "node:net";
 
 import type { Client } from "./client";
 import type { Decision } from "./decision";
-import { MAX_ATTRIBUTE, type Attributes } from "./protocol";
+import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
 
 // ---------------------------------------------------------------------------------------------
 // Wire-safe values
@@ -224,7 +224,8 @@ export function rateLimitHeaders(d: Decision, ietf = false, nowMs = Date.now()):
     ["X-RateLimit-Remaining", int(d.remaining)],
     ["X-RateLimit-Reset", int(Math.ceil(d.resetAtMs / 1000))],
   ];
-  if (ietf) {
+  // A rule id goes into the IETF headers quoted: one no agent sends (quotes, CR/LF) is left out.
+  if (ietf && validateRuleId(rule) === null) {
     const t = Math.ceil(Math.max(0, d.resetAtMs - nowMs) / 1000);
     h.push(["RateLimit-Policy", `"${rule}";q=${int(d.limit)}`]);
     h.push(["RateLimit", `"${rule}";r=${int(d.remaining)};t=${int(t)}`]);
@@ -247,6 +248,12 @@ export function rejectionBody(secs: number): string {
  * so `{id}` becomes `:id`, `{*rest}` becomes `*rest`, and other braces (Express 5's optional
  * groups, `/a{/:b}`) are dropped. Rules and `costs` name routes either way.
  */
+/** A request URL's path: everything before its query or fragment. */
+export function stripQuery(url: string): string {
+  const q = url.search(/[?#]/);
+  return q < 0 ? url : url.slice(0, q);
+}
+
 export function routeName(route: string): string {
   return route
     .split("/")

@@ -223,7 +223,6 @@ describe("client against a fake agent", () => {
       }
       sock.write(b);
     };
-    let settled = 0;
     for (let i = 0; i < 200; i++) {
       await eventually("a connection", 5_000, () => client.isConnected());
       const [r, ms] = await timed(
@@ -236,9 +235,7 @@ describe("client against a fake agent", () => {
       assert.ok(!(r instanceof Error) || r instanceof FloodgateError, String(r));
       // Timer lateness on a loaded machine: 200 ms timeout + 1 s is still "did not hang".
       assert.ok(ms < 200 + PROMPT_MS, `settled after ${ms} ms`);
-      settled++;
     }
-    assert.equal(settled, 200);
     assert.ok(fake.connections > 1, "broken frames made it reconnect");
   });
 

@@ -85,6 +85,14 @@ def test_no_agent_fails_open_by_default_and_closed_on_request() -> None:
     with Client(path, fail="closed", closed_retry_after=2.5) as client:
         d = client.allow("user:1", "r")
         assert not d.allowed and d.retry_after_ms == 2_500
+    # "open" given as a string is the open policy (it used to fail closed: never `is` OPEN).
+    with Client(path, fail="open") as client:
+        d = client.allow("user:1", "r")
+        assert d.allowed and d.origin is Origin.FAIL_OPEN
+    with pytest.raises(ValueError):
+        Client(path, fail="Open")
+    with pytest.raises(ValueError):
+        Client(path, timeout=0)
 
 
 def test_a_stopped_agent_costs_the_timeout_and_no_more(make_agent) -> None:  # noqa: ANN001

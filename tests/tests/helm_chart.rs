@@ -425,7 +425,7 @@ fn a_bad_value_fails_the_schema() {
             describe(&args, &out)
         );
         assert!(
-            stderr.contains("schema") || stderr.contains(word),
+            stderr.contains("schema") && stderr.contains(word),
             "--set {set} failed for another reason than the schema\n{}",
             describe(&args, &out)
         );

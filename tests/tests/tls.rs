@@ -108,19 +108,27 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
     assert!(!keys.is_empty(), "the agent's counters are in Redis");
 
     // Without the CA, the system's store does not trust the certificate; with a wrong password,
-    // Redis refuses the AUTH: either way no answer comes from Redis (the fail mode answers).
+    // Redis refuses the AUTH: either way no answer comes from Redis (the fail mode answers), and the
+    // agent's log says which. Patient (1 s store timeout, as above): the cause is the certificate or
+    // the password, not a handshake slower than the 5 ms default.
     let wrong = tls.dir.path().join("wrong");
     std::fs::write(&wrong, "nope").unwrap();
-    for args in [
-        vec!["--redis-password-file", password.to_str().unwrap()],
-        vec![
-            "--redis-ca",
-            &tls.path("ca.pem"),
-            "--redis-password-file",
-            wrong.to_str().unwrap(),
-        ],
+    for (args, why) in [
+        (
+            vec!["--redis-password-file", password.to_str().unwrap()],
+            "certificate",
+        ),
+        (
+            vec![
+                "--redis-ca",
+                &tls.path("ca.pem"),
+                "--redis-password-file",
+                wrong.to_str().unwrap(),
+            ],
+            "AuthenticationFailed",
+        ),
     ] {
-        let mut b = Agent::builder().redis(&url).rules(RULES);
+        let mut b = Agent::builder().patient_redis(&url).rules(RULES);
         for a in &args {
             b = b.arg(a);
         }
@@ -131,6 +139,11 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
             assert!(d.allowed, "fail open while Redis cannot be reached: {d:?}");
             assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{args:?}: {d:?}");
         }
+        assert!(
+            refused.log().contains(why),
+            "{args:?}: the log names the cause ({why}):\n{}",
+            refused.log()
+        );
     }
 }
 

@@ -2,7 +2,7 @@
 //! check, and the verdicts back as Envoy's statuses and headers.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
 use floodgate_protocol::{Check, Decision, ErrorCode, Item, MAX_ITEMS};
@@ -13,6 +13,7 @@ use super::proto::{
     RateLimitService, Unit,
 };
 use floodgate_core::engine::{Answer, Engine};
+use floodgate_core::store::Clock;
 
 /// Which rate-limit headers go into `response_headers_to_add`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -150,7 +151,7 @@ impl EnvoyService {
         slots: &[Slot],
         rules: &floodgate_core::rules::RuleSet,
     ) -> RateLimitResponse {
-        let now = now_ms();
+        let now = Clock::System.now_ms();
         let statuses = slots
             .iter()
             .map(|slot| {
@@ -291,19 +292,15 @@ fn escape(out: &mut String, s: &str) {
         if matches!(c, '%' | '|' | '=' | '{' | '}') || c.is_control() {
             let mut buf = [0u8; 4];
             for b in c.encode_utf8(&mut buf).bytes() {
-                out.push_str(&format!("%{b:02X}"));
+                const HEX: &[u8; 16] = b"0123456789ABCDEF";
+                out.push('%');
+                out.push(HEX[usize::from(b >> 4)] as char);
+                out.push(HEX[usize::from(b & 15)] as char);
             }
         } else {
             out.push(c);
         }
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 #[cfg(test)]

@@ -93,15 +93,8 @@ impl Layout {
     }
 }
 
-/// 64-bit FNV-1a.
-pub fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in bytes {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+/// 64-bit FNV-1a (the protocol's, the one `wire_safe` hashes with): buckets and hash tags.
+pub use floodgate_protocol::http::fnv1a64 as fnv1a;
 
 #[cfg(test)]
 mod tests {

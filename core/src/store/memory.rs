@@ -212,12 +212,7 @@ fn state_key(rule_id: &str, key: &str) -> String {
 
 fn shard_index(key: &str) -> usize {
     // FNV-1a: cheap and good enough to spread keys over 64 locks.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in key.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % SHARDS as u64) as usize
+    (super::layout::fnv1a(key.as_bytes()) % SHARDS as u64) as usize
 }
 
 #[cfg(test)]

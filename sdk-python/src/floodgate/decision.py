@@ -75,6 +75,17 @@ class ClientConfig:
     fallback_limit: Optional[LocalLimit] = None
     """Off by default; see :class:`LocalLimit`."""
 
+    def __post_init__(self) -> None:
+        # "open" / "closed" as strings are the policies, not a policy that is never `is` OPEN; a
+        # misspelt one is refused here rather than silently failing closed.
+        self.fail = FailPolicy(self.fail)
+        for name in ("timeout", "closed_retry_after", "reconnect_min", "reconnect_max", "connect_timeout"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"ClientConfig.{name} must be a number of seconds above 0, not {v!r}")
+        if isinstance(self.max_pending, bool) or not isinstance(self.max_pending, int) or self.max_pending < 1:
+            raise ValueError(f"ClientConfig.max_pending must be an int of at least 1, not {self.max_pending!r}")
+
 
 @dataclass
 class ClientStats:
@@ -191,7 +202,7 @@ class Core:
 
     def policy(self, fail: Union[FailPolicy, str, None]) -> FailPolicy:
         if fail is None:
-            return self.config.fail
+            return self.config.fail  # a FailPolicy: ClientConfig converts it
         return fail if isinstance(fail, FailPolicy) else FailPolicy(fail)
 
     def result(

@@ -8,10 +8,10 @@ import json
 import logging
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..decision import Decision
-from ..protocol import Attributes, wire_safe
+from ..protocol import _RULE_ID, Attributes, wire_safe
 
 log = logging.getLogger("floodgate")
 
@@ -186,7 +186,8 @@ def rate_limit_headers(d: Decision, ietf: bool = False, now_ms: Optional[int] = 
         ("x-ratelimit-remaining", str(d.remaining)),
         ("x-ratelimit-reset", str(reset_s)),
     ]
-    if ietf:
+    # A rule id goes into the IETF headers quoted: one no agent sends (quotes, CR/LF) is left out.
+    if ietf and _RULE_ID.fullmatch(rule):
         now = int(time.time() * 1000) if now_ms is None else now_ms
         t = -(-max(d.reset_at_ms - now, 0) // 1000)
         h.append(("ratelimit-policy", f'"{rule}";q={d.limit}'))
@@ -277,3 +278,42 @@ class Settings:
         self.ietf = bool(ietf_headers)
         self.timeout = timeout
         self.fail = fail
+
+
+def request_attributes(
+    s: Settings,
+    request: Any,
+    *,
+    header: Callable[[Any, str], Optional[str]],
+    default_endpoint: Callable[[Any], Optional[str]],
+    peer: Callable[[Any], Tuple[Optional[str], Sequence[str]]],
+    no_peer: str,
+) -> Attributes:
+    """What a request is checked as, for every framework: ``header(request, name)`` reads a header
+    (lower-case name), ``default_endpoint(request)`` names the route, ``peer(request)`` gives the peer
+    address and the ``X-Forwarded-For`` values; ``no_peer`` is said once when there is no peer."""
+
+    def value(f: Optional[Extractor], name: Optional[str]) -> Optional[str]:
+        if f is not None:
+            return f(request)
+        if name is not None:
+            return header(request, name)
+        return None
+
+    endpoint = s.endpoint(request) if s.endpoint is not None else default_endpoint(request)
+    if s.ip is not None:
+        ip = s.ip(request)
+    else:
+        address, forwarded_for = peer(request)
+        addr = client_ip(address, forwarded_for, s.trusted)
+        if addr is None:
+            NO_PEER.warn(no_peer)
+        ip = format_ip(addr) if addr is not None else None
+    return build_attributes(
+        endpoint,
+        value(s.tier, s.tier_header),
+        value(s.user, s.user_header),
+        value(s.api_key, s.api_key_header),
+        ip,
+        s.costs,
+    )

@@ -28,14 +28,11 @@ from ..errors import FloodgateError
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
-    NO_PEER,
     RATE_LIMIT_HEADERS,
     Settings,
-    build_attributes,
-    client_ip,
-    format_ip,
     header_text,
     rate_limit_headers,
+    request_attributes,
     rejection_body,
     retry_after_seconds,
     route_name,
@@ -56,6 +53,11 @@ def scope_header(scope: Scope, name: str) -> Optional[str]:
         if k.lower() == key:
             return header_text(v)
     return None
+
+
+def _peer(scope: Scope) -> Tuple[Optional[str], List[str]]:
+    peer = scope.get("client")
+    return (peer[0] if peer else None), _all_headers(scope, b"x-forwarded-for")
 
 
 def _all_headers(scope: Scope, name: bytes) -> List[str]:
@@ -218,34 +220,15 @@ class FloodgateMiddleware:
             await asyncio.shield(starting)
         return self._client
 
-    def _value(self, scope: Scope, f: Optional[Callable[[Scope], Optional[str]]], header: Optional[str]) -> Optional[str]:
-        if f is not None:
-            return f(scope)
-        if header is not None:
-            return scope_header(scope, header)
-        return None
-
     def attributes(self, scope: Scope):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        s = self.settings
-        endpoint = s.endpoint(scope) if s.endpoint is not None else default_endpoint(scope)
-        if s.ip is not None:
-            ip = s.ip(scope)
-        else:
-            peer = scope.get("client")
-            addr = client_ip(peer[0] if peer else None, _all_headers(scope, b"x-forwarded-for"), s.trusted)
-            if addr is None:
-                NO_PEER.warn(
-                    "floodgate: no peer address on the request, so IP rules do not apply (said once)"
-                )
-            ip = format_ip(addr) if addr is not None else None
-        return build_attributes(
-            endpoint,
-            self._value(scope, s.tier, s.tier_header),
-            self._value(scope, s.user, s.user_header),
-            self._value(scope, s.api_key, s.api_key_header),
-            ip,
-            s.costs,
+        return request_attributes(
+            self.settings,
+            scope,
+            header=scope_header,
+            default_endpoint=default_endpoint,
+            peer=_peer,
+            no_peer="floodgate: no peer address on the request, so IP rules do not apply (said once)",
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

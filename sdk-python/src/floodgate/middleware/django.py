@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
@@ -31,13 +31,10 @@ from ..client import Client
 from ..errors import FloodgateError
 from ._common import (
     CHECK_FAILED,
-    NO_PEER,
     Settings,
-    build_attributes,
-    client_ip,
-    format_ip,
     header_text,
     rate_limit_headers,
+    request_attributes,
     rejection_body,
     retry_after_seconds,
 )
@@ -79,6 +76,15 @@ def _callable(v: Any) -> Optional[Callable[..., Optional[str]]]:
     return import_string(v) if isinstance(v, str) else v
 
 
+def _header(request: HttpRequest, name: str) -> Optional[str]:
+    return header_text(request.META.get("HTTP_" + name.upper().replace("-", "_")))
+
+
+def _peer(request: HttpRequest) -> Tuple[Optional[str], List[str]]:
+    xff = header_text(request.META.get("HTTP_X_FORWARDED_FOR"))
+    return request.META.get("REMOTE_ADDR"), [xff] if xff else []
+
+
 class FloodgateDjangoMiddleware:
     """Asks the agent once per request; 429 with ``Retry-After`` on a rejection, ``X-RateLimit-*``
     headers on every response a rule applied to."""
@@ -112,32 +118,15 @@ class FloodgateDjangoMiddleware:
         self.settings = Settings(**options, **extractors)
         self.client: Client = client if client is not None else _shared_client(socket, conf)
 
-    def _value(self, request: HttpRequest, f: Optional[Callable[..., Optional[str]]], header: Optional[str]) -> Optional[str]:
-        if f is not None:
-            return f(request)
-        if header is not None:
-            return header_text(request.META.get("HTTP_" + header.upper().replace("-", "_")))
-        return None
-
     def attributes(self, request: HttpRequest):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        s = self.settings
-        endpoint = s.endpoint(request) if s.endpoint is not None else default_endpoint(request)
-        if s.ip is not None:
-            ip = s.ip(request)
-        else:
-            xff = header_text(request.META.get("HTTP_X_FORWARDED_FOR"))
-            addr = client_ip(request.META.get("REMOTE_ADDR"), [xff] if xff else [], s.trusted)
-            if addr is None:
-                NO_PEER.warn("floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)")
-            ip = format_ip(addr) if addr is not None else None
-        return build_attributes(
-            endpoint,
-            self._value(request, s.tier, s.tier_header),
-            self._value(request, s.user, s.user_header),
-            self._value(request, s.api_key, s.api_key_header),
-            ip,
-            s.costs,
+        return request_attributes(
+            self.settings,
+            request,
+            header=_header,
+            default_endpoint=default_endpoint,
+            peer=_peer,
+            no_peer="floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)",
         )
 
     def __call__(self, request: HttpRequest) -> HttpResponse:

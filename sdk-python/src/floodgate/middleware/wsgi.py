@@ -21,14 +21,11 @@ from ..errors import FloodgateError
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
-    NO_PEER,
     RATE_LIMIT_HEADERS,
     Settings,
-    build_attributes,
-    client_ip,
-    format_ip,
     header_text,
     rate_limit_headers,
+    request_attributes,
     rejection_body,
     retry_after_seconds,
 )
@@ -59,6 +56,11 @@ def default_endpoint(environ: Environ) -> Optional[str]:
     except UnicodeEncodeError:
         b = path.encode("utf-8", "surrogatepass")
     return quote(b, safe=_PCHAR) or None
+
+
+def _peer(environ: Environ) -> Tuple[Optional[str], List[str]]:
+    xff = environ_header(environ, "x-forwarded-for")
+    return environ.get("REMOTE_ADDR"), [xff] if xff else []
 
 
 class FloodgateWSGIMiddleware:
@@ -106,32 +108,15 @@ class FloodgateWSGIMiddleware:
         )
         self.client = client if client is not None else Client(socket, **client_config)
 
-    def _value(self, environ: Environ, f: Optional[Callable[[Environ], Optional[str]]], header: Optional[str]) -> Optional[str]:
-        if f is not None:
-            return f(environ)
-        if header is not None:
-            return environ_header(environ, header)
-        return None
-
     def attributes(self, environ: Environ):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        s = self.settings
-        endpoint = s.endpoint(environ) if s.endpoint is not None else default_endpoint(environ)
-        if s.ip is not None:
-            ip = s.ip(environ)
-        else:
-            xff = environ_header(environ, "x-forwarded-for")
-            addr = client_ip(environ.get("REMOTE_ADDR"), [xff] if xff else [], s.trusted)
-            if addr is None:
-                NO_PEER.warn("floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)")
-            ip = format_ip(addr) if addr is not None else None
-        return build_attributes(
-            endpoint,
-            self._value(environ, s.tier, s.tier_header),
-            self._value(environ, s.user, s.user_header),
-            self._value(environ, s.api_key, s.api_key_header),
-            ip,
-            s.costs,
+        return request_attributes(
+            self.settings,
+            environ,
+            header=environ_header,
+            default_endpoint=default_endpoint,
+            peer=_peer,
+            no_peer="floodgate: no REMOTE_ADDR on the request, so IP rules do not apply (said once)",
         )
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
