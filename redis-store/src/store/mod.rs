@@ -2,6 +2,7 @@
 //! on NOSCRIPT, a bounded timeout, and errors classified for the rule's fail mode. Independent nodes
 //! or a Redis Cluster (`shards`), keys laid out by `floodgate_core::store::layout`.
 
+mod call;
 mod coalesce;
 
 use std::sync::{Arc, OnceLock};
@@ -9,11 +10,11 @@ use std::time::Duration;
 
 use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind};
 
+use call::CallItem;
 use floodgate_core::algo::Outcome;
 use floodgate_core::batch::{FlushEntry, Learned};
 use floodgate_core::guard::LedgerEntry;
 use floodgate_core::metrics;
-use floodgate_core::rules::{Algorithm, Rule};
 use floodgate_core::shared::{Adjust, Adjusted, BoxFuture, FlushReply, Flushed, Route, SharedStore};
 use floodgate_core::store::{Layout, Planned, StoreError};
 
@@ -94,17 +95,6 @@ pub struct RedisStore {
     timeout: Duration,
     coalesce: usize,
     workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
-}
-
-/// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
-/// take back into window `target`); `last` closes a check (all or nothing up to it).
-struct CallItem<'a> {
-    rule: &'a Rule,
-    key: &'a str,
-    cost: u64,
-    mode: u8,
-    target: u64,
-    last: bool,
 }
 
 impl RedisStore {
@@ -235,7 +225,7 @@ impl RedisStore {
                 });
             }
         }
-        let cmd = self.check_cmd(&items);
+        let cmd = call::check_cmd(self.script.get_hash(), &self.layout, &items);
         let reply = self.invoke(&cmd, shard, items.len(), self.timeout).await?;
         let u = |x: i64| x.max(0) as u64;
         let mut outcomes = reply.chunks_exact(5).map(|v| Outcome {
@@ -285,7 +275,12 @@ impl RedisStore {
                     .collect();
                 let units: u64 = chunk.iter().map(|e| e.units).sum();
                 match self
-                    .invoke(&self.check_cmd(&items), route.shard, chunk.len(), timeout)
+                    .invoke(
+                        &call::check_cmd(self.script.get_hash(), &self.layout, &items),
+                        route.shard,
+                        chunk.len(),
+                        timeout,
+                    )
                     .await
                 {
                     Ok(reply) => {
@@ -395,19 +390,7 @@ impl RedisStore {
         .map_err(|_| StoreError::Timeout(self.timeout))?
         .map_err(classify)?;
         // The call goes to this shard's connection (a cluster routes it by the key's slot).
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.script.get_hash())
-            .arg(1)
-            .arg("fg:{probe}:probe")
-            .arg(1)
-            .arg(1u64 << 50)
-            .arg(1_000)
-            .arg(1u64 << 50)
-            .arg(1)
-            .arg(0)
-            .arg(0)
-            .arg("probe")
-            .arg(1);
+        let cmd = call::probe_cmd(self.script.get_hash());
         self.invoke(&cmd, shard, 1, self.timeout).await.map(|_| ())
     }
 
@@ -461,37 +444,6 @@ impl RedisStore {
             .map_err(classify)?;
         }
         Ok(())
-    }
-
-    /// The EVALSHA of the check script for `items`, built straight into one command buffer: their
-    /// state keys (one reused `String`), then nine arguments each, numbers written in place. (A
-    /// `ScriptInvocation` allocates a `Vec` for every key and argument, and a `format!` per key.)
-    fn check_cmd(&self, items: &[CallItem<'_>]) -> Cmd {
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(self.script.get_hash()).arg(items.len());
-        let mut key = String::with_capacity(64);
-        for it in items {
-            key.clear();
-            self.layout.write_state_key(&mut key, it.rule, it.key);
-            cmd.arg(key.as_str());
-        }
-        for it in items {
-            let r = it.rule;
-            let algorithm = match r.algorithm {
-                Algorithm::SlidingWindow => 1,
-                Algorithm::TokenBucket => 2,
-            };
-            cmd.arg(algorithm)
-                .arg(r.limit.get())
-                .arg(r.window_ms())
-                .arg(r.burst())
-                .arg(it.cost)
-                .arg(it.mode)
-                .arg(it.target)
-                .arg(it.key)
-                .arg(if it.last { 1 } else { 0 });
-        }
-        cmd
     }
 
     /// Runs a check-script command on `shard` within `timeout`; a Redis that lost the script

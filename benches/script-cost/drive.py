@@ -1,0 +1,45 @@
+"""Drives check.lua calls at one redis-server for benches/script-cost/run.sh.
+
+usage: drive.py PORT SCRIPT FORMAT ITEMS CALLS
+10,000 clients over 16,384 buckets (the agent's default layout), ITEMS checks per call (each its own
+group, as the coalescer sends them), one sliding-window rule, 50 calls per pipeline. FORMAT is the
+script's argument layout: "specs" (nspecs, 4 per spec, 4 per item; since issue 14) or "flat" (9 per
+item, before). The same seed every time, so a second run repeats the first's keys (a warm state).
+"""
+import random
+import sys
+import zlib
+
+import redis
+
+port, script, fmt, k, calls = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+r = redis.Redis(port=port)
+sha = r.script_load(open(script).read())
+clients = [f"user:{i}" for i in range(10000)]
+
+
+def prefix(c):
+    h = zlib.crc32(c.encode())
+    return f"fg:{{{h % 1024}}}:bench/{h % 16384}"
+
+
+def args_of(cs):
+    if fmt == "specs":
+        args = [1, 1, 1000000000, 600000, 1000000000]
+        for c in cs:
+            args += [1 * 8 + 1 * 2 + 1, 1, 0, c]
+        return args
+    args = []
+    for c in cs:
+        args += [1, 1000000000, 600000, 1000000000, 1, 1, 0, c, 1]
+    return args
+
+
+rng = random.Random(7)
+for _ in range(calls // 50):
+    p = r.pipeline(transaction=False)
+    for _ in range(50):
+        cs = rng.sample(clients, k)
+        p.evalsha(sha, len(cs), *[prefix(c) for c in cs], *args_of(cs))
+    for res in p.execute():
+        assert res[0] == 1, res
