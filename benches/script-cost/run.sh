@@ -28,9 +28,9 @@ for k in $ITEMS; do
   vp=$!
   for _ in $(seq 1 150); do redis-cli -p "$port" PING >/dev/null 2>&1 && break; sleep 0.2; done
   "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
-  callgrind_control -z "$vp" >/dev/null
+  callgrind_control -z "$vp" >/dev/null 2>&1
   "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
-  callgrind_control -d "$vp" >/dev/null
+  callgrind_control -d "$vp" >/dev/null 2>&1
   redis-cli -p "$port" SHUTDOWN NOSAVE >/dev/null 2>&1 || true
   wait "$vp" 2>/dev/null || true
   total="$(grep -h '^summary:' "$work"/cg.*.1 | awk '{print $2}')"

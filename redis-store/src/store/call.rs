@@ -3,6 +3,7 @@
 use floodgate_core::rules::{Algorithm, Rule};
 use floodgate_core::store::Layout;
 use redis::Cmd;
+use smallvec::SmallVec;
 
 /// A rule's parameters as check.lua reads them, sent once per call for all its items.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -51,27 +52,23 @@ pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_
         layout.write_state_key(&mut key, it.rule, it.key);
         cmd.arg(key.as_str());
     }
-    // A call's items mostly share one or two rules: a linear scan finds each item's spec.
-    let mut specs: Vec<Spec> = Vec::with_capacity(4);
-    let codes: Vec<u64> = items
-        .iter()
-        .map(|it| {
-            let spec = Spec::of(it.rule);
-            let index = match specs.iter().position(|s| *s == spec) {
-                Some(i) => i,
-                None => {
-                    specs.push(spec);
-                    specs.len() - 1
-                }
-            };
-            (index as u64 + 1) * 8 + u64::from(it.mode) * 2 + u64::from(it.last)
-        })
-        .collect();
+    // A call's items mostly share one or two rules: a linear scan over a few inline specs (no
+    // allocation below five distinct rules) finds each item's.
+    let mut specs: SmallVec<[Spec; 4]> = SmallVec::new();
+    for it in items {
+        let spec = Spec::of(it.rule);
+        if !specs.contains(&spec) {
+            specs.push(spec);
+        }
+    }
     cmd.arg(specs.len());
     for s in &specs {
         cmd.arg(s.algorithm).arg(s.limit).arg(s.window_ms).arg(s.burst);
     }
-    for (it, code) in items.iter().zip(codes) {
+    for it in items {
+        let spec = Spec::of(it.rule);
+        let index = specs.iter().position(|s| *s == spec).unwrap_or(0) as u64;
+        let code = (index + 1) * 8 + u64::from(it.mode) * 2 + u64::from(it.last);
         cmd.arg(code).arg(it.cost).arg(it.target).arg(it.key);
     }
     cmd
