@@ -12,11 +12,8 @@
 -- KEYS[i]  the item's state: fg:{<tag>}:<rule>:<bucket> (sliding window: the prefix of its window
 --          hashes, which share its hash tag) or fg:{<tag>}:<rule>:k:<client key> (token bucket). On a
 --          Redis Cluster one call carries keys of one hash tag only.
--- ARGV     the rules' parameters once per call, then 4 per item (callgrind: each argument costs Redis
---          ~1.1K instructions to parse and hand to Lua, so a call's items do not repeat them):
---          nspecs, then per spec: algorithm (1 sliding window | 2 token bucket), limit, window_ms,
---          burst; then per item: code, cost, target window, field (the client key), where
---          code = spec index (1-based) * 8 + mode * 2 + last (1 = the item ends its group).
+-- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
+--          mode, target window, field (the client key), last (1 = the item ends its group).
 --          mode 1 enforce | 0 log: check and commit as above.
 --          mode 2 add: add the cost to the target window whatever the verdict (what agents admitted
 --            locally while Redis was away; a token bucket may go below zero, a debt refilled first).
@@ -32,51 +29,31 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
 local n = 0
 local commits = {}
--- Admitted sliding-window items of the current group, to undo if the group fails: key, field, cost
--- and the count before, 4 slots per item in one table (a table per column was 3 more per call).
-local undo, undos = {}, 0
+-- Admitted sliding-window items of the current group, to undo if the group fails.
+local undo_keys, undo_fields, undo_costs, undo_was, undos = {}, {}, {}, {}, 0
 local all_ok = true
 
-local nspecs = tonumber(ARGV[1]) or -1
-local base = 1 + nspecs * 4
-if nspecs < 0 or #ARGV ~= base + #KEYS * 4 then
-  return redis.error_reply('ERR floodgate: expected nspecs, 4 per spec and 4 per item')
-end
-for s = 1, nspecs do
-  local algorithm = ARGV[s * 4 - 2]
+for i = 1, #KEYS do
+  local a = (i - 1) * 9
+  local algorithm = ARGV[a + 1]
+  local limit = tonumber(ARGV[a + 2])
+  local window = tonumber(ARGV[a + 3])
+  local cost = tonumber(ARGV[a + 5])
+  local mode = ARGV[a + 6]
+  local field = ARGV[a + 8]
   if algorithm ~= '1' and algorithm ~= '2' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
-end
-
-local last_spec, algorithm, limit, window, burst = nil, nil, nil, nil, nil
-for i = 1, #KEYS do
-  local a = base + (i - 1) * 4
-  local code = tonumber(ARGV[a + 1]) or 0
-  local spec = math.floor(code / 8)
-  if spec < 1 or spec > nspecs then
-    return redis.error_reply('ERR floodgate: item ' .. i .. ' names no spec')
-  end
-  -- The spec's arguments, parsed when the spec differs from the previous item's (no tables: a
-  -- table per call costs more than it saves on a one-item call).
-  if spec ~= last_spec then
-    local b = spec * 4 - 2
-    last_spec = spec
-    algorithm, limit, window, burst = ARGV[b], tonumber(ARGV[b + 1]), tonumber(ARGV[b + 2]), tonumber(ARGV[b + 3])
-  end
-  local cost = tonumber(ARGV[a + 2])
-  local mode = math.floor(code / 2) % 4
-  local last = code % 2
-  local field = ARGV[a + 4]
-  if mode == 2 or mode == 3 then
-    local target = tonumber(ARGV[a + 3])
+  if mode == '2' or mode == '3' then
+    local burst = tonumber(ARGV[a + 4])
+    local target = tonumber(ARGV[a + 7])
     local units = cost
-    if mode == 3 then units = -cost end
+    if mode == '3' then units = -cost end
     local applied, count = 0, 0
     if algorithm == '1' then
       applied, count = sliding_window_adjust(KEYS[i], field, now, window, units, target)
-      if mode == 3 then count = 0 end
-    elseif mode == 2 then
+      if mode == '3' then count = 0 end
+    elseif mode == '2' then
       local _, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
       commit()
       applied = cost
@@ -89,26 +66,26 @@ for i = 1, #KEYS do
     local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry
     if ok == 1 then
-      undo[undos + 1], undo[undos + 2], undo[undos + 3], undo[undos + 4] = key, field, cost, was
-      undos = undos + 4
-    elseif mode == 1 then
+      undos = undos + 1
+      undo_keys[undos], undo_fields[undos], undo_costs[undos], undo_was[undos] = key, field, cost, was
+    elseif mode == '1' then
       all_ok = false
     end
   else
-    local verdict, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
+    local verdict, commit = token_bucket(KEYS[i], now, limit, window, tonumber(ARGV[a + 4]), cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = verdict[1], verdict[2], verdict[3], verdict[4], verdict[5]
     if verdict[1] == 1 then
       commits[#commits + 1] = commit
-    elseif mode == 1 then
+    elseif mode == '1' then
       all_ok = false
     end
   end
   n = n + 5
-  if last == 1 then
+  if ARGV[a + 9] == '1' then
     if all_ok then
       for _, commit in ipairs(commits) do commit() end
     else
-      for u = 1, undos, 4 do sliding_window_undo(undo[u], undo[u + 1], undo[u + 2], undo[u + 3]) end
+      for u = 1, undos do sliding_window_undo(undo_keys[u], undo_fields[u], undo_costs[u], undo_was[u]) end
     end
     commits = {}
     undos = 0

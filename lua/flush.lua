@@ -29,7 +29,7 @@ for i = 1, #KEYS do
     -- A window that no longer weighs on the estimate takes nothing; an agent whose clock estimate
     -- runs a little ahead may write into the next window, which counts as soon as Redis gets there.
     if target >= idx - 1 and target <= idx + 1 then
-      local key = KEYS[i] .. ':' .. window_name(target)
+      local key = KEYS[i] .. ':' .. target
       cur = redis.call('HINCRBY', key, field, units)
       if cur == units then
         redis.call('PEXPIREAT', key, (target + 2) * window)

@@ -18,29 +18,16 @@
 --
 -- The maths is mirrored line for line by core/src/algo/sliding_window.rs (the embedded store); a test
 -- checks that both give the same answers for the same sequence.
--- A window hash's name is <prefix>:<window index>. Writing a number into a string costs Lua a
--- sprintf; one call's items mostly share a window and the one before it, so the last two windows'
--- indexes are kept as strings (two slots, no table: a table per call costs more than it saves on a
--- one-item call). Callers concatenate prefix .. ':' .. index in one operation, one new string.
-local idx_a, idx_a_s, idx_b, idx_b_s = nil, nil, nil, nil
-local function window_name(idx)
-  if idx == idx_a then return idx_a_s end
-  if idx == idx_b then return idx_b_s end
-  idx_b, idx_b_s = idx_a, idx_a_s
-  idx_a, idx_a_s = idx, tostring(idx)
-  return idx_a_s
-end
-
 local function sliding_window_counts(prefix, field, idx)
-  local cur = tonumber(redis.call('HGET', prefix .. ':' .. window_name(idx), field)) or 0
-  local prev = tonumber(redis.call('HGET', prefix .. ':' .. window_name(idx - 1), field)) or 0
+  local cur = tonumber(redis.call('HGET', prefix .. ':' .. idx, field)) or 0
+  local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
   return cur, prev
 end
 
 -- Adds `units` to the client's count of window `idx`. The hash's expiry is set by whoever creates it,
 -- and a client whose count was 0 may be that creator; later writes leave it alone (one call fewer).
 local function sliding_window_add(prefix, field, idx, window, units, was)
-  local key = prefix .. ':' .. window_name(idx)
+  local key = prefix .. ':' .. idx
   redis.call('HINCRBY', key, field, units)
   if was == 0 then
     redis.call('PEXPIREAT', key, (idx + 2) * window)
@@ -57,12 +44,12 @@ end
 
 local function sliding_window(prefix, field, now, limit, window, cost)
   local idx = math.floor(now / window)
-  local key = prefix .. ':' .. window_name(idx)
+  local key = prefix .. ':' .. idx
   local cur = redis.call('HINCRBY', key, field, cost) - cost
   if cur == 0 then
     redis.call('PEXPIREAT', key, (idx + 2) * window)
   end
-  local prev = tonumber(redis.call('HGET', prefix .. ':' .. window_name(idx - 1), field)) or 0
+  local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
 
   local start = idx * window
   local estimate = prev * (1 - (now - start) / window) + cur
@@ -105,7 +92,7 @@ local function sliding_window_adjust(prefix, field, now, window, units, target)
   if target ~= idx and target ~= idx - 1 then
     return 0, 0
   end
-  local key = prefix .. ':' .. window_name(target)
+  local key = prefix .. ':' .. target
   local was = tonumber(redis.call('HGET', key, field)) or 0
   if units < 0 and -units > was then
     units = -was

@@ -135,18 +135,17 @@ impl Conn {
                         layout.tag(&key),
                         layout.bucket(&key)
                     ));
-                    // One spec (sliding window, limit, window_ms, burst), then the item: code
-                    // (spec 1, enforce, last: 1*8 + 1*2 + 1), cost, target window, field; as the
-                    // agent sends them.
+                    // algorithm, limit, window_ms, burst, cost, enforce, target window, field, last:
+                    // as the agent sends them.
                     inv.arg(1)
-                        .arg(1)
                         .arg(1_000_000_000_000u64)
                         .arg(60_000)
                         .arg(1_000_000_000_000u64)
-                        .arg(11)
+                        .arg(1)
                         .arg(1)
                         .arg(0)
-                        .arg(key);
+                        .arg(key)
+                        .arg(1);
                     async move { inv.invoke_async::<Vec<i64>>(&mut conn).await }
                 });
                 for r in futures::future::join_all(calls).await {
