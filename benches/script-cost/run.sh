@@ -13,7 +13,9 @@ REV="${1:-}"
 CALLS="${CALLS:-3000}"
 ITEMS="${ITEMS:-1 4 14}"
 work="$(mktemp -d)"
-trap 'rm -rf "$work"' EXIT
+vp=""
+# A failed run must not leave its redis-server under valgrind behind.
+trap '[ -n "$vp" ] && kill "$vp" 2>/dev/null; rm -rf "$work"' EXIT
 for f in sliding_window token_bucket check; do
   if [ -n "$REV" ]; then git show "$REV:lua/$f.lua"; else cat "lua/$f.lua"; fi
 done > "$work/check.lua"
@@ -33,6 +35,7 @@ for k in $ITEMS; do
   callgrind_control -d "$vp" >/dev/null 2>&1
   redis-cli -p "$port" SHUTDOWN NOSAVE >/dev/null 2>&1 || true
   wait "$vp" 2>/dev/null || true
+  vp=""
   total="$(grep -h '^summary:' "$work"/cg.*.1 | awk '{print $2}')"
   rm -f "$work"/cg.*
   echo "${REV:-worktree} ($fmt) items/call=$k calls=$CALLS instructions/call=$((total / CALLS)) instructions/item=$((total / (CALLS * k)))"

@@ -233,36 +233,30 @@ async fn drive(s: &Scenario, conns: Vec<Conn>, per_client: u64) -> anyhow::Resul
 }
 
 fn callgrind_control(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("callgrind_control")
-        .args(args)
-        .output()
-        .context("callgrind_control (valgrind)")?;
+    valgrind_tool(Command::new("callgrind_control").args(args)).map(drop)
+}
+
+/// Runs one of valgrind's tools to its end; its standard output, or its standard error as the error.
+fn valgrind_tool(cmd: &mut Command) -> anyhow::Result<Vec<u8>> {
+    let what = format!("{cmd:?}");
+    let out = cmd.output().with_context(|| format!("{what} (valgrind)"))?;
     if !out.status.success() {
-        bail!(
-            "callgrind_control {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        bail!("{what}: {}", String::from_utf8_lossy(&out.stderr));
     }
-    Ok(())
+    Ok(out.stdout)
 }
 
 const TOTAL: &str = "PROGRAM TOTALS";
 
 /// Self instructions per function (and the program's total) from `callgrind_annotate`.
 fn profile(file: &Path) -> anyhow::Result<HashMap<String, u64>> {
-    let out = Command::new("callgrind_annotate")
-        .args(["--threshold=100", "--auto=no", "--show-percs=no"])
-        .arg(file)
-        .output()
-        .context("callgrind_annotate (valgrind)")?;
-    if !out.status.success() {
-        bail!(
-            "callgrind_annotate failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let out = valgrind_tool(
+        Command::new("callgrind_annotate")
+            .args(["--threshold=100", "--auto=no", "--show-percs=no"])
+            .arg(file),
+    )?;
     let mut map = HashMap::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
+    for line in String::from_utf8_lossy(&out).lines() {
         let line = line.trim_start();
         let Some((count, rest)) = line.split_once(char::is_whitespace) else {
             continue;
