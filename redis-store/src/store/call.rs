@@ -1,8 +1,11 @@
 //! What one call of the check script carries: its items, and the EVALSHA built from them (the
-//! checks' and the breaker probe's: check.lua's argument layout lives here only).
+//! checks' and the breaker probe's: check.lua's argument layout lives here only), either as a
+//! redis-rs `Cmd` (a Cluster or a Sentinel-named master) or as RESP bytes for the check path's own
+//! node connection (`pipe`).
 
+use floodgate_core::algo::Outcome;
 use floodgate_core::rules::{Algorithm, Rule};
-use floodgate_core::store::Layout;
+use floodgate_core::store::{Layout, Planned};
 use redis::Cmd;
 
 /// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
@@ -16,20 +19,78 @@ pub(super) struct CallItem<'a> {
     pub(super) last: bool,
 }
 
-/// The EVALSHA of the check script for `items`, built straight into one command buffer: their
-/// state keys (one reused `String`), then nine arguments each (check.lua's ARGV), numbers written in
-/// place. (A `ScriptInvocation` allocates a `Vec` for every key and argument, and a `format!` per key.)
-/// A layout with each rule's parameters once per call was measured and not kept (BENCHMARKS.md,
-/// issue 14, item 4): fewer Redis instructions per item in a many-item call, more in a one-item call,
-/// the common one on a fleet's agents.
-pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) -> Cmd {
-    let mut cmd = redis::cmd("EVALSHA");
-    cmd.arg(script_hash).arg(items.len());
+/// The items of checks sent as one call, in order, each check closed by its last item.
+pub(super) fn check_items<'a>(checks: impl IntoIterator<Item = &'a [Planned]>) -> Vec<CallItem<'a>> {
+    let mut items = Vec::new();
+    for check in checks {
+        for (i, p) in check.iter().enumerate() {
+            items.push(CallItem {
+                rule: &p.rule,
+                key: &p.key,
+                cost: p.cost,
+                mode: if p.rule.enforced() { 1 } else { 0 },
+                target: 0,
+                last: i + 1 == check.len(),
+            });
+        }
+    }
+    items
+}
+
+/// One item's five figures in the script's reply.
+pub(super) fn outcome(v: &[i64]) -> Outcome {
+    let u = |x: i64| x.max(0) as u64;
+    Outcome {
+        allowed: v[0] == 1,
+        limit: u(v[1]),
+        remaining: u(v[2]),
+        reset_at_ms: u(v[3]),
+        retry_after_ms: u(v[4]),
+    }
+}
+
+/// Where a command's arguments go: a redis-rs `Cmd`, or a RESP buffer.
+pub(super) trait Args {
+    fn text(&mut self, s: &str);
+    fn num(&mut self, n: u64);
+}
+
+impl Args for Cmd {
+    fn text(&mut self, s: &str) {
+        self.arg(s);
+    }
+    fn num(&mut self, n: u64) {
+        self.arg(n);
+    }
+}
+
+/// RESP: each argument a bulk string (`$<len>\r\n<bytes>\r\n`), numbers written in place.
+impl Args for Vec<u8> {
+    fn text(&mut self, s: &str) {
+        self.push(b'$');
+        self.extend_from_slice(itoa::Buffer::new().format(s.len()).as_bytes());
+        self.extend_from_slice(b"\r\n");
+        self.extend_from_slice(s.as_bytes());
+        self.extend_from_slice(b"\r\n");
+    }
+    fn num(&mut self, n: u64) {
+        self.text(itoa::Buffer::new().format(n));
+    }
+}
+
+/// The arguments after `EVALSHA`: the script's hash, the key count, the items' state keys (one
+/// reused `String`), then nine arguments each (check.lua's ARGV). A layout with each rule's parameters
+/// once per call was measured and not kept (BENCHMARKS.md, issue 14, item 4): fewer Redis
+/// instructions per item in a many-item call, more in a one-item call, the common one on a fleet's
+/// agents.
+fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
+    out.text(script_hash);
+    out.num(items.len() as u64);
     let mut key = String::with_capacity(64);
     for it in items {
         key.clear();
         layout.write_state_key(&mut key, it.rule, it.key);
-        cmd.arg(key.as_str());
+        out.text(&key);
     }
     for it in items {
         let r = it.rule;
@@ -37,17 +98,33 @@ pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_
             Algorithm::SlidingWindow => 1,
             Algorithm::TokenBucket => 2,
         };
-        cmd.arg(algorithm)
-            .arg(r.limit.get())
-            .arg(r.window_ms())
-            .arg(r.burst())
-            .arg(it.cost)
-            .arg(it.mode)
-            .arg(it.target)
-            .arg(it.key)
-            .arg(if it.last { 1 } else { 0 });
+        out.num(algorithm);
+        out.num(r.limit.get());
+        out.num(r.window_ms());
+        out.num(r.burst());
+        out.num(it.cost);
+        out.num(u64::from(it.mode));
+        out.num(it.target);
+        out.text(it.key);
+        out.num(u64::from(it.last));
     }
+}
+
+/// The EVALSHA of the check script for `items` as a redis-rs command, built straight into one
+/// command buffer (a `ScriptInvocation` allocates a `Vec` for every key and argument).
+pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) -> Cmd {
+    let mut cmd = redis::cmd("EVALSHA");
+    check_args(&mut cmd, script_hash, layout, items);
     cmd
+}
+
+/// The same EVALSHA as RESP, appended to `buf`: the array header (3 + 10 arguments per item), then
+/// the arguments, with no intermediate command.
+pub(super) fn write_check(buf: &mut Vec<u8>, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
+    buf.push(b'*');
+    buf.extend_from_slice(itoa::Buffer::new().format(3 + 10 * items.len()).as_bytes());
+    buf.extend_from_slice(b"\r\n$7\r\nEVALSHA\r\n");
+    check_args(buf, script_hash, layout, items);
 }
 
 /// The breaker's probe: one log-mode sliding-window item on `fg:{probe}:probe` with a limit no probe
@@ -67,4 +144,45 @@ pub(super) fn probe_cmd(script_hash: &str) -> Cmd {
         .arg("probe")
         .arg(1);
     cmd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use floodgate_core::rules::RuleSet;
+
+    #[test]
+    fn resp_bytes_are_the_commands_own_packing() {
+        let rules = RuleSet::parse(
+            r#"{"rules":[{"id":"r","dimension":"user","limit":5,"windowSeconds":60},
+                {"id":"t","dimension":"user","limit":3,"windowSeconds":10,"algorithm":"token_bucket","burst":3}]}"#,
+        )
+        .unwrap();
+        let layout = Layout::default();
+        let items = [
+            CallItem {
+                rule: rules.get("r").unwrap(),
+                key: "user:a",
+                cost: 2,
+                mode: 1,
+                target: 0,
+                last: false,
+            },
+            CallItem {
+                rule: rules.get("t").unwrap(),
+                key: "user:é",
+                cost: 1,
+                mode: 3,
+                target: 77,
+                last: true,
+            },
+        ];
+        let mut buf = b"leading".to_vec();
+        write_check(&mut buf, "abc", &layout, &items);
+        assert_eq!(
+            &buf[7..],
+            &check_cmd("abc", &layout, &items).get_packed_command()[..],
+            "the same EVALSHA either way"
+        );
+    }
 }

@@ -3,6 +3,9 @@
 //! check. A check never waits for a batch to fill: a worker per call group sends what is queued as
 //! soon as fewer than [`MAX_IN_FLIGHT`] of its calls are in flight, so a lone check goes at once and
 //! checks only pile up (and share a call) while Redis is busy anyway.
+//!
+//! This worker serves a Cluster or a Sentinel-named master, whose calls go through redis-rs;
+//! independent nodes get the same coalescing from their own connection's task (`pipe`).
 
 use std::sync::Weak;
 

@@ -4,6 +4,7 @@
 
 mod call;
 mod coalesce;
+mod pipe;
 
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -95,18 +96,35 @@ pub struct RedisStore {
     timeout: Duration,
     coalesce: usize,
     workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
+    /// Independent nodes: where each is, for the check path's own connections (`pipe`); `None` for
+    /// a Cluster or Sentinel, whose checks go through redis-rs.
+    nodes: Option<Vec<Arc<pipe::NodeAddr>>>,
+    /// The task of each node, started on first use.
+    pipes: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<pipe::Request>>>,
 }
 
 impl RedisStore {
     /// Prepares a store. Connects lazily: an agent starts (and fails open) even while Redis is away.
     pub fn new(config: &RedisConfig) -> Result<Self, StoreError> {
+        let shards = Shards::new(
+            &config.urls,
+            config.cluster,
+            config.layout.buckets(),
+            &config.access,
+        )?;
+        let nodes = match shards {
+            Shards::Nodes { .. } => config
+                .urls
+                .iter()
+                .map(|url| pipe::NodeAddr::new(url, &config.access))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .map(|addr| addr.map(Arc::new))
+                .collect(),
+            _ => None,
+        };
         Ok(RedisStore {
-            shards: Shards::new(
-                &config.urls,
-                config.cluster,
-                config.layout.buckets(),
-                &config.access,
-            )?,
+            shards,
             layout: config.layout,
             script: Script::new(CHECK_LUA),
             flush: Script::new(FLUSH_LUA),
@@ -114,7 +132,32 @@ impl RedisStore {
             timeout: config.timeout,
             coalesce: config.coalesce,
             workers: OnceLock::new(),
+            nodes,
+            pipes: OnceLock::new(),
         })
+    }
+
+    /// The tasks of the nodes' own connections, if the check path has them.
+    fn pipes(&self) -> Option<&[tokio::sync::mpsc::UnboundedSender<pipe::Request>]> {
+        let nodes = self.nodes.as_ref()?;
+        let pipes = self.pipes.get_or_init(|| {
+            nodes
+                .iter()
+                .enumerate()
+                .map(|(shard, addr)| {
+                    pipe::spawn(pipe::NodeTask {
+                        shard,
+                        addr: addr.clone(),
+                        script_hash: self.script.get_hash().to_string(),
+                        script: CHECK_LUA,
+                        layout: self.layout,
+                        timeout: self.timeout,
+                        max_items: self.coalesce.max(1),
+                    })
+                })
+                .collect()
+        });
+        Some(pipes)
     }
 
     /// The nodes or the cluster, without passwords, for logs.
@@ -154,6 +197,17 @@ impl RedisStore {
             return Ok(Vec::new());
         };
         let route = self.route(&first.key);
+        if let Some(pipes) = self.pipes() {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            pipes[route.shard % pipes.len()]
+                .send(pipe::Request::Check(coalesce::Job { items, reply: tx }))
+                .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
+            return match tokio::time::timeout(self.timeout, rx).await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
+                Err(_) => Err(StoreError::Timeout(self.timeout)),
+            };
+        }
         if self.coalesce <= 1 {
             let mut reply = self.run_batch_direct(route.shard, vec![items]).await?;
             return Ok(reply.pop().unwrap_or_default());
@@ -212,29 +266,10 @@ impl RedisStore {
         shard: usize,
         checks: Vec<Vec<Planned>>,
     ) -> Result<Vec<Vec<Outcome>>, StoreError> {
-        let mut items = Vec::with_capacity(checks.iter().map(Vec::len).sum());
-        for check in &checks {
-            for (i, p) in check.iter().enumerate() {
-                items.push(CallItem {
-                    rule: &p.rule,
-                    key: &p.key,
-                    cost: p.cost,
-                    mode: if p.rule.enforced() { 1 } else { 0 },
-                    target: 0,
-                    last: i + 1 == check.len(),
-                });
-            }
-        }
+        let items = call::check_items(checks.iter().map(Vec::as_slice));
         let cmd = call::check_cmd(self.script.get_hash(), &self.layout, &items);
         let reply = self.invoke(&cmd, shard, items.len(), self.timeout).await?;
-        let u = |x: i64| x.max(0) as u64;
-        let mut outcomes = reply.chunks_exact(5).map(|v| Outcome {
-            allowed: v[0] == 1,
-            limit: u(v[1]),
-            remaining: u(v[2]),
-            reset_at_ms: u(v[3]),
-            retry_after_ms: u(v[4]),
-        });
+        let mut outcomes = reply.chunks_exact(5).map(call::outcome);
         Ok(checks
             .iter()
             .map(|items| outcomes.by_ref().take(items.len()).collect())
@@ -455,6 +490,23 @@ impl RedisStore {
         items: usize,
         timeout: Duration,
     ) -> Result<Vec<i64>, StoreError> {
+        if let Some(pipes) = self.pipes() {
+            // The node's own connection (it answers only with `items` × 5 integers, and counts the call).
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            pipes[shard % pipes.len()]
+                .send(pipe::Request::Raw {
+                    cmd: cmd.get_packed_command(),
+                    items,
+                    timeout,
+                    reply: tx,
+                })
+                .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
+            return match tokio::time::timeout(timeout, rx).await {
+                Ok(Ok(result)) => result,
+                Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
+                Err(_) => Err(StoreError::Timeout(timeout)),
+            };
+        }
         let call = async {
             let mut conn = self.shards.conn(shard).await?;
             match cmd.query_async::<Vec<i64>>(&mut conn).await {

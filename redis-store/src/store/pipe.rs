@@ -1,0 +1,773 @@
+//! The check path's own connection to one Redis node. One task per node owns the socket: it takes
+//! checks off its queue, coalesces them into one check-script call (as `coalesce` does for a Cluster
+//! or a Sentinel-named master), writes the EVALSHA as RESP straight from the checks, reads the
+//! replies in order and answers each check from its five integers per item. There is no second task
+//! (redis-rs's multiplexer), no packing of a command twice and no general reply parser between a
+//! check and its answer (BENCHMARKS.md, issue 14).
+//!
+//! What it owns, and how it behaves:
+//! - connecting (TCP, TLS for `rediss://` with the `--redis-ca` roots or the system's, a Unix socket),
+//!   AUTH and SELECT, within [`CONNECT_TIMEOUT`]; after a failed connect, checks fail at once (the
+//!   error is the connect's) until a backoff of 10 ms, doubling to 200 ms, has passed;
+//! - at most [`MAX_IN_FLIGHT`] calls whose callers still wait: a call past its deadline (its caller
+//!   has had its timeout) stops counting, so a slow Redis does not hold new calls back longer than
+//!   the store timeout, and [`MAX_PENDING`] unanswered calls close the connection;
+//! - NOSCRIPT (a restarted or flushed Redis): `SCRIPT LOAD` and the same call again, once;
+//! - a reply it cannot read, one that nobody waits for, a failed write or a closed socket: the
+//!   connection is dropped and every call on it fails with a connection error (the breaker and the
+//!   rule's fail mode decide), and the next call connects again.
+//!
+//! Flushes, heartbeats, pings and script preloads are not on the request path and still go through
+//! redis-rs's connection manager (`shards`), as everything does for a Cluster or Sentinel.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use floodgate_core::algo::Outcome;
+use floodgate_core::metrics;
+use floodgate_core::store::{Layout, StoreError};
+
+use super::call;
+use super::coalesce::{Job, MAX_IN_FLIGHT};
+use crate::shards::RedisAccess;
+
+/// Longest a connect (TCP, TLS, AUTH, SELECT) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// Calls written and not yet answered (their callers gone or not) that close the connection: Redis
+/// has not answered for that long, and the replies still owed are not worth waiting for.
+pub const MAX_PENDING: usize = 64;
+
+const MIN_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Longest a reply line or bulk string may be (a Redis reply to our commands is far shorter).
+const MAX_REPLY: usize = 1 << 20;
+
+/// What a node's task is asked to do.
+pub enum Request {
+    /// A check: coalesced with the checks queued with it into one script call.
+    Check(Job),
+    /// A ready command of the check script (adjustments, the breaker's probe) and where its reply
+    /// goes: `items` × 5 integers.
+    Raw {
+        /// The command, as RESP.
+        cmd: Vec<u8>,
+        /// Items it carries.
+        items: usize,
+        /// How long its caller waits.
+        timeout: Duration,
+        /// Where the reply goes.
+        reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
+    },
+}
+
+impl Request {
+    fn gone(&self) -> bool {
+        match self {
+            Request::Check(j) => j.reply.is_closed(),
+            Request::Raw { reply, .. } => reply.is_closed(),
+        }
+    }
+
+    fn fail(self, e: &StoreError) {
+        match self {
+            Request::Check(j) => {
+                let _ = j.reply.send(Err(e.clone()));
+            }
+            Request::Raw { reply, .. } => {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+    }
+}
+
+/// Where a node is and how to sign in, from its URL.
+pub struct NodeAddr {
+    target: Target,
+    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    username: Option<String>,
+    password: Option<String>,
+    db: i64,
+}
+
+enum Target {
+    Tcp(String, u16),
+    Unix(PathBuf),
+}
+
+/// A connection: TCP, TLS over TCP, or a Unix socket.
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+impl NodeAddr {
+    /// The node behind `url`; `None` for a URL whose checks stay with redis-rs (`rediss://…#insecure`:
+    /// TLS without checking the certificate's name is not built here). One such URL keeps every
+    /// node's checks with redis-rs.
+    pub fn new(url: &str, access: &RedisAccess) -> Result<Option<NodeAddr>, StoreError> {
+        let err = |e: String| StoreError::Connection(format!("{}: {e}", floodgate_core::store::redact(url)));
+        let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|e| err(e.to_string()))?;
+        let settings = info.redis_settings();
+        let (target, tls) = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, port) => (Target::Tcp(host.clone(), *port), None),
+            redis::ConnectionAddr::TcpTls { insecure: true, .. } => return Ok(None),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => {
+                let name = ServerName::try_from(host.clone()).map_err(|e| err(e.to_string()))?;
+                let roots = roots(access.ca.as_deref()).map_err(err)?;
+                let config = rustls::ClientConfig::builder()
+                    .with_root_certificates(roots)
+                    .with_no_client_auth();
+                (Target::Tcp(host.clone(), *port), Some((Arc::new(config), name)))
+            }
+            redis::ConnectionAddr::Unix(path) => (Target::Unix(path.clone()), None),
+            // A kind of address a later redis-rs may add.
+            _ => return Ok(None),
+        };
+        Ok(Some(NodeAddr {
+            target,
+            tls,
+            username: settings.username().map(str::to_string),
+            password: access
+                .password
+                .clone()
+                .or_else(|| settings.password().map(str::to_string)),
+            db: settings.db(),
+        }))
+    }
+
+    /// Connects and signs in (AUTH, SELECT).
+    async fn connect(&self) -> Result<Box<dyn Io>, StoreError> {
+        let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());
+        let mut io: Box<dyn Io> = match &self.target {
+            Target::Tcp(host, port) => {
+                let tcp = tokio::net::TcpStream::connect((host.as_str(), *port))
+                    .await
+                    .map_err(io_err)?;
+                tcp.set_nodelay(true).map_err(io_err)?;
+                match &self.tls {
+                    Some((config, name)) => Box::new(
+                        tokio_rustls::TlsConnector::from(config.clone())
+                            .connect(name.clone(), tcp)
+                            .await
+                            .map_err(io_err)?,
+                    ),
+                    None => Box::new(tcp),
+                }
+            }
+            Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await.map_err(io_err)?),
+        };
+        let mut hello = Vec::new();
+        let mut expect = 0;
+        if let Some(password) = &self.password {
+            match &self.username {
+                Some(user) => command(&mut hello, &[b"AUTH", user.as_bytes(), password.as_bytes()]),
+                None => command(&mut hello, &[b"AUTH", password.as_bytes()]),
+            }
+            expect += 1;
+        }
+        if self.db != 0 {
+            command(&mut hello, &[b"SELECT", self.db.to_string().as_bytes()]);
+            expect += 1;
+        }
+        if expect > 0 {
+            io.write_all(&hello).await.map_err(io_err)?;
+            io.flush().await.map_err(io_err)?;
+            let mut buf = Vec::with_capacity(256);
+            let mut at = 0;
+            while expect > 0 {
+                match parse(&buf[at..]).map_err(StoreError::Connection)? {
+                    Some((Reply::Error(e), _)) => {
+                        return Err(StoreError::Connection(format!("Redis refused the sign-in: {e}")))
+                    }
+                    Some((_, used)) => {
+                        at += used;
+                        expect -= 1;
+                    }
+                    None => {
+                        if io.read_buf(&mut buf).await.map_err(io_err)? == 0 {
+                            return Err(StoreError::Connection("Redis closed the connection".into()));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(io)
+    }
+}
+
+/// The roots a `rediss://` connection trusts: the `--redis-ca` certificates only, or the system's.
+fn roots(ca: Option<&[u8]>) -> Result<rustls::RootCertStore, String> {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    match ca {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert = cert.map_err(|e| format!("the Redis CA is not PEM certificates: {e}"))?;
+                roots.add(cert).map_err(|e| format!("the Redis CA: {e}"))?;
+            }
+        }
+        None => {
+            for cert in rustls_native_certs::load_native_certs().certs {
+                let _ = roots.add(cert);
+            }
+        }
+    }
+    Ok(roots)
+}
+
+/// Appends a command of `args` as RESP.
+fn command(buf: &mut Vec<u8>, args: &[&[u8]]) {
+    buf.push(b'*');
+    buf.extend_from_slice(itoa::Buffer::new().format(args.len()).as_bytes());
+    buf.extend_from_slice(b"\r\n");
+    for a in args {
+        buf.push(b'$');
+        buf.extend_from_slice(itoa::Buffer::new().format(a.len()).as_bytes());
+        buf.extend_from_slice(b"\r\n");
+        buf.extend_from_slice(a);
+        buf.extend_from_slice(b"\r\n");
+    }
+}
+
+/// What the check path needs to know of a reply.
+#[derive(Debug, PartialEq)]
+pub enum Reply {
+    /// An integer.
+    Int(i64),
+    /// An array of integers (the check script's reply).
+    Ints(Vec<i64>),
+    /// An error reply, its text.
+    Error(String),
+    /// Anything else (`+OK`, a bulk string, nil, an array of other things).
+    Other,
+}
+
+/// One RESP2 reply at the start of `buf`: `Ok(None)` while it is incomplete, with the bytes it took.
+pub fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
+    let mut at = 0;
+    Ok(value(buf, &mut at, 0)?.map(|v| (v, at)))
+}
+
+fn value(buf: &[u8], at: &mut usize, depth: usize) -> Result<Option<Reply>, String> {
+    let Some(line) = line(buf, at)? else {
+        return Ok(None);
+    };
+    let (kind, rest) = line.split_first().ok_or("an empty reply line")?;
+    Ok(Some(match kind {
+        b':' => Reply::Int(int(rest)?),
+        b'+' => Reply::Other,
+        b'-' => Reply::Error(String::from_utf8_lossy(rest).into_owned()),
+        b'$' => {
+            let len = int(rest)?;
+            if len >= 0 {
+                let len = usize::try_from(len).map_err(|_| "a bulk string too long")?;
+                if len > MAX_REPLY {
+                    return Err(format!("a bulk string of {len} bytes"));
+                }
+                if buf.len() < *at + len + 2 {
+                    return Ok(None);
+                }
+                if &buf[*at + len..*at + len + 2] != b"\r\n" {
+                    return Err("a bulk string without its CRLF".into());
+                }
+                *at += len + 2;
+            }
+            Reply::Other
+        }
+        b'*' => {
+            let len = int(rest)?;
+            if len < 0 {
+                return Ok(Some(Reply::Other));
+            }
+            if depth >= 8 || len > MAX_REPLY as i64 {
+                return Err(format!("an array of {len} elements at depth {depth}"));
+            }
+            let mut ints = Vec::with_capacity((len as usize).min(1024));
+            let mut all_ints = true;
+            for _ in 0..len {
+                match value(buf, at, depth + 1)? {
+                    None => return Ok(None),
+                    Some(Reply::Int(i)) => ints.push(i),
+                    Some(_) => all_ints = false,
+                }
+            }
+            if all_ints {
+                Reply::Ints(ints)
+            } else {
+                Reply::Other
+            }
+        }
+        other => return Err(format!("a reply starting with byte {other:#04x}")),
+    }))
+}
+
+/// The line at `*at` without its CRLF, moving `at` past it.
+fn line<'a>(buf: &'a [u8], at: &mut usize) -> Result<Option<&'a [u8]>, String> {
+    let rest = &buf[*at..];
+    let Some(nl) = rest.iter().position(|&b| b == b'\n') else {
+        if rest.len() > MAX_REPLY {
+            return Err("a reply line with no end".into());
+        }
+        return Ok(None);
+    };
+    if nl == 0 || rest[nl - 1] != b'\r' {
+        return Err("a reply line not ended by CRLF".into());
+    }
+    *at += nl + 1;
+    Ok(Some(&rest[..nl - 1]))
+}
+
+fn int(s: &[u8]) -> Result<i64, String> {
+    let bad = || format!("not an integer: {:?}", String::from_utf8_lossy(s));
+    let (negative, digits) = match s.split_first() {
+        Some((b'-', d)) => (true, d),
+        _ => (false, s),
+    };
+    if digits.is_empty() {
+        return Err(bad());
+    }
+    if !digits.iter().all(u8::is_ascii_digit) {
+        return Err(bad());
+    }
+    // Up to 18 digits cannot overflow (the script's figures: counts, limits, milliseconds).
+    if digits.len() <= 18 {
+        let n = digits.iter().fold(0i64, |n, &d| n * 10 + i64::from(d - b'0'));
+        return Ok(if negative { -n } else { n });
+    }
+    // Accumulated negatively: i64::MIN has no positive counterpart.
+    let mut n: i64 = 0;
+    for &d in digits {
+        n = n
+            .checked_mul(10)
+            .and_then(|n| n.checked_sub(i64::from(d - b'0')))
+            .ok_or_else(bad)?;
+    }
+    if negative {
+        Ok(n)
+    } else {
+        n.checked_neg().ok_or_else(bad)
+    }
+}
+
+/// Where one check's outcomes go.
+type CheckReply = oneshot::Sender<Result<Vec<Outcome>, StoreError>>;
+
+/// Who waits for a call's reply.
+enum Waiter {
+    /// Coalesced checks: how many items each, and where its outcomes go.
+    Checks(Vec<(usize, CheckReply)>),
+    /// A raw call.
+    Raw(oneshot::Sender<Result<Vec<i64>, StoreError>>),
+    /// A `SCRIPT LOAD` sent after NOSCRIPT; the call sent again after it gets the answer.
+    Load,
+}
+
+/// A call written and not yet answered.
+struct Pending {
+    waiter: Waiter,
+    items: usize,
+    deadline: Instant,
+    /// The command, kept to send once more after NOSCRIPT.
+    cmd: Vec<u8>,
+    /// Whether it was sent again after NOSCRIPT (it is not sent a third time).
+    resent: bool,
+}
+
+/// What the node's task needs of the store.
+pub struct NodeTask {
+    /// The shard, for metrics.
+    pub shard: usize,
+    /// Where the node is.
+    pub addr: Arc<NodeAddr>,
+    /// The check script's hash and text.
+    pub script_hash: String,
+    /// The check script (for SCRIPT LOAD after NOSCRIPT).
+    pub script: &'static str,
+    /// The key layout.
+    pub layout: Layout,
+    /// The checks' timeout.
+    pub timeout: Duration,
+    /// Most items one call carries.
+    pub max_items: usize,
+}
+
+/// Starts the task of one node; it ends when the store (every sender) is dropped.
+pub fn spawn(task: NodeTask) -> mpsc::UnboundedSender<Request> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    let mut load = Vec::new();
+    command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
+    let node = Node {
+        task,
+        load,
+        conn: None,
+        rbuf: Vec::with_capacity(4096),
+        rpos: 0,
+        pending: VecDeque::new(),
+        waiting: VecDeque::new(),
+        spare: Vec::new(),
+        retry_at: None,
+        backoff: MIN_BACKOFF,
+        last_error: StoreError::Connection("not connected".into()),
+    };
+    tokio::spawn(node.run(rx));
+    tx
+}
+
+struct Node {
+    task: NodeTask,
+    /// `SCRIPT LOAD` of the check script, as RESP.
+    load: Vec<u8>,
+    conn: Option<Box<dyn Io>>,
+    rbuf: Vec<u8>,
+    rpos: usize,
+    pending: VecDeque<Pending>,
+    waiting: VecDeque<Request>,
+    /// Command buffers of answered calls, reused.
+    spare: Vec<Vec<u8>>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
+    last_error: StoreError,
+}
+
+/// Reads more of the connection into `buf` (never ready without one).
+async fn read_more(conn: &mut Option<Box<dyn Io>>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+    match conn {
+        Some(io) => {
+            buf.reserve(4096);
+            io.read_buf(buf).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
+impl Node {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+        loop {
+            tokio::select! {
+                biased;
+                // Read whenever connected: a Redis that closes an idle connection is noticed at once,
+                // not by the next check's call.
+                read = read_more(&mut self.conn, &mut self.rbuf), if self.conn.is_some() => match read {
+                    Ok(0) => self.drop_conn(StoreError::Connection("Redis closed the connection".into())),
+                    Ok(_) => self.on_data().await,
+                    Err(e) => self.drop_conn(StoreError::Connection(e.to_string())),
+                },
+                request = rx.recv() => {
+                    let Some(request) = request else { break };
+                    self.waiting.push_back(request);
+                    while let Ok(request) = rx.try_recv() {
+                        self.waiting.push_back(request);
+                    }
+                }
+            }
+            self.pump().await;
+        }
+    }
+
+    /// Calls whose callers still wait for them.
+    fn live(&self, now: Instant) -> usize {
+        self.pending
+            .iter()
+            .filter(|p| !matches!(p.waiter, Waiter::Load) && p.deadline > now)
+            .count()
+    }
+
+    /// Sends what waits, while fewer than [`MAX_IN_FLIGHT`] calls are live.
+    async fn pump(&mut self) {
+        loop {
+            while self.waiting.front().is_some_and(Request::gone) {
+                self.waiting.pop_front();
+            }
+            if self.waiting.is_empty() {
+                return;
+            }
+            let now = Instant::now();
+            if self.live(now) >= MAX_IN_FLIGHT {
+                return;
+            }
+            if self.pending.len() >= MAX_PENDING {
+                self.drop_conn(StoreError::Timeout(self.task.timeout));
+            }
+            if self.conn.is_none() {
+                if let Err(e) = self.connect(now).await {
+                    for r in self.waiting.drain(..) {
+                        r.fail(&e);
+                    }
+                    return;
+                }
+            }
+            let mut cmd = self.spare.pop().unwrap_or_default();
+            cmd.clear();
+            let (waiter, items, timeout) = match self.waiting.pop_front() {
+                Some(Request::Raw {
+                    cmd: raw,
+                    items,
+                    timeout,
+                    reply,
+                }) => {
+                    cmd.extend_from_slice(&raw);
+                    (Waiter::Raw(reply), items, timeout)
+                }
+                Some(Request::Check(first)) => {
+                    let mut jobs = vec![first];
+                    let mut items = jobs[0].items.len();
+                    while items < self.task.max_items {
+                        match self.waiting.front() {
+                            Some(Request::Check(j)) if j.reply.is_closed() => {
+                                self.waiting.pop_front();
+                            }
+                            Some(Request::Check(_)) => {
+                                if let Some(Request::Check(j)) = self.waiting.pop_front() {
+                                    items += j.items.len();
+                                    jobs.push(j);
+                                }
+                            }
+                            _ => break,
+                        }
+                    }
+                    let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
+                    call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
+                    drop(call_items);
+                    let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
+                    (waiter, items, self.task.timeout)
+                }
+                None => return,
+            };
+            let pending = Pending {
+                waiter,
+                items,
+                deadline: now + timeout,
+                cmd,
+                resent: false,
+            };
+            self.send(pending).await;
+        }
+    }
+
+    /// Writes a call and queues it for its reply; a failed write fails it and the connection.
+    async fn send(&mut self, p: Pending) {
+        let written = match &mut self.conn {
+            Some(io) => write(io, &p.cmd, self.task.timeout).await,
+            None => Err(StoreError::Connection("the connection to Redis closed".into())),
+        };
+        self.pending.push_back(p);
+        if let Err(e) = written {
+            self.drop_conn(e);
+        }
+    }
+
+    async fn connect(&mut self, now: Instant) -> Result<(), StoreError> {
+        if self.retry_at.is_some_and(|at| now < at) {
+            return Err(self.last_error.clone());
+        }
+        let made = match tokio::time::timeout(CONNECT_TIMEOUT, self.task.addr.connect()).await {
+            Ok(made) => made,
+            Err(_) => Err(StoreError::Timeout(CONNECT_TIMEOUT)),
+        };
+        match made {
+            Ok(io) => {
+                self.conn = Some(io);
+                self.retry_at = None;
+                self.backoff = MIN_BACKOFF;
+                Ok(())
+            }
+            Err(e) => {
+                self.retry_at = Some(Instant::now() + self.backoff);
+                self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                self.last_error = e.clone();
+                Err(e)
+            }
+        }
+    }
+
+    /// Answers every reply read so far.
+    async fn on_data(&mut self) {
+        let mut again = Vec::new();
+        loop {
+            let (reply, used) = match parse(&self.rbuf[self.rpos..]) {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(e) => {
+                    self.drop_conn(StoreError::Connection(format!(
+                        "an unreadable reply from Redis: {e}"
+                    )));
+                    return;
+                }
+            };
+            self.rpos += used;
+            let Some(mut p) = self.pending.pop_front() else {
+                self.drop_conn(StoreError::Connection("a reply no call waits for".into()));
+                return;
+            };
+            if let Reply::Error(e) = &reply {
+                if e.starts_with("NOSCRIPT") && !p.resent {
+                    p.resent = true;
+                    again.push(p);
+                    continue;
+                }
+            }
+            self.answer(&mut p, reply);
+            if self.spare.len() < MAX_IN_FLIGHT * 2 {
+                self.spare.push(std::mem::take(&mut p.cmd));
+            }
+        }
+        // What is left is the start of a reply still arriving: moved to the front, so the buffer never
+        // grows past the longest reply.
+        self.rbuf.drain(..self.rpos);
+        self.rpos = 0;
+        // NOSCRIPT: load the script, then the same call once more (its reply comes after the load's).
+        for p in again {
+            let load = Pending {
+                waiter: Waiter::Load,
+                items: 0,
+                deadline: p.deadline,
+                cmd: self.load.clone(),
+                resent: true,
+            };
+            self.send(load).await;
+            self.send(p).await;
+        }
+    }
+
+    /// Gives a call's reply to whoever waits for it.
+    fn answer(&self, p: &mut Pending, reply: Reply) {
+        let waiter = std::mem::replace(&mut p.waiter, Waiter::Load);
+        let result = match reply {
+            Reply::Ints(v) if v.len() == p.items * 5 => Ok(v),
+            Reply::Ints(v) => Err(StoreError::Script(format!(
+                "script returned {} values for {} items",
+                v.len(),
+                p.items
+            ))),
+            Reply::Error(e) => Err(StoreError::Server(e)),
+            Reply::Int(_) | Reply::Other => {
+                Err(StoreError::Script("script returned no array of integers".into()))
+            }
+        };
+        if !matches!(waiter, Waiter::Load) {
+            // A reply past its deadline came too late for its callers: counted as the failure it was.
+            metrics::redis_call(self.task.shard, result.is_ok() && Instant::now() <= p.deadline);
+        }
+        match (waiter, result) {
+            (Waiter::Load, _) => {}
+            (Waiter::Raw(reply), result) => {
+                let _ = reply.send(result);
+            }
+            (Waiter::Checks(checks), Ok(v)) => {
+                let mut at = 0;
+                for (n, reply) in checks {
+                    let outcomes = v[at..at + n * 5].chunks_exact(5).map(call::outcome).collect();
+                    at += n * 5;
+                    let _ = reply.send(Ok(outcomes));
+                }
+            }
+            (Waiter::Checks(checks), Err(e)) => {
+                for (_, reply) in checks {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Drops the connection; every call on it fails with `e`.
+    fn drop_conn(&mut self, e: StoreError) {
+        self.conn = None;
+        self.rbuf.clear();
+        self.rpos = 0;
+        for p in self.pending.drain(..) {
+            if !matches!(p.waiter, Waiter::Load) {
+                metrics::redis_call(self.task.shard, false);
+            }
+            fail(p.waiter, &e);
+        }
+    }
+}
+
+fn fail(waiter: Waiter, e: &StoreError) {
+    match waiter {
+        Waiter::Checks(checks) => {
+            for (_, reply) in checks {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+        Waiter::Raw(reply) => {
+            let _ = reply.send(Err(e.clone()));
+        }
+        Waiter::Load => {}
+    }
+}
+
+/// Writes `bytes` whole: at once when the socket takes them (the usual case, no timer), else within
+/// `timeout` (a write cut short leaves half a command on the socket: the caller drops it).
+async fn write(io: &mut Box<dyn Io>, bytes: &[u8], timeout: Duration) -> Result<(), StoreError> {
+    let mut written = pin!(async {
+        io.write_all(bytes).await?;
+        io.flush().await
+    });
+    let result = match futures::poll!(written.as_mut()) {
+        Poll::Ready(r) => r,
+        Poll::Pending => match tokio::time::timeout(timeout.max(Duration::from_millis(100)), written).await {
+            Ok(r) => r,
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+        },
+    };
+    result.map_err(|e| StoreError::Connection(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_are_read_whole_or_not_at_all() {
+        let whole: &[u8] = b"*3\r\n:1\r\n:-42\r\n:9223372036854775807\r\n+OK\r\n";
+        let (r, used) = parse(whole).unwrap().unwrap();
+        assert_eq!(r, Reply::Ints(vec![1, -42, i64::MAX]));
+        assert_eq!(parse(&whole[used..]).unwrap(), Some((Reply::Other, 5)));
+        // Every prefix of a reply is incomplete, never an error or a different reply.
+        for cut in 0..used {
+            assert_eq!(parse(&whole[..cut]).unwrap(), None, "cut at {cut}");
+        }
+        assert_eq!(
+            parse(b"-NOSCRIPT No matching script\r\n").unwrap(),
+            Some((Reply::Error("NOSCRIPT No matching script".into()), 30))
+        );
+        assert_eq!(parse(b"$5\r\nab\r\nc\r\n").unwrap(), Some((Reply::Other, 11)));
+        assert_eq!(parse(b"$-1\r\n").unwrap(), Some((Reply::Other, 5)));
+        assert_eq!(
+            parse(b"*2\r\n:1\r\n$1\r\nx\r\n").unwrap(),
+            Some((Reply::Other, 15))
+        );
+        assert_eq!(
+            parse(b":-9223372036854775808\r\n").unwrap(),
+            Some((Reply::Int(i64::MIN), 23))
+        );
+    }
+
+    #[test]
+    fn malformed_replies_are_errors_not_panics() {
+        for bad in [
+            &b"?1\r\n"[..],
+            b":12a\r\n",
+            b":\r\n",
+            b":-\r\n",
+            b":9223372036854775808\r\n",
+            b"$3\r\nabcd\r\n",
+            b"*1\n",
+            b"\r\n",
+            b"$-2x\r\n",
+            b"*9999999999\r\n",
+            b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n",
+        ] {
+            assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! The check path's own connection to a Redis node (redis-store's `pipe`): the URL's database and a
+//! Unix socket are honoured, replies it cannot use are store errors (the fail mode answers, nothing
+//! panics), and a node that comes back is used again.
+
+use std::time::Duration;
+
+use floodgate_sdk::{Origin, Source};
+use floodgate_tests::{eventually, patient_client, Agent, RedisServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const RULES: &str = r#"{"rules":[{"id":"r","dimension":"user","limit":1000,"windowSeconds":60}]}"#;
+
+fn dbsize(conn: &mut redis::Connection, db: i64) -> u64 {
+    let _: () = redis::cmd("SELECT").arg(db).query(conn).unwrap();
+    redis::cmd("DBSIZE").query(conn).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_urls_database_and_a_unix_socket_are_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let unix = dir.path().join("redis.sock");
+    let redis = RedisServer::start_with(&["--unixsocket", unix.to_str().unwrap(), "--unixsocketperm", "700"]);
+    // Database 3 over TCP, database 5 over the Unix socket: each agent's counters land in its own.
+    for (url, db) in [
+        (format!("{}/3", redis.url()), 3),
+        (format!("redis+unix://{}?db=5", unix.display()), 5),
+    ] {
+        let agent = Agent::builder().patient_redis(&url).rules(RULES).start().await;
+        let client = patient_client(agent.socket()).await;
+        for i in 0..3 {
+            let d = client.allow("user:a", "r", 1).await.unwrap();
+            assert_eq!(d.origin, Origin::Agent(Source::Redis), "{url}: {d:?}");
+            assert_eq!(d.remaining, 1000 - 1 - i, "{url}: {d:?}");
+        }
+        let mut conn = redis.conn();
+        let counters: Vec<String> = {
+            let _: () = redis::cmd("SELECT").arg(db).query(&mut conn).unwrap();
+            redis::cmd("KEYS").arg("fg:{*").query(&mut conn).unwrap()
+        };
+        assert!(
+            counters.iter().any(|k| k.contains(":r/")),
+            "{url}: the counters are in database {db}: {counters:?}"
+        );
+    }
+    let mut conn = redis.conn();
+    assert_eq!(dbsize(&mut conn, 0), 0, "nothing was written to database 0");
+}
+
+/// A fake Redis that answers every command it reads with `reply`.
+async fn fake_redis(reply: &'static [u8]) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 65536];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 || s.write_all(reply).await.is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replies_it_cannot_use_are_store_errors_and_the_fail_mode_answers() {
+    for (reply, why) in [
+        (&b"%1\r\n+a\r\n+b\r\n"[..], "an unreadable reply"),
+        (b"*2\r\n:1\r\n:1\r\n", "script returned 2 values for 1 items"),
+        (b"-ERR something broke\r\n", "ERR something broke"),
+        (b":7\r\n", "no array of integers"),
+    ] {
+        let port = fake_redis(reply).await;
+        let agent = Agent::builder()
+            .patient_redis(&format!("redis://127.0.0.1:{port}"))
+            .rules(RULES)
+            .start()
+            .await;
+        let client = patient_client(agent.socket()).await;
+        for _ in 0..3 {
+            let d = client.allow("user:a", "r", 1).await.unwrap();
+            assert!(d.allowed, "fail open: {d:?}");
+            assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{why}: {d:?}");
+        }
+        let log = agent.log();
+        assert!(log.contains(why), "the log says why ({why}):\n{log}");
+        assert!(!log.contains("panicked"), "{log}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_was_never_up_is_used_once_it_is() {
+    // The agent starts before its Redis: checks fail fast while connects are refused (a backoff of at
+    // most 200 ms between attempts), then come from Redis once it listens.
+    let port = floodgate_tests::free_port();
+    let agent = Agent::builder()
+        .patient_redis(&format!("redis://127.0.0.1:{port}"))
+        .rules(RULES)
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let d = client.allow("user:a", "r", 1).await.unwrap();
+    assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{d:?}");
+    let _redis = RedisServer::start_on(port, &[]);
+    eventually(
+        "answers come from Redis once it listens",
+        Duration::from_secs(10),
+        || {
+            let client = client.clone();
+            async move {
+                let d = client.allow("user:a", "r", 1).await.ok()?;
+                (d.origin == Origin::Agent(Source::Redis)).then_some(())
+            }
+        },
+    )
+    .await;
+    assert!(!agent.log().contains("panicked"));
+}
