@@ -334,13 +334,20 @@ fn int(s: &[u8]) -> Result<i64, String> {
     if digits.is_empty() {
         return Err(bad());
     }
+    // Up to 18 digits cannot overflow (the script's figures: counts, limits, milliseconds): one pass.
+    if digits.len() <= 18 {
+        let mut n: i64 = 0;
+        for &d in digits {
+            let v = d.wrapping_sub(b'0');
+            if v > 9 {
+                return Err(bad());
+            }
+            n = n * 10 + i64::from(v);
+        }
+        return Ok(if negative { -n } else { n });
+    }
     if !digits.iter().all(u8::is_ascii_digit) {
         return Err(bad());
-    }
-    // Up to 18 digits cannot overflow (the script's figures: counts, limits, milliseconds).
-    if digits.len() <= 18 {
-        let n = digits.iter().fold(0i64, |n, &d| n * 10 + i64::from(d - b'0'));
-        return Ok(if negative { -n } else { n });
     }
     // Accumulated negatively: i64::MIN has no positive counterpart.
     let mut n: i64 = 0;
