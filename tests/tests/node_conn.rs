@@ -65,6 +65,17 @@ async fn fake_redis(reply: &'static [u8]) -> u16 {
     port
 }
 
+/// An agent (1 s store timeout) on a Redis at `port` of loopback, and a client of it.
+async fn agent_on(port: u16) -> (Agent, floodgate_sdk::Client) {
+    let agent = Agent::builder()
+        .patient_redis(&format!("redis://127.0.0.1:{port}"))
+        .rules(RULES)
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    (agent, client)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replies_it_cannot_use_are_store_errors_and_the_fail_mode_answers() {
     for (reply, why) in [
@@ -73,13 +84,7 @@ async fn replies_it_cannot_use_are_store_errors_and_the_fail_mode_answers() {
         (b"-ERR something broke\r\n", "ERR something broke"),
         (b":7\r\n", "no array of integers"),
     ] {
-        let port = fake_redis(reply).await;
-        let agent = Agent::builder()
-            .patient_redis(&format!("redis://127.0.0.1:{port}"))
-            .rules(RULES)
-            .start()
-            .await;
-        let client = patient_client(agent.socket()).await;
+        let (agent, client) = agent_on(fake_redis(reply).await).await;
         for _ in 0..3 {
             let d = client.allow("user:a", "r", 1).await.unwrap();
             assert!(d.allowed, "fail open: {d:?}");
@@ -96,12 +101,7 @@ async fn a_node_that_was_never_up_is_used_once_it_is() {
     // The agent starts before its Redis: checks fail fast while connects are refused (a backoff of at
     // most 200 ms between attempts), then come from Redis once it listens.
     let port = floodgate_tests::free_port();
-    let agent = Agent::builder()
-        .patient_redis(&format!("redis://127.0.0.1:{port}"))
-        .rules(RULES)
-        .start()
-        .await;
-    let client = patient_client(agent.socket()).await;
+    let (agent, client) = agent_on(port).await;
     let d = client.allow("user:a", "r", 1).await.unwrap();
     assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{d:?}");
     let _redis = RedisServer::start_on(port, &[]);
