@@ -1,6 +1,7 @@
 //! The check path's own connection to a Redis node (redis-store's `pipe`): the URL's database and a
 //! Unix socket are honoured, replies it cannot use are store errors (the fail mode answers, nothing
-//! panics), and a node that comes back is used again.
+//! panics), a Redis 5 gets AUTH without the user name, a Redis that accepts and refuses (maxclients)
+//! is a failed connect, and a node that comes back is used again.
 
 use std::time::Duration;
 
@@ -63,6 +64,107 @@ async fn fake_redis(reply: &'static [u8]) -> u16 {
         }
     });
     port
+}
+
+/// A fake Redis's answer to a command's arguments: the reply, and whether to close after it.
+type Answer = fn(&[Vec<u8>]) -> (Vec<u8>, bool);
+
+/// A fake Redis that reads whole commands (arrays of bulk strings) and answers each with `answer`'s
+/// reply, closing the connection after it when `answer` says so.
+async fn scripted_redis(answer: Answer) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    while let Some((cmd, used)) = command(&buf) {
+                        buf.drain(..used);
+                        let (reply, close) = answer(&cmd);
+                        if s.write_all(&reply).await.is_err() || close {
+                            return;
+                        }
+                    }
+                    let mut more = [0u8; 4096];
+                    match s.read(&mut more).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&more[..n]),
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// One whole command at the start of `buf` (the fake's side of RESP), with the bytes it took.
+fn command(buf: &[u8]) -> Option<(Vec<Vec<u8>>, usize)> {
+    fn line(buf: &[u8], at: &mut usize) -> Option<usize> {
+        let end = buf[*at..].windows(2).position(|w| w == b"\r\n")? + *at;
+        let n = std::str::from_utf8(&buf[*at + 1..end]).ok()?.parse().ok()?;
+        *at = end + 2;
+        Some(n)
+    }
+    let mut at = 0;
+    let n = line(buf, &mut at)?;
+    let mut args = Vec::with_capacity(n);
+    for _ in 0..n {
+        let len = line(buf, &mut at)?;
+        if buf.len() < at + len + 2 {
+            return None;
+        }
+        args.push(buf[at..at + len].to_vec());
+        at += len + 2;
+    }
+    Some((args, at))
+}
+
+/// The five figures of one allowed item, as check.lua answers them.
+const ONE_ITEM_ALLOWED: &[u8] = b"*5\r\n:1\r\n:1000\r\n:999\r\n:1700000000000\r\n:0\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_5_gets_auth_without_the_user_name() {
+    // Redis 5 knows AUTH <password> only; the agent's first AUTH names the URL's user, is refused as
+    // Redis 5 refuses it, and the second, without the user, is accepted: checks are answered by
+    // "Redis" (this fake, which answers only a signed-in connection's EVALSHA).
+    let port = scripted_redis(|cmd| {
+        let reply: &[u8] = match (cmd[0].to_ascii_uppercase().as_slice(), cmd.len()) {
+            (b"AUTH", 3) => b"-ERR wrong number of arguments for 'auth' command\r\n",
+            (b"AUTH", 2) if cmd[1] == b"s3cret" => b"+OK\r\n",
+            (b"PING", _) => b"+PONG\r\n",
+            (b"EVALSHA", 13) => ONE_ITEM_ALLOWED,
+            _ => b"-ERR not in this fake\r\n",
+        };
+        (reply.to_vec(), false)
+    })
+    .await;
+    let agent = Agent::builder()
+        .patient_redis(&format!("redis://default:s3cret@127.0.0.1:{port}"))
+        .rules(RULES)
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let d = client.allow("user:a", "r", 1).await.unwrap();
+    assert_eq!(d.origin, Origin::Agent(Source::Redis), "{d:?}\n{}", agent.log());
+    assert_eq!((d.limit, d.remaining), (1000, 999), "{d:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_accepts_and_refuses_is_a_failed_connect() {
+    // maxclients: Redis accepts, sends its error and closes. The sign-in's PING meets it, so the
+    // connect fails (and is retried after a backoff) instead of every check opening a connection.
+    let port = scripted_redis(|_| (b"-ERR max number of clients reached\r\n".to_vec(), true)).await;
+    let (agent, client) = agent_on(port).await;
+    for _ in 0..3 {
+        let d = client.allow("user:a", "r", 1).await.unwrap();
+        assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{d:?}");
+    }
+    let log = agent.log();
+    assert!(
+        log.contains("Redis refused PING: ERR max number of clients reached"),
+        "{log}"
+    );
 }
 
 /// An agent (1 s store timeout) on a Redis at `port` of loopback, and a client of it.

@@ -7,11 +7,13 @@
 //!
 //! What it owns, and how it behaves:
 //! - connecting (TCP, TLS for `rediss://` with the `--redis-ca` roots or the system's, a Unix socket),
-//!   AUTH and SELECT, within [`CONNECT_TIMEOUT`]; after a failed connect, checks fail at once (the
-//!   error is the connect's) until a backoff of 10 ms, doubling to 200 ms, has passed;
+//!   AUTH (without the user name for a Redis 5), SELECT and a PING, within [`CONNECT_TIMEOUT`]; after
+//!   a failed connect, checks fail at once (the error is the connect's) until a backoff of 10 ms,
+//!   doubling to 200 ms, has passed;
 //! - at most [`MAX_IN_FLIGHT`] calls whose callers still wait: a call past its deadline (its caller
 //!   has had its timeout) stops counting, so a slow Redis does not hold new calls back longer than
-//!   the store timeout, and [`MAX_PENDING`] unanswered calls close the connection;
+//!   the store timeout; [`MAX_PENDING`] unanswered calls, or one unanswered [`STALE_AFTER`] past its
+//!   deadline, close the connection (a host gone without a reset is not waited for);
 //! - NOSCRIPT (a restarted or flushed Redis): `SCRIPT LOAD` and the same call again, once;
 //! - a reply it cannot read, one that nobody waits for, a failed write or a closed socket: the
 //!   connection is dropped and every call on it fails with a connection error (the breaker and the
@@ -22,7 +24,7 @@
 
 use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -45,6 +47,9 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// Calls written and not yet answered (their callers gone or not) that close the connection: Redis
 /// has not answered for that long, and the replies still owed are not worth waiting for.
 pub const MAX_PENDING: usize = 64;
+
+/// How long past its deadline an unanswered call makes the connection count as dead.
+pub const STALE_AFTER: Duration = Duration::from_secs(1);
 
 const MIN_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
@@ -164,42 +169,62 @@ impl NodeAddr {
             }
             Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await.map_err(io_err)?),
         };
-        let mut hello = Vec::new();
-        let mut expect = 0;
+        // One command at a time: AUTH (Redis 5 and older know no user name: without it, as redis-rs
+        // does), SELECT, and always a PING, so that a Redis that accepts and then refuses (maxclients,
+        // protected mode, still loading) is a failed connect, with its backoff, not a connection that
+        // fails its first call.
         if let Some(password) = &self.password {
-            match &self.username {
-                Some(user) => command(&mut hello, &[b"AUTH", user.as_bytes(), password.as_bytes()]),
-                None => command(&mut hello, &[b"AUTH", password.as_bytes()]),
+            let pass = password.as_bytes();
+            let mut refused = match &self.username {
+                Some(user) => sign_in(&mut io, &[b"AUTH", user.as_bytes(), pass]).await?,
+                None => sign_in(&mut io, &[b"AUTH", pass]).await?,
+            };
+            if self.username.is_some()
+                && refused
+                    .as_deref()
+                    .is_some_and(|e| e.contains("wrong number of arguments"))
+            {
+                refused = sign_in(&mut io, &[b"AUTH", pass]).await?;
             }
-            expect += 1;
+            if let Some(e) = refused {
+                return Err(StoreError::Connection(format!("Redis refused the sign-in: {e}")));
+            }
         }
         if self.db != 0 {
-            command(&mut hello, &[b"SELECT", self.db.to_string().as_bytes()]);
-            expect += 1;
+            if let Some(e) = sign_in(&mut io, &[b"SELECT", self.db.to_string().as_bytes()]).await? {
+                return Err(StoreError::Connection(format!(
+                    "Redis refused SELECT {}: {e}",
+                    self.db
+                )));
+            }
         }
-        if expect > 0 {
-            io.write_all(&hello).await.map_err(io_err)?;
-            io.flush().await.map_err(io_err)?;
-            let mut buf = Vec::with_capacity(256);
-            let mut at = 0;
-            while expect > 0 {
-                match parse(&buf[at..]).map_err(StoreError::Connection)? {
-                    Some((Reply::Error(e), _)) => {
-                        return Err(StoreError::Connection(format!("Redis refused the sign-in: {e}")))
-                    }
-                    Some((_, used)) => {
-                        at += used;
-                        expect -= 1;
-                    }
-                    None => {
-                        if io.read_buf(&mut buf).await.map_err(io_err)? == 0 {
-                            return Err(StoreError::Connection("Redis closed the connection".into()));
-                        }
-                    }
+        if let Some(e) = sign_in(&mut io, &[b"PING"]).await? {
+            return Err(StoreError::Connection(format!("Redis refused PING: {e}")));
+        }
+        Ok(io)
+    }
+}
+
+/// Sends one command of the sign-in and reads its reply: `Some(error text)` if Redis refused it.
+async fn sign_in(io: &mut Box<dyn Io>, args: &[&[u8]]) -> Result<Option<String>, StoreError> {
+    let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());
+    let mut out = Vec::new();
+    command(&mut out, args);
+    io.write_all(&out).await.map_err(io_err)?;
+    io.flush().await.map_err(io_err)?;
+    let mut buf = Vec::with_capacity(128);
+    loop {
+        let reply =
+            parse(&buf).map_err(|e| StoreError::Connection(format!("an unreadable reply from Redis: {e}")));
+        match reply? {
+            Some((Reply::Error(e), _)) => return Ok(Some(e)),
+            Some(_) => return Ok(None),
+            None => {
+                if io.read_buf(&mut buf).await.map_err(io_err)? == 0 {
+                    return Err(StoreError::Connection("Redis closed the connection".into()));
                 }
             }
         }
-        Ok(io)
     }
 }
 
@@ -423,6 +448,8 @@ pub fn spawn(task: NodeTask) -> mpsc::UnboundedSender<Request> {
         retry_at: None,
         backoff: MIN_BACKOFF,
         last_error: StoreError::Connection("not connected".into()),
+        timer: None,
+        timer_at: None,
     };
     tokio::spawn(node.run(rx));
     tx
@@ -442,6 +469,17 @@ struct Node {
     retry_at: Option<Instant>,
     backoff: Duration,
     last_error: StoreError,
+    /// The timer of [`Node::slot_frees`], and the instant it is set to.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    timer_at: Option<Instant>,
+}
+
+/// Waits for the timer (never ready without one).
+async fn expiry(timer: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
+    match timer {
+        Some(timer) => timer.as_mut().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Reads more of the connection into `buf` (never ready without one).
@@ -458,6 +496,17 @@ async fn read_more(conn: &mut Option<Box<dyn Io>>, buf: &mut Vec<u8>) -> std::io
 impl Node {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
         loop {
+            // Calls wait and both slots are held: the first deadline to pass frees one. One timer,
+            // moved only when that deadline changes (once per call, not per check).
+            let frees = self.slot_frees();
+            if let Some(at) = frees {
+                match &mut self.timer {
+                    Some(_) if self.timer_at == Some(at) => {}
+                    Some(timer) => timer.as_mut().reset(at.into()),
+                    None => self.timer = Some(Box::pin(tokio::time::sleep_until(at.into()))),
+                }
+                self.timer_at = Some(at);
+            }
             tokio::select! {
                 biased;
                 // Read whenever connected: a Redis that closes an idle connection is noticed at once,
@@ -467,6 +516,7 @@ impl Node {
                     Ok(_) => self.on_data().await,
                     Err(e) => self.drop_conn(StoreError::Connection(e.to_string())),
                 },
+                _ = expiry(&mut self.timer), if frees.is_some() => {}
                 request = rx.recv() => {
                     let Some(request) = request else { break };
                     self.waiting.push_back(request);
@@ -477,6 +527,19 @@ impl Node {
             }
             self.pump().await;
         }
+    }
+
+    /// When the next in-flight call passes its deadline (and stops holding a slot).
+    fn slot_frees(&self) -> Option<Instant> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        let now = Instant::now();
+        self.pending
+            .iter()
+            .filter(|p| !matches!(p.waiter, Waiter::Load) && p.deadline > now)
+            .map(|p| p.deadline)
+            .min()
     }
 
     /// Calls whose callers still wait for them.
@@ -500,7 +563,14 @@ impl Node {
             if self.live(now) >= MAX_IN_FLIGHT {
                 return;
             }
-            if self.pending.len() >= MAX_PENDING {
+            if self.pending.len() >= MAX_PENDING
+                || self
+                    .pending
+                    .front()
+                    .is_some_and(|p| now > p.deadline + STALE_AFTER)
+            {
+                // Redis has not answered for that long (a host gone without a reset, a dropped
+                // flow): the replies still owed are not worth waiting for; connect again.
                 self.drop_conn(StoreError::Timeout(self.task.timeout));
             }
             if self.conn.is_none() {
@@ -598,21 +668,18 @@ impl Node {
     /// Answers every reply read so far.
     async fn on_data(&mut self) {
         let mut again = Vec::new();
-        loop {
+        let broken = loop {
             let (reply, used) = match parse(&self.rbuf[self.rpos..]) {
                 Ok(Some(r)) => r,
-                Ok(None) => break,
-                Err(e) => {
-                    self.drop_conn(StoreError::Connection(format!(
-                        "an unreadable reply from Redis: {e}"
-                    )));
-                    return;
+                Ok(None) if self.rbuf.len() - self.rpos > MAX_REPLY => {
+                    break Some("a reply longer than any the check script gives".to_string())
                 }
+                Ok(None) => break None,
+                Err(e) => break Some(format!("an unreadable reply from Redis: {e}")),
             };
             self.rpos += used;
             let Some(mut p) = self.pending.pop_front() else {
-                self.drop_conn(StoreError::Connection("a reply no call waits for".into()));
-                return;
+                break Some("a reply no call waits for".into());
             };
             if let Reply::Error(e) = &reply {
                 if e.starts_with("NOSCRIPT") && !p.resent {
@@ -625,6 +692,15 @@ impl Node {
             if self.spare.len() < MAX_IN_FLIGHT * 2 {
                 self.spare.push(std::mem::take(&mut p.cmd));
             }
+        };
+        if let Some(why) = broken {
+            let e = StoreError::Connection(why);
+            for p in again {
+                metrics::redis_call(self.task.shard, false);
+                fail(p.waiter, &e);
+            }
+            self.drop_conn(e);
+            return;
         }
         // What is left is the start of a reply still arriving: moved to the front, so the buffer never
         // grows past the longest reply.
