@@ -26,8 +26,7 @@ async fn the_urls_database_and_a_unix_socket_are_used() {
         (format!("{}/3", redis.url()), 3),
         (format!("redis+unix://{}?db=5", unix.display()), 5),
     ] {
-        let agent = Agent::builder().patient_redis(&url).rules(RULES).start().await;
-        let client = patient_client(agent.socket()).await;
+        let (_agent, client) = agent_on(&url).await;
         for i in 0..3 {
             let d = client.allow("user:a", "r", 1).await.unwrap();
             assert_eq!(d.origin, Origin::Agent(Source::Redis), "{url}: {d:?}");
@@ -139,12 +138,7 @@ async fn a_redis_5_gets_auth_without_the_user_name() {
         (reply.to_vec(), false)
     })
     .await;
-    let agent = Agent::builder()
-        .patient_redis(&format!("redis://default:s3cret@127.0.0.1:{port}"))
-        .rules(RULES)
-        .start()
-        .await;
-    let client = patient_client(agent.socket()).await;
+    let (agent, client) = agent_on(&format!("redis://default:s3cret@127.0.0.1:{port}")).await;
     let d = client.allow("user:a", "r", 1).await.unwrap();
     assert_eq!(d.origin, Origin::Agent(Source::Redis), "{d:?}\n{}", agent.log());
     assert_eq!((d.limit, d.remaining), (1000, 999), "{d:?}");
@@ -155,7 +149,7 @@ async fn a_redis_that_accepts_and_refuses_is_a_failed_connect() {
     // maxclients: Redis accepts, sends its error and closes. The sign-in's PING meets it, so the
     // connect fails (and is retried after a backoff) instead of every check opening a connection.
     let port = scripted_redis(|_| (b"-ERR max number of clients reached\r\n".to_vec(), true)).await;
-    let (agent, client) = agent_on(port).await;
+    let (agent, client) = agent_on(&local(port)).await;
     for _ in 0..3 {
         let d = client.allow("user:a", "r", 1).await.unwrap();
         assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{d:?}");
@@ -167,13 +161,14 @@ async fn a_redis_that_accepts_and_refuses_is_a_failed_connect() {
     );
 }
 
-/// An agent (1 s store timeout) on a Redis at `port` of loopback, and a client of it.
-async fn agent_on(port: u16) -> (Agent, floodgate_sdk::Client) {
-    let agent = Agent::builder()
-        .patient_redis(&format!("redis://127.0.0.1:{port}"))
-        .rules(RULES)
-        .start()
-        .await;
+/// The URL of a Redis at `port` of loopback.
+fn local(port: u16) -> String {
+    format!("redis://127.0.0.1:{port}")
+}
+
+/// An agent (1 s store timeout) on the Redis at `url`, and a client of it.
+async fn agent_on(url: &str) -> (Agent, floodgate_sdk::Client) {
+    let agent = Agent::builder().patient_redis(url).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
     (agent, client)
 }
@@ -186,7 +181,7 @@ async fn replies_it_cannot_use_are_store_errors_and_the_fail_mode_answers() {
         (b"-ERR something broke\r\n", "ERR something broke"),
         (b":7\r\n", "no array of integers"),
     ] {
-        let (agent, client) = agent_on(fake_redis(reply).await).await;
+        let (agent, client) = agent_on(&local(fake_redis(reply).await)).await;
         for _ in 0..3 {
             let d = client.allow("user:a", "r", 1).await.unwrap();
             assert!(d.allowed, "fail open: {d:?}");
@@ -203,7 +198,7 @@ async fn a_node_that_was_never_up_is_used_once_it_is() {
     // The agent starts before its Redis: checks fail fast while connects are refused (a backoff of at
     // most 200 ms between attempts), then come from Redis once it listens.
     let port = floodgate_tests::free_port();
-    let (agent, client) = agent_on(port).await;
+    let (agent, client) = agent_on(&local(port)).await;
     let d = client.allow("user:a", "r", 1).await.unwrap();
     assert_eq!(d.origin, Origin::Agent(Source::Fallback), "{d:?}");
     let _redis = RedisServer::start_on(port, &[]);

@@ -198,15 +198,12 @@ impl RedisStore {
         };
         let route = self.route(&first.key);
         if let Some(pipes) = self.pipes() {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            pipes[route.shard % pipes.len()]
-                .send(pipe::Request::Check(coalesce::Job { items, reply: tx }))
-                .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
-            return match tokio::time::timeout(self.timeout, rx).await {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
-            };
+            let pipe = &pipes[route.shard % pipes.len()];
+            return ask(self.timeout, |reply| {
+                pipe.send(pipe::Request::Check(coalesce::Job { items, reply }))
+                    .is_ok()
+            })
+            .await;
         }
         if self.coalesce <= 1 {
             let mut reply = self.run_batch_direct(route.shard, vec![items]).await?;
@@ -225,15 +222,11 @@ impl RedisStore {
                 })
                 .collect()
         });
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        workers[route.call as usize % workers.len()]
-            .send(coalesce::Job { items, reply: tx })
-            .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
-        match tokio::time::timeout(self.timeout, rx).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        let worker = &workers[route.call as usize % workers.len()];
+        ask(self.timeout, |reply| {
+            worker.send(coalesce::Job { items, reply }).is_ok()
+        })
+        .await
     }
 
     /// Runs queued checks of one call group as one script call and answers each.
@@ -267,8 +260,9 @@ impl RedisStore {
         checks: Vec<Vec<Planned>>,
     ) -> Result<Vec<Vec<Outcome>>, StoreError> {
         let items = call::check_items(checks.iter().map(Vec::as_slice));
-        let cmd = call::check_cmd(self.script.get_hash(), &self.layout, &items);
-        let reply = self.invoke(&cmd, shard, items.len(), self.timeout).await?;
+        let reply = self
+            .invoke(&self.check_cmd(&items), shard, items.len(), self.timeout)
+            .await?;
         let mut outcomes = reply.chunks_exact(5).map(call::outcome);
         Ok(checks
             .iter()
@@ -310,12 +304,7 @@ impl RedisStore {
                     .collect();
                 let units: u64 = chunk.iter().map(|e| e.units).sum();
                 match self
-                    .invoke(
-                        &call::check_cmd(self.script.get_hash(), &self.layout, &items),
-                        route.shard,
-                        chunk.len(),
-                        timeout,
-                    )
+                    .invoke(&self.check_cmd(&items), route.shard, chunk.len(), timeout)
                     .await
                 {
                     Ok(reply) => {
@@ -481,6 +470,11 @@ impl RedisStore {
         Ok(())
     }
 
+    /// The check script's EVALSHA for `items`, as a redis-rs command.
+    fn check_cmd(&self, items: &[CallItem<'_>]) -> Cmd {
+        call::check_cmd(self.script.get_hash(), &self.layout, items)
+    }
+
     /// Runs a check-script command on `shard` within `timeout`; a Redis that lost the script
     /// (NOSCRIPT: restarted, or flushed) gets it loaded and the command again.
     async fn invoke(
@@ -492,20 +486,18 @@ impl RedisStore {
     ) -> Result<Vec<i64>, StoreError> {
         if let Some(pipes) = self.pipes() {
             // The node's own connection (it answers only with `items` × 5 integers, and counts the call).
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            pipes[shard % pipes.len()]
-                .send(pipe::Request::Raw {
-                    cmd: cmd.get_packed_command(),
+            let pipe = &pipes[shard % pipes.len()];
+            return ask(timeout, |reply| {
+                let cmd = cmd.get_packed_command();
+                pipe.send(pipe::Request::Raw {
+                    cmd,
                     items,
                     timeout,
-                    reply: tx,
+                    reply,
                 })
-                .map_err(|_| StoreError::Connection("store is shutting down".into()))?;
-            return match tokio::time::timeout(timeout, rx).await {
-                Ok(Ok(result)) => result,
-                Ok(Err(_)) => Err(StoreError::Connection("store is shutting down".into())),
-                Err(_) => Err(StoreError::Timeout(timeout)),
-            };
+                .is_ok()
+            })
+            .await;
         }
         let call = async {
             let mut conn = self.shards.conn(shard).await?;
@@ -580,6 +572,24 @@ impl SharedStore for RedisStore {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
         Box::pin(RedisStore::ping(self))
+    }
+}
+
+/// Hands a request to a worker (`send` gets where the answer goes; false: the worker is gone) and
+/// waits for the answer within `timeout`.
+async fn ask<T>(
+    timeout: Duration,
+    send: impl FnOnce(tokio::sync::oneshot::Sender<Result<T, StoreError>>) -> bool,
+) -> Result<T, StoreError> {
+    let shutting_down = || StoreError::Connection("store is shutting down".into());
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if !send(tx) {
+        return Err(shutting_down());
+    }
+    match tokio::time::timeout(timeout, rx).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) => Err(shutting_down()),
+        Err(_) => Err(StoreError::Timeout(timeout)),
     }
 }
 

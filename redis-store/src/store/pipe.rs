@@ -534,20 +534,16 @@ impl Node {
         if self.waiting.is_empty() {
             return None;
         }
-        let now = Instant::now();
-        self.pending
-            .iter()
-            .filter(|p| !matches!(p.waiter, Waiter::Load) && p.deadline > now)
-            .map(|p| p.deadline)
-            .min()
+        self.live(Instant::now()).min()
     }
 
-    /// Calls whose callers still wait for them.
-    fn live(&self, now: Instant) -> usize {
+    /// The deadlines of the calls whose callers still wait for them.
+    fn live(&self, now: Instant) -> impl Iterator<Item = Instant> + '_ {
         self.pending
             .iter()
-            .filter(|p| !matches!(p.waiter, Waiter::Load) && p.deadline > now)
-            .count()
+            .filter(|p| !matches!(p.waiter, Waiter::Load))
+            .map(|p| p.deadline)
+            .filter(move |&d| d > now)
     }
 
     /// Sends what waits, while fewer than [`MAX_IN_FLIGHT`] calls are live.
@@ -560,7 +556,7 @@ impl Node {
                 return;
             }
             let now = Instant::now();
-            if self.live(now) >= MAX_IN_FLIGHT {
+            if self.live(now).count() >= MAX_IN_FLIGHT {
                 return;
             }
             if self.pending.len() >= MAX_PENDING
@@ -581,18 +577,13 @@ impl Node {
                     return;
                 }
             }
-            let mut cmd = self.spare.pop().unwrap_or_default();
-            cmd.clear();
-            let (waiter, items, timeout) = match self.waiting.pop_front() {
+            let (cmd, waiter, items, timeout) = match self.waiting.pop_front() {
                 Some(Request::Raw {
-                    cmd: raw,
+                    cmd,
                     items,
                     timeout,
                     reply,
-                }) => {
-                    cmd.extend_from_slice(&raw);
-                    (Waiter::Raw(reply), items, timeout)
-                }
+                }) => (cmd, Waiter::Raw(reply), items, timeout),
                 Some(Request::Check(first)) => {
                     let mut jobs = vec![first];
                     let mut items = jobs[0].items.len();
@@ -610,11 +601,13 @@ impl Node {
                             _ => break,
                         }
                     }
+                    let mut cmd = self.spare.pop().unwrap_or_default();
+                    cmd.clear();
                     let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
                     call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
                     drop(call_items);
                     let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
-                    (waiter, items, self.task.timeout)
+                    (cmd, waiter, items, self.task.timeout)
                 }
                 None => return,
             };
