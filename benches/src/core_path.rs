@@ -10,7 +10,7 @@ use floodgate_tests::{Agent, RedisServer};
 
 use crate::report::{self, Row, Table};
 use crate::targets::{commandstats, Target};
-use crate::{closed, cpu_ticks, echo, open, RULES};
+use crate::{closed, cpu_split, cpu_ticks, echo, open, RULES};
 
 #[derive(clap::Args, Clone)]
 pub(crate) struct RunArgs {
@@ -136,11 +136,13 @@ async fn run_once(
                 Some(r) => Some(commandstats(r)?),
                 None => None,
             };
-            let cpu_before = pid.and_then(cpu_ticks);
+            let cpu_before = pid.and_then(cpu_split);
             let redis_cpu_before = redis.and_then(RedisServer::pid).and_then(cpu_ticks);
             let result = closed::run(&target, clients, args.pipeline, args.keys, measure).await?;
-            let cpu = match (pid.and_then(cpu_ticks), cpu_before) {
-                (Some(after), Some(before)) => Some(after.saturating_sub(before)),
+            let cpu = match (pid.and_then(cpu_split), cpu_before) {
+                (Some(after), Some(before)) => {
+                    Some((after.0.saturating_sub(before.0), after.1.saturating_sub(before.1)))
+                }
                 _ => None,
             };
             let redis_calls = match (redis, before) {

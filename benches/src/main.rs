@@ -416,9 +416,17 @@ fn main() -> anyhow::Result<()> {
 
 /// CPU time (user + system) a process has used, in clock ticks (1/100 s), from /proc.
 pub(crate) fn cpu_ticks(pid: u32) -> Option<u64> {
+    cpu_split(pid).map(|(user, sys)| user + sys)
+}
+
+/// A process's CPU so far in 10 ms ticks, split: (user space, kernel on its behalf).
+pub(crate) fn cpu_split(pid: u32) -> Option<(u64, u64)> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = stat.rsplit_once(") ")?.1;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // After "pid (comm) ", utime and stime are the 12th and 13th fields.
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+    Some((
+        fields.get(11)?.parse::<u64>().ok()?,
+        fields.get(12)?.parse::<u64>().ok()?,
+    ))
 }

@@ -38,6 +38,8 @@ pub struct Row {
     pub fallback_pct: f64,
     /// CPU the server process (agent or echo) used per check, µs (from /proc, 10 ms ticks).
     pub server_cpu_us_per_check: Option<f64>,
+    /// The kernel's part of it (system time: socket reads and writes, epoll, wake-ups), µs.
+    pub server_sys_us_per_check: Option<f64>,
 }
 
 fn us(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
@@ -68,6 +70,7 @@ impl Row {
             all_checks: r.all_checks,
             redis,
             server_cpu_us_per_check: None,
+            server_sys_us_per_check: None,
             fallback_pct: if r.checks > 0 {
                 r.fallbacks as f64 * 100.0 / r.checks as f64
             } else {
@@ -76,11 +79,13 @@ impl Row {
         }
     }
 
-    /// Records the server process's CPU ticks over the whole scenario (warm-up included).
-    pub fn set_process_cpu(&mut self, ticks: Option<u64>) {
-        self.server_cpu_us_per_check = ticks
-            .filter(|_| self.all_checks > 0)
-            .map(|t| t as f64 * 10_000.0 / self.all_checks as f64);
+    /// Records the server process's CPU ticks over the whole scenario (warm-up included): user
+    /// space and kernel.
+    pub fn set_process_cpu(&mut self, ticks: Option<(u64, u64)>) {
+        let per_check = |t: u64| t as f64 * 10_000.0 / self.all_checks as f64;
+        let ticks = ticks.filter(|_| self.all_checks > 0);
+        self.server_cpu_us_per_check = ticks.map(|(user, sys)| per_check(user + sys));
+        self.server_sys_us_per_check = ticks.map(|(_, sys)| per_check(sys));
     }
 
     /// An open-loop row.
@@ -161,7 +166,7 @@ impl Table {
         }
         println!("\nmedians of {} run(s):", self.runs.max(1));
         println!(
-            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9}",
+            "\n{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9}",
             "scenario",
             "mode",
             "clients",
@@ -175,11 +180,12 @@ impl Table {
             "redis µs/",
             "redis CPU",
             "server µs/",
+            "of it sys",
             "fallback"
         );
         println!(
-            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>9}",
-            "", "", "", "", "", "", "", "", "", "check", "check", "µs/check", "check", "%"
+            "{:<22} {:>6} {:>7} {:>5} {:>11} {:>9} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9}",
+            "", "", "", "", "", "", "", "", "", "check", "check", "µs/check", "check", "µs/check", "%"
         );
         for r in &self.rows {
             let (cmds, cpu, proc_cpu) = match r.redis {
@@ -200,7 +206,7 @@ impl Table {
                 .map(|o| format!(" (offered {o}/s)"))
                 .unwrap_or_default();
             println!(
-                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10} {:>10} {:>10} {:>9.2}{}",
+                "{:<22} {:>6} {:>7} {:>5} {:>11.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9.2}{}",
                 r.scenario,
                 r.mode,
                 r.clients,
@@ -214,6 +220,9 @@ impl Table {
                 cpu,
                 proc_cpu,
                 r.server_cpu_us_per_check
+                    .map(|c| format!("{c:.2}"))
+                    .unwrap_or_else(|| "-".into()),
+                r.server_sys_us_per_check
                     .map(|c| format!("{c:.2}"))
                     .unwrap_or_else(|| "-".into()),
                 r.fallback_pct,
@@ -259,6 +268,7 @@ impl Table {
             m.fallback_pct = med(&|r| r.fallback_pct);
             if m.server_cpu_us_per_check.is_some() {
                 m.server_cpu_us_per_check = Some(med(&|r| r.server_cpu_us_per_check.unwrap_or(0.0)));
+                m.server_sys_us_per_check = Some(med(&|r| r.server_sys_us_per_check.unwrap_or(0.0)));
             }
             if let Some(d) = &mut m.redis {
                 let per = |f: &dyn Fn(&RedisDelta) -> u64| {
