@@ -266,6 +266,11 @@ where
     // The Error to send last when the stream broke: in-flight checks are answered first, since their
     // costs may already be committed.
     let mut fatal: Option<Vec<u8>> = None;
+    // One wait for shutdown for the connection's life, not one per loop turn: each new wait reads
+    // the watch and registers with (and on drop unregisters from, under a lock) its notifier, ~550
+    // instructions a check.
+    let stop = stopped(&mut shutdown);
+    tokio::pin!(stop);
     loop {
         if closing && pending.is_empty() {
             if let Some(bytes) = fatal.take() {
@@ -304,7 +309,7 @@ where
                     answer(&mut out, id, result);
                 }
             }
-            _ = stopped(&mut shutdown), if !closing => closing = true,
+            _ = &mut stop, if !closing => closing = true,
         }
     }
 }
