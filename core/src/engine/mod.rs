@@ -378,12 +378,12 @@ fn unseen(rule: &Rule, now: u64) -> Outcome {
 /// The decision from every item's outcome and source.
 fn finish(plan: &[Planned], out: Vec<Option<(Outcome, Source)>>) -> Decision {
     let now = Clock::System.now_ms();
-    let (outcomes, sources): (Vec<Outcome>, Vec<Source>) = plan
-        .iter()
-        .zip(out)
-        .map(|(p, o)| o.unwrap_or_else(|| (unseen(&p.rule, now), Source::Fallback)))
-        .unzip();
-    combine(plan, &outcomes, &sources)
+    decide(
+        plan,
+        out.into_iter()
+            .zip(plan)
+            .map(|(o, p)| o.unwrap_or_else(|| (unseen(&p.rule, now), Source::Fallback))),
+    )
 }
 
 fn display_limit(rule: &Rule) -> u64 {
@@ -409,20 +409,27 @@ fn no_rule() -> Verdict {
 /// binding item (on a denial the longest retry, else the smallest remaining). `sources` has one
 /// source per item, or one for all.
 pub fn combine(plan: &[Planned], outcomes: &[Outcome], sources: &[Source]) -> Decision {
+    let source = |i: usize| {
+        sources
+            .get(i)
+            .or(sources.first())
+            .copied()
+            .unwrap_or(Source::Local)
+    };
+    decide(plan, outcomes.iter().enumerate().map(|(i, o)| (*o, source(i))))
+}
+
+/// `combine` over each item's (outcome, source) in plan order, with no vectors in between.
+fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -> Decision {
     let items: Vec<ItemDecision> = plan
         .iter()
         .zip(outcomes)
-        .enumerate()
-        .map(|(i, (p, o))| ItemDecision {
+        .map(|(p, (o, source))| ItemDecision {
             rule_id: p.rule.id.as_str().into(),
             verdict: Verdict {
                 allowed: o.allowed,
                 log_only: !p.rule.enforced(),
-                source: sources
-                    .get(i)
-                    .or(sources.first())
-                    .copied()
-                    .unwrap_or(Source::Local),
+                source,
                 limit: o.limit,
                 remaining: o.remaining,
                 reset_at_ms: o.reset_at_ms,

@@ -100,6 +100,7 @@ impl Engine {
                     route,
                     items: vec![i],
                     permit: None,
+                    committed: false,
                 }),
             }
         }
@@ -150,7 +151,7 @@ impl Engine {
         &self,
         r: &Arc<dyn SharedStore>,
         plan: Vec<Planned>,
-        groups: Vec<Group>,
+        mut groups: Vec<Group>,
         mut out: Vec<Option<(Outcome, Source)>>,
         taken: Vec<(usize, u64)>,
     ) -> Decision {
@@ -162,23 +163,21 @@ impl Engine {
                 r.clone().check(items)
             });
         // One call (the common case: one client key per check) is awaited as it is, without
-        // join_all's bookkeeping.
-        let results = match groups.len() {
-            1 => {
-                let mut calls = calls;
-                match calls.next() {
-                    Some(call) => vec![call.await],
-                    None => Vec::new(),
-                }
+        // join_all's bookkeeping or a vector.
+        let (mut one, mut many) = (None, Vec::new());
+        if groups.len() == 1 {
+            let mut calls = calls;
+            if let Some(call) = calls.next() {
+                one = Some(call.await);
             }
-            _ => futures::future::join_all(calls).await,
-        };
-        let mut results = results.into_iter();
+        } else {
+            many = futures::future::join_all(calls).await;
+        }
+        let mut results = one.into_iter().chain(many);
         // Items left to the fallback, and whether its admissions are Redis's to learn (a timed-out
         // script may still have run: admit locally but do not write it back, or it counts twice).
         let mut degraded: Vec<(usize, bool)> = Vec::new();
-        let mut committed: Vec<usize> = Vec::new();
-        for g in &groups {
+        for g in &mut groups {
             if g.permit == Some(Permit::Refuse) {
                 degraded.extend(g.items.iter().map(|&i| (i, true)));
                 continue;
@@ -198,15 +197,13 @@ impl Engine {
             }
             match result {
                 Ok(outcomes) => {
-                    let passed = g
+                    // All or nothing: a group that passed committed its allowed items.
+                    g.committed = g
                         .items
                         .iter()
                         .zip(&outcomes)
                         .all(|(&i, o)| o.allowed || !plan[i].rule.enforced());
                     for (&i, o) in g.items.iter().zip(outcomes) {
-                        if passed && o.allowed {
-                            committed.push(i);
-                        }
                         out[i] = Some((o, Source::Redis));
                     }
                 }
@@ -242,8 +239,16 @@ impl Engine {
                 }
             }
         }
-        if denied(&plan, &out) && !committed.is_empty() {
-            self.take_back(r, &plan, &committed, &out);
+        if denied(&plan, &out) {
+            let committed: Vec<usize> = groups
+                .iter()
+                .filter(|g| g.committed)
+                .flat_map(|g| g.items.iter().copied())
+                .filter(|&i| out[i].is_some_and(|(o, _)| o.allowed))
+                .collect();
+            if !committed.is_empty() {
+                self.take_back(r, &plan, &committed, &out);
+            }
         }
         self.undo_if_denied(&plan, &out, &taken);
         let now = self.clock.now_ms();
@@ -386,11 +391,13 @@ impl Engine {
     }
 }
 
-/// Items of one check that go to Redis in one script call, and their breaker's permit.
+/// Items of one check that go to Redis in one script call, their breaker's permit, and whether
+/// the call counted them (it answered and passed: its allowed items are what a take-back undoes).
 struct Group {
     route: Route,
     items: Vec<usize>,
     permit: Option<Permit>,
+    committed: bool,
 }
 
 /// Whether an enforced item of the check is rejected.
