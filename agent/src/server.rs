@@ -314,11 +314,29 @@ where
     }
 }
 
-type Pending = FuturesUnordered<
-    std::pin::Pin<
-        Box<dyn std::future::Future<Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>)> + Send>,
+type Pending = FuturesUnordered<InFlight>;
+
+/// A check waiting on the store: the engine's future with its request id and start time (no box of
+/// its own around the engine's).
+struct InFlight {
+    id: u32,
+    start: Option<std::time::Instant>,
+    answer: std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<floodgate_protocol::Decision, ErrorBody>> + Send>,
     >,
->;
+}
+
+impl std::future::Future for InFlight {
+    type Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>);
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let result = std::task::ready!(self.answer.as_mut().poll(cx));
+        if let Some(start) = self.start {
+            floodgate_core::metrics::check(&result, start.elapsed());
+        }
+        std::task::Poll::Ready((self.id, result))
+    }
+}
 
 /// Handles every complete frame in `inbuf`. Returns the encoded fatal Error when the stream is broken.
 fn process(
@@ -379,13 +397,7 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
                     }
                     answer(out, id, result)
                 }
-                Answer::Pending(fut) => pending.push(Box::pin(async move {
-                    let result = fut.await;
-                    if let Some(start) = start {
-                        floodgate_core::metrics::check(&result, start.elapsed());
-                    }
-                    (id, result)
-                })),
+                Answer::Pending(answer) => pending.push(InFlight { id, start, answer }),
             }
         }
         Body::Hello {
