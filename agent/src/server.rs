@@ -290,7 +290,18 @@ where
         if inbuf.capacity() - inbuf.len() < 4096 {
             inbuf.reserve(16 * 1024);
         }
+        // Polled in this order (no random start, which costs a random number per turn): answers
+        // first, since they drain (at most MAX_IN_FLIGHT wait), so a client that keeps sending
+        // cannot hold its own answers back.
         tokio::select! {
+            biased;
+            Some((id, result)) = pending.next(), if !pending.is_empty() => {
+                answer(&mut out, id, result);
+                // Collect whatever else is ready so one write carries many answers.
+                while let Some(Some((id, result))) = futures::FutureExt::now_or_never(pending.next()) {
+                    answer(&mut out, id, result);
+                }
+            }
             read = rd.read_buf(&mut inbuf), if !closing && pending.len() < MAX_IN_FLIGHT => {
                 match read {
                     Ok(0) | Err(_) => closing = true,
@@ -300,13 +311,6 @@ where
                             closing = true;
                         }
                     }
-                }
-            }
-            Some((id, result)) = pending.next(), if !pending.is_empty() => {
-                answer(&mut out, id, result);
-                // Collect whatever else is ready so one write carries many answers.
-                while let Some(Some((id, result))) = futures::FutureExt::now_or_never(pending.next()) {
-                    answer(&mut out, id, result);
                 }
             }
             _ = &mut stop, if !closing => closing = true,
