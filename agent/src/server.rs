@@ -333,7 +333,10 @@ struct InFlight {
 impl std::future::Future for InFlight {
     type Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>);
 
-    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
         let result = std::task::ready!(self.answer.as_mut().poll(cx));
         if let Some(start) = self.start {
             floodgate_core::metrics::check(&result, start.elapsed());

@@ -80,7 +80,10 @@ fn rule_counters(rule: &str) -> RuleCounters {
     }))
 }
 
-static CHECKS: OnceLock<dashmap::DashMap<String, RuleCounters>> = OnceLock::new();
+/// The counters of each rule id, looked up once per checked item: ids are the rules' (a decision
+/// only carries ids of rules in force), so foldhash instead of SipHash, as `RuleSet` does.
+static CHECKS: OnceLock<dashmap::DashMap<String, RuleCounters, foldhash::fast::RandomState>> =
+    OnceLock::new();
 static LATENCY: OnceLock<metrics::Histogram> = OnceLock::new();
 
 /// A check answered: one count per item, and its latency.
