@@ -269,9 +269,17 @@ where
     // One wait for shutdown for the connection's life, not one per loop turn: each new wait reads
     // the watch and registers with (and on drop unregisters from, under a lock) its notifier, ~550
     // instructions a check.
+    // The select below polls that wait last, so a client that keeps its socket readable would never
+    // let it run: each turn also looks at the watch's version (one atomic load; it only ever turns
+    // true, and a dropped sender means shutdown too).
+    let peek = shutdown.clone();
+    closing |= *peek.borrow();
     let stop = stopped(&mut shutdown);
     tokio::pin!(stop);
     loop {
+        if !closing && peek.has_changed().unwrap_or(true) {
+            closing = true;
+        }
         if closing && pending.is_empty() {
             if let Some(bytes) = fatal.take() {
                 out.extend_from_slice(&bytes);

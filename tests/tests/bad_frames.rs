@@ -157,3 +157,46 @@ async fn hello_negotiates_or_refuses() {
         ErrorCode::UnsupportedVersion
     );
 }
+
+/// A client that never lets its socket run dry (checks written as fast as the agent reads them) is
+/// answered and closed on SIGTERM, and the agent exits cleanly without leaving the connection to
+/// its 2 s drain deadline. The connection loop polls its shutdown wait after reads, so it also
+/// looks at the shutdown watch at the top of every turn; without that look this client's
+/// connection ended only by the agent's 1 s write timeout (the test took 1.9 s instead of 0.1 s
+/// here, a difference this test does not assert: no timing thresholds in tests).
+#[tokio::test]
+async fn a_client_that_never_stops_sending_is_closed_on_shutdown() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut agent = Agent::builder().start().await;
+    let (mut rd, mut wr) = tokio::net::UnixStream::connect(agent.socket())
+        .await
+        .unwrap()
+        .into_split();
+    let mut burst = Vec::new();
+    // Bursts of ~100 KB: the agent's socket buffer never empties while the writer runs.
+    for id in 1..=4096 {
+        burst.extend_from_slice(&check(id, "user:busy").to_bytes().unwrap());
+    }
+    let writer = tokio::spawn(async move { while wr.write_all(&burst).await.is_ok() {} });
+    let reader = tokio::spawn(async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut got = 0usize;
+        while let Ok(n @ 1..) = rd.read(&mut buf).await {
+            got += n;
+        }
+        got
+    });
+    // The agent is busy with this client's checks before it is told to stop.
+    let mut probe = RawConn::connect(agent.socket()).await.unwrap();
+    probe.send(&check(1, "user:probe")).await.unwrap();
+    assert!(probe.recv().await.is_some());
+    assert_eq!(agent.terminate().await, Some(0), "SIGTERM is a clean exit");
+    let answered = reader.await.unwrap();
+    assert!(answered > 0, "the busy client was answered before the close");
+    writer.await.unwrap();
+    assert!(
+        !agent.log().contains("still open after 2 s"),
+        "the busy connection was closed by shutdown, not left to the drain's deadline:\n{}",
+        agent.log()
+    );
+}
