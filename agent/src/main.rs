@@ -11,8 +11,8 @@ use floodgate_agent::cli::RulesCli;
 use floodgate_agent::config::{AgentConfig, LogFormat, RulesServerConfig};
 use floodgate_agent::ops::{CheckCli, CheckOutcome, StatusCli};
 
-/// mimalloc instead of glibc's malloc: a check on the Redis path makes ~20 allocations, which cost
-/// ~190 instructions each in glibc (malloc + free, its per-thread cache included) and far fewer in
+/// mimalloc instead of glibc's malloc: a check on the Redis path makes ~15 allocations, which cost
+/// ~190 instructions each in glibc (malloc + free, its per-thread cache included) and ~85 in
 /// mimalloc's per-thread free lists (BENCHMARKS.md, issue 14).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;

@@ -266,12 +266,12 @@ where
     // The Error to send last when the stream broke: in-flight checks are answered first, since their
     // costs may already be committed.
     let mut fatal: Option<Vec<u8>> = None;
-    // One wait for shutdown for the connection's life, not one per loop turn: each new wait reads
-    // the watch and registers with (and on drop unregisters from, under a lock) its notifier, ~550
-    // instructions a check.
-    // The select below polls that wait last, so a client that keeps its socket readable would never
-    // let it run: each turn also looks at the watch's version (one atomic load; it only ever turns
-    // true, and a dropped sender means shutdown too).
+    // One wait for shutdown for the connection's life (it wakes an idle connection), not one per
+    // loop turn: each new wait reads the watch and registers with (and on drop unregisters from,
+    // under a lock) its notifier, ~550 instructions a check. The select below polls it last, so a
+    // client that keeps its socket readable would never let it run: each turn also looks at the
+    // watch's version (one atomic load; it only ever turns true, and a dropped sender means
+    // shutdown too).
     let peek = shutdown.clone();
     closing |= *peek.borrow();
     let stop = stopped(&mut shutdown);
