@@ -153,7 +153,12 @@ fn phase(name: &'static str, samples: &[Sample], from: Duration, to: Duration) -
 
 /// SDK calls at 2,000/s while the agent is killed (kill -9) and restarted a second later.
 async fn agent_restart(redis: &RedisServer) -> anyhow::Result<RestartReport> {
-    let mut agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
+    let mut agent = Agent::builder()
+        .redis(&redis.url())
+        .shipped_timeout()
+        .rules(RULES)
+        .start()
+        .await;
     let socket = agent.socket().to_path_buf();
     let client = Client::connect(&socket).await;
     let sdk_timeout = floodgate_sdk::ClientConfig::default().timeout;
@@ -175,6 +180,7 @@ async fn agent_restart(redis: &RedisServer) -> anyhow::Result<RestartReport> {
                     .redis(&redis.url())
                     .rules(RULES)
                     .socket(&socket)
+                    .shipped_timeout()
                     .start()
                     .await,
             );

@@ -400,6 +400,7 @@ pub async fn observability(
         let cache = if cached { "100000" } else { "0" };
         let on = Agent::builder()
             .redis(&redis.url())
+            .shipped_timeout()
             .rules(&rules)
             .arg("--rejection-cache")
             .arg(cache)
@@ -407,6 +408,7 @@ pub async fn observability(
             .await;
         let off = Agent::builder()
             .redis(&redis.url())
+            .shipped_timeout()
             .rules(&rules)
             .arg("--rejection-cache")
             .arg(cache)

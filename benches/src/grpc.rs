@@ -84,7 +84,7 @@ pub async fn run(
         let mut b = Agent::builder().rules(RULES).arg("--grpc").arg("127.0.0.1:0");
         if let Some(r) = &redis {
             // A patient store timeout: every answer is Redis's, none the fail mode's.
-            b = b.patient_redis(&r.url());
+            b = b.redis(&r.url());
         }
         let agent = b.start().await;
         let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;

@@ -48,6 +48,7 @@ pub async fn run(runs: usize, levels: &[usize], seconds: f64, rlf: &Path) -> any
     let redis = RedisServer::start();
     let agent = Agent::builder()
         .redis(&redis.url())
+        .shipped_timeout()
         .rules(crate::RULES)
         .start()
         .await;

@@ -30,7 +30,7 @@ mod rules;
 mod wait;
 mod wire;
 
-pub use agent::{floodgate_bin, Agent, AgentBuilder};
+pub use agent::{floodgate_bin, Agent, AgentBuilder, PATIENT_STORE_TIMEOUT_MS};
 pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};

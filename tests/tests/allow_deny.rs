@@ -88,11 +88,7 @@ async fn bucket_burst_and_refill(client: &Client) {
 #[tokio::test]
 async fn redis_store_allows_then_denies_with_figures() {
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
     limit_then_deny(&client, Source::Redis).await;
     bucket_burst_and_refill(&client).await;

@@ -33,7 +33,7 @@ async fn four_agents(redis: &str, extra: &[&str]) -> Vec<Agent> {
     let mut agents = Vec::new();
     for _ in 0..4 {
         let mut b = Agent::builder()
-            .patient_redis(redis)
+            .redis(redis)
             .rules(RULES)
             .arg("--heartbeat-ms")
             .arg("100");
@@ -255,7 +255,7 @@ async fn a_flush_interval_change_takes_effect_without_restart() {
 async fn a_hot_sync_key_is_promoted_to_batched() {
     let redis = RedisServer::start();
     let agent = Agent::builder()
-        .patient_redis(&redis.url())
+        .redis(&redis.url())
         .rules(RULES)
         .arg("--hot-key-rate")
         .arg("50")
@@ -299,7 +299,7 @@ async fn a_hot_sync_key_is_promoted_to_batched() {
 async fn sigterm_flushes_pending_batched_counts() {
     let redis = RedisServer::start();
     let mut agent = Agent::builder()
-        .patient_redis(&redis.url())
+        .redis(&redis.url())
         .rules(RULES)
         .arg("--flush-interval-ms")
         .arg("60000")

@@ -427,11 +427,7 @@ async fn every_dashboard_metric_is_exported() {
     );
 
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
     let mut rejected = 0;
     for _ in 0..5 {

@@ -59,7 +59,7 @@ async fn grpc_agent(redis: Option<&str>) -> (Agent, RateLimitClient) {
         .arg("--grpc")
         .arg("127.0.0.1:0");
     if let Some(url) = redis {
-        b = b.patient_redis(url);
+        b = b.redis(url);
     }
     let agent = b.start().await;
     let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;

@@ -50,7 +50,7 @@ async fn three_shards_hold_limits_and_each_holds_keys() {
 async fn a_three_node_cluster_holds_limits_and_each_node_holds_keys() {
     let cluster = Cluster::start(3);
     let agent = Agent::builder()
-        .patient_redis(&cluster.urls())
+        .redis(&cluster.urls())
         .arg("--redis-cluster")
         .rules(RULES)
         .start()
@@ -165,7 +165,7 @@ async fn counts_follow_their_slots_when_the_cluster_reshards() {
         {"id":"many","dimension":"user","limit":1000000,"windowSeconds":60}]}"#;
     let cluster = Cluster::start(3);
     let agent = Agent::builder()
-        .patient_redis(&cluster.urls())
+        .redis(&cluster.urls())
         .arg("--redis-cluster")
         .rules(FIVE)
         .start()

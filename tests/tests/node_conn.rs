@@ -168,7 +168,7 @@ fn local(port: u16) -> String {
 
 /// An agent (1 s store timeout) on the Redis at `url`, and a client of it.
 async fn agent_on(url: &str) -> (Agent, floodgate_sdk::Client) {
-    let agent = Agent::builder().patient_redis(url).rules(RULES).start().await;
+    let agent = Agent::builder().redis(url).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
     (agent, client)
 }

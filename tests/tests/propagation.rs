@@ -72,7 +72,7 @@ async fn service(dir: &tempfile::TempDir) -> RulesServer {
 
 fn follower(redis: &RedisServer, s: &RulesServer) -> floodgate_tests::AgentBuilder {
     Agent::builder()
-        .patient_redis(&redis.url())
+        .redis(&redis.url())
         .arg("--rules-url")
         .arg(&s.url())
         .arg("--rules-token")
@@ -125,7 +125,7 @@ async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
     let url = s.url();
     let builder = || {
         Agent::builder()
-            .patient_redis(&redis.url())
+            .redis(&redis.url())
             .arg("--rules-url")
             .arg(&url)
             .arg("--rules-token")

@@ -11,11 +11,7 @@ const RULES: &str = r#"{"rules":[{"id":"r","dimension":"user","limit":1000000,"w
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_script_cache_is_reloaded_without_a_failed_check() {
     let mut redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
 
     let d = client.allow("user:1", "r", 1).await.unwrap();

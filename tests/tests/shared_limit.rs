@@ -12,16 +12,8 @@ use floodgate_tests::{patient_client, redis_time_ms, sleep_until_window_offset, 
 async fn two_agents_64_clients_admit_exactly_the_limit() {
     const RULES: &str = r#"{"rules":[{"id":"hundred","dimension":"user","limit":100,"windowSeconds":60}]}"#;
     let redis = RedisServer::start();
-    let a = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
-    let b = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let a = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
+    let b = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
 
     // Keep the whole run inside one 60 s window: if fewer than 5 s are left, wait for the next one.
     let mut conn = redis.conn();
@@ -65,11 +57,7 @@ async fn two_agents_64_clients_admit_exactly_the_limit() {
 async fn bursts_at_a_window_edge_admit_well_under_twice_the_limit() {
     const RULES: &str = r#"{"rules":[{"id":"edge","dimension":"user","limit":20,"windowSeconds":2}]}"#;
     let redis = RedisServer::start();
-    let agent = Agent::builder()
-        .patient_redis(&redis.url())
-        .rules(RULES)
-        .start()
-        .await;
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
     let client = patient_client(agent.socket()).await;
     let mut conn = redis.conn();
 

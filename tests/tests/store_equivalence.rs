@@ -61,7 +61,7 @@ async fn memory_and_redis_agree() {
     // The algorithms are compared, so the Redis agent's rejection cache is off: a cached rejection
     // answers a whole check without evaluating its other items (tests/tests/fleet.rs covers it).
     let on_redis = Agent::builder()
-        .patient_redis(&redis.url())
+        .redis(&redis.url())
         .rules(RULES)
         .arg("--rejection-cache")
         .arg("0")

@@ -85,7 +85,7 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
     let url = format!("rediss://127.0.0.1:{tls_port}");
 
     let agent = Agent::builder()
-        .patient_redis(&url)
+        .redis(&url)
         .rules(RULES)
         .arg("--redis-ca")
         .arg(&tls.path("ca.pem"))
@@ -129,7 +129,7 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
             "WRONGPASS",
         ),
     ] {
-        let mut b = Agent::builder().patient_redis(&url).rules(RULES);
+        let mut b = Agent::builder().redis(&url).rules(RULES);
         for a in &args {
             b = b.arg(a);
         }
