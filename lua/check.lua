@@ -23,7 +23,28 @@
 --          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
 --          client's count in the target window afterwards, as flush.lua answers, from which the agent
 --          learns what landed past the limit; 0 for a take-back and for a token bucket, whose debt
---          after a write-back would overstate it, the bucket having refilled meanwhile)
+--          after a write-back would overstate it, the bucket having refilled meanwhile). An add or a
+--          take-back that Redis refuses (its key holds another type) does not stop the call: the
+--          entry answers -1 as its first figure, nothing of it applied, and the agent drops it, so
+--          one bad entry never holds back a write-back's others (each is its own pcall).
+-- One add (mode 2) or take-back (mode 3): the units applied and, for a sliding window's add, the
+-- target window's count after it.
+local function adjust(key, algorithm, mode, field, now, limit, window, burst, cost, target)
+  if algorithm == '1' then
+    local units = cost
+    if mode == '3' then units = -cost end
+    local applied, count = sliding_window_adjust(key, field, now, window, units, target)
+    if mode == '3' then count = 0 end
+    return applied, count
+  elseif mode == '2' then
+    local _, commit = token_bucket(key, now, limit, window, burst, cost)
+    commit()
+    return cost, 0
+  end
+  token_bucket_give_back(key, now, limit, window, burst, cost)
+  return -cost, 0
+end
+
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local out = {}
@@ -45,23 +66,13 @@ for i = 1, #KEYS do
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
   if mode == '2' or mode == '3' then
-    local burst = tonumber(ARGV[a + 4])
-    local target = tonumber(ARGV[a + 7])
-    local units = cost
-    if mode == '3' then units = -cost end
-    local applied, count = 0, 0
-    if algorithm == '1' then
-      applied, count = sliding_window_adjust(KEYS[i], field, now, window, units, target)
-      if mode == '3' then count = 0 end
-    elseif mode == '2' then
-      local _, commit = token_bucket(KEYS[i], now, limit, window, burst, cost)
-      commit()
-      applied = cost
+    local ok, applied, count = pcall(adjust, KEYS[i], algorithm, mode, field, now, limit, window,
+      tonumber(ARGV[a + 4]), cost, tonumber(ARGV[a + 7]))
+    if ok then
+      out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, count
     else
-      token_bucket_give_back(KEYS[i], now, limit, window, burst, cost)
-      applied = -cost
+      out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = -1, limit, 0, now, 0
     end
-    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, count
   elseif algorithm == '1' then
     local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry

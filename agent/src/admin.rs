@@ -85,6 +85,7 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
             "decided": g.fallback.decided.load(Relaxed),
             "pendingWriteBack": g.fallback.pending(),
             "writtenBackUnits": g.fallback.written_back.load(Relaxed),
+            "writeBackRefusedUnits": g.fallback.write_back_refused.load(Relaxed),
             "ledgerDropped": g.fallback.ledger_dropped.load(Relaxed),
             "storeFull": g.fallback.store_full.load(Relaxed),
         });

@@ -38,6 +38,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
     ("floodgate_connections_refused_total", "Connections refused because their listener (unix, tcp, grpc) held its --max-connections"),
     ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits, hits_addend 0)"),
+    ("floodgate_script_errors_total", "Script calls and entries Redis answered with an error of the script itself (a key of another type, a number Redis refuses), by op: check (the check answered by its rules' fail modes; the shard's breaker stays closed, Redis being there), write_back and take_back (the entry dropped, never retried; the call's other entries applied)"),
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
 ];
 
@@ -211,6 +212,13 @@ pub fn events(sent: u64, dropped: u64) {
     }
     if dropped > 0 {
         counter!("floodgate_events_dropped_total").increment(dropped);
+    }
+}
+
+/// Script errors: `op` is `check`, `write_back` or `take_back`; `n` calls or entries.
+pub fn script_errors(op: &'static str, n: u64) {
+    if on() && n > 0 {
+        counter!("floodgate_script_errors_total", "op" => op).increment(n);
     }
 }
 

@@ -78,6 +78,10 @@ pub struct Adjusted {
     pub unknown: u64,
     /// Units that landed past their rule's limit (adds only; also counted in the metrics).
     pub over: u64,
+    /// Units of entries Redis refused (an error of the script on that entry, e.g. its key holds
+    /// another type): dropped, never retried, since the same entry would fail the same way and hold
+    /// back the rest; the call's other entries were applied.
+    pub refused: u64,
     /// The last error.
     pub error: Option<StoreError>,
 }

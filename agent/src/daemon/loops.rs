@@ -148,16 +148,21 @@ async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
         .fallback
         .written_back
         .fetch_add(done.units, std::sync::atomic::Ordering::Relaxed);
+    guard
+        .fallback
+        .write_back_refused
+        .fetch_add(done.refused, std::sync::atomic::Ordering::Relaxed);
     match done.error {
         None => tracing::info!(
             keys,
             units = done.units,
             over_limit = done.over,
+            refused_units = done.refused,
             "wrote back what the fallback admitted while Redis was away"
         ),
         Some(e) => {
             // A timed-out call may have been applied: it is dropped rather than risk counting twice.
-            tracing::warn!(error = %e, keys, units = done.units, over_limit = done.over, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
+            tracing::warn!(error = %e, keys, units = done.units, over_limit = done.over, refused_units = done.refused, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
             guard.fallback.restore(done.retry);
         }
     }

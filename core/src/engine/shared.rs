@@ -185,8 +185,12 @@ impl Engine {
             let Some(result) = results.next() else { break };
             if let (Some(guard), Some(permit)) = (&self.guard, g.permit) {
                 let breaker = guard.breaker(g.route.shard);
-                // Traffic only ever opens a breaker; the guard's background probe closes it.
-                if breaker.record(permit, result.is_ok(), Instant::now()) == Some(Transition::Opened) {
+                // Traffic only ever opens a breaker; the guard's background probe closes it. A
+                // script error is Redis answering (one check's data failed the script, e.g. a key
+                // of another type): the shard is there for every other check, so it counts as an
+                // answer, never toward opening.
+                let answered = !matches!(&result, Err(e) if !matches!(e, StoreError::Script(_)));
+                if breaker.record(permit, answered, Instant::now()) == Some(Transition::Opened) {
                     tracing::warn!(
                         shard = g.route.shard,
                         cooldown_ms = breaker.cooldown_left(Instant::now()).as_millis() as u64,
@@ -209,7 +213,13 @@ impl Engine {
                 }
                 Err(e) => {
                     self.note_store_error(&e);
-                    let certain = !matches!(e, StoreError::Timeout(_));
+                    // What the fallback admits is written back only when the call surely did not
+                    // run (a timed-out one may have) and could run again (a script error would
+                    // fail the write-back the same way).
+                    let certain = !matches!(e, StoreError::Timeout(_) | StoreError::Script(_));
+                    if matches!(e, StoreError::Script(_)) {
+                        crate::metrics::script_errors("check", 1);
+                    }
                     degraded.extend(g.items.iter().map(|&i| (i, certain)));
                 }
             }
@@ -331,7 +341,14 @@ impl Engine {
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
         {
-            tracing::warn!(error = %e, total = self.store_errors(), "store unavailable; rules' fail modes decide");
+            match e {
+                StoreError::Script(_) => {
+                    tracing::warn!(error = %e, total = self.store_errors(), "Redis refused a check's script (the shard still answers); its rules' fail modes decide")
+                }
+                _ => {
+                    tracing::warn!(error = %e, total = self.store_errors(), "store unavailable; rules' fail modes decide")
+                }
+            }
         }
     }
 

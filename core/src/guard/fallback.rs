@@ -44,6 +44,9 @@ pub struct Fallback {
     pub decided: AtomicU64,
     /// Units written back to Redis after recoveries.
     pub written_back: AtomicU64,
+    /// Units of write-back entries Redis refused (an error of the script on that entry): dropped,
+    /// never retried, so that they hold back no other entry.
+    pub write_back_refused: AtomicU64,
     /// (rule, key) pairs not recorded because the ledger was full.
     pub ledger_dropped: AtomicU64,
     /// Checks answered without local state because the local store was full.
@@ -68,6 +71,7 @@ impl Fallback {
             ledger: Mutex::new(HashMap::new()),
             decided: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
+            write_back_refused: AtomicU64::new(0),
             ledger_dropped: AtomicU64::new(0),
             store_full: AtomicU64::new(0),
             full: AtomicBool::new(false),

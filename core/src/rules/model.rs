@@ -171,6 +171,16 @@ impl EnvoyMatch {
     }
 }
 
+/// A year in milliseconds (365 days), for the bound below.
+const YEAR_MS: f64 = 31_536_000_000.0;
+
+/// The longest a token bucket may take to fill from empty: 100 years. The scripts add such times to
+/// Redis `TIME` (~1.8e12 ms) and hand the sum to `PEXPIREAT`; kept under ~5e12 they stay exact
+/// integers, far below 2^53 and below the 1e17 from which Redis prints a Lua number as `1.26e+17`,
+/// which `PEXPIREAT` refuses (a rule of burst 4e6 at 1 per year did that and failed every check
+/// with a large cost). A debt written back after a fallback period adds at most the outage's length.
+pub const MAX_BUCKET_FILL_MS: f64 = 100.0 * YEAR_MS;
+
 /// One rule, as written in a rules file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -256,6 +266,23 @@ impl Rule {
         if let Some(b) = self.burst {
             if b.get() > 1 << 50 {
                 return Err(format!("rule {}: burst {b} is too large", self.id));
+            }
+        }
+        if self.algorithm == Algorithm::TokenBucket {
+            // The time to fill an empty bucket, burst / (limit / window).
+            let fill_ms = self.burst() as f64 * self.window_ms() as f64 / self.limit.get() as f64;
+            if fill_ms > MAX_BUCKET_FILL_MS {
+                return Err(format!(
+                    "rule {}: a token bucket of burst {} refilled at {} per {} s takes {:.0} years \
+                     to fill, over the {} years the scripts' times can hold exactly (lower burst or \
+                     windowSeconds, or raise limit)",
+                    self.id,
+                    self.burst(),
+                    self.limit,
+                    self.window_seconds,
+                    fill_ms / YEAR_MS,
+                    MAX_BUCKET_FILL_MS / YEAR_MS,
+                ));
             }
         }
         if let Some(f) = self.flush_interval_ms {
@@ -447,6 +474,17 @@ mod tests {
     }
 
     #[test]
+    fn a_bucket_that_fills_within_a_century_is_valid() {
+        let rule = |burst: u64| {
+            format!(
+                r#"{{"rules":[{{"id":"a","dimension":"ip","limit":1,"windowSeconds":31536000,"burst":{burst},"algorithm":"token_bucket"}}]}}"#
+            )
+        };
+        assert!(RuleSet::parse(&rule(100)).is_ok());
+        assert!(RuleSet::parse(&rule(101)).is_err());
+    }
+
+    #[test]
     fn bad_rules_are_refused_with_a_reason() {
         for (text, needle) in [
             (
@@ -472,6 +510,11 @@ mod tests {
             (
                 r#"{"rules":[{"id":"a","dimension":"planet","limit":5,"windowSeconds":1}]}"#,
                 "planet",
+            ),
+            // Fills in 4e6 years: the times the script computes would not be exact integers.
+            (
+                r#"{"rules":[{"id":"a","dimension":"ip","limit":1,"windowSeconds":31536000,"burst":4000000,"algorithm":"token_bucket"}]}"#,
+                "4000000 years to fill",
             ),
             (
                 r#"{"rules":[{"id":"a","dimension":"ip","limit":5,"windowSeconds":1},{"id":"a","dimension":"ip","limit":5,"windowSeconds":1}]}"#,

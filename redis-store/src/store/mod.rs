@@ -301,6 +301,10 @@ impl RedisStore {
             }
         }
         let timeout = self.timeout.max(Duration::from_millis(250));
+        let op = match how {
+            Adjust::Add => "write_back",
+            Adjust::TakeBack => "take_back",
+        };
         let mut done = Adjusted::default();
         for (route, group) in groups {
             for chunk in group.chunks(ADJUST_CHUNK) {
@@ -325,10 +329,18 @@ impl RedisStore {
                     .await
                 {
                     Ok(reply) => {
-                        done.units += units;
-                        // Each add answers its window's count after it, as a flush write does.
-                        if matches!(how, Adjust::Add) {
-                            for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
+                        for (e, r) in chunk.iter().zip(reply.chunks_exact(5)) {
+                            // -1: Redis refused this entry (check.lua's pcall caught the error);
+                            // nothing of it was applied. Dropped: it would fail again and again.
+                            if r[0] == -1 {
+                                done.refused += e.units;
+                                metrics::script_errors(op, 1);
+                                tracing::warn!(rule = %e.rule.id, key = %e.key, units = e.units, op, "Redis refused this entry's script; dropped (the others applied)");
+                                continue;
+                            }
+                            done.units += e.units;
+                            // Each add answers its window's count after it, as a flush write does.
+                            if matches!(how, Adjust::Add) {
                                 let count = u64::try_from(r[4]).unwrap_or(0);
                                 done.over += metrics::over_admitted(
                                     &e.rule,
@@ -340,10 +352,15 @@ impl RedisStore {
                         }
                     }
                     Err(e) => {
-                        if matches!(e, StoreError::Timeout(_)) {
-                            done.unknown += units;
-                        } else {
-                            done.retry.extend(chunk.iter().cloned());
+                        match e {
+                            StoreError::Timeout(_) => done.unknown += units,
+                            // The script itself failed (not one entry): the same call would fail
+                            // the same way, so it is dropped rather than retried for ever.
+                            StoreError::Script(_) => {
+                                done.refused += units;
+                                metrics::script_errors(op, chunk.len() as u64);
+                            }
+                            _ => done.retry.extend(chunk.iter().cloned()),
                         }
                         done.error = Some(e);
                     }
@@ -630,8 +647,81 @@ fn classify(e: RedisError) -> StoreError {
         StoreError::Connection(e.to_string())
     } else {
         match e.kind() {
-            ErrorKind::Server(_) => StoreError::Server(e.to_string()),
+            ErrorKind::Server(_) => reply_error(e.code().unwrap_or(""), e.to_string()),
             _ => StoreError::Script(e.to_string()),
+        }
+    }
+}
+
+/// Error codes that say the server (not the script) cannot serve now: the breaker's business.
+const SERVER_CODES: &[&str] = &[
+    "OOM",
+    "READONLY",
+    "BUSY",
+    "LOADING",
+    "MASTERDOWN",
+    "CLUSTERDOWN",
+    "MISCONF",
+    "NOREPLICAS",
+    "TRYAGAIN",
+    "MOVED",
+    "ASK",
+    "NOAUTH",
+    "WRONGPASS",
+    "NOPERM",
+    "NOSCRIPT",
+];
+
+/// An error reply classified: one the script raised on its data (Redis names the script's line,
+/// `@user_script:N`, or check.lua's own `ERR floodgate:`) is [`StoreError::Script`]: Redis is there
+/// and answered, so it must not open the shard's breaker for every rule; one of the server's state
+/// (OOM, READONLY, BUSY, …, even when raised inside the script) is [`StoreError::Server`].
+pub(crate) fn reply_error(code: &str, text: String) -> StoreError {
+    let code = if code.is_empty() {
+        text.split_whitespace().next().unwrap_or("")
+    } else {
+        code
+    };
+    if SERVER_CODES.contains(&code) {
+        StoreError::Server(text)
+    } else if text.contains("@user_script") || text.starts_with("ERR floodgate:") {
+        StoreError::Script(text)
+    } else {
+        StoreError::Server(text)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_errors_are_told_from_the_servers_state() {
+        // Redis 7.0's own texts.
+        let script = [
+            "WRONGTYPE Operation against a key holding the wrong kind of value script: 085e, on @user_script:1.",
+            "ERR value is not an integer or out of range script: 7871, on @user_script:1.",
+            "ERR user_script:1: attempt to perform arithmetic on a nil value script: d13b, on @user_script:1.",
+            "ERR floodgate: unknown algorithm 7",
+        ];
+        for text in script {
+            assert!(
+                matches!(reply_error("", text.into()), StoreError::Script(_)),
+                "{text}"
+            );
+        }
+        let server = [
+            "OOM command not allowed when used memory > 'maxmemory'. script: 085e, on @user_script:1.",
+            "READONLY You can't write against a read only replica. script: 085e, on @user_script:1.",
+            "BUSY Redis is busy running a script.",
+            "LOADING Redis is loading the dataset in memory",
+            "ERR max number of clients reached",
+        ];
+        for text in server {
+            assert!(
+                matches!(reply_error("", text.into()), StoreError::Server(_)),
+                "{text}"
+            );
         }
     }
 }

@@ -723,7 +723,7 @@ impl Node {
                 v.len(),
                 p.items
             ))),
-            Reply::Error(e) => Err(StoreError::Server(e)),
+            Reply::Error(e) => Err(super::reply_error("", e)),
             Reply::Int(_) | Reply::Other => {
                 Err(StoreError::Script("script returned no array of integers".into()))
             }
