@@ -8,7 +8,12 @@
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
- * in front); mounted with `app.use(limit)` it runs before routing and checks the request path.
+ * in front); mounted with `app.use(limit)` it runs before routing and checks the request path as
+ * Express's router matches it, so that every spelling Express routes to a handler counts as one
+ * endpoint: lower-cased unless the app has `case sensitive routing`, one trailing slash dropped
+ * unless it has `strict routing` (`/Login` and `/login/` reach `app.get("/login")` by default). The
+ * router matches the path as sent, neither percent-decoded (`/%6Cogin` is not `/login` to it, only
+ * route parameters are decoded) nor with `//` collapsed, so neither is done here.
  */
 
 import type { IncomingMessage, ServerResponse } from "node:http";
@@ -26,20 +31,57 @@ export interface ExpressLikeRequest extends IncomingMessage {
   originalUrl?: string;
   /** Express: the matched route, inside a route's handlers. */
   route?: { path?: unknown };
+  /** Express: the app, whose settings say how its router matches paths. */
+  app?: { enabled?(setting: string): boolean };
 }
 
 /** An Express/Connect middleware. */
 export type ExpressMiddleware = (req: ExpressLikeRequest, res: ServerResponse, next: (err?: unknown) => void) => void;
 
-/** What the extractors see of an Express request. */
+/** How an Express router matches paths: its `caseSensitive` and `strict` options. */
+export interface ExpressRouting {
+  caseSensitive: boolean;
+  strict: boolean;
+}
+
+/** The app's routing settings; undefined for a request that is not Express's (Connect, plain Node). */
+function expressRouting(req: ExpressLikeRequest): ExpressRouting | undefined {
+  const app = req.app;
+  if (typeof app?.enabled !== "function") return undefined;
+  return { caseSensitive: app.enabled("case sensitive routing"), strict: app.enabled("strict routing") };
+}
+
+/**
+ * A path as an Express router with these settings matches it: lower-cased unless case-sensitive,
+ * without one trailing slash (never `/` itself) unless strict. Nothing else: the router matches
+ * the path as sent, percent-escapes and `//` included.
+ */
+export function expressRoutedPath(path: string, routing: ExpressRouting): string {
+  const p = routing.caseSensitive ? path : path.toLowerCase();
+  return !routing.strict && p.length > 1 && p.endsWith("/") ? p.slice(0, -1) : p;
+}
+
+/**
+ * What the extractors see of an Express request: the matched route (the mount path as Express
+ * matched it in front), else the path as Express's router matches it (see the module's comment).
+ */
 export function expressView(req: ExpressLikeRequest): RequestView {
   const routePath = req.route?.path;
+  const routing = expressRouting(req);
+  const path = stripQuery(req.originalUrl ?? req.url ?? "/") || "/";
+  // baseUrl is the mount path as the request spelled it (`/API` for `app.use("/api", router)`).
+  const base = req.baseUrl ?? "";
   return {
     headers: req.headers,
     rawHeaders: req.rawHeaders,
+    // The socket's peer, not `req.ip`: Express's `trust proxy` takes that from X-Forwarded-For,
+    // which only our own `trustProxies` may believe.
     remoteAddress: req.socket?.remoteAddress,
-    route: typeof routePath === "string" ? `${req.baseUrl ?? ""}${routePath}` : undefined,
-    path: stripQuery(req.originalUrl ?? req.url ?? "/") || "/",
+    route:
+      typeof routePath === "string"
+        ? `${routing && !routing.caseSensitive ? base.toLowerCase() : base}${routePath}`
+        : undefined,
+    path: routing ? expressRoutedPath(path, routing) : path,
     native: req,
   };
 }

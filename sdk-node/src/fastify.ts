@@ -2,7 +2,9 @@
  * Fastify plugin and hook: the same behaviour as the Express middleware (headers of the binding
  * enforced rule on every response a rule applied to, 429 with `Retry-After` and the JSON body on a
  * rejection). Fastify routes before `onRequest` hooks run, so the endpoint is the matched route
- * (`/items/:id`) for every request that matched one, and the path for the others.
+ * (`/items/:id`) for every request that matched one, whatever spelling its router took there
+ * (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and the path for
+ * the others (answered 404 by Fastify).
  *
  * ```ts
  * const client = await Client.connect("/run/floodgate/floodgate.sock");
@@ -52,6 +54,8 @@ export function fastifyView(request: FastifyLikeRequest): RequestView {
   return {
     headers: request.headers,
     rawHeaders: request.raw?.rawHeaders,
+    // The socket's peer, not `request.ip`: Fastify's `trustProxy` takes that from X-Forwarded-For,
+    // which only our own `trustProxies` may believe.
     remoteAddress: request.raw?.socket?.remoteAddress,
     route: typeof route === "string" && route !== "" ? route : undefined,
     path: stripQuery(request.url ?? "/") || "/",

@@ -279,7 +279,10 @@ export interface RequestView {
   remoteAddress?: string;
   /** The matched route when the framework knows it, else undefined. */
   route?: string;
-  /** The path without the query. */
+  /**
+   * The path without the query; Express's as its router matches it (lower-cased unless `case
+   * sensitive routing`, one trailing slash dropped unless `strict routing`: `expressView`).
+   */
   path: string;
   /** The framework's own request object (Express `req`, Fastify `request`). */
   native: unknown;
@@ -298,7 +301,10 @@ export interface RateLimitOptions {
   user?: Extractor;
   /** The API key or an id of it (none by default). */
   apiKey?: Extractor;
-  /** The client IP (default: the peer, or X-Forwarded-For through `trustProxies`). */
+  /**
+   * The client IP (default: the socket's peer, or X-Forwarded-For through `trustProxies`; never
+   * `req.ip`, which Express's `trust proxy` and Fastify's `trustProxy` take from X-Forwarded-For).
+   */
   ip?: Extractor;
   /**
    * The tier from a header an authenticating hop in front of this service sets (and strips from what

@@ -42,7 +42,7 @@ export {
   wireSafe,
 } from "./http";
 export type { Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
-export { floodgateExpress, expressView } from "./express";
-export type { ExpressLikeRequest, ExpressMiddleware } from "./express";
+export { floodgateExpress, expressRoutedPath, expressView } from "./express";
+export type { ExpressLikeRequest, ExpressMiddleware, ExpressRouting } from "./express";
 export { floodgateFastify, floodgateFastifyHook, fastifyView } from "./fastify";
 export type { FastifyHook, FastifyLikeReply, FastifyLikeRequest, FastifyPluginOptions } from "./fastify";

@@ -1,8 +1,9 @@
 /**
  * Express and Fastify middleware driven over real HTTP, in front of a real agent: a 200 with the
  * binding rule's headers, then a 429 with Retry-After and the JSON body; the matched route as the
- * endpoint; log-mode rules never block or show; identity headers and X-Forwarded-For believed only
- * when configured; odd header values limited under their hash; the fail policy when the agent is away.
+ * endpoint, else the path as the framework's router matches it; log-mode rules never block or show;
+ * identity headers and X-Forwarded-For believed only when configured (whatever the framework's own
+ * proxy setting); odd header values limited under their hash; the fail policy when the agent is away.
  */
 
 import assert from "node:assert/strict";
@@ -42,6 +43,22 @@ dimension = "ip"
 match = { endpoint = "/ip" }
 limit = 1
 windowSeconds = 60
+
+# Per user on /login exactly: the routing tests' spellings that reach the /login handler count here.
+[[rules]]
+id = "mw-login"
+dimension = "user"
+match = { endpoint = "/login" }
+limit = 3
+windowSeconds = 60
+
+# Two requests a minute per client IP on /peer.
+[[rules]]
+id = "mw-peer"
+dimension = "ip"
+match = { endpoint = "/peer" }
+limit = 2
+windowSeconds = 60
 `;
 
 interface Answer {
@@ -53,6 +70,15 @@ interface Answer {
 async function get(base: string, path: string, headers: Record<string, string> = {}): Promise<Answer> {
   const r = await fetch(`${base}${path}`, { headers });
   return { status: r.status, headers: r.headers, body: await r.text() };
+}
+
+/** Serves an Express app on a free loopback port; its base URL. */
+async function listen(app: express.Express, servers: Server[]): Promise<string> {
+  const server = await new Promise<Server>((r) => {
+    const s = app.listen(0, "127.0.0.1", () => r(s));
+  });
+  servers.push(server);
+  return `http://127.0.0.1:${(server.address() as AddressInfo).port}`;
 }
 
 /** The limiter's headers of an answer. */
@@ -209,6 +235,125 @@ function middleware(store: "embedded" | "redis"): void {
 
     scenario("Express", () => expressBase, () => expressHandled);
     scenario("Fastify", () => fastifyBase, () => fastifyHandled);
+
+    describe("endpoints and peers as the frameworks route and see them", () => {
+      const servers: Server[] = [];
+      const fastifies: FastifyInstance[] = [];
+      let useBase = ""; // app.use(limit), Express's default routing
+      let strictBase = ""; // app.use(limit), case sensitive and strict routing
+      let mountedBase = ""; // a route's limit in a router mounted at /api/sub
+      let expressProxyBase = ""; // Express with `trust proxy` on, no trustProxies
+      let fastifyLooseBase = ""; // Fastify with caseSensitive false and ignoreTrailingSlash
+      let fastifyProxyBase = ""; // Fastify with trustProxy on, no trustProxies
+
+      before(async () => {
+        const limit = floodgateExpress(client, { userHeader: "x-user" });
+        const use = express();
+        use.use(limit);
+        use.get("/login", (_req, res) => res.send("login"));
+        useBase = await listen(use, servers);
+
+        const strict = express();
+        strict.set("case sensitive routing", true);
+        strict.set("strict routing", true);
+        strict.use(limit);
+        strict.get("/login", (_req, res) => res.send("login"));
+        strictBase = await listen(strict, servers);
+
+        const mounted = express();
+        const sub = express.Router();
+        sub.get("/items/:id", limit, (_req, res) => res.send("item"));
+        mounted.use("/api/sub", sub);
+        mountedBase = await listen(mounted, servers);
+
+        const expressProxy = express();
+        expressProxy.set("trust proxy", true);
+        expressProxy.use(floodgateExpress(client));
+        expressProxy.get("/peer", (req, res) => res.send(req.ip));
+        expressProxyBase = await listen(expressProxy, servers);
+
+        const loose = Fastify({ routerOptions: { caseSensitive: false, ignoreTrailingSlash: true } });
+        await loose.register(floodgateFastify, { client, userHeader: "x-user" });
+        loose.get("/login", async () => "login");
+        await loose.listen({ port: 0, host: "127.0.0.1" });
+        fastifies.push(loose);
+        fastifyLooseBase = `http://127.0.0.1:${(loose.server.address() as AddressInfo).port}`;
+
+        const fastifyProxy = Fastify({ trustProxy: true });
+        await fastifyProxy.register(floodgateFastify, { client });
+        fastifyProxy.get("/peer", async (req) => req.ip);
+        await fastifyProxy.listen({ port: 0, host: "127.0.0.1" });
+        fastifies.push(fastifyProxy);
+        fastifyProxyBase = `http://127.0.0.1:${(fastifyProxy.server.address() as AddressInfo).port}`;
+      });
+
+      after(async () => {
+        for (const s of servers) await new Promise((r) => s.close(r));
+        for (const f of fastifies) await f.close();
+      });
+
+      it("Express app.use(): /Login and /login/ reach /login by default, so they count as /login", async () => {
+        const user = { "x-user": `erin-${unique()}` };
+        for (const [path, left] of [["/login", "2"], ["/Login", "1"], ["/LOGIN/", "0"]]) {
+          const a = await get(useBase, path, user);
+          assert.equal(a.status, 200, path);
+          assert.equal(a.body, "login");
+          assert.deepEqual(limits(a).slice(0, 2), ["3", left], path);
+        }
+        assert.equal((await get(useBase, "/login/", user)).status, 429);
+        // Express matches the path as sent: /%6Cogin and //login are not /login to it (404), and are
+        // not checked as /login either (no 429 for this spent user, no headers).
+        for (const path of ["/%6Cogin", "//login"]) {
+          const a = await get(useBase, path, user);
+          assert.equal(a.status, 404, path);
+          assert.deepEqual(limits(a), [null, null, null], path);
+        }
+      });
+
+      it("Express app.use() with case sensitive and strict routing: /Login and /login/ are not /login", async () => {
+        const user = { "x-user": `fred-${unique()}` };
+        for (const path of ["/Login", "/login/"]) {
+          const a = await get(strictBase, path, user);
+          assert.equal(a.status, 404, path);
+          assert.deepEqual(limits(a), [null, null, null], path);
+        }
+        const a = await get(strictBase, "/login", user);
+        assert.equal(a.status, 200);
+        assert.deepEqual(limits(a).slice(0, 2), ["3", "2"]);
+      });
+
+      it("Express route in a mounted router: the mount path in any case is the one route", async () => {
+        const user = { "x-user": `gina-${unique()}` };
+        const a = await get(mountedBase, "/API/Sub/items/1", user);
+        assert.equal(a.status, 200);
+        assert.deepEqual(limits(a).slice(0, 2), ["2", "1"], "/api/* applies to /api/sub/items/:id");
+        const b = await get(mountedBase, "/api/sub/items/2", user);
+        assert.deepEqual(limits(b).slice(0, 2), ["2", "0"], "the same endpoint, the same per-endpoint key");
+        assert.equal((await get(mountedBase, "/Api/SUB/items/3/", user)).status, 429);
+      });
+
+      it("Fastify: every spelling its router takes to a route counts as that route", async () => {
+        const user = { "x-user": `hugo-${unique()}` };
+        for (const [path, left] of [["/LOGIN/", "2"], ["/Login", "1"], ["/login", "0"]]) {
+          const a = await get(fastifyLooseBase, path, user);
+          assert.equal(a.status, 200, path);
+          assert.deepEqual(limits(a).slice(0, 2), ["3", left], path);
+        }
+        assert.equal((await get(fastifyLooseBase, "/login/", user)).status, 429);
+      });
+
+      it("the peer is the socket's, whatever Express's trust proxy or Fastify's trustProxy say", async () => {
+        // Both frameworks believe the header for req.ip; the middleware, given no trustProxies,
+        // keys every request by the socket's peer (127.0.0.1): one client, 2 a minute.
+        const a = await get(expressProxyBase, "/peer", { "x-forwarded-for": "9.9.9.1" });
+        assert.equal(a.body, "9.9.9.1", "Express took req.ip from the header");
+        assert.deepEqual([a.status, ...limits(a).slice(0, 2)], [200, "2", "1"]);
+        const b = await get(fastifyProxyBase, "/peer", { "x-forwarded-for": "9.9.9.2" });
+        assert.equal(b.body, "9.9.9.2", "Fastify took request.ip from the header");
+        assert.deepEqual([b.status, ...limits(b).slice(0, 2)], [200, "2", "0"]);
+        assert.equal((await get(expressProxyBase, "/peer", { "x-forwarded-for": "9.9.9.3" })).status, 429);
+      });
+    });
   });
 }
 
