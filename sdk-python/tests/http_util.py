@@ -47,17 +47,25 @@ def request(port: int, method: str, path: str, headers: Iterable[Tuple[str, str]
 
 
 class UvicornServer:
-    """An ASGI app served by uvicorn on a free loopback port, in a thread."""
+    """An ASGI app served by uvicorn on a free loopback port, in a thread. ``proxy_headers`` off by
+    default: uvicorn would otherwise rewrite scope["client"] from X-Forwarded-For itself (for peers
+    at 127.0.0.1 and ::1 by default), and the middleware's own proxy rules are under test; on, it
+    trusts ``forwarded_allow_ips`` (uvicorn's default, which includes the tests' own address)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, proxy_headers: bool = False, forwarded_allow_ips: str = "127.0.0.1,::1") -> None:
         import uvicorn
 
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
-        # proxy_headers off: uvicorn would otherwise rewrite scope["client"] from X-Forwarded-For
-        # itself (it trusts 127.0.0.1 by default), and the middleware's own proxy rules are under test.
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, proxy_headers=False)
+        config = uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            proxy_headers=proxy_headers,
+            forwarded_allow_ips=forwarded_allow_ips,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
@@ -72,9 +80,15 @@ class _Quiet(WSGIRequestHandler):
     def log_message(self, *args: Any) -> None:  # noqa: D401 - silence per-request logging
         pass
 
+    def get_environ(self) -> Dict[str, Any]:
+        env = super().get_environ()
+        # The request target as sent, as gunicorn gives it (wsgiref gives only the decoded PATH_INFO).
+        env["RAW_URI"] = self.path
+        return env
+
 
 class WsgiServer:
-    """A WSGI app served by wsgiref on a free loopback port, in a thread."""
+    """A WSGI app served by wsgiref on a free loopback port, in a thread, with gunicorn's ``RAW_URI``."""
 
     def __init__(self, app: Any) -> None:
         self.httpd: WSGIServer = make_server("127.0.0.1", 0, app, handler_class=_Quiet)

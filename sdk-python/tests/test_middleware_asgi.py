@@ -1,7 +1,9 @@
 """The ASGI middleware in front of a FastAPI app served by uvicorn over real HTTP, asking a real agent:
 headers on every response a rule applied to, costs by matched route, 429 with Retry-After and the
 JSON body, log mode invisible, odd values hashed as PROTOCOL.md says, X-Forwarded-For believed only
-from trusted proxies, IETF headers, fail open and closed without an agent."""
+from trusted proxies (also when uvicorn's proxy headers read it first), IETF headers, a handler's
+error as a 500 with the headers, a plain ASGI app checked as the path it routes on, fail open and
+closed without an agent."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import tempfile
 
 from conftest import unique
 from fastapi import APIRouter, FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from http_util import MAX_RESET_S, MIDDLEWARE_RULES, UvicornServer, check_429, now_s, request
 from starlette.applications import Starlette
 from starlette.routing import Route
@@ -158,5 +160,129 @@ def test_no_agent_fails_open_without_headers_or_closed_with_429() -> None:
         r = request(server.port, "GET", "/api/hello")
         assert r.status == 429 and r.num("retry-after") == 1
         assert r.body == b'{"error":"rate_limited","retryAfter":1}'
+    finally:
+        server.close()
+
+
+def error_app(own_500: bool = False) -> FastAPI:
+    """An app whose handler raises; with ``own_500``, a handler of its own for every error."""
+    app = FastAPI()
+
+    @app.get("/api/boom/{n}")
+    async def boom(n: int) -> dict:
+        raise RuntimeError(f"boom {n}")
+
+    if own_500:
+
+        @app.exception_handler(Exception)
+        async def oops(request, exc):  # noqa: ANN001, ANN202
+            return JSONResponse({"error": "oops"}, status_code=500)
+
+    return app
+
+
+async def plain_app(scope, receive, send) -> None:  # noqa: ANN001
+    """An ASGI app that is not Starlette's: it routes on scope["path"], which the server decoded."""
+    if scope["path"] == "/api/boom":
+        raise RuntimeError("boom")
+    status = 200 if scope["path"] == "/login" else 404
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": scope["path"].encode()})
+
+
+def test_a_handler_error_is_the_500_it_was_with_the_headers(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(MIDDLEWARE_RULES)
+    options = dict(socket=agent.socket, timeout=2.0, user_header="x-user-id", costs={"/api/boom/{n}": 2})
+    user = [("X-User-Id", unique("u"))]
+
+    # Added to a FastAPI app: Starlette's own 500, with the headers of the check that let it through
+    # (cost 2 by route), and the error still reaches the server (uvicorn logs it).
+    app = error_app()
+    app.add_middleware(FloodgateMiddleware, **options)
+    server = UvicornServer(app)
+    try:
+        r = request(server.port, "GET", "/api/boom/1", user)
+        assert (r.status, r.body) == (500, b"Internal Server Error"), r
+        assert r.headers["content-type"] == "text/plain; charset=utf-8"
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (6, 4)
+    finally:
+        server.close()
+
+    # In front of a plain ASGI app: uvicorn's own 500, with the headers.
+    server = UvicornServer(FloodgateMiddleware(plain_app, **options))
+    try:
+        r = request(server.port, "GET", "/api/boom", user)
+        assert (r.status, r.body) == (500, b"Internal Server Error"), r
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (6, 3)
+    finally:
+        server.close()
+
+    # An app with a 500 of its own keeps it: added as a middleware, Starlette sends it from outside
+    # the middleware (no headers, as before); wrapped around the app, the middleware sees it, adds the
+    # headers, and still matches routes (cost 2).
+    app = error_app(own_500=True)
+    app.add_middleware(FloodgateMiddleware, **options)
+    server = UvicornServer(app)
+    try:
+        r = request(server.port, "GET", "/api/boom/2", user)
+        assert (r.status, r.body) == (500, b'{"error":"oops"}'), r
+        assert "x-ratelimit-limit" not in r.headers, "sent from outside every added middleware"
+    finally:
+        server.close()
+    server = UvicornServer(FloodgateMiddleware(error_app(own_500=True), **options))
+    try:
+        r = request(server.port, "GET", "/api/boom/3", [("X-User-Id", unique("w"))])
+        assert (r.status, r.body) == (500, b'{"error":"oops"}'), r
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (6, 4)
+    finally:
+        server.close()
+
+
+def test_an_address_uvicorn_took_from_x_forwarded_for_is_believed_only_through_trust_proxies(make_agent) -> None:  # noqa: ANN001, E501
+    agent = make_agent(MIDDLEWARE_RULES)
+    # uvicorn as it runs by default: proxy headers on, trusting 127.0.0.1 and ::1, the test's own
+    # address; it puts an X-Forwarded-For entry in scope["client"] before the middleware runs.
+    server = UvicornServer(make_app(socket=agent.socket, timeout=2.0), proxy_headers=True)
+
+    def login(port: int, xff: str):  # noqa: ANN202
+        return request(port, "POST", "/login", [("X-Forwarded-For", xff)])
+
+    try:
+        r = login(server.port, "9.9.9.9")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1)
+        r = login(server.port, "8.8.8.8")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0), "another address written is not another client"
+        check_429(login(server.port, "7.7.7.7:4444"), limit=2)
+        # Without the header, the peer is the client, with a budget of its own.
+        r = request(server.port, "POST", "/login")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1)
+    finally:
+        server.close()
+
+    # With trust_proxies naming the proxies uvicorn trusts, the header is read through them.
+    server = UvicornServer(
+        make_app(socket=agent.socket, timeout=2.0, trust_proxies=["127.0.0.1", "::1"]), proxy_headers=True
+    )
+    try:
+        for left in (1, 0):
+            r = login(server.port, "1.1.1.1, 5.5.5.5")
+            assert (r.status, r.num("x-ratelimit-remaining")) == (200, left)
+        check_429(login(server.port, "5.5.5.5"), limit=2)
+        assert login(server.port, "6.6.6.6").status == 200
+    finally:
+        server.close()
+
+
+def test_a_plain_asgi_app_is_checked_as_the_path_it_routes_on(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(MIDDLEWARE_RULES)
+    server = UvicornServer(FloodgateMiddleware(plain_app, socket=agent.socket, timeout=2.0))
+    try:
+        # /%6Cogin reaches the app as /login, so it counts as /login.
+        r = request(server.port, "POST", "/%6Cogin")
+        assert (r.status, r.body) == (200, b"/login")
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (2, 1)
+        r = request(server.port, "POST", "/login")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0)
+        check_429(request(server.port, "POST", "/%6cogin"), limit=2)
     finally:
         server.close()

@@ -1,6 +1,7 @@
 """The Django middleware in a minimal Django project served over real HTTP (Django's WSGI handler
-under wsgiref), asking a real agent: the endpoint is Django's resolved route, a 200 with headers,
-then a 429 with Retry-After and the JSON body."""
+under wsgiref, its ASGI handler under uvicorn), asking a real agent: the endpoint is Django's
+resolved route, a 200 with headers, then a 429 with Retry-After and the JSON body; under uvicorn's
+proxy headers, X-Forwarded-For does not choose the IP key."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from conftest import unique
 from django.conf import settings
 from django.http import HttpResponse
 from django.urls import path
-from http_util import MIDDLEWARE_RULES, WsgiServer, check_429, request
+from http_util import MIDDLEWARE_RULES, UvicornServer, WsgiServer, check_429, request
 
 
 def item(request, pk):  # noqa: ANN001, ANN201
@@ -24,12 +25,13 @@ def hello(request):  # noqa: ANN001, ANN201
 urlpatterns = [
     path("api/items/<int:pk>", item),
     path("api/hello", hello),
+    path("login", hello),
 ]
 
 
-@pytest.fixture
-def django_app(make_agent):  # noqa: ANN001, ANN201
-    agent = make_agent(MIDDLEWARE_RULES)
+def configure(agent) -> None:  # noqa: ANN001
+    """Django's settings for a project whose middleware asks ``agent`` (a handler made after this
+    builds its middleware with them)."""
     conf = {
         "socket": agent.socket,
         "timeout": 2.0,
@@ -50,6 +52,11 @@ def django_app(make_agent):  # noqa: ANN001, ANN201
             FLOODGATE=conf,
         )
         django.setup()
+
+
+@pytest.fixture
+def django_app(make_agent):  # noqa: ANN001, ANN201
+    configure(make_agent(MIDDLEWARE_RULES))
     from django.core.wsgi import get_wsgi_application
 
     server = WsgiServer(get_wsgi_application())
@@ -71,3 +78,23 @@ def test_django_route_costs_headers_and_429(django_app) -> None:  # noqa: ANN001
     check_429(request(port, "GET", "/api/hello", user), limit=6)
     # The rejection did not reach the view, and another user passes.
     assert request(port, "GET", "/api/hello", [("X-User-Id", unique("v"))]).status == 200
+
+
+def test_django_under_uvicorn_proxy_headers_does_not_let_a_client_choose_its_ip_key(make_agent) -> None:  # noqa: ANN001, E501
+    configure(make_agent(MIDDLEWARE_RULES))
+    from django.core.asgi import get_asgi_application
+
+    # uvicorn's defaults: proxy headers on for 127.0.0.1 and ::1, so REMOTE_ADDR is the header's entry.
+    server = UvicornServer(get_asgi_application(), proxy_headers=True)
+    try:
+
+        def login(xff: str):  # noqa: ANN202
+            return request(server.port, "POST", "/login", [("X-Forwarded-For", xff)])
+
+        r = login("9.9.9.9")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1)
+        r = login("8.8.8.8")
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0), "another address written is not another client"
+        check_429(login("7.7.7.7"), limit=2)
+    finally:
+        server.close()

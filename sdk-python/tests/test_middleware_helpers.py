@@ -1,6 +1,7 @@
 """The middleware's shared rules, as the Rust Layer's unit tests state them: X-Forwarded-For believed
 only from trusted proxies, IPv4-mapped addresses, routes without braces, Retry-After rounding, the
-binding rule's headers, wire-safe attribute values."""
+binding rule's headers, wire-safe attribute values; and what only the Python servers need: a client
+address the server took from X-Forwarded-For, the WSGI path as apps route on it."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from floodgate.middleware import (
     rejection_body,
     retry_after_seconds,
     route_name,
+    server_took_forwarded_for,
 )
 from floodgate.middleware.django import django_route_name
+from floodgate.middleware.wsgi import default_endpoint as wsgi_endpoint
 
 
 def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
@@ -48,6 +51,33 @@ def test_forwarded_for_is_believed_only_from_trusted_proxies() -> None:
     # An IPv4-mapped peer is in an IPv4 block, and keeps its own spelling as a key.
     assert ip("::ffff:10.9.9.9", ["198.51.100.7"]) == "198.51.100.7"
     assert ip("::ffff:203.0.113.1", []) == "::ffff:203.0.113.1"
+
+
+def test_a_client_the_server_took_from_x_forwarded_for_is_recognised() -> None:
+    took = server_took_forwarded_for
+    # uvicorn's proxy headers: the entry's host, with its port or 0; any line, any position.
+    assert took(("9.9.9.9", 0), ["9.9.9.9"])
+    assert took(("9.9.9.9", 5555), ["1.1.1.1, 9.9.9.9:5555"])
+    assert took(("2001:db8::1", 80), ["[2001:db8::1]:80"])
+    assert took(("2001:db8::1", 0), [" 2001:db8::1 "])
+    assert took(("9.9.9.9", 0), ["1.1.1.1", "9.9.9.9, 127.0.0.1"])
+    # Older uvicorn: the whole entry, port 0.
+    assert took(("9.9.9.9:5555", 0), ["9.9.9.9:5555"])
+    # A connection's own address (its port is never 0), whatever the header says about others.
+    assert not took(("203.0.113.9", 51234), ["203.0.113.9"])
+    assert not took(("203.0.113.9", 51234), ["9.9.9.9:51234"])
+    assert not took(("203.0.113.9", 51234), [])
+    assert not took(None, ["9.9.9.9"])
+
+
+def test_the_wsgi_endpoint_is_the_path_apps_route_on() -> None:
+    # gunicorn gives the target as sent in RAW_URI; the app routes on the decoded PATH_INFO.
+    assert wsgi_endpoint({"RAW_URI": "/%6Cogin?next=/", "SCRIPT_NAME": "", "PATH_INFO": "/login"}) == "/login"
+    assert wsgi_endpoint({"REQUEST_URI": "/%6Cogin", "PATH_INFO": "/login"}) == "/login"
+    # WSGI carries the bytes as latin-1 text; read as UTF-8, percent-encoded when they are not.
+    assert wsgi_endpoint({"SCRIPT_NAME": "/app", "PATH_INFO": "/caf\u00c3\u00a9"}) == "/app/caf\u00e9"
+    assert wsgi_endpoint({"PATH_INFO": "/a b/\u00ff"}) == "/a%20b/%FF"
+    assert wsgi_endpoint({"PATH_INFO": ""}) is None
 
 
 def test_cidrs() -> None:

@@ -1,7 +1,7 @@
 """The WSGI middleware in front of a plain WSGI app served by wsgiref over real HTTP, asking a real
 agent: a 200 with the limiter's headers, then a 429 with Retry-After and the JSON body; costs by
-path, identity only from the configured header, X-Forwarded-For only through a trusted proxy, log
-mode invisible, fail open and closed without an agent."""
+path, the path as the app routes on it, identity only from the configured header, X-Forwarded-For
+only through a trusted proxy, log mode invisible, fail open and closed without an agent."""
 
 from __future__ import annotations
 
@@ -65,6 +65,22 @@ def test_wsgi_headers_and_429_over_http(make_agent) -> None:  # noqa: ANN001
             assert (r.status, r.num("x-ratelimit-remaining")) == (200, left)
         check_429(request(port, "POST", "/login", [("X-Forwarded-For", "198.51.100.7")]), limit=2)
         assert request(port, "POST", "/login", [("X-Forwarded-For", "198.51.100.8")]).status == 200
+    finally:
+        server.close()
+        client.close()
+
+
+def test_wsgi_endpoint_is_the_path_the_app_routes_on(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(MIDDLEWARE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    # The server gives RAW_URI as sent (/%6Cogin), as gunicorn does; the app routes on PATH_INFO.
+    server = WsgiServer(FloodgateWSGIMiddleware(app, client=client))
+    try:
+        r = request(server.port, "POST", "/%6Cogin")
+        assert (r.status, r.body) == (200, b"hello /login")
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (2, 1), "counted as /login"
+        assert request(server.port, "POST", "/login").num("x-ratelimit-remaining") == 0
+        check_429(request(server.port, "POST", "/%6cogin"), limit=2)
     finally:
         server.close()
         client.close()

@@ -19,6 +19,7 @@ from ._common import (
     rejection_body,
     retry_after_seconds,
     route_name,
+    server_took_forwarded_for,
 )
 from .asgi import FloodgateMiddleware
 from .wsgi import FloodgateWSGIMiddleware
@@ -37,4 +38,5 @@ __all__ = [
     "rejection_body",
     "retry_after_seconds",
     "route_name",
+    "server_took_forwarded_for",
 ]

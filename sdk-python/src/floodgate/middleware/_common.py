@@ -105,6 +105,62 @@ def client_ip(peer: Optional[str], forwarded_for: Sequence[str], trusted: Sequen
     return client
 
 
+# The IP key of the requests whose peer an ASGI server replaced with an X-Forwarded-For entry while
+# the middleware trusts no proxy: the connection's address is lost, and the entry is the client's own
+# words, so they all count as the one proxy that sent them (as its address would, were it known).
+SERVER_FORWARDED_KEY = "proxy"
+
+
+def _server_host_port(hop: str) -> Tuple[str, int]:
+    """An ``X-Forwarded-For`` entry as uvicorn's proxy headers read one into ``scope["client"]``:
+    ``[v6]:port``, ``v4:port`` or ``host:port``, else the whole entry with port 0."""
+    if hop.startswith("["):
+        end = hop.find("]")
+        if end == -1:
+            return hop, 0
+        rest = hop[end + 1 :]
+        if not rest:
+            return hop[1:end], 0
+        if not rest.startswith(":"):
+            return hop, 0
+        try:
+            return hop[1:end], int(rest[1:])
+        except ValueError:
+            return hop[1:end], 0
+    if hop.count(":") == 1:
+        host, _, port = hop.partition(":")
+        try:
+            return host, int(port)
+        except ValueError:
+            return hop, 0
+    return hop, 0
+
+
+def server_took_forwarded_for(client: Any, forwarded_for: Sequence[str]) -> bool:
+    """Whether the client an ASGI server reports (``scope["client"]``) is an ``X-Forwarded-For``
+    entry, as uvicorn's proxy headers make it (on by default for peers at 127.0.0.1 and ::1): the
+    entry's host, with its port or 0. ``forwarded_for`` is every value of the header as the server
+    read it (latin-1, unfiltered). A connection's own port is never 0, so the only other way to match
+    is a client writing its own address and port into the header."""
+    if not client or len(client) < 2 or not forwarded_for:
+        return False
+    reported = (client[0], client[1])
+    for value in forwarded_for:
+        for hop in value.split(","):
+            hop = hop.strip()
+            if reported == (hop, 0) or reported == _server_host_port(hop):
+                return True
+    return False
+
+
+def scope_took_forwarded_for(scope: Mapping[str, Any]) -> bool:
+    """:func:`server_took_forwarded_for` for an ASGI scope."""
+    values = [
+        bytes(v).decode("latin-1") for k, v in scope.get("headers") or () if bytes(k).lower() == b"x-forwarded-for"
+    ]
+    return server_took_forwarded_for(scope.get("client"), values)
+
+
 def header_text(raw: Union[bytes, str, None]) -> Optional[str]:
     """A header value as the Rust Layer reads one: only visible ASCII (and tabs), trimmed, non-empty;
     anything else counts as absent."""
@@ -236,6 +292,7 @@ class Once:
 
 CHECK_FAILED = RareWarning()
 NO_PEER = Once()
+SERVER_FORWARDED = Once()
 
 
 Extractor = Callable[..., Optional[str]]
@@ -286,12 +343,13 @@ def request_attributes(
     *,
     header: Callable[[Any, str], Optional[str]],
     default_endpoint: Callable[[Any], Optional[str]],
-    peer: Callable[[Any], Tuple[Optional[str], Sequence[str]]],
+    peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
 ) -> Attributes:
     """What a request is checked as, for every framework: ``header(request, name)`` reads a header
     (lower-case name), ``default_endpoint(request)`` names the route, ``peer(request)`` gives the peer
-    address and the ``X-Forwarded-For`` values; ``no_peer`` is said once when there is no peer."""
+    address, the ``X-Forwarded-For`` values and whether the server took that address from the header
+    itself (:func:`server_took_forwarded_for`); ``no_peer`` is said once when there is no peer."""
 
     def value(f: Optional[Extractor], name: Optional[str]) -> Optional[str]:
         if f is not None:
@@ -301,14 +359,30 @@ def request_attributes(
         return None
 
     endpoint = s.endpoint(request) if s.endpoint is not None else default_endpoint(request)
+    ip: Optional[str]
     if s.ip is not None:
         ip = s.ip(request)
     else:
-        address, forwarded_for = peer(request)
-        addr = client_ip(address, forwarded_for, s.trusted)
-        if addr is None:
-            NO_PEER.warn(no_peer)
-        ip = format_ip(addr) if addr is not None else None
+        address, forwarded_for, from_header = peer(request)
+        if from_header and not s.trusted:
+            # The header is believed only through trust_proxies, and the server believed it for us:
+            # the address is the client's choice and the peer's is lost, so all such requests share
+            # one key, as the peer's address would be. (A client writing its own address and port
+            # into the header lands there too: one more budget shared by all who do, never a key of
+            # its choice.) With trust_proxies set, the walk below starts from the server's choice,
+            # which is right when the server trusts no proxy the middleware does not (README).
+            SERVER_FORWARDED.warn(
+                "floodgate: the server took the client address from X-Forwarded-For (uvicorn's proxy"
+                " headers, on by default for 127.0.0.1 and ::1) and no trust_proxies are set, so such"
+                f" requests share the IP key {SERVER_FORWARDED_KEY!r}: run uvicorn with --no-proxy-headers,"
+                " and give the middleware trust_proxies if a proxy is in front (said once)"
+            )
+            ip = SERVER_FORWARDED_KEY
+        else:
+            addr = client_ip(address, forwarded_for, s.trusted)
+            if addr is None:
+                NO_PEER.warn(no_peer)
+            ip = format_ip(addr) if addr is not None else None
     return build_attributes(
         endpoint,
         value(s.tier, s.tier_header),

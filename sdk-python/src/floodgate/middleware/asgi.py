@@ -7,10 +7,19 @@ block and never show; when the agent cannot answer, the client's fail policy dec
 default: the request passes without headers).
 
 The endpoint is the matched route when the app is a Starlette/FastAPI app (``/items/{id}`` is sent
-as ``/items/:id``), else the raw path. The client IP is the peer (``scope["client"]``), or the
-``X-Forwarded-For`` entry a trusted proxy added. Tier, user and API key are read only where
-configured: a header the client writes itself would let it pick its tier or spend another user's
-quota, so ``user_header`` is for a header an authenticating hop in front of this service sets.
+as ``/items/:id``), else the path the app routes on (``scope["path"]``, percent-decoded by the
+server, so ``/%6Cogin`` is ``/login`` as it is to the app). The client IP is the peer
+(``scope["client"]``), or the ``X-Forwarded-For`` entry a trusted proxy added; a client the server
+itself took from that header (uvicorn's proxy headers) is not believed unless ``trust_proxies`` is
+set. Tier, user and API key are read only where configured: a header the client writes itself would
+let it pick its tier or spend another user's quota, so ``user_header`` is for a header an
+authenticating hop in front of this service sets.
+
+A handler that raises before its response started gets the 500 it would have got (``Internal Server
+Error``, as Starlette's and uvicorn's) with the limiter's headers, and the exception goes on to the
+server's log. An app whose 500 is its own (a Starlette handler for 500 or ``Exception``, or
+``debug``) keeps it as it was: Starlette sends it from outside every added middleware, so wrap the
+app instead (``app = FloodgateMiddleware(app, ...)``) to have the headers on it too.
 
 Example::
 
@@ -21,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
 
 from ..aio import AsyncClient
 from ..errors import FloodgateError
@@ -36,6 +45,7 @@ from ._common import (
     rejection_body,
     retry_after_seconds,
     route_name,
+    scope_took_forwarded_for,
 )
 
 Scope = MutableMapping[str, Any]
@@ -55,9 +65,9 @@ def scope_header(scope: Scope, name: str) -> Optional[str]:
     return None
 
 
-def _peer(scope: Scope) -> Tuple[Optional[str], List[str]]:
+def _peer(scope: Scope) -> Tuple[Optional[str], List[str], bool]:
     peer = scope.get("client")
-    return (peer[0] if peer else None), _all_headers(scope, b"x-forwarded-for")
+    return (peer[0] if peer else None), _all_headers(scope, b"x-forwarded-for"), scope_took_forwarded_for(scope)
 
 
 def _all_headers(scope: Scope, name: bytes) -> List[str]:
@@ -121,10 +131,12 @@ def _match_routes(routes: Any, scope: Scope, prefix: str) -> Optional[str]:
     return partial
 
 
-def starlette_route(scope: Scope) -> Optional[str]:
+def starlette_route(scope: Scope, app: Any = None) -> Optional[str]:
     """The route template a Starlette/FastAPI app will route this request to (``None`` if the app is
-    not one, or nothing matches). Mounted apps and included routers give their full template."""
-    app = scope.get("app")
+    not one, or nothing matches). Mounted apps and included routers give their full template. The
+    app is ``scope["app"]`` (set once the request is inside the app), else ``app`` (the one this
+    middleware wraps, when it wraps the whole app)."""
+    app = scope.get("app") or app
     router = getattr(app, "router", app)
     routes = getattr(router, "routes", None)
     if not routes:
@@ -135,16 +147,18 @@ def starlette_route(scope: Scope) -> Optional[str]:
         return None
 
 
-def default_endpoint(scope: Scope) -> Optional[str]:
-    """The matched route (Starlette/FastAPI), else the request's raw path."""
-    route = starlette_route(scope)
+def default_endpoint(scope: Scope, app: Any = None) -> Optional[str]:
+    """The matched route (Starlette/FastAPI), else the path as ASGI apps route on it: ``path``,
+    percent-decoded by the server (``raw_path``, as sent, would let ``/%6Cogin`` reach the ``/login``
+    handler of an app routing on ``path`` without counting as ``/login``)."""
+    route = starlette_route(scope, app)
     if route:
         return route_name(route)
-    raw = scope.get("raw_path")
-    if isinstance(raw, (bytes, bytearray)) and raw:
-        path = bytes(raw).split(b"?", 1)[0].decode("latin-1")
-    else:
-        path = scope.get("root_path", "") + scope.get("path", "")
+    path = scope.get("path") or ""
+    root = scope.get("root_path") or ""
+    if root and path != root and not path.startswith(root + "/"):
+        # A server older than the ASGI spec's "path includes root_path".
+        path = root + path
     return path or None
 
 
@@ -226,7 +240,7 @@ class FloodgateMiddleware:
             self.settings,
             scope,
             header=scope_header,
-            default_endpoint=default_endpoint,
+            default_endpoint=lambda sc: default_endpoint(sc, self.app),
             peer=_peer,
             no_peer="floodgate: no peer address on the request, so IP rules do not apply (said once)",
         )
@@ -268,8 +282,12 @@ class FloodgateMiddleware:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def send_with_headers(message: MutableMapping[str, Any]) -> None:
+            nonlocal started
             if message.get("type") == "http.response.start":
+                started = True
                 message = dict(message)
                 kept: List[Tuple[bytes, bytes]] = [
                     (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in _OURS
@@ -277,4 +295,39 @@ class FloodgateMiddleware:
                 message["headers"] = kept + headers
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        except Exception:
+            # The 500 for this error would be sent from outside this middleware (Starlette's
+            # ServerErrorMiddleware wraps every added middleware; a plain app's server answers
+            # itself), without the headers. The same 500, sent here with them; the error goes on,
+            # so that the server logs it (and, the response having started, sends nothing more).
+            if not started and not _own_error_response(scope):
+                try:
+                    await send_with_headers(
+                        {
+                            "type": "http.response.start",
+                            "status": 500,
+                            "headers": [
+                                (b"content-type", b"text/plain; charset=utf-8"),
+                                (b"content-length", str(len(_ERROR_BODY)).encode()),
+                            ],
+                        }
+                    )
+                    await send_with_headers({"type": "http.response.body", "body": _ERROR_BODY})
+                except Exception:  # noqa: BLE001 - the client is gone; the app's error is the one to raise
+                    pass
+            raise
+
+
+_ERROR_BODY = b"Internal Server Error"
+
+
+def _own_error_response(scope: Scope) -> bool:
+    """Whether the Starlette app the request went into answers errors its own way (a handler for 500
+    or ``Exception``, or the debug page): then its 500, not ours, is the one the client gets."""
+    app = scope.get("app")
+    if getattr(app, "debug", False) is True:
+        return True
+    handlers = getattr(app, "exception_handlers", None)
+    return isinstance(handlers, Mapping) and (500 in handlers or Exception in handlers)

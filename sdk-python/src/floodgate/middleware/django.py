@@ -37,6 +37,7 @@ from ._common import (
     request_attributes,
     rejection_body,
     retry_after_seconds,
+    scope_took_forwarded_for,
 )
 
 _CONVERTER = re.compile(r"<(?:[^>:]+:)?([^>]+)>")
@@ -80,9 +81,13 @@ def _header(request: HttpRequest, name: str) -> Optional[str]:
     return header_text(request.META.get("HTTP_" + name.upper().replace("-", "_")))
 
 
-def _peer(request: HttpRequest) -> Tuple[Optional[str], List[str]]:
+def _peer(request: HttpRequest) -> Tuple[Optional[str], List[str], bool]:
     xff = header_text(request.META.get("HTTP_X_FORWARDED_FOR"))
-    return request.META.get("REMOTE_ADDR"), [xff] if xff else []
+    # Under ASGI, REMOTE_ADDR is the server's scope["client"], which uvicorn's proxy headers may
+    # have taken from X-Forwarded-For; a WSGI server gives the connection's address.
+    scope = getattr(request, "scope", None)
+    from_header = isinstance(scope, dict) and scope_took_forwarded_for(scope)
+    return request.META.get("REMOTE_ADDR"), [xff] if xff else [], from_header
 
 
 class FloodgateDjangoMiddleware:

@@ -2,9 +2,10 @@
 the thread-safe :class:`~floodgate.Client`. The same behaviour as the ASGI middleware and the Rust
 Layer; see :mod:`floodgate.middleware.asgi`.
 
-A plain WSGI app has no route table the middleware can read, so the endpoint is the request path
-unless ``endpoint`` (a callable taking the environ) says otherwise; the client IP is
-``REMOTE_ADDR``, or the ``X-Forwarded-For`` entry a trusted proxy added.
+A plain WSGI app has no route table the middleware can read, so the endpoint is the request path as
+WSGI apps route on it (``SCRIPT_NAME`` + ``PATH_INFO``, percent-decoded by the server) unless
+``endpoint`` (a callable taking the environ) says otherwise; the client IP is ``REMOTE_ADDR``, or the
+``X-Forwarded-For`` entry a trusted proxy added.
 
 Example::
 
@@ -34,7 +35,7 @@ Environ = Dict[str, Any]
 StartResponse = Callable[..., Any]
 
 _OURS = frozenset(RATE_LIMIT_HEADERS + IETF_HEADERS)
-# RFC 3986 pchar: what stays unescaped when the raw path is rebuilt from PATH_INFO.
+# RFC 3986 pchar: what stays unescaped when a path that is not UTF-8 is sent percent-encoded.
 _PCHAR = "/:@!$&'()*+,;=-._~"
 
 
@@ -45,22 +46,26 @@ def environ_header(environ: Environ, name: str) -> Optional[str]:
 
 
 def default_endpoint(environ: Environ) -> Optional[str]:
-    """The request's path, percent-encoded as it was sent (``RAW_URI`` or ``REQUEST_URI`` when the
-    server gives it, else rebuilt from ``SCRIPT_NAME`` and ``PATH_INFO``)."""
-    raw = environ.get("RAW_URI") or environ.get("REQUEST_URI")
-    if isinstance(raw, str) and raw.startswith("/"):
-        return raw.split("?", 1)[0]
+    """The request's path as WSGI apps route on it: ``SCRIPT_NAME`` + ``PATH_INFO``, which the server
+    percent-decoded, read as UTF-8 (as Flask and Django read it). Not ``RAW_URI``/``REQUEST_URI``, as
+    sent: ``/%6Cogin`` reaches the ``/login`` handler and must count as ``/login``. A path whose bytes
+    are not UTF-8 is sent percent-encoded."""
     path = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
     try:
         b = path.encode("latin-1")  # WSGI carries the path's bytes as latin-1 text
     except UnicodeEncodeError:
         b = path.encode("utf-8", "surrogatepass")
-    return quote(b, safe=_PCHAR) or None
+    try:
+        return b.decode("utf-8") or None
+    except UnicodeDecodeError:
+        return quote(b, safe=_PCHAR) or None
 
 
-def _peer(environ: Environ) -> Tuple[Optional[str], List[str]]:
+def _peer(environ: Environ) -> Tuple[Optional[str], List[str], bool]:
+    # WSGI servers give the connection's address; a proxy fix that rewrites REMOTE_ADDR is the app's
+    # own choice (e.g. Werkzeug's ProxyFix), made on purpose.
     xff = environ_header(environ, "x-forwarded-for")
-    return environ.get("REMOTE_ADDR"), [xff] if xff else []
+    return environ.get("REMOTE_ADDR"), [xff] if xff else [], False
 
 
 class FloodgateWSGIMiddleware:
