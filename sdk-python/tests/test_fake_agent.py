@@ -136,7 +136,7 @@ class Either:
     """The same calls on either client, timed. The asyncio client runs on an event loop in a thread
     of its own, so that it reconnects in the background while the test polls."""
 
-    def __init__(self, kind: str, path: str, **config: object) -> None:
+    def __init__(self, kind: str, path: Optional[str], **config: object) -> None:
         self.kind = kind
         if kind == "sync":
             self.sync = Client(path, **config)  # type: ignore[arg-type]
@@ -164,6 +164,9 @@ class Either:
 
     def connected(self) -> bool:
         return self.sync.is_connected() if self.kind == "sync" else self.aio.is_connected()
+
+    def health(self):  # noqa: ANN201
+        return self.sync.health() if self.kind == "sync" else self.aio.health()
 
     def close(self) -> None:
         if self.kind == "sync":

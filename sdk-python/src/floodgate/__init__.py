@@ -9,12 +9,16 @@ default, closed per client or per call) and the client reconnects in the backgro
 - :class:`Client`: threads (WSGI apps, Django, scripts); thread-safe.
 - :mod:`floodgate.middleware`: ASGI, WSGI and Django middleware.
 - :mod:`floodgate.protocol`: the wire format (``protocol/PROTOCOL.md``).
+- :func:`default_socket_path`: where a client given no path finds the agent (``$FLOODGATE_SOCKET``,
+  else ``/run/floodgate/floodgate.sock``, else ``$XDG_RUNTIME_DIR/floodgate/floodgate.sock``).
+- :class:`Health`: ``client.health()``, whether the agent is reachable. A failed connection attempt
+  is logged as a warning on the ``floodgate`` logger (at most one per client every 10 s).
 
 Example::
 
     from floodgate import AsyncClient
 
-    client = await AsyncClient.connect("/tmp/floodgate.sock")
+    client = await AsyncClient.connect()  # the agent's default socket, or $FLOODGATE_SOCKET
     d = await client.allow("user:123", "api-per-user", 1)
     if not d.allowed:
         ...  # 429; d.retry_after_ms is always set on a denial
@@ -24,7 +28,9 @@ from .aio import AsyncClient
 from .client import Client
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
 from .errors import AgentError, FloodgateError, InvalidCheck
+from .health import Health
 from .protocol import Attributes, Item, ItemDecision, Source, Verdict, wire_safe
+from .socket_path import DEFAULT_SOCKET, default_socket_path
 
 __version__ = "0.1.0"
 
@@ -36,6 +42,7 @@ __all__ = [
     "Decision",
     "Degraded",
     "FailPolicy",
+    "Health",
     "LocalLimit",
     "Origin",
     "AgentError",
@@ -47,5 +54,7 @@ __all__ = [
     "Source",
     "Verdict",
     "wire_safe",
+    "DEFAULT_SOCKET",
+    "default_socket_path",
     "__version__",
 ]

@@ -8,7 +8,7 @@ check the caller got wrong raises (:class:`~floodgate.InvalidCheck` before sendi
 
 Example::
 
-    client = await AsyncClient.connect("/tmp/floodgate.sock")
+    client = await AsyncClient.connect()  # $FLOODGATE_SOCKET, else the agent's default socket
     d = await client.allow("user:123", "api-per-user")
     if not d.allowed:
         ...  # 429, Retry-After: ceil(d.retry_after_ms / 1000)
@@ -36,6 +36,8 @@ from .decision import (
     local_key_attributes,
     local_key_items,
 )
+from .health import Health, Reachability, describe
+from .socket_path import default_socket_path
 
 # Past this many bytes waiting in the socket's send buffer (an agent that stopped reading), calls
 # answer by their policy instead of queueing more.
@@ -55,6 +57,7 @@ class _Conn(asyncio.Protocol):
         self.transport: Optional[asyncio.Transport] = None
         self.hello: asyncio.Future = loop.create_future()
         self.lost: asyncio.Future = loop.create_future()
+        self.why: Optional[str] = None  # why the connection ended, for the client's health()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -105,6 +108,7 @@ class _Conn(asyncio.Protocol):
             self._broken("unexpected answer to Hello")
 
     def _broken(self, why: str) -> None:
+        self.why = why
         if not self.hello.done():
             self.hello.set_exception(_HandshakeError(why))
         self.buf.clear()
@@ -112,8 +116,10 @@ class _Conn(asyncio.Protocol):
             self.transport.abort()
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
+        if self.why is None and exc is not None:
+            self.why = f"connection lost: {exc}"
         if not self.hello.done():
-            self.hello.set_exception(_HandshakeError("agent closed during Hello"))
+            self.hello.set_exception(_HandshakeError("the agent closed the connection during Hello"))
         if not self.lost.done():
             self.lost.set_result(None)
         self.client._lost(self)
@@ -122,7 +128,9 @@ class _Conn(asyncio.Protocol):
 class AsyncClient:
     """A client of the local agent for asyncio code. Use one per process (per event loop); it holds
     one connection on which every call is multiplexed by request id. ``path`` is the agent's Unix
-    socket, or ``tcp://host:port`` for an agent's ``--listen-tcp``.
+    socket, or ``tcp://host:port`` for an agent's ``--listen-tcp``, used as given; without it the
+    client looks the socket up with :func:`~floodgate.default_socket_path` (``$FLOODGATE_SOCKET``
+    first) on every connection attempt.
 
     ``AsyncClient(path)`` returns at once; the connection is made on first use (or by
     :meth:`start`), and remade in the background whenever it breaks. :meth:`connect` creates one and
@@ -132,15 +140,19 @@ class AsyncClient:
 
     def __init__(
         self,
-        path: str = "/tmp/floodgate.sock",
+        path: Optional[str] = None,
         config: Optional[ClientConfig] = None,
         **overrides: Any,
     ) -> None:
         config = config or ClientConfig()
         if overrides:
             config = ClientConfig(**{**config.__dict__, **overrides})
-        self.path = str(path)
-        self._tcp = p.tcp_address(self.path)
+        self._given = None if path is None else str(path)
+        if self._given is not None:
+            p.tcp_address(self._given)  # a bad tcp:// address given here is the caller's mistake: raise now
+        # The agent's address in use, or tried last (public: it is what health() reports).
+        self.path = self._given if self._given is not None else default_socket_path()
+        self._reach = Reachability(self.path, config.fail.value)
         self._core = Core(config)
         self._config = config
         self._pending: Dict[int, asyncio.Future] = {}
@@ -158,7 +170,7 @@ class AsyncClient:
 
     @classmethod
     async def connect(
-        cls, path: str = "/tmp/floodgate.sock", config: Optional[ClientConfig] = None, **overrides: Any
+        cls, path: Optional[str] = None, config: Optional[ClientConfig] = None, **overrides: Any
     ) -> "AsyncClient":
         """A started client: waits up to ``connect_timeout`` for the first connection (it is not an
         error if the agent is not there: calls then answer by the fail policy)."""
@@ -223,6 +235,13 @@ class AsyncClient:
     def stats(self) -> ClientStats:
         """Counts of degraded answers and connections, for the service's metrics."""
         return self._core.snapshot()
+
+    def health(self) -> Health:
+        """Whether the agent is reachable, where, why not, and how many calls the fail policy
+        answered: for a service's health endpoint (an unreachable agent otherwise shows only as
+        requests passing without rate-limit headers)."""
+        s = self._core.snapshot()
+        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts)
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -381,19 +400,28 @@ class AsyncClient:
         assert self._ready is not None
         while not self._closed:
             conn = None
+            # Looked up on every attempt: an agent started after this process is found where it is.
+            path = self._given if self._given is not None else default_socket_path()
+            self.path = path
             try:
-                conn = await asyncio.wait_for(self._handshake(loop), cfg.connect_timeout)
+                conn = await asyncio.wait_for(self._handshake(loop, path), cfg.connect_timeout)
             except asyncio.CancelledError:
                 raise
-            except (OSError, asyncio.TimeoutError, _HandshakeError):
+            except (OSError, asyncio.TimeoutError, _HandshakeError, ValueError) as e:
+                # ValueError: a bad tcp:// address in $FLOODGATE_SOCKET.
                 conn = None
+                if self._closed:
+                    return
+                self._reach.failed(path, describe(e, cfg.connect_timeout))
             if conn is not None:
                 up_since = time.monotonic()
                 self._conn = conn
                 self._core.connected()
+                self._reach.connected(path)
                 self._ready.set()
                 await asyncio.shield(conn.lost)
                 self._conn = None
+                self._reach.lost(conn.why or "the agent closed the connection")
                 self._fail_pending()
                 if self._closed:
                     return
@@ -407,12 +435,13 @@ class AsyncClient:
             # Jitter: a fleet of processes whose agent restarted must not reconnect in lockstep.
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
-    async def _handshake(self, loop: asyncio.AbstractEventLoop) -> _Conn:
-        if self._tcp is not None:
+    async def _handshake(self, loop: asyncio.AbstractEventLoop, path: str) -> _Conn:
+        tcp = p.tcp_address(path)
+        if tcp is not None:
             # asyncio sets TCP_NODELAY on its TCP transports: a check is not held back for Nagle.
-            transport, conn = await loop.create_connection(lambda: _Conn(self, loop), *self._tcp)
+            transport, conn = await loop.create_connection(lambda: _Conn(self, loop), *tcp)
         else:
-            transport, conn = await loop.create_unix_connection(lambda: _Conn(self, loop), self.path)
+            transport, conn = await loop.create_unix_connection(lambda: _Conn(self, loop), path)
         try:
             transport.write(p.HELLO_FRAME)
             await conn.hello

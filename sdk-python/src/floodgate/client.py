@@ -8,7 +8,7 @@ its timeout, answering by its fail policy when the agent cannot.
 
 Example::
 
-    client = Client("/tmp/floodgate.sock")
+    client = Client()  # $FLOODGATE_SOCKET, else the agent's default socket: see default_socket_path
     d = client.allow("user:123", "api-per-user")
 """
 
@@ -37,6 +37,8 @@ from .decision import (
     local_key_attributes,
     local_key_items,
 )
+from .health import Health, Reachability, describe
+from .socket_path import default_socket_path
 
 _MAX_OUT = 1 << 20
 
@@ -77,7 +79,9 @@ if hasattr(os, "register_at_fork"):
 class Client:
     """A thread-safe client of the local agent. Use one per process: it holds one connection on
     which calls from every thread are multiplexed by request id. ``path`` is the agent's Unix socket,
-    or ``tcp://host:port`` for an agent's ``--listen-tcp``.
+    or ``tcp://host:port`` for an agent's ``--listen-tcp``, used as given; without it the client
+    looks the socket up with :func:`~floodgate.default_socket_path` (``$FLOODGATE_SOCKET`` first) on
+    every connection attempt.
 
     The constructor starts the background thread and waits up to ``connect_timeout`` for the first
     connection (it is not an error if the agent is not there). Keyword arguments override fields of
@@ -85,14 +89,18 @@ class Client:
     server) gets a fresh connection of its own on its first call.
     """
 
-    def __init__(self, path: str = "/tmp/floodgate.sock", config: Optional[ClientConfig] = None, **overrides: Any):
+    def __init__(self, path: Optional[str] = None, config: Optional[ClientConfig] = None, **overrides: Any):
         config = config or ClientConfig()
         if overrides:
             config = ClientConfig(**{**config.__dict__, **overrides})
-        self.path = str(path)
-        self._tcp = p.tcp_address(self.path)
+        self._given = None if path is None else str(path)
+        if self._given is not None:
+            p.tcp_address(self._given)  # a bad tcp:// address given here is the caller's mistake: raise now
+        # The agent's address in use, or tried last (public: it is what health() reports).
+        self.path = self._given if self._given is not None else default_socket_path()
         self._config = config
         self._core = Core(config)
+        self._reach = Reachability(self.path, config.fail.value)
         self._forked = False
         self._closed = False
         self._init_state()
@@ -136,6 +144,7 @@ class Client:
                     except OSError:
                         pass
             self._core = Core(self._config)
+            self._reach = Reachability(self.path, self._config.fail.value)
             self._start()
 
     def close(self) -> None:
@@ -164,6 +173,13 @@ class Client:
     def stats(self) -> ClientStats:
         """Counts of degraded answers and connections, for the service's metrics."""
         return self._core.snapshot()
+
+    def health(self) -> Health:
+        """Whether the agent is reachable, where, why not, and how many calls the fail policy
+        answered: for a service's health endpoint (an unreachable agent otherwise shows only as
+        requests passing without rate-limit headers)."""
+        s = self._core.snapshot()
+        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts)
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -303,11 +319,13 @@ class Client:
                 with self._lock:
                     self._sock = sock
                 self._core.connected()
+                self._reach.connected(self.path)
                 self._ready.set()
                 try:
-                    self._serve(sock, leftover)
-                except Exception:  # noqa: BLE001 - never let the I/O thread die; reconnect instead
-                    pass
+                    why = self._serve(sock, leftover)
+                except Exception as e:  # noqa: BLE001 - never let the I/O thread die; reconnect instead
+                    why = f"connection lost: {e}"
+                self._reach.lost(why)
                 with self._lock:
                     self._sock = None
                     self._out = []
@@ -333,26 +351,34 @@ class Client:
                 pass
 
     def _handshake(self) -> Optional[Tuple[socket.socket, bytearray]]:
+        """One connection attempt and its Hello; None (and the failure recorded) when it fails."""
         deadline = time.monotonic() + self._config.connect_timeout
         sock: Optional[socket.socket] = None
+        # Looked up on every attempt: an agent started after this process is found where it is.
+        path = self._given if self._given is not None else default_socket_path()
+        self.path = path
         try:
-            if self._tcp is not None:
-                sock = socket.create_connection(self._tcp, timeout=self._config.connect_timeout)
+            try:
+                tcp = p.tcp_address(path)
+            except ValueError as e:  # a bad tcp:// address in $FLOODGATE_SOCKET
+                raise OSError(str(e)) from None
+            if tcp is not None:
+                sock = socket.create_connection(tcp, timeout=self._config.connect_timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(self._config.connect_timeout)
-                sock.connect(self.path)
+                sock.connect(path)
             sock.sendall(p.HELLO_FRAME)
             buf = bytearray()
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise OSError("Hello timed out")
+                    raise socket.timeout("Hello timed out")
                 sock.settimeout(left)
                 chunk = sock.recv(65536)
                 if not chunk:
-                    raise OSError("agent closed during Hello")
+                    raise OSError("the agent closed the connection during Hello")
                 buf += chunk
                 status, value, used = p.decode_reply(buf, 0)
                 if status == 0:
@@ -363,23 +389,30 @@ class Client:
                         del buf[:used]
                         sock.setblocking(False)
                         return sock, buf
-                raise OSError("unexpected answer to Hello")
-        except OSError:
+                    if isinstance(body, p.HelloOk):
+                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+                    if isinstance(body, p.ErrorBody):
+                        raise OSError(f"agent refused Hello: {int(body.code)}: {body.message}")
+                raise OSError("unexpected answer to Hello (not a Floodgate agent?)")
+        except OSError as e:
             if sock is not None:
                 try:
                     sock.close()
                 except OSError:
                     pass
+            self._reach.failed(path, describe(e, self._config.connect_timeout))
             return None
 
-    def _serve(self, sock: socket.socket, buf: bytearray) -> None:
+    def _serve(self, sock: socket.socket, buf: bytearray) -> str:
+        """Serves the connection until it ends; returns why it ended."""
         sel = selectors.DefaultSelector()
+        broken = "the agent sent a broken frame"
         try:
             sel.register(sock, selectors.EVENT_READ, "sock")
             sel.register(self._wake_r, selectors.EVENT_READ, "wake")
             writing = False
             if buf and not self._dispatch(buf):
-                return
+                return broken
             while not self._stop.is_set():
                 with self._lock:
                     want_write = bool(self._out)
@@ -396,19 +429,20 @@ class Client:
                         continue
                     if events & selectors.EVENT_WRITE:
                         if not self._flush(sock):
-                            return
+                            return "connection lost while writing"
                     if events & selectors.EVENT_READ:
                         try:
                             chunk = sock.recv(65536)
                         except (BlockingIOError, InterruptedError):
                             continue
-                        except OSError:
-                            return
+                        except OSError as e:
+                            return f"connection lost: {describe(e, self._config.connect_timeout)}"
                         if not chunk:
-                            return
+                            return "the agent closed the connection"
                         buf += chunk
                         if not self._dispatch(buf):
-                            return
+                            return broken
+            return "client closed"
         finally:
             sel.close()
 

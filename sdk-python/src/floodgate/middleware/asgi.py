@@ -24,7 +24,8 @@ app instead (``app = FloodgateMiddleware(app, ...)``) to have the headers on it 
 Example::
 
     app = FastAPI()
-    app.add_middleware(FloodgateMiddleware, socket="/tmp/floodgate.sock", user_header="x-user-id")
+    # The agent's default socket, or $FLOODGATE_SOCKET; socket="..." names another.
+    app.add_middleware(FloodgateMiddleware, user_header="x-user-id")
 """
 
 from __future__ import annotations
@@ -163,8 +164,9 @@ def default_endpoint(scope: Scope, app: Any = None) -> Optional[str]:
 
 
 class FloodgateMiddleware:
-    """The ASGI middleware. Give it ``socket`` (a path; the middleware makes its own
-    :class:`~floodgate.AsyncClient` on first use, in the server's event loop) or ``client``.
+    """The ASGI middleware. It makes its own :class:`~floodgate.AsyncClient` on first use, in the
+    server's event loop, for the agent at ``socket`` (default: :func:`~floodgate.default_socket_path`,
+    ``$FLOODGATE_SOCKET`` first, looked up on every connection attempt), or uses ``client``.
 
     Options (all keyword): ``user_header`` / ``tier_header`` / ``api_key_header`` (read a header an
     authenticating hop sets), or ``user`` / ``tier`` / ``api_key`` (callables taking the ASGI scope,
@@ -179,7 +181,7 @@ class FloodgateMiddleware:
         self,
         app: ASGIApp,
         *,
-        socket: str = "/tmp/floodgate.sock",
+        socket: Optional[str] = None,
         client: Optional[AsyncClient] = None,
         endpoint: Optional[Callable[[Scope], Optional[str]]] = None,
         tier: Optional[Callable[[Scope], Optional[str]]] = None,

@@ -5,7 +5,7 @@ Configure it in ``settings.py``::
 
     MIDDLEWARE = ["floodgate.middleware.django.FloodgateDjangoMiddleware", ...]
     FLOODGATE = {
-        "socket": "/run/floodgate/floodgate.sock",
+        # "socket": a path; by default the agent's default socket, or $FLOODGATE_SOCKET
         "user_header": "x-authenticated-user",  # set by your auth hop, or "user": callable(request)
         "trust_proxies": ["10.0.0.0/8"],
         "costs": {"/api/search": 5},
@@ -41,7 +41,7 @@ from ._common import (
 )
 
 _CONVERTER = re.compile(r"<(?:[^>:]+:)?([^>]+)>")
-_clients: Dict[str, Client] = {}
+_clients: Dict[Optional[str], Client] = {}
 _clients_lock = threading.Lock()
 
 
@@ -62,7 +62,7 @@ def default_endpoint(request: HttpRequest) -> Optional[str]:
     return request.path or None
 
 
-def _shared_client(socket: str, config: Dict[str, Any]) -> Client:
+def _shared_client(socket: Optional[str], config: Dict[str, Any]) -> Client:
     # One connection per process, however many times Django builds the middleware.
     with _clients_lock:
         c = _clients.get(socket)
@@ -97,7 +97,8 @@ class FloodgateDjangoMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
         conf = dict(getattr(settings, "FLOODGATE", {}) or {})
-        socket = conf.pop("socket", "/tmp/floodgate.sock")
+        # None: the client looks the socket up itself (default_socket_path) on every attempt.
+        socket = conf.pop("socket", None)
         client = conf.pop("client", None)
         options: Dict[str, Any] = {
             k: conf.pop(k)

@@ -9,7 +9,8 @@ WSGI apps route on it (``SCRIPT_NAME`` + ``PATH_INFO``, percent-decoded by the s
 
 Example::
 
-    app = FloodgateWSGIMiddleware(app, socket="/tmp/floodgate.sock", user_header="x-user-id")
+    # The agent's default socket, or $FLOODGATE_SOCKET; socket="..." names another.
+    app = FloodgateWSGIMiddleware(app, user_header="x-user-id")
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def _peer(environ: Environ) -> Tuple[Optional[str], List[str], bool]:
 
 
 class FloodgateWSGIMiddleware:
-    """The WSGI middleware. Give it ``socket`` (the middleware makes a :class:`~floodgate.Client`)
-    or ``client``. Options as :class:`~floodgate.middleware.FloodgateMiddleware`, with extractors
+    """The WSGI middleware. It makes a :class:`~floodgate.Client` for the agent at ``socket``
+    (default: :func:`~floodgate.default_socket_path`, ``$FLOODGATE_SOCKET`` first, looked up on
+    every connection attempt), or uses ``client``. Options as :class:`~floodgate.middleware.FloodgateMiddleware`, with extractors
     taking the WSGI environ. Other keyword arguments configure the client when the middleware makes it.
     """
 
@@ -78,7 +80,7 @@ class FloodgateWSGIMiddleware:
         self,
         app: Callable[[Environ, StartResponse], Iterable[bytes]],
         *,
-        socket: str = "/tmp/floodgate.sock",
+        socket: Optional[str] = None,
         client: Optional[Client] = None,
         endpoint: Optional[Callable[[Environ], Optional[str]]] = None,
         tier: Optional[Callable[[Environ], Optional[str]]] = None,
