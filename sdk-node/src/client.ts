@@ -1,6 +1,6 @@
 /**
  * The client: one multiplexed Unix-socket connection to the local agent, request ids, pipelining,
- * a timeout per call, the fail policy, reconnection with backoff and jitter.
+ * a timeout per call, the fail policy, reconnection with backoff and jitter, and its health.
  */
 
 import * as net from "node:net";
@@ -12,6 +12,7 @@ import {
   type Decision,
   type Degraded,
 } from "./decision";
+import { describeError, Reachability, type Health } from "./health";
 import {
   attributeFields,
   decodeFrame,
@@ -23,6 +24,7 @@ import {
   type Check,
   type Item,
 } from "./protocol";
+import { defaultSocketPath } from "./socket-path";
 
 /** What a call answers when the agent cannot: allow (`open`, the default) or deny (`closed`). */
 export type FailPolicy = "open" | "closed";
@@ -38,7 +40,7 @@ export interface LocalLimit {
   perMs: number;
 }
 
-/** Where the client reports what goes wrong with the agent (nothing by default). */
+/** Where the client reports what goes wrong with the agent (`console.warn` by default). */
 export interface Logger {
   warn(message: string): void;
   debug?(message: string): void;
@@ -67,7 +69,10 @@ export interface ClientConfig {
   maxBufferedBytes?: number;
   /** A per-process limit fail-open calls enforce while the agent is away (default off). */
   fallbackLimit?: LocalLimit | null;
-  /** Where warnings go (default: none). */
+  /**
+   * Where warnings go: an unreachable agent (at most one line every 10 s), its return, unreadable
+   * answers. Default `console.warn`; `null` silences them.
+   */
   logger?: Logger | null;
 }
 
@@ -138,6 +143,9 @@ interface Resolved {
 /** Node runs a timer of more than 2^31 - 1 ms after 1 ms: every duration is held below it. */
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
+/** The default logger: warnings to stderr, where an unreachable agent is seen without any setup. */
+const CONSOLE: Logger = { warn: (message) => console.warn(message) };
+
 const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: VERSION, maxVersion: VERSION } });
 
 function resolveConfig(c: ClientConfig): Resolved {
@@ -153,7 +161,7 @@ function resolveConfig(c: ClientConfig): Resolved {
     maxPending: ms(c.maxPending, 8192, 1),
     maxBufferedBytes: ms(c.maxBufferedBytes, 1 << 20, 1),
     fallbackLimit: c.fallbackLimit ?? null,
-    logger: c.logger ?? null,
+    logger: c.logger === undefined ? CONSOLE : c.logger,
   };
 }
 
@@ -165,14 +173,17 @@ function resolveConfig(c: ClientConfig): Resolved {
  * for checks no policy can answer ({@link FloodgateError}: an invalid check, an unknown rule).
  *
  * ```ts
- * const client = await Client.connect("/tmp/floodgate.sock");
+ * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
  * const d = await client.allow("user:123", "api-per-user");
  * if (!d.allowed) console.log(`429, retry in ${d.retryAfterMs} ms`);
  * ```
  */
 export class Client {
-  /** The agent's socket path. */
-  readonly path: string;
+  /** The path given to the constructor; null: looked up on every attempt ({@link defaultSocketPath}). */
+  private readonly given: string | null;
+  /** The socket in use, or tried last. */
+  private current: string;
+  private readonly reach: Reachability;
   private readonly config: Resolved;
   private readonly pending = new Map<number, Pending>();
   private socket: net.Socket | null = null;
@@ -188,24 +199,38 @@ export class Client {
   private lastWarn = new Map<string, number>();
 
   /**
-   * A client for the agent at `path`. Returns at once; the connection is made (and remade) in the
-   * background, and calls answer by the fail policy until it is up. {@link Client.connect} waits for
-   * the first connection.
+   * A client for the agent at `path`, used as given. Without it (`new Client()` or
+   * `new Client(config)`) the client looks the socket up with {@link defaultSocketPath}
+   * (`$FLOODGATE_SOCKET` first) on every connection attempt. Returns at once; the connection is made
+   * (and remade) in the background, and calls answer by the fail policy until it is up.
+   * {@link Client.connect} waits for the first connection.
    */
-  constructor(path: string, config: ClientConfig = {}) {
-    this.path = path;
+  constructor(path?: string | null | ClientConfig, config: ClientConfig = {}) {
+    if (typeof path === "object" && path !== null) {
+      config = path;
+      path = undefined;
+    }
+    this.given = path ?? null;
+    this.current = this.given ?? defaultSocketPath();
     this.config = resolveConfig(config);
+    this.reach = new Reachability(this.current, this.config.fail, this.config.logger);
     this.open();
   }
 
   /**
    * A client that has tried its first connection: waits up to `connectTimeoutMs` so that the first
    * calls reach the agent when it is up. Never rejects: an absent agent is the fail policy's case.
+   * `Client.connect()` and `Client.connect(config)` look the socket up as the constructor does.
    */
-  static async connect(path: string, config: ClientConfig = {}): Promise<Client> {
+  static async connect(path?: string | null | ClientConfig, config: ClientConfig = {}): Promise<Client> {
     const client = new Client(path, config);
     await client.ready(client.config.connectTimeoutMs);
     return client;
+  }
+
+  /** The agent's socket path in use, or tried last. */
+  get path(): string {
+    return this.current;
   }
 
   /**
@@ -251,6 +276,21 @@ export class Client {
   /** Counts of degraded answers and connections, for the service's metrics. */
   stats(): ClientStats {
     return { ...this.counts };
+  }
+
+  /**
+   * Whether the agent is reachable, where, why not, and how many calls the fail policy answered:
+   * for a service's health endpoint (an unreachable agent otherwise shows only as requests passing
+   * without rate-limit headers).
+   */
+  health(): Health {
+    return {
+      connected: this.connected,
+      path: this.current,
+      lastError: this.reach.lastError,
+      failedAttempts: this.reach.failedAttempts,
+      failPolicyAnswers: this.counts.unavailable + this.counts.timeouts,
+    };
   }
 
   /**
@@ -372,19 +412,28 @@ export class Client {
 
   private open(): void {
     if (this.closed) return;
-    const sock = net.createConnection({ path: this.path });
+    // Looked up on every attempt: an agent started after this process is found where it is.
+    const path = this.given ?? defaultSocketPath();
+    this.current = path;
+    const sock = net.createConnection({ path });
     // The socket alone does not keep the process alive; a call in flight does (its timer).
     sock.unref();
     this.socket = sock;
     this.rbuf = Buffer.alloc(0);
     let upSince = 0;
+    // Why this attempt failed or this connection ended: the first cause seen ("close" follows).
+    let why: string | null = null;
     const timer = setTimeout(() => {
+      why ??= `no answer to Hello within ${this.config.connectTimeoutMs} ms`;
       this.debug("connecting to the agent timed out");
       sock.destroy();
     }, this.config.connectTimeoutMs);
     timer.unref();
     sock.on("connect", () => sock.write(HELLO));
-    sock.on("error", (e) => this.debug(`agent connection: ${e.message}`));
+    sock.on("error", (e) => {
+      why ??= this.connected ? `connection lost: ${describeError(e)}` : describeError(e);
+      this.debug(`agent connection: ${e.message}`);
+    });
     sock.on("data", (chunk: Buffer) => {
       if (this.socket !== sock) return;
       this.rbuf = this.rbuf.length === 0 ? chunk : Buffer.concat([this.rbuf, chunk]);
@@ -397,19 +446,22 @@ export class Client {
           this.connected = true;
           upSince = performance.now();
           this.counts.connects++;
+          this.reach.connected(path);
           this.wake();
         } else {
-          const why = r.ok
+          // Warned about as a failed attempt, with this reason, when the socket closes.
+          why = r.ok
             ? r.frame.body.kind === "error"
               ? `agent refused Hello: ${r.frame.body.code}: ${r.frame.body.message}`
-              : `unexpected answer to Hello (${r.frame.body.kind})`
-            : r.reason;
-          this.warn("hello", `floodgate: ${why}; reconnecting`);
+              : r.frame.body.kind === "helloOk"
+                ? `agent chose version ${r.frame.body.version}; this SDK speaks ${VERSION}`
+                : `unexpected answer to Hello (${r.frame.body.kind})`
+            : `unexpected answer to Hello (not a Floodgate agent?): ${r.reason}`;
           sock.destroy();
           return;
         }
       }
-      this.readFrames(sock);
+      why ??= this.readFrames(sock);
     });
     sock.on("close", () => {
       clearTimeout(timer);
@@ -420,6 +472,8 @@ export class Client {
       this.rbuf = Buffer.alloc(0);
       this.failAll("unavailable");
       if (this.closed) return;
+      if (wasUp) this.reach.lost(why ?? "the agent closed the connection");
+      else this.reach.failed(path, why ?? "the agent closed the connection during Hello");
       // Back off afresh only after a connection that lasted: an agent that accepts and then drops
       // every connection must not be hammered every reconnectMinMs.
       if (wasUp && performance.now() - upSince >= 1000) this.backoff = null;
@@ -443,7 +497,8 @@ export class Client {
     this.reconnectTimer.unref();
   }
 
-  private readFrames(sock: net.Socket): void {
+  /** Answers the calls of every complete frame; returns why it dropped the connection, if it did. */
+  private readFrames(sock: net.Socket): string | null {
     let pos = 0;
     const buf = this.rbuf;
     while (pos < buf.length) {
@@ -479,9 +534,10 @@ export class Client {
       }
       this.warn("fatal", `floodgate: the agent sent a broken frame (${r.reason}); reconnecting`);
       sock.destroy();
-      return;
+      return `the agent sent a broken frame: ${r.reason}`;
     }
     this.rbuf = pos >= buf.length ? Buffer.alloc(0) : buf.subarray(pos);
+    return null;
   }
 
   private wake(): void {

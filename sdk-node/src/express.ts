@@ -103,7 +103,7 @@ export function applyToNodeResponse(res: ServerResponse, outcome: LimitOutcome):
  * The middleware.
  *
  * ```ts
- * const client = await Client.connect("/run/floodgate/floodgate.sock");
+ * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
  * const limit = floodgateExpress(client, { userHeader: "x-authenticated-user", trustProxies: ["10.0.0.0/8"] });
  * app.get("/api/search", limit, search);   // endpoint "/api/search"
  * ```

@@ -7,7 +7,7 @@
  * the others (answered 404 by Fastify).
  *
  * ```ts
- * const client = await Client.connect("/run/floodgate/floodgate.sock");
+ * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
  * await app.register(floodgateFastify, { client, userHeader: "x-authenticated-user" });
  * ```
  */

@@ -6,13 +6,18 @@
  * timeout (default 10 ms): when the agent is unreachable or late it answers by its fail policy, open
  * (allow) by default, closed where configured, and the client reconnects in the background.
  *
- * - {@link Client}: `allow`, `check`, `checkAttributes`.
+ * - {@link Client}: `allow`, `check`, `checkAttributes`, `health`. `new Client()` finds the agent
+ *   with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else `/run/floodgate/floodgate.sock`, else
+ *   `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every connection attempt, and warns through
+ *   `console.warn` (at most once every 10 s) while it cannot reach it.
  * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin.
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
 
 export { Client, FloodgateError } from "./client";
 export type { CallOptions, ClientConfig, ClientStats, FailPolicy, LocalLimit, Logger } from "./client";
+export type { Health } from "./health";
+export { DEFAULT_SOCKET, defaultSocketPath } from "./socket-path";
 export { fromAgent } from "./decision";
 export type { Decision, Degraded, Origin } from "./decision";
 export {
