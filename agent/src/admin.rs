@@ -51,6 +51,11 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         "storeErrors": engine.store_errors(),
         "rules": rules,
         "rulesVersion": engine.rules().version(),
+        // The newest set handed to the agent and refused as a whole (the one in force stayed).
+        "rulesRefused": engine.refused_rules().map(|r| serde_json::json!({
+            "version": r.version,
+            "error": r.error,
+        })),
     });
     let cache = engine.cache();
     body["rejectionCache"] = serde_json::json!({

@@ -54,6 +54,11 @@ pub async fn upkeep(handle: PrometheusHandle, stop: tokio::sync::watch::Receiver
 /// Sets the gauges from the engine's state and renders the exposition.
 pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
     gauge!("floodgate_rules_version").set(engine.rules().version() as f64);
+    gauge!("floodgate_rules_refused").set(if engine.refused_rules().is_some() {
+        1.0
+    } else {
+        0.0
+    });
     gauge!("floodgate_rejection_cache_entries").set(engine.cache().len() as f64);
     gauge!("floodgate_live_agents").set(engine.live_agents() as f64);
     // Series that count rare events exist at 0 from the first scrape, so rate() and alerts see them.

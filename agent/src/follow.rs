@@ -10,7 +10,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
-use floodgate_core::engine::Engine;
+use floodgate_core::engine::{Engine, RefusedRules};
 use floodgate_core::rules::{Rule, RuleSet};
 use floodgate_rules_service::http;
 
@@ -85,8 +85,21 @@ pub fn apply(engine: &Engine, snap: Snapshot, cache: Option<&Path>) -> bool {
             true
         }
         Err(e) => {
-            tracing::warn!(version = snap.version, error = %e, held, "refused a rule set from the service; keeping the one in force");
-            false
+            let empty = held == 0 && engine.rules().iter().next().is_none();
+            if empty {
+                // Nothing in force to keep (a first start with no cache): the largest valid part of
+                // the set beats no rule at all, under which every check would be refused as unknown.
+                let (set, left_out) = RuleSet::salvage(snap.rules);
+                tracing::error!(version = snap.version, error = %e, ?left_out, "refused a rule set; no set was in force, so starting on its valid part");
+                engine.swap_rules(set.with_version(snap.version));
+            } else {
+                tracing::error!(version = snap.version, error = %e, held, "refused a rule set; keeping the one in force");
+            }
+            engine.refuse_rules(RefusedRules {
+                version: snap.version,
+                error: e.to_string(),
+            });
+            empty
         }
     }
 }

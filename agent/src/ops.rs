@@ -243,6 +243,13 @@ fn status_text(s: &Value, b: &Value) -> String {
         "rules         {rules} (version {})\n",
         s["rulesVersion"]
     ));
+    if let Some(r) = s["rulesRefused"].as_object() {
+        out.push_str(&format!(
+            "REFUSED       rule set version {}: {}\n",
+            r["version"],
+            r["error"].as_str().unwrap_or("?")
+        ));
+    }
     if let Some(breakers) = s["breakers"].as_array() {
         let states: Vec<String> = breakers
             .iter()

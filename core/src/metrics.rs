@@ -33,6 +33,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_fallback_active", "1 while some shard's breaker is not closed (the limit/N fallback decides there)"),
     ("floodgate_live_agents", "N: agents with a live heartbeat"),
     ("floodgate_rules_version", "The rule set's global version (0 for a rules file)"),
+    ("floodgate_rules_refused", "1 while the newest rule set handed to the agent was refused as invalid (the set in force stayed; /v1/status says why), else 0"),
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),

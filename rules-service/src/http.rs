@@ -81,6 +81,17 @@ fn client() -> Result<&'static reqwest::Client, String> {
     CLIENT.get_or_init(|| build(None)).as_ref().map_err(Clone::clone)
 }
 
+/// The largest answer read from the rules service: 32 MiB, a set of ~100,000 rules of the few
+/// hundred bytes each takes. Past it the answer is refused and the set in force stays.
+pub const MAX_ANSWER: usize = 32 << 20;
+
+fn too_large(method: &str, base: &str, path: &str) -> String {
+    format!(
+        "{method} {base}{path}: the answer is over {} MiB; refused",
+        MAX_ANSWER >> 20
+    )
+}
+
 /// Sends one request to `base` (`http://host:port` or `https://host:port`) and reads the whole
 /// response (any framing: length, chunked), within `timeout`.
 pub async fn request(
@@ -131,7 +142,19 @@ pub async fn request(
             )
         })
         .collect();
-    let body = r.bytes().await.map_err(what)?.to_vec();
+    // Read in chunks up to the bound: a hostile or mistaken service that answers 3 GiB must not
+    // grow the agent to match (it did, to 4.1 GiB).
+    if r.content_length().is_some_and(|n| n > MAX_ANSWER as u64) {
+        return Err(too_large(method, base, path));
+    }
+    let mut r = r;
+    let mut body = Vec::new();
+    while let Some(chunk) = r.chunk().await.map_err(what)? {
+        if body.len() + chunk.len() > MAX_ANSWER {
+            return Err(too_large(method, base, path));
+        }
+        body.extend_from_slice(&chunk);
+    }
     Ok(Response {
         status,
         headers,

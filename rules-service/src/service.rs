@@ -16,7 +16,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use floodgate_core::rules::fields::rule_from_body;
-use floodgate_core::rules::{Rule, RuleSet};
+use floodgate_core::rules::Rule;
 use floodgate_core::tasks::stopped;
 
 use crate::store::{RulesStore, StoreOpError};
@@ -185,6 +185,7 @@ fn store_error(e: StoreOpError) -> Response {
     match e {
         StoreOpError::Conflict { .. } => error(StatusCode::PRECONDITION_FAILED, &e.to_string()),
         StoreOpError::NotFound(_) => error(StatusCode::NOT_FOUND, &e.to_string()),
+        StoreOpError::InvalidSet(_) => error(StatusCode::CONFLICT, &e.to_string()),
         e => {
             tracing::warn!(error = %e, "rules store failed");
             error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())
@@ -297,24 +298,8 @@ async fn put(
                 .into_response()
         }
     };
-    // A rule valid alone can still break the set (two rules answering one Envoy descriptor), and
-    // agents refuse a broken set whole: refuse the write instead.
-    if rule.envoy.is_some() {
-        match state.store.snapshot().await {
-            Ok((_, mut rules)) => {
-                rules.retain(|r| r.id != rule.id);
-                rules.push(rule.clone());
-                if let Err(e) = RuleSet::new(rules) {
-                    return (
-                        StatusCode::CONFLICT,
-                        Json(json!({ "error": format!("the rule set would be invalid: {e}") })),
-                    )
-                        .into_response();
-                }
-            }
-            Err(e) => return store_error(e),
-        }
-    }
+    // A rule valid alone can still break the set (two rules answering one Envoy descriptor): the
+    // store validates the whole set inside the write's transaction and refuses it (409).
     match state.store.put(&rule, expected, &actor.0).await {
         Ok((stored, version, created)) => {
             state.announce(version);

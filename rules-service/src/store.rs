@@ -8,7 +8,7 @@ use sqlx::any::AnyPoolOptions;
 use sqlx::AnyPool;
 use sqlx::Row;
 
-use floodgate_core::rules::Rule;
+use floodgate_core::rules::{Rule, RuleSet};
 
 /// Why a store operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -38,6 +38,10 @@ pub enum StoreOpError {
     /// No such rule.
     #[error("no rule {0}")]
     NotFound(String),
+    /// The rule is valid alone but the set with it is not (two rules answering one Envoy
+    /// descriptor): agents would refuse the whole set, so the write is refused instead.
+    #[error("the rule set would be invalid: {0}")]
+    InvalidSet(String),
 }
 
 /// One audit record: who changed which rule when, from what to what.
@@ -184,11 +188,8 @@ impl RulesStore {
             .fetch_one(&mut *tx)
             .await?
             .try_get(0)?;
-        let rows = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules ORDER BY id")
-            .fetch_all(&mut *tx)
-            .await?;
+        let rules = all_rules(&mut tx).await?;
         tx.commit().await?;
-        let rules = rows.iter().map(row_rule).collect::<Result<Vec<_>, _>>()?;
         Ok((version as u64, rules))
     }
 
@@ -226,6 +227,16 @@ impl RulesStore {
         let mut stored = rule.clone();
         stored.version = global as u64;
         stored.updated_at = now_ms();
+        // The whole set with this rule, validated inside the transaction that holds the version
+        // row's lock: concurrent writes are serialized there, so two PUTs that are each valid
+        // against the set they read can no longer both land and leave a set every agent refuses.
+        let mut rules = all_rules(&mut tx).await?;
+        rules.retain(|r| r.id != stored.id);
+        rules.push(stored.clone());
+        if let Err(e) = RuleSet::new(rules) {
+            tx.rollback().await?;
+            return Err(StoreOpError::InvalidSet(e.to_string()));
+        }
         let body = body_json(&stored);
         sqlx::query(
             "INSERT INTO floodgate_rules (id, version, body, updated_at) VALUES ($1, $2, $3, $4) \
@@ -346,6 +357,14 @@ async fn audit(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// Every stored rule, read within `tx`.
+async fn all_rules(tx: &mut sqlx::Transaction<'static, sqlx::Any>) -> Result<Vec<Rule>, StoreOpError> {
+    let rows = sqlx::query("SELECT id, version, body, updated_at FROM floodgate_rules ORDER BY id")
+        .fetch_all(&mut **tx)
+        .await?;
+    rows.iter().map(row_rule).collect()
 }
 
 fn body_json(rule: &Rule) -> String {

@@ -220,6 +220,66 @@ async fn the_api_over_postgres() {
     assert!(t.elapsed() >= Duration::from_secs(2), "held {:?}", t.elapsed());
 }
 
+/// Two PUTs racing for one Envoy descriptor, each valid against the set it would have read: the
+/// store validates the whole set inside the write's serialized transaction, so exactly one lands and
+/// the other is a 409, every round; the stored set stays one agents accept. (Before: both could be
+/// stored, and every agent then refused every later set.) Two services over one PostgreSQL race
+/// through two processes.
+async fn racing_writes_never_store_an_invalid_set(a: &RulesServer, b: &RulesServer) {
+    let tok = Some("s3cret");
+    for round in 0..20 {
+        let body = format!(
+            r#"{{"dimension":"descriptor","limit":5,"windowSeconds":60,"envoy":{{"domain":"race","descriptors":[{{"key":"k{round}"}}]}}}}"#
+        );
+        let (pa, pb) = (format!("/v1/rules/a{round}"), format!("/v1/rules/b{round}"));
+        let (ra, rb) = tokio::join!(
+            call(a, "PUT", &pa, tok, &[], Some(&body)),
+            call(b, "PUT", &pb, tok, &[], Some(&body)),
+        );
+        let mut statuses = [ra.status, rb.status];
+        statuses.sort();
+        assert_eq!(
+            statuses,
+            [201, 409],
+            "round {round}: {} / {}",
+            json(&ra),
+            json(&rb)
+        );
+        let refused = if ra.status == 409 { &ra } else { &rb };
+        assert!(
+            json(refused)["error"]
+                .as_str()
+                .unwrap()
+                .contains("the rule set would be invalid"),
+            "{}",
+            json(refused)
+        );
+    }
+    let r = call(a, "GET", "/v1/rules", tok, &[], None).await;
+    let rules: Vec<floodgate_core::rules::Rule> = serde_json::from_value(json(&r)["rules"].clone()).unwrap();
+    assert_eq!(rules.len(), 20);
+    floodgate_core::rules::RuleSet::new(rules).expect("the stored set is valid");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writes_over_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("rules.db").display()),
+        &["ops:s3cret"],
+    )
+    .await;
+    racing_writes_never_store_an_invalid_set(&s, &s).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn racing_writes_over_postgres_through_two_services() {
+    let db = PgDatabase::create();
+    let a = RulesServer::start(&db.url(), &["ops:s3cret"]).await;
+    let b = RulesServer::start(&db.url(), &["ops:s3cret"]).await;
+    racing_writes_never_store_an_invalid_set(&a, &b).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_services_migrate_a_fresh_postgres_database_at_once() {
     // Both create the tables of an empty database at the same moment; the advisory lock makes one

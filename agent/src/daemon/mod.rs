@@ -46,7 +46,7 @@ pub async fn run_with_reloads(
     floodgate_rules_service::http::configure(config.rules_ca.as_deref())
         .map_err(|e| anyhow::anyhow!("--rules-ca: {e}"))?;
     let source = RulesSource::open(&config).await?;
-    let (rules, rules_from) = source.initial().await?;
+    let (rules, rules_from, refused_rules) = source.initial().await?;
     let access = floodgate_redis::shards::RedisAccess::load(
         config.redis_ca.as_deref(),
         config.redis_password_file.as_deref(),
@@ -137,6 +137,9 @@ pub async fn run_with_reloads(
         options.events = Some(Arc::new(events));
     }
     let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
+    if let Some(refused) = refused_rules {
+        engine.refuse_rules(refused);
+    }
     source.start(&engine, &config, shutdown.clone()).await?;
     if let Some(rx) = reloads {
         let file = matches!(source, RulesSource::File(_));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use floodgate_core::engine::Engine;
+use floodgate_core::engine::{Engine, RefusedRules};
 use floodgate_core::rules::{self, RuleSet};
 use floodgate_core::store::Clock;
 use floodgate_core::tasks::{every, stopped};
@@ -54,9 +54,11 @@ impl RulesSource {
         Ok(RulesSource::Embedded(state))
     }
 
-    /// The rule set to start with, and where it came from (for the log).
-    pub(super) async fn initial(&self) -> anyhow::Result<(RuleSet, String)> {
-        Ok(match self {
+    /// The rule set to start with, where it came from (for the log), and the set refused if the
+    /// stored one was invalid (the agent still starts, on its valid part).
+    pub(super) async fn initial(&self) -> anyhow::Result<(RuleSet, String, Option<RefusedRules>)> {
+        let mut refused = None;
+        let (set, from) = match self {
             RulesSource::File(path) => (RuleSet::load(path)?, path.display().to_string()),
             RulesSource::Service(f) => match f.cache.as_deref().and_then(follow::load_cache) {
                 Some(set) => {
@@ -70,16 +72,27 @@ impl RulesSource {
             },
             RulesSource::Embedded(state) => {
                 let (version, rules) = state.store.snapshot().await?;
-                let set = RuleSet::new(rules)?.with_version(version);
-                (
-                    set,
-                    format!(
-                        "the embedded rules store {} (version {version})",
-                        state.store.describe()
-                    ),
-                )
+                let from = format!(
+                    "the embedded rules store {} (version {version})",
+                    state.store.describe()
+                );
+                match RuleSet::new(rules.clone()) {
+                    Ok(set) => (set.with_version(version), from),
+                    // A store written before writes were validated as a set: start on its valid
+                    // part (the refusal is shown in /v1/status once the engine exists).
+                    Err(e) => {
+                        let (set, left_out) = RuleSet::salvage(rules);
+                        tracing::error!(version, error = %e, ?left_out, "the stored rule set is invalid; starting on its valid part");
+                        refused = Some(RefusedRules {
+                            version,
+                            error: e.to_string(),
+                        });
+                        (set.with_version(version), format!("{from}, its valid part"))
+                    }
+                }
             }
-        })
+        };
+        Ok((set, from, refused))
     }
 
     /// Starts following the source (service or embedded store); serves the embedded API.

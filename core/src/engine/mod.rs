@@ -104,6 +104,17 @@ pub struct Engine {
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
     last_error_log_ms: AtomicU64,
+    refused_rules: std::sync::Mutex<Option<RefusedRules>>,
+}
+
+/// The newest rule set the agent was handed and refused (invalid as a whole); the set in force
+/// stayed. Shown in `/v1/status` and as `floodgate_rules_refused`, cleared by the next swap.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RefusedRules {
+    /// The refused set's global version.
+    pub version: u64,
+    /// Why it was refused.
+    pub error: String,
 }
 
 impl Engine {
@@ -136,6 +147,7 @@ impl Engine {
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
+            refused_rules: Default::default(),
         })
     }
 
@@ -147,6 +159,20 @@ impl Engine {
     /// Replaces the rule set; checks in flight finish with the set they started with.
     pub fn swap_rules(&self, rules: RuleSet) {
         *self.rules.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(rules);
+        *self.refused_rules.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    /// Records a rule set refused as a whole (the set in force stays).
+    pub fn refuse_rules(&self, refused: RefusedRules) {
+        *self.refused_rules.lock().unwrap_or_else(|p| p.into_inner()) = Some(refused);
+    }
+
+    /// The newest refused rule set since the last swap, if any.
+    pub fn refused_rules(&self) -> Option<RefusedRules> {
+        self.refused_rules
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// The store.

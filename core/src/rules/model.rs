@@ -385,6 +385,37 @@ impl RuleSet {
         Ok(set)
     }
 
+    /// The largest valid set that can be made of `rules` when [`new`](Self::new) refuses them
+    /// whole, and what was left out with why: rules are taken oldest version first, and a rule that
+    /// is invalid, or conflicts with one already taken (an id twice, an Envoy descriptor answered
+    /// twice), is left out. That is the set the rules service would hold had the later of two
+    /// racing writes been refused; an agent with no set in force starts on it rather than on none.
+    pub fn salvage(mut rules: Vec<Rule>) -> (Self, Vec<(String, String)>) {
+        rules.sort_by(|a, b| (a.version, &a.id).cmp(&(b.version, &b.id)));
+        let mut set = RuleSet::default();
+        let mut left_out = Vec::new();
+        for rule in rules {
+            if let Err(e) = rule.validate() {
+                left_out.push((rule.id.clone(), e));
+                continue;
+            }
+            if set.by_id.contains_key(&rule.id) {
+                left_out.push((rule.id.clone(), format!("rule id {} appears twice", rule.id)));
+                continue;
+            }
+            let rule = Arc::new(rule);
+            if let Some(envoy) = &rule.envoy {
+                if let Err(e) = set.descriptors.insert(envoy, &rule) {
+                    left_out.push((rule.id.clone(), e));
+                    continue;
+                }
+            }
+            set.by_id.insert(rule.id.clone(), rule.clone());
+            set.ordered.push(rule);
+        }
+        (set, left_out)
+    }
+
     /// The rules service's global version this set is (0 for a rules file).
     pub fn version(&self) -> u64 {
         self.version
@@ -471,6 +502,26 @@ mod tests {
         let (a, b) = (RuleSet::parse(toml).unwrap(), RuleSet::parse(json).unwrap());
         assert_eq!(a.get("a"), b.get("a"));
         assert_eq!(a.get("a").unwrap().window_ms(), 1000);
+    }
+
+    #[test]
+    fn salvage_keeps_the_older_of_two_rules_answering_one_descriptor() {
+        let rule = |id: &str, version: u64| {
+            let mut r: Rule = serde_json::from_str(&format!(
+                r#"{{"id":"{id}","dimension":"descriptor","limit":5,"windowSeconds":60,"envoy":{{"domain":"d","descriptors":[{{"key":"k"}}]}}}}"#
+            ))
+            .unwrap();
+            r.version = version;
+            r
+        };
+        let rules = vec![rule("late", 9), rule("early", 3)];
+        assert!(RuleSet::new(rules.clone()).is_err());
+        let (set, left_out) = RuleSet::salvage(rules);
+        assert!(set.get("early").is_some());
+        assert!(set.get("late").is_none());
+        assert_eq!(left_out.len(), 1);
+        assert_eq!(left_out[0].0, "late");
+        assert!(left_out[0].1.contains("both answer"), "{}", left_out[0].1);
     }
 
     #[test]
