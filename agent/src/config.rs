@@ -12,9 +12,11 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_CONFIG")]
     pub config: Option<PathBuf>,
 
-    /// Unix socket the SDK connects to.
-    #[arg(long, env = "FLOODGATE_SOCKET", default_value = "/tmp/floodgate.sock")]
-    pub socket: PathBuf,
+    /// Unix socket the SDK connects to (default: `/run/floodgate/floodgate.sock` when the agent may
+    /// use `/run/floodgate`: as root, or the directory is its own as under systemd; else
+    /// `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`: where every SDK looks when given no path).
+    #[arg(long, env = "FLOODGATE_SOCKET")]
+    pub socket: Option<PathBuf>,
 
     /// File mode of the socket, in octal.
     #[arg(long, env = "FLOODGATE_SOCKET_MODE", default_value = "0660", value_parser = parse_mode)]
@@ -290,6 +292,46 @@ impl RulesServerConfig {
 }
 
 impl AgentConfig {
+    /// The socket to serve: `--socket`, else the default the SDKs look for, its directory created
+    /// (`/run/floodgate` 0755, so services of other users reach the socket, whose own mode then
+    /// decides; `$XDG_RUNTIME_DIR/floodgate` 0700, the user's own). Never a world-writable
+    /// directory: a local user who binds the path first would answer "allowed" to every check.
+    pub fn serve_socket(&self) -> anyhow::Result<PathBuf> {
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+        if let Some(p) = &self.socket {
+            return Ok(p.clone());
+        }
+        let system = std::path::Path::new(floodgate_sdk::DEFAULT_SOCKET);
+        let dir = system.parent().expect("a directory");
+        // The process's own uid, without unsafe code: /proc/self belongs to it.
+        let uid = std::fs::metadata("/proc/self").map(|m| m.uid()).ok();
+        match std::fs::DirBuilder::new().mode(0o755).create(dir) {
+            Ok(()) => return Ok(system.to_path_buf()),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let owner = std::fs::metadata(dir).map(|m| m.uid()).ok();
+                if uid.is_some() && (uid == Some(0) || owner == uid) {
+                    return Ok(system.to_path_buf());
+                }
+            }
+            Err(_) => {}
+        }
+        let Some(user) = floodgate_sdk::user_socket() else {
+            anyhow::bail!(
+                "no socket directory of the agent's own: {} is not writable and XDG_RUNTIME_DIR is \
+                 not set; run as root (or under the systemd unit), or name the socket with --socket \
+                 or FLOODGATE_SOCKET (and give the SDKs the same FLOODGATE_SOCKET)",
+                dir.display()
+            );
+        };
+        let user_dir = user.parent().expect("a directory");
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(user_dir)
+            .map_err(|e| anyhow::anyhow!("cannot create {}: {e}", user_dir.display()))?;
+        Ok(user)
+    }
+
     /// Where the agent keeps files that must outlive it: systemd's `$STATE_DIRECTORY` (its first
     /// entry) when set, else the working directory.
     pub fn state_dir() -> PathBuf {

@@ -38,9 +38,10 @@ pub struct CheckCli {
     /// An attribute check: the client IP.
     #[arg(long)]
     pub ip: Option<String>,
-    /// The agent's socket (or `tcp://host:port`).
-    #[arg(long, env = "FLOODGATE_SOCKET", default_value = "/tmp/floodgate.sock")]
-    pub socket: std::path::PathBuf,
+    /// The agent's socket (or `tcp://host:port`); default: where every SDK looks
+    /// (`/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`).
+    #[arg(long, env = "FLOODGATE_SOCKET")]
+    pub socket: Option<std::path::PathBuf>,
     /// Longest to wait for the agent, in ms.
     #[arg(long, default_value_t = 2_000)]
     pub timeout_ms: u64,
@@ -75,7 +76,11 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
         connect_timeout: Duration::from_millis(cli.timeout_ms.max(1)),
         ..Default::default()
     };
-    let client = Client::with_config(&cli.socket, config).await;
+    let socket = cli
+        .socket
+        .clone()
+        .unwrap_or_else(floodgate_sdk::default_socket_path);
+    let client = Client::with_config(&socket, config).await;
     let decision = match (&cli.key, &cli.rule) {
         (Some(key), Some(rule)) => {
             client
@@ -108,7 +113,7 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
     if !decision.from_agent_answer() {
         bail!(
             "the agent at {} did not answer ({:?}); nothing was decided",
-            cli.socket.display(),
+            socket.display(),
             decision.origin
         );
     }

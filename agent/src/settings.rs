@@ -159,7 +159,7 @@ mod tests {
             (c.redis_timeout_ms, c.metrics, c.accuracy, c.flush_interval_ms),
             (7, false, 0.1, 50)
         );
-        assert_eq!(c.socket, std::path::PathBuf::from("/run/fg.sock"));
+        assert_eq!(c.socket, Some(std::path::PathBuf::from("/run/fg.sock")));
         let c = parse(cmd, &["--redis-timeout-ms", "9"]);
         assert_eq!(c.redis_timeout_ms, 9, "a flag beats the file");
     }

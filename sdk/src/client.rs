@@ -10,6 +10,7 @@ use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::connection::{self, Reply};
+use crate::socket::default_socket_path;
 use crate::{Decision, Degraded, Error};
 
 /// What a call answers when the agent cannot.
@@ -94,8 +95,42 @@ pub struct ClientStats {
     pub local_denied: u64,
 }
 
+/// How the client's link to the agent is doing, for the service's health checks and dashboards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Whether a connection to the agent is up right now.
+    pub connected: bool,
+    /// The socket in use, or the last one tried.
+    pub path: PathBuf,
+    /// Why the last connection attempt failed, until one succeeds.
+    pub last_error: Option<String>,
+    /// Connection attempts that failed in a row (0 once connected).
+    pub failed_attempts: u64,
+    /// Calls answered by the fail policy (agent unreachable or late) since the client started.
+    pub fail_policy_answers: u64,
+}
+
+/// The link's history: what [`Health`] reports, and the rate limit of its warnings.
+#[derive(Debug, Default)]
+pub(crate) struct Link {
+    path: PathBuf,
+    last_error: Option<String>,
+    failed_attempts: u64,
+    /// When the last warning was logged, and failed attempts since then not logged.
+    last_warn: Option<Instant>,
+    unlogged: u64,
+    /// Whether this outage was warned about (then its end is said too).
+    warned: bool,
+}
+
+/// At most one warning per client this often: an app whose agent is gone makes an attempt every
+/// second at the backoff's top, and hundreds of clients would flood its logs.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
 pub(crate) struct Shared {
-    pub(crate) path: PathBuf,
+    /// The socket given by the caller; none: [`default_socket_path`] on every attempt.
+    pub(crate) path: Option<PathBuf>,
+    pub(crate) link: Mutex<Link>,
     pub(crate) config: ClientConfig,
     pub(crate) pending: Mutex<HashMap<u32, oneshot::Sender<Reply>>>,
     pub(crate) connected: AtomicBool,
@@ -108,6 +143,60 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The socket to try now.
+    pub(crate) fn target(&self) -> PathBuf {
+        self.path.clone().unwrap_or_else(default_socket_path)
+    }
+
+    fn link(&self) -> std::sync::MutexGuard<'_, Link> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A connection attempt to `path` failed: recorded, and warned about at most every
+    /// [`WARN_EVERY`] (the next warning counts the attempts not logged).
+    pub(crate) fn link_failed(&self, path: &Path, error: String) {
+        let mut l = self.link();
+        l.path = path.to_path_buf();
+        l.failed_attempts += 1;
+        let now = Instant::now();
+        if l.last_warn.is_some_and(|t| now.duration_since(t) < WARN_EVERY) {
+            l.unlogged += 1;
+            l.last_error = Some(error);
+            return;
+        }
+        let policy = match self.config.fail {
+            FailPolicy::Open => "open",
+            FailPolicy::Closed => "closed",
+        };
+        let unlogged = match std::mem::take(&mut l.unlogged) {
+            0 => String::new(),
+            n => format!(" ({n} more failed attempts not logged since the last warning)"),
+        };
+        tracing::warn!(
+            "floodgate: cannot reach the agent at {}: {error}; answering by fail policy {policy}{unlogged}",
+            path.display()
+        );
+        l.last_warn = Some(now);
+        l.warned = true;
+        l.last_error = Some(error);
+    }
+
+    /// Connected to `path`: the outage, if one was warned about, is said to be over.
+    pub(crate) fn link_up(&self, path: &Path) {
+        let mut l = self.link();
+        if l.warned {
+            tracing::warn!(
+                "floodgate: agent reachable again at {} (after {} failed attempts)",
+                path.display(),
+                l.failed_attempts
+            );
+        }
+        *l = Link {
+            path: path.to_path_buf(),
+            ..Link::default()
+        };
+    }
+
     pub(crate) fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u32, oneshot::Sender<Reply>>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -129,12 +218,32 @@ impl Client {
         Self::with_config(path, ClientConfig::default()).await
     }
 
+    /// A client for the agent at its default socket ([`default_socket_path`]: `$FLOODGATE_SOCKET`,
+    /// else `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`),
+    /// looked up again on every connection attempt.
+    pub async fn connect_default() -> Client {
+        Self::build(None, ClientConfig::default()).await
+    }
+
+    /// [`connect_default`](Self::connect_default) with a configuration.
+    pub async fn with_config_default(config: ClientConfig) -> Client {
+        Self::build(None, config).await
+    }
+
     /// A client with a configuration. Waits up to `connect_timeout` for the first connection so that
     /// the first calls reach the agent when it is up.
     pub async fn with_config(path: impl AsRef<Path>, config: ClientConfig) -> Client {
+        Self::build(Some(path.as_ref().to_path_buf()), config).await
+    }
+
+    async fn build(path: Option<PathBuf>, config: ClientConfig) -> Client {
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         let shared = Arc::new(Shared {
-            path: path.as_ref().to_path_buf(),
+            link: Mutex::new(Link {
+                path: path.clone().unwrap_or_else(default_socket_path),
+                ..Link::default()
+            }),
+            path,
             config,
             pending: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(false),
@@ -210,6 +319,20 @@ impl Client {
     /// Whether the client holds a live connection to the agent right now.
     pub fn is_connected(&self) -> bool {
         self.shared.connected.load(Ordering::Acquire)
+    }
+
+    /// How the link to the agent is doing: for the service's health checks (an app whose agent is
+    /// unreachable answers every call by its fail policy, which a readiness probe should see).
+    pub fn health(&self) -> Health {
+        let l = self.shared.link();
+        Health {
+            connected: self.is_connected(),
+            path: l.path.clone(),
+            last_error: l.last_error.clone(),
+            failed_attempts: l.failed_attempts,
+            fail_policy_answers: self.shared.unavailable.load(Ordering::Relaxed)
+                + self.shared.timeouts.load(Ordering::Relaxed),
+        }
     }
 
     /// Counts of degraded answers and connections, for the service's metrics.

@@ -24,12 +24,13 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
     let mut backoff = None;
     loop {
         let Some(s) = shared.upgrade() else { return };
-        let (path, config) = (s.path.clone(), s.config.clone());
+        let (path, config) = (s.target(), s.config.clone());
         drop(s);
         match tokio::time::timeout(config.connect_timeout, handshake(&path)).await {
             Ok(Ok((stream, leftover))) => {
                 let up_since = std::time::Instant::now();
                 let Some(s) = shared.upgrade() else { return };
+                s.link_up(&path);
                 s.connects.fetch_add(1, Ordering::Relaxed);
                 s.connected.store(true, Ordering::Release);
                 drop(s);
@@ -52,8 +53,17 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
                 }
                 tracing::debug!(path = %path.display(), "connection to the agent lost; reconnecting");
             }
-            Ok(Err(e)) => tracing::debug!(path = %path.display(), error = %e, "cannot reach the agent"),
-            Err(_) => tracing::debug!(path = %path.display(), "connecting to the agent timed out"),
+            Ok(Err(e)) => {
+                let Some(s) = shared.upgrade() else { return };
+                s.link_failed(&path, e.to_string());
+            }
+            Err(_) => {
+                let Some(s) = shared.upgrade() else { return };
+                s.link_failed(
+                    &path,
+                    format!("no connection and Hello within {:?}", config.connect_timeout),
+                );
+            }
         }
         if let Some(r) = ready.take() {
             let _ = r.send(());

@@ -11,6 +11,7 @@
 //! - `decision`: [`Decision`] and where it came from ([`Origin`]).
 //! - `error`: [`Error`].
 //! - `connection`: the background task that owns the socket, dispatches answers and reconnects.
+//! - `socket`: the default socket path ([`default_socket_path`]), the same in every SDK and the agent.
 //! - [`middleware`] (feature `tower`; `axum` for the matched route and peer address): the tower Layer
 //!   that sets the rate-limit headers and answers 429s.
 //!
@@ -30,8 +31,9 @@
 //! }
 //!
 //! # async fn main_() -> Result<(), floodgate_sdk::Error> {
-//! // One client per process; clones share its connection.
-//! let client = Client::connect("/tmp/floodgate.sock").await;
+//! // One client per process; clones share its connection. The agent's default socket
+//! // ($FLOODGATE_SOCKET, else /run/floodgate/floodgate.sock, else $XDG_RUNTIME_DIR/floodgate/…):
+//! let client = Client::connect_default().await;
 //! handle(&client).await
 //! # }
 //! ```
@@ -42,8 +44,10 @@ mod decision;
 mod error;
 #[cfg(feature = "tower")]
 pub mod middleware;
+mod socket;
 
-pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy, LocalLimit};
+pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy, Health, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;
 pub use floodgate_protocol::{Attributes, Item, ItemDecision, Source};
+pub use socket::{default_socket_path, user_socket, DEFAULT_SOCKET, SOCKET_ENV};

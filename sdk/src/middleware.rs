@@ -25,7 +25,7 @@
 //! use floodgate_sdk::middleware::RateLimitLayer;
 //! use floodgate_sdk::Client;
 //!
-//! let client = Client::connect("/tmp/floodgate.sock").await;
+//! let client = Client::connect_default().await;
 //! let layer = RateLimitLayer::new(client)
 //!     .user_header("x-authenticated-user")
 //!     .cost("/search", 5)

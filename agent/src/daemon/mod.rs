@@ -62,9 +62,10 @@ pub async fn run_with_reloads(
         })?)),
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };
-    let listener = server::bind(&config.socket, config.socket_mode)
-        .with_context(|| format!("cannot serve socket {}", config.socket.display()))?;
-    tracing::info!(socket = %config.socket.display(), mode = format!("{:04o}", config.socket_mode), "floodgate agent listening");
+    let socket = config.serve_socket()?;
+    let listener = server::bind(&socket, config.socket_mode)
+        .with_context(|| format!("cannot serve socket {}", socket.display()))?;
+    tracing::info!(socket = %socket.display(), mode = format!("{:04o}", config.socket_mode), "floodgate agent listening");
     tracing::info!(store = %store.describe(), timeout_ms = config.redis_timeout_ms, "counter store");
     let ids: Vec<&str> = rules.iter().map(|r| r.id.as_str()).collect();
     tracing::info!(count = rules.len(), from = %rules_from, rules = %ids.join(", "), "rules loaded");
@@ -243,7 +244,7 @@ pub async fn run_with_reloads(
         tracing::warn!("listeners still open 2 s after shutdown; stopping them");
         aborts.iter().for_each(|a| a.abort());
     }
-    let _ = std::fs::remove_file(&config.socket);
+    let _ = std::fs::remove_file(&socket);
     if let Some(path) = &config.grpc_socket {
         let _ = std::fs::remove_file(path);
     }

@@ -3,7 +3,7 @@
 //! `{"error":"rate_limited","retryAfter":N}`. With the agent's embedded default rules, `/api/...`
 //! is limited per user (`X-User-Id`) and `/login` per client IP; see the README for curl.
 //!
-//! `cargo run --release --bin gateway -- --listen 127.0.0.1:8080 --socket /tmp/floodgate.sock`
+//! `cargo run --release --bin gateway -- --listen 127.0.0.1:8080` (the agent at its default socket)
 
 use std::net::SocketAddr;
 
@@ -20,9 +20,10 @@ struct Args {
     /// Where the gateway listens.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: SocketAddr,
-    /// The agent's socket.
-    #[arg(long, default_value = "/tmp/floodgate.sock")]
-    socket: std::path::PathBuf,
+    /// The agent's socket (default: where every SDK looks, `$FLOODGATE_SOCKET`, else
+    /// `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`).
+    #[arg(long)]
+    socket: Option<std::path::PathBuf>,
     /// Proxies whose X-Forwarded-For entries are believed (CIDR, repeatable).
     #[arg(long)]
     trust_proxy: Vec<String>,
@@ -35,7 +36,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_target(false).init();
     let args = Args::parse();
-    let client = Client::with_config(&args.socket, ClientConfig::default()).await;
+    let client = match &args.socket {
+        Some(path) => Client::with_config(path, ClientConfig::default()).await,
+        None => Client::with_config_default(ClientConfig::default()).await,
+    };
+    let socket = client.health().path;
     let layer = RateLimitLayer::new(client)
         // The user id comes from X-User-Id. Only for this demo: in production an authenticating hop
         // sets (and strips) such a header, or `.user(...)` reads your auth layer's extensions; a
@@ -54,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
         .route("/healthz", get(|| async { "ok" }))
         .layer(layer);
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
-    tracing::info!(addr = %listener.local_addr()?, socket = %args.socket.display(), "gateway listening");
+    tracing::info!(addr = %listener.local_addr()?, socket = %socket.display(), "gateway listening");
     axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await?;
     Ok(())
 }
