@@ -1,6 +1,7 @@
 //! The agent's configuration: one struct, filled from flags and FLOODGATE_* environment variables.
 
 use std::net::SocketAddr;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 
 /// How `floodgate agent` runs. Every field has a flag and an environment variable; README's table
@@ -48,8 +49,24 @@ pub struct AgentConfig {
 
     /// Most connections each listener (Unix socket, TCP, gRPC) holds open; past it a frames
     /// connection gets an Error (code 7, overloaded) and is closed, a gRPC one is closed.
-    #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
-    pub max_connections: usize,
+    #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = NonZeroUsize::new(crate::server::DEFAULT_MAX_CONNECTIONS).expect("non-zero"))]
+    pub max_connections: NonZeroUsize,
+
+    /// Most of a listener's connections one peer holds (a uid on the Unix socket, an address on TCP
+    /// and gRPC); default a quarter of `--max-connections`, so one user's idle or half-sent
+    /// connections cannot take every slot (past it: Error 7, and the connection is closed).
+    #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS_PER_PEER")]
+    pub max_connections_per_peer: Option<NonZeroUsize>,
+
+    /// A frames connection with nothing in flight and nothing received for this long is closed, in
+    /// milliseconds (the SDKs reconnect in the background).
+    #[arg(long, env = "FLOODGATE_IDLE_TIMEOUT_MS", default_value_t = NonZeroU64::new(crate::server::DEFAULT_IDLE_TIMEOUT.as_millis() as u64).expect("non-zero"))]
+    pub idle_timeout_ms: NonZeroU64,
+
+    /// A frame whose first bytes arrived must be complete within this, in milliseconds; else the
+    /// connection gets an Error (code 1) and is closed.
+    #[arg(long, env = "FLOODGATE_FRAME_TIMEOUT_MS", default_value_t = NonZeroU64::new(crate::server::DEFAULT_FRAME_TIMEOUT.as_millis() as u64).expect("non-zero"))]
+    pub frame_timeout_ms: NonZeroU64,
 
     /// Admin HTTP address (`/healthz`, `/readyz`, `/metrics`, `/v1/status`, `/v1/batch`), or `off`;
     /// port 0 picks one and logs it. It has no authentication: keep it off public networks.

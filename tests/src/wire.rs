@@ -33,6 +33,19 @@ impl RawConn {
         })
     }
 
+    /// Connects over TCP from `local` (another loopback address is another peer to the agent).
+    pub async fn connect_tcp_from(
+        local: std::net::IpAddr,
+        addr: std::net::SocketAddr,
+    ) -> std::io::Result<Self> {
+        let socket = tokio::net::TcpSocket::new_v4()?;
+        socket.bind(std::net::SocketAddr::new(local, 0))?;
+        Ok(RawConn {
+            stream: Box::new(socket.connect(addr).await?),
+            buf: Vec::new(),
+        })
+    }
+
     /// Writes bytes as they are.
     pub async fn send_bytes(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.stream.write_all(bytes).await

@@ -194,7 +194,20 @@ pub async fn run_with_reloads(
 
     // Each listener has a cap of its own, so clients of one (pods over TCP, say) cannot take the
     // slots of another (the host's services on the socket, Envoy over gRPC).
-    let cap = || server::ConnectionCap::new(config.max_connections);
+    let per_peer = config
+        .max_connections_per_peer
+        .map(std::num::NonZeroUsize::get)
+        .unwrap_or_else(|| server::ConnectionCap::default_share(config.max_connections.get()));
+    let cap = || server::ConnectionCap::new(config.max_connections.get(), per_peer);
+    // The frames listeners' connections: their timeouts, and one read-buffer budget for both.
+    let serving = server::Serving {
+        cap: cap(),
+        limits: server::Limits {
+            idle: Duration::from_millis(config.idle_timeout_ms.get()),
+            frame: Duration::from_millis(config.frame_timeout_ms.get()),
+        },
+        budget: server::BufferBudget::default(),
+    };
     let mut listeners = Vec::new();
     if let Some(addr) = config.listen_tcp {
         let tcp = tokio::net::TcpListener::bind(addr)
@@ -204,7 +217,10 @@ pub async fn run_with_reloads(
         listeners.push(tokio::spawn(server::serve(
             server::Listener::Tcp(tcp),
             engine.clone(),
-            cap(),
+            server::Serving {
+                cap: cap(),
+                ..serving.clone()
+            },
             shutdown.clone(),
         )));
     }
@@ -232,7 +248,13 @@ pub async fn run_with_reloads(
             }
         }));
     }
-    server::serve(server::Listener::Unix(listener), engine.clone(), cap(), shutdown).await;
+    server::serve(
+        server::Listener::Unix(listener),
+        engine.clone(),
+        serving,
+        shutdown,
+    )
+    .await;
     // The other listeners drained in parallel with the socket; whatever is still open after one
     // more deadline (a peer that never lets its HTTP/2 connection go) is stopped, before the last
     // flush below.

@@ -9,18 +9,18 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, UnixListener};
-use tokio::sync::{watch, OwnedSemaphorePermit};
+use tokio::sync::watch;
 use tonic::transport::server::Connected;
 
 use super::proto::RateLimitServiceServer;
 use super::EnvoyService;
-use crate::server::ConnectionCap;
+use crate::server::{ConnectionCap, Peer};
 use floodgate_core::tasks::stopped;
 
 /// A connection and its slot under the cap (freed when tonic drops the connection).
 struct Capped<IO> {
     io: IO,
-    _slot: OwnedSemaphorePermit,
+    _slot: crate::server::Slot,
 }
 
 impl<IO: AsyncRead + Unpin> AsyncRead for Capped<IO> {
@@ -70,17 +70,17 @@ fn incoming<L, IO, F, Fut>(
 ) -> impl futures::Stream<Item = Result<Capped<IO>, io::Error>>
 where
     F: Fn(Arc<L>) -> Fut + Copy,
-    Fut: std::future::Future<Output = io::Result<IO>>,
+    Fut: std::future::Future<Output = io::Result<(IO, Peer)>>,
 {
     let listener = Arc::new(listener);
     futures::stream::unfold((listener, cap), move |(listener, cap)| async move {
         loop {
             match accept(listener.clone()).await {
-                Ok(io) => match cap.try_acquire() {
-                    Some(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
-                    None => {
+                Ok((io, peer)) => match cap.try_acquire(peer) {
+                    Ok(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
+                    Err(why) => {
                         floodgate_core::metrics::connection_refused("grpc");
-                        crate::server::warn_refused("grpc", cap.max());
+                        crate::server::warn_refused("grpc", &cap.refusal_message(why));
                     }
                 },
                 Err(e) => {
@@ -101,9 +101,9 @@ pub async fn serve_tcp(
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let stream = incoming(listener, cap, |l: Arc<TcpListener>| async move {
-        let (s, _) = l.accept().await?;
+        let (s, addr) = l.accept().await?;
         let _ = s.set_nodelay(true);
-        Ok(s)
+        Ok((s, Peer::Ip(addr.ip())))
     });
     run(stream, service, shutdown).await
 }
@@ -116,7 +116,9 @@ pub async fn serve_unix(
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let stream = incoming(listener, cap, |l: Arc<UnixListener>| async move {
-        Ok(l.accept().await?.0)
+        let s = l.accept().await?.0;
+        let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+        Ok((s, peer))
     });
     run(stream, service, shutdown).await
 }

@@ -1,0 +1,19 @@
+//! The frames server: the Unix socket bound safely (`bind`), TCP where asked, each listener under a
+//! connection cap with a share per peer and a shared read-buffer budget (`cap`), the accept loop
+//! (`listener`), and the pipelined per-connection loop with its idle and frame timeouts
+//! (`connection`).
+
+mod bind;
+mod cap;
+mod connection;
+mod listener;
+
+pub use bind::bind;
+pub use cap::{
+    warn_refused, BufferBudget, ConnectionCap, Peer, Refusal, Slot, BASE_BUFFER, BUFFER_BUDGET,
+    DEFAULT_MAX_CONNECTIONS,
+};
+pub use connection::{
+    connection, Limits, DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, MAX_IN_FLIGHT, WRITE_TIMEOUT,
+};
+pub use listener::{serve, Listener, Serving};
