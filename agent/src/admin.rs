@@ -49,6 +49,9 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
     let mut body = serde_json::json!({
         "store": engine.store().describe(),
         "storeErrors": engine.store_errors(),
+        // Checks answered by their fail modes because the agent was past its capacity toward the
+        // store (its queue there already waited longer than a check's budget).
+        "shed": engine.shed(),
         "rules": rules,
         "rulesVersion": engine.rules().version(),
         // The newest set handed to the agent and refused as a whole (the one in force stayed).

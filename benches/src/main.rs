@@ -21,6 +21,7 @@
 //! - `instructions`: issue 14's instructions per check under callgrind, and where they go.
 //! - `versus`: issue 14's side by side: the agent's sync path vs rate-limiter-flexible vs bare EVALSHA.
 //! - `core_path`: the default command's closed and open loops over the echo, EVALSHA and agents.
+//! - `overload`: one agent's closed-loop capacity, then an open loop at multiples of it (shedding).
 //! - `report`: percentiles, the table, the JSON.
 
 mod chaos;
@@ -32,6 +33,7 @@ mod gateway;
 mod grpc;
 mod instructions;
 mod open;
+mod overload;
 mod propagation;
 mod report;
 mod sdk;
@@ -256,6 +258,31 @@ enum Command {
         #[arg(long, default_value = "target/bench/versus.json")]
         json: PathBuf,
     },
+    /// Past capacity: one Redis agent's closed-loop capacity, then an open loop at multiples of it
+    /// on the same agent: answered p99 and the fail mode's share per level.
+    Overload {
+        /// Runs (each measures the capacity again).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Offered load as multiples of the capacity, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "0.5,1,1.5,3")]
+        factors: Vec<f64>,
+        /// Seconds measured per level (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Closed-loop connections for the capacity.
+        #[arg(long, default_value_t = 64)]
+        clients: usize,
+        /// Connections the open loop spreads its requests over.
+        #[arg(long, default_value_t = 8)]
+        connections: usize,
+        /// Distinct keys.
+        #[arg(long, default_value_t = 10_000)]
+        keys: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/overload.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -405,6 +432,19 @@ fn main() -> anyhow::Result<()> {
         }) => {
             let rows = runtime.block_on(versus::run(runs, &clients, seconds, &rlf))?;
             write_json(&json, &rows)
+        }
+        Some(Command::Overload {
+            runs,
+            factors,
+            seconds,
+            clients,
+            connections,
+            keys,
+            json,
+        }) => {
+            let report =
+                runtime.block_on(overload::run(runs, &factors, seconds, clients, connections, keys))?;
+            write_json(&json, &report)
         }
         Some(Command::Memory { keys, json }) => {
             let rows = runtime.block_on(fleet::memory(keys))?;

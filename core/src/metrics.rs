@@ -40,6 +40,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_connections_refused_total", "Connections refused because their listener (unix, tcp, grpc) held its --max-connections, or their peer (a uid on the socket, an address on TCP) its --max-connections-per-peer"),
     ("floodgate_connections_closed_total", "Frames connections the agent closed, by reason: idle (nothing in flight for --idle-timeout-ms), frame_timeout (a frame not completed within --frame-timeout-ms), buffers (the read-buffer budget for frames still arriving was spent)"),
     ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits, hits_addend 0)"),
+    ("floodgate_checks_shed_total", "Checks (their call groups toward one store shard) the agent answered by their rules' fail modes without asking the store, because its queue there already waited longer than a check's budget (the store timeout from the frame's read): load past capacity, not a Redis failure"),
     ("floodgate_script_errors_total", "Script calls and entries Redis answered with an error of the script itself (a key of another type, a number Redis refuses), by op: check (the check answered by its rules' fail modes; the shard's breaker stays closed, Redis being there), write_back and take_back (the entry dropped, never retried; the call's other entries applied)"),
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
 ];
@@ -214,6 +215,13 @@ pub fn events(sent: u64, dropped: u64) {
     }
     if dropped > 0 {
         counter!("floodgate_events_dropped_total").increment(dropped);
+    }
+}
+
+/// A check's call group shed (answered by its fail modes without asking the store).
+pub fn shed() {
+    if on() {
+        counter!("floodgate_checks_shed_total").increment(1);
     }
 }
 

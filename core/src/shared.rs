@@ -26,8 +26,13 @@ pub trait SharedStore: Send + Sync + 'static {
     /// Where a client key's counters live.
     fn route(&self, key: &str) -> Route;
     /// Checks the items of one check atomically (all or nothing); outcomes in item order. Every item
-    /// has the same route (the engine groups them).
-    fn check(self: Arc<Self>, items: Vec<Planned>) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>>;
+    /// has the same route (the engine groups them). `received` is when the check's frame was read:
+    /// its budget (the store timeout) runs from then, not from when it reaches the store.
+    fn check(
+        self: Arc<Self>,
+        items: Vec<Planned>,
+        received: std::time::Instant,
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>>;
     /// Adds or takes back ledger entries' units.
     fn adjust(&self, entries: Vec<LedgerEntry>, how: Adjust) -> BoxFuture<'_, Adjusted>;
     /// Writes batched counts and learns the fleet's; each chunk comes back with its own result.

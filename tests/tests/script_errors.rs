@@ -89,8 +89,10 @@ async fn a_write_back_entry_redis_refuses_is_dropped_and_the_others_land() {
     let agent = Agent::builder()
         .redis(&proxy.url())
         .rules(RULES)
+        // Long enough that the first checks through the proxy (a fresh connection on a loaded
+        // machine) are Redis's; the 2 s delay below is far past it.
         .arg("--redis-timeout-ms")
-        .arg("50")
+        .arg("250")
         .arg("--breaker-cooldown-ms")
         .arg("200")
         .arg("--agents")

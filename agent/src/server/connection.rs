@@ -159,7 +159,7 @@ pub async fn connection<R, W>(
                     Ok(_) => {
                         let now = Instant::now();
                         last_read = now;
-                        match process(&mut inbuf, &mut out, &mut pending, &engine) {
+                        match process(&mut inbuf, &mut out, &mut pending, &engine, now) {
                             Err(bytes) => {
                                 fatal = Some(bytes);
                                 closing = true;
@@ -255,13 +255,14 @@ fn process(
     out: &mut Vec<u8>,
     pending: &mut Pending,
     engine: &Arc<Engine>,
+    received: Instant,
 ) -> Result<usize, Vec<u8>> {
     let mut pos = 0;
     let result = loop {
         match decode(&inbuf[pos..]) {
             Ok((frame, used)) => {
                 pos += used;
-                handle(frame, out, pending, engine);
+                handle(frame, out, pending, engine, received);
             }
             Err(DecodeError::Incomplete) => break Ok(pos),
             Err(DecodeError::Rejected {
@@ -295,13 +296,14 @@ fn process(
     result
 }
 
-fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<Engine>) {
+fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<Engine>, received: Instant) {
     let id = frame.request_id;
     match frame.body {
         Body::Check(check) => {
-            // Timed only when metrics are on (a clock read per check otherwise saved).
-            let start = floodgate_core::metrics::on().then(std::time::Instant::now);
-            match engine.check(check) {
+            // The check's time runs from its frame's read (one clock read per read, not per check):
+            // the store's budget and the metric's duration both.
+            let start = floodgate_core::metrics::on().then_some(received);
+            match engine.check_received(check, received) {
                 Answer::Ready(result) => {
                     if let Some(start) = start {
                         floodgate_core::metrics::check(&result, start.elapsed());

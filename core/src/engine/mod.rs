@@ -103,6 +103,8 @@ pub struct Engine {
     events: Option<Arc<crate::events::Events>>,
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
+    /// Checks (call groups) shed: answered by their fail modes without asking the store.
+    shed: AtomicU64,
     last_error_log_ms: AtomicU64,
     refused_rules: std::sync::Mutex<Option<RefusedRules>>,
 }
@@ -146,6 +148,7 @@ impl Engine {
             events: options.events,
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
+            shed: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
             refused_rules: Default::default(),
         })
@@ -241,8 +244,19 @@ impl Engine {
         self.store_errors.load(Ordering::Relaxed)
     }
 
+    /// Checks' call groups shed since start (answered by their fail modes without the store).
+    pub fn shed(&self) -> u64 {
+        self.shed.load(Ordering::Relaxed)
+    }
+
     /// Decides a check.
     pub fn check(self: &Arc<Self>, check: Check) -> Answer {
+        self.check_received(check, std::time::Instant::now())
+    }
+
+    /// [`check`](Self::check) of a frame read at `received`: the store's budget runs from then, so
+    /// time spent in the agent before the store is asked counts against it.
+    pub fn check_received(self: &Arc<Self>, check: Check, received: std::time::Instant) -> Answer {
         let plan = match self.plan(check) {
             Ok(plan) => plan,
             Err(e) => return Answer::Ready(Err(e)),
@@ -267,7 +281,7 @@ impl Engine {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, &[Source::Local])))
             }
-            Store::Redis(r) => self.check_redis(r, plan),
+            Store::Redis(r) => self.check_redis(r, plan, received),
         };
         if logged.is_empty() {
             return answer;

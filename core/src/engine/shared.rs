@@ -54,7 +54,12 @@ impl Engine {
     /// script call per call group (all of one client's items share a group), all groups at once;
     /// groups whose breaker is open are decided by the fallback. A check is all or nothing across
     /// groups too: what one group committed is taken back if another rejected the check.
-    pub(super) fn check_redis(self: &Arc<Self>, r: &Arc<dyn SharedStore>, plan: Vec<Planned>) -> Answer {
+    pub(super) fn check_redis(
+        self: &Arc<Self>,
+        r: &Arc<dyn SharedStore>,
+        plan: Vec<Planned>,
+        received: Instant,
+    ) -> Answer {
         let now = self.clock.now_ms();
         if let Some(d) = self.cached(&plan, now) {
             return Answer::Ready(Ok(d));
@@ -122,12 +127,13 @@ impl Engine {
             // One atomic script call and nothing counted elsewhere: nothing to undo if the caller
             // goes away, so no task of its own.
             return Answer::Pending(Box::pin(async move {
-                Ok(this.redis_groups(&r, plan, groups, out, taken).await)
+                Ok(this.redis_groups(&r, plan, groups, out, taken, received).await)
             }));
         }
         // Spawned, not just awaited: if the caller's connection goes away mid-check, the check still
         // finishes, so that what it counted is undone or taken back when it is rejected.
-        let task = tokio::spawn(async move { this.redis_groups(&r, plan, groups, out, taken).await });
+        let task =
+            tokio::spawn(async move { this.redis_groups(&r, plan, groups, out, taken, received).await });
         Answer::Pending(Box::pin(async move {
             task.await.map_err(|e| ErrorBody {
                 code: ErrorCode::Internal,
@@ -154,13 +160,14 @@ impl Engine {
         mut groups: Vec<Group>,
         mut out: Vec<Option<(Outcome, Source)>>,
         taken: Vec<(usize, u64)>,
+        received: Instant,
     ) -> Decision {
         let calls = groups
             .iter()
             .filter(|g| g.permit != Some(Permit::Refuse))
             .map(|g| {
                 let items: Vec<Planned> = g.items.iter().map(|&i| plan[i].clone()).collect();
-                r.clone().check(items)
+                r.clone().check(items, received)
             });
         // One call (the common case: one client key per check) is awaited as it is, without
         // join_all's bookkeeping or a vector.
@@ -190,7 +197,10 @@ impl Engine {
                 // of another type): the shard is there for every other check, so it counts as an
                 // answer, never toward opening.
                 let answered = !matches!(&result, Err(e) if !matches!(e, StoreError::Script(_)));
-                if breaker.record(permit, answered, Instant::now()) == Some(Transition::Opened) {
+                // A shed check never reached Redis: it says nothing of Redis's health either way
+                // (counting it as an answer would reset the failures of a Redis too slow to answer).
+                let shed = matches!(&result, Err(StoreError::Shed));
+                if !shed && breaker.record(permit, answered, Instant::now()) == Some(Transition::Opened) {
                     tracing::warn!(
                         shard = g.route.shard,
                         cooldown_ms = breaker.cooldown_left(Instant::now()).as_millis() as u64,
@@ -219,6 +229,10 @@ impl Engine {
                     let certain = !matches!(e, StoreError::Timeout(_) | StoreError::Script(_));
                     if matches!(e, StoreError::Script(_)) {
                         crate::metrics::script_errors("check", 1);
+                    }
+                    if matches!(e, StoreError::Shed) {
+                        self.shed.fetch_add(1, Ordering::Relaxed);
+                        crate::metrics::shed();
                     }
                     degraded.extend(g.items.iter().map(|&i| (i, certain)));
                 }
@@ -342,6 +356,7 @@ impl Engine {
                 .is_ok()
         {
             match e {
+                StoreError::Shed => tracing::warn!(shed = self.shed.load(Ordering::Relaxed), "the agent is past its capacity toward the store: shedding checks to their rules' fail modes"),
                 StoreError::Script(_) => {
                     tracing::warn!(error = %e, total = self.store_errors(), "Redis refused a check's script (the shard still answers); its rules' fail modes decide")
                 }

@@ -45,6 +45,11 @@ pub enum StoreError {
     /// The server answered with an error (OOM, READONLY, …).
     #[error("store server error: {0}")]
     Server(String),
+    /// Not sent: the agent is past what the store answers within a check's budget (its queue to
+    /// the store already waits longer than the time left), so the check is answered by its rules'
+    /// fail modes at once instead of queueing. Redis is not at fault: no breaker counts it.
+    #[error("shed: the agent is past its capacity toward the store")]
+    Shed,
 }
 
 /// The URL without its password, for logs.

@@ -26,6 +26,8 @@ pub struct Job {
     pub items: Vec<Planned>,
     /// Where its outcomes go.
     pub reply: oneshot::Sender<Result<Vec<Outcome>, StoreError>>,
+    /// When its budget ends (its frame's read plus the store timeout).
+    pub deadline: std::time::Instant,
 }
 
 /// Starts the worker of one call group; it ends when the store is dropped.

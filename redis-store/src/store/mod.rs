@@ -8,7 +8,7 @@ mod pipe;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind};
 
@@ -101,7 +101,7 @@ pub struct RedisStore {
     /// a Cluster or Sentinel, whose checks go through redis-rs.
     nodes: Option<Vec<Arc<pipe::NodeAddr>>>,
     /// The task of each node, started on first use.
-    pipes: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<pipe::Request>>>,
+    pipes: OnceLock<Vec<pipe::Pipe>>,
 }
 
 impl RedisStore {
@@ -139,7 +139,7 @@ impl RedisStore {
     }
 
     /// The tasks of the nodes' own connections, if the check path has them.
-    fn pipes(&self) -> Option<&[tokio::sync::mpsc::UnboundedSender<pipe::Request>]> {
+    fn pipes(&self) -> Option<&[pipe::Pipe]> {
         let nodes = self.nodes.as_ref()?;
         let pipes = self.pipes.get_or_init(|| {
             nodes
@@ -193,8 +193,12 @@ impl RedisStore {
     /// Every item must have the same route (the engine groups them). With coalescing on, checks that
     /// arrive together for one call group share a script call (`coalesce`), each still all or
     /// nothing; the wait is bounded by the store timeout either way.
-    pub async fn check(self: &Arc<Self>, items: Vec<Planned>) -> Result<Vec<Outcome>, StoreError> {
-        let items = match self.check_on_pipe(items) {
+    pub async fn check(
+        self: &Arc<Self>,
+        items: Vec<Planned>,
+        received: Instant,
+    ) -> Result<Vec<Outcome>, StoreError> {
+        let items = match self.check_on_pipe(items, received) {
             Ok(answer) => return answer.await,
             Err(items) => items,
         };
@@ -220,8 +224,19 @@ impl RedisStore {
                 .collect()
         });
         let worker = &workers[route.call as usize % workers.len()];
-        ask(self.timeout, |reply| {
-            worker.send(coalesce::Job { items, reply }).is_ok()
+        let deadline = received + self.timeout;
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(StoreError::Shed);
+        }
+        ask(left, |reply| {
+            worker
+                .send(coalesce::Job {
+                    items,
+                    reply,
+                    deadline,
+                })
+                .is_ok()
         })
         .await
     }
@@ -234,16 +249,34 @@ impl RedisStore {
     fn check_on_pipe(
         &self,
         items: Vec<Planned>,
+        received: Instant,
     ) -> Result<impl Future<Output = Result<Vec<Outcome>, StoreError>> + Send + 'static, Vec<Planned>> {
         let (Some(pipes), Some(first)) = (self.pipes(), items.first()) else {
             return Err(items);
         };
         let pipe = &pipes[self.route(&first.key).shard % pipes.len()];
+        // The budget runs from the frame's read. Past capacity (the node's queue already waits
+        // longer than a check may: its task says so), or with no time left, the check is shed at
+        // once: answered by its rules' fail modes without a queue, a timer or a call.
+        let deadline = received + self.timeout;
+        let left = deadline.saturating_duration_since(Instant::now());
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let sent = pipe
-            .send(pipe::Request::Check(coalesce::Job { items, reply }))
-            .is_ok();
-        Ok(answer(sent, rx, self.timeout))
+        let job = coalesce::Job {
+            items,
+            reply,
+            deadline,
+        };
+        let shed = pipe.send_check(job, left).is_err();
+        let closed = shed && pipe.tx.is_closed();
+        Ok(async move {
+            if closed {
+                return Err(StoreError::Connection("store is shutting down".into()));
+            }
+            if shed {
+                return Err(StoreError::Shed);
+            }
+            answer(true, rx, left).await
+        })
     }
 
     /// Runs queued checks of one call group as one script call and answers each.
@@ -523,13 +556,14 @@ impl RedisStore {
             let pipe = &pipes[shard % pipes.len()];
             return ask(timeout, |reply| {
                 let cmd = cmd.get_packed_command();
-                pipe.send(pipe::Request::Raw {
-                    cmd,
-                    items,
-                    timeout,
-                    reply,
-                })
-                .is_ok()
+                pipe.tx
+                    .send(pipe::Request::Raw {
+                        cmd,
+                        items,
+                        timeout,
+                        reply,
+                    })
+                    .is_ok()
             })
             .await;
         }
@@ -575,10 +609,14 @@ impl SharedStore for RedisStore {
         RedisStore::route(self, key)
     }
 
-    fn check(self: Arc<Self>, items: Vec<Planned>) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>> {
-        match self.check_on_pipe(items) {
+    fn check(
+        self: Arc<Self>,
+        items: Vec<Planned>,
+        received: Instant,
+    ) -> BoxFuture<'static, Result<Vec<Outcome>, StoreError>> {
+        match self.check_on_pipe(items, received) {
             Ok(answer) => Box::pin(answer),
-            Err(items) => Box::pin(async move { RedisStore::check(&self, items).await }),
+            Err(items) => Box::pin(async move { RedisStore::check(&self, items, received).await }),
         }
     }
 

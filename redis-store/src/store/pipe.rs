@@ -25,6 +25,7 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -431,9 +432,57 @@ pub struct NodeTask {
     pub max_items: usize,
 }
 
+/// A node's task, as the store holds it: where requests go, and what the store needs to know to
+/// shed a check rather than queue it past its budget.
+pub struct Pipe {
+    /// The task's queue.
+    pub tx: mpsc::UnboundedSender<Request>,
+    state: Arc<PipeState>,
+    max_items: usize,
+}
+
+/// What the node's task tells the checks about to queue (relaxed atomics: an estimate).
+#[derive(Debug, Default)]
+struct PipeState {
+    /// Set when a call goes out with its oldest check past half its budget (the queue before Redis
+    /// is as long as a check's whole budget, or the agent that far behind); cleared when the queue
+    /// drains.
+    overloaded: AtomicBool,
+    /// Checks sent to the task and not yet in its queue, and the queue's length.
+    incoming: AtomicUsize,
+    waiting: AtomicUsize,
+    /// Recent calls' time from send to reply, in µs (a moving average of 1/8 per call).
+    rtt_us: AtomicU64,
+}
+
+impl Pipe {
+    /// Hands a check to the node's task, or sheds it (`Err` gives it back): when the task says it
+    /// is past capacity, or the calls queued ahead of it would take longer than the `left` of its
+    /// budget (a queue of calls is estimated at one round trip per [`MAX_IN_FLIGHT`] calls, each
+    /// carrying up to `max_items` items). With nothing queued a check is always sent, so a slow
+    /// Redis still meets the timeouts that open its breaker, and the estimate keeps learning.
+    pub fn send_check(&self, job: Job, left: Duration) -> Result<(), Job> {
+        let s = &self.state;
+        let ahead = s.incoming.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed);
+        let calls_ahead = ahead / self.max_items;
+        let rtt = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed));
+        let wait = rtt * (1 + calls_ahead / MAX_IN_FLIGHT) as u32;
+        if left.is_zero() || s.overloaded.load(Ordering::Relaxed) || (calls_ahead > 0 && wait >= left) {
+            return Err(job);
+        }
+        s.incoming.fetch_add(1, Ordering::Relaxed);
+        self.tx.send(Request::Check(job)).map_err(|e| match e.0 {
+            Request::Check(job) => job,
+            Request::Raw { .. } => unreachable!("a check was sent"),
+        })
+    }
+}
+
 /// Starts the task of one node; it ends when the store (every sender) is dropped.
-pub fn spawn(task: NodeTask) -> mpsc::UnboundedSender<Request> {
+pub fn spawn(task: NodeTask) -> Pipe {
     let (tx, rx) = mpsc::unbounded_channel();
+    let state = Arc::new(PipeState::default());
+    let max_items = task.max_items.max(1);
     let mut load = Vec::new();
     command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
     let node = Node {
@@ -450,9 +499,10 @@ pub fn spawn(task: NodeTask) -> mpsc::UnboundedSender<Request> {
         last_error: StoreError::Connection("not connected".into()),
         timer: None,
         timer_at: None,
+        state: state.clone(),
     };
     tokio::spawn(node.run(rx));
-    tx
+    Pipe { tx, state, max_items }
 }
 
 struct Node {
@@ -472,6 +522,11 @@ struct Node {
     /// The timer of [`Node::slot_frees`], and the instant it is set to.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     timer_at: Option<Instant>,
+    /// What the store reads before queueing a check ([`Pipe::send_check`]): while `overloaded` is
+    /// set the store sheds new checks, so the queue drains and the checks it does take are answered
+    /// within their budget; past capacity, a share of checks is answered by its fail mode at once
+    /// rather than every check late.
+    state: Arc<PipeState>,
 }
 
 /// Waits for the timer (never ready without one).
@@ -519,14 +574,23 @@ impl Node {
                 _ = expiry(&mut self.timer), if frees.is_some() => {}
                 request = rx.recv() => {
                     let Some(request) = request else { break };
-                    self.waiting.push_back(request);
+                    self.take(request);
                     while let Ok(request) = rx.try_recv() {
-                        self.waiting.push_back(request);
+                        self.take(request);
                     }
                 }
             }
             self.pump().await;
+            self.state.waiting.store(self.waiting.len(), Ordering::Relaxed);
         }
+    }
+
+    /// Queues a request from the channel.
+    fn take(&mut self, request: Request) {
+        if matches!(request, Request::Check(_)) {
+            self.state.incoming.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.waiting.push_back(request);
     }
 
     /// When the next in-flight call passes its deadline (and stops holding a slot).
@@ -553,6 +617,9 @@ impl Node {
                 self.waiting.pop_front();
             }
             if self.waiting.is_empty() {
+                if self.state.overloaded.load(Ordering::Relaxed) {
+                    self.state.overloaded.store(false, Ordering::Relaxed);
+                }
                 return;
             }
             let now = Instant::now();
@@ -585,6 +652,23 @@ impl Node {
                     reply,
                 }) => (cmd, Waiter::Raw(reply), items, timeout),
                 Some(Request::Check(first)) => {
+                    // Half its budget gone before it is even sent: the store sheds new checks until
+                    // the queue drains. One whose budget is gone is shed here: its caller's timer
+                    // may not have run yet on a saturated agent, and sending it would only delay
+                    // the checks behind it.
+                    let left = first.deadline.saturating_duration_since(now);
+                    if left.is_zero() {
+                        // Its caller's budget is gone: not sent.
+                        let _ = first.reply.send(Err(StoreError::Shed));
+                        self.state.overloaded.store(true, Ordering::Relaxed);
+                        continue;
+                    }
+                    // Not `left` against the round trip: a Redis slower than the budget must still
+                    // be sent checks, whose timeouts open its breaker.
+                    let late = left < self.task.timeout / 2;
+                    if late != self.state.overloaded.load(Ordering::Relaxed) {
+                        self.state.overloaded.store(late, Ordering::Relaxed);
+                    }
                     let mut jobs = vec![first];
                     let mut items = jobs[0].items.len();
                     while items < self.task.max_items {
@@ -715,6 +799,17 @@ impl Node {
 
     /// Gives a call's reply to whoever waits for it.
     fn answer(&self, p: &mut Pending, reply: Reply) {
+        if !p.resent && !matches!(p.waiter, Waiter::Load) {
+            // A call's time, sent to answered (its deadline is its send plus the timeout), in a
+            // moving average of 1/8 per call: what a check sent now should expect to wait.
+            let took = Instant::now()
+                .saturating_duration_since(p.deadline - self.task.timeout)
+                .as_micros() as u64;
+            let rtt = self.state.rtt_us.load(Ordering::Relaxed);
+            // The first call sets it; after that each moves it by an eighth.
+            let rtt = if rtt == 0 { took } else { (rtt * 7 + took) / 8 };
+            self.state.rtt_us.store(rtt.max(1), Ordering::Relaxed);
+        }
         let waiter = std::mem::replace(&mut p.waiter, Waiter::Load);
         let result = match reply {
             Reply::Ints(v) if v.len() == p.items * 5 => Ok(v),
