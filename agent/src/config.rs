@@ -268,6 +268,16 @@ pub struct RulesServerConfig {
     #[arg(long = "token", env = "FLOODGATE_RULES_TOKENS", value_delimiter = ',')]
     pub tokens: Vec<String>,
 
+    /// Most connections the rules API holds open, a quarter of them per peer address (each
+    /// following agent keeps one); past it a new connection is closed at once.
+    #[arg(long, env = "FLOODGATE_HTTP_MAX_CONNECTIONS", default_value_t = floodgate_rules_service::listen::SERVICE_MAX_CONNECTIONS, value_parser = http_max_connections())]
+    pub http_max_connections: usize,
+
+    /// How long a client has to send a request's head, and how long a kept-alive connection may
+    /// wait idle, in milliseconds; then it is closed.
+    #[arg(long, env = "FLOODGATE_HTTP_HEADER_TIMEOUT_MS", default_value_t = floodgate_rules_service::listen::DEFAULT_HEADER_TIMEOUT_MS, value_parser = http_header_timeout_ms())]
+    pub http_header_timeout_ms: u64,
+
     /// Log filter (tracing's env-filter syntax).
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
     pub log: String,
@@ -285,6 +295,7 @@ impl RulesServerConfig {
             db: self.db.clone(),
             tokens: self.tokens.clone(),
             tls: self.tls_cert.clone().zip(self.tls_key.clone()),
+            limits: http_limits(self.http_max_connections, self.http_header_timeout_ms),
         }
     }
 }
@@ -338,6 +349,25 @@ impl AgentConfig {
     }
 }
 
+/// An HTTP listener's limits from its two flags.
+pub fn http_limits(
+    max_connections: usize,
+    header_timeout_ms: u64,
+) -> floodgate_rules_service::listen::Limits {
+    floodgate_rules_service::listen::Limits::new(max_connections)
+        .header_timeout(std::time::Duration::from_millis(header_timeout_ms))
+}
+
+/// `--http-max-connections`: 1 to 1,000,000 (past a million the file descriptors run out first).
+fn http_max_connections() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..=1_000_000)
+}
+
+/// `--http-header-timeout-ms`: 1 ms to 10 minutes.
+fn http_header_timeout_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::builder::RangedU64ValueParser::new().range(1..=600_000)
+}
+
 fn parse_mode(s: &str) -> Result<u32, String> {
     let mode = u32::from_str_radix(s.trim_start_matches("0o"), 8)
         .map_err(|e| format!("{s:?} is not an octal mode: {e}"))?;
@@ -382,5 +412,32 @@ mod tests {
         assert!(parse_admin("localhost").is_err());
         assert_eq!(parse_grpc("on"), Ok("127.0.0.1:8081".parse().unwrap()));
         assert!(parse_grpc("8081").is_err());
+    }
+
+    #[test]
+    fn http_limits_are_checked_when_parsed() {
+        use clap::{Args, FromArgMatches};
+        let parse = |args: &[&str]| {
+            let cmd = RulesServerConfig::augment_args(clap::Command::new("rules-server"));
+            cmd.try_get_matches_from(std::iter::once("rules-server").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|m| RulesServerConfig::from_arg_matches(&m).map_err(|e| e.to_string()))
+        };
+        let c = parse(&[]).unwrap();
+        assert_eq!((c.http_max_connections, c.http_header_timeout_ms), (4_096, 5_000));
+        let c = parse(&["--http-max-connections", "8", "--http-header-timeout-ms", "250"]).unwrap();
+        let limits = c.serve_options().limits;
+        assert_eq!(
+            (limits.max_connections, limits.per_peer(), limits.header_timeout),
+            (8, 2, std::time::Duration::from_millis(250))
+        );
+        for bad in [
+            ["--http-max-connections", "0"],
+            ["--http-max-connections", "many"],
+            ["--http-header-timeout-ms", "0"],
+        ] {
+            let e = parse(&bad).unwrap_err();
+            assert!(e.contains(bad[0]), "{e}");
+        }
     }
 }

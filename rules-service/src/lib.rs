@@ -5,8 +5,11 @@
 //! - [`store`]: the rules store over SQLite or PostgreSQL (versions, migrations, the audit log).
 //! - [`server`]: `floodgate rules-server`: the API served until shutdown, over HTTP or TLS.
 //! - [`http`]: the client agents and the CLI use (reqwest over rustls), and the server's TLS settings.
+//! - [`listen`]: serving a router with a connection cap, a per-peer share and timeouts (the rules
+//!   service's listener, and the agent's admin and embedded rules APIs).
 
 pub mod http;
+pub mod listen;
 pub mod server;
 pub mod service;
 pub mod store;
