@@ -49,6 +49,17 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = crate::server::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
 
+    /// Most connections each HTTP listener (admin API, embedded rules API) holds open, a quarter of
+    /// them per peer address; past it a new connection is closed at once and counted in
+    /// `floodgate_connections_refused_total` (listener `admin` or `rules`).
+    #[arg(long, env = "FLOODGATE_HTTP_MAX_CONNECTIONS", default_value_t = floodgate_rules_service::listen::AGENT_MAX_CONNECTIONS, value_parser = http_max_connections())]
+    pub http_max_connections: usize,
+
+    /// How long an HTTP client (admin API, embedded rules API) has to send a request's head, and
+    /// how long a kept-alive connection may wait idle, in milliseconds; then it is closed.
+    #[arg(long, env = "FLOODGATE_HTTP_HEADER_TIMEOUT_MS", default_value_t = floodgate_rules_service::listen::DEFAULT_HEADER_TIMEOUT_MS, value_parser = http_header_timeout_ms())]
+    pub http_header_timeout_ms: u64,
+
     /// Admin HTTP address (`/healthz`, `/readyz`, `/metrics`, `/v1/status`, `/v1/batch`), or `off`;
     /// port 0 picks one and logs it. It has no authentication: keep it off public networks.
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
@@ -312,6 +323,11 @@ impl AgentConfig {
                     .map(PathBuf::from)
             })
             .unwrap_or_default()
+    }
+
+    /// The limits of each of the agent's HTTP listeners (admin API, embedded rules API).
+    pub fn http_limits(&self) -> floodgate_rules_service::listen::Limits {
+        http_limits(self.http_max_connections, self.http_header_timeout_ms)
     }
 
     /// The embedded rules store's URL.

@@ -37,7 +37,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
-    ("floodgate_connections_refused_total", "Connections refused because their listener (unix, tcp, grpc) held its --max-connections"),
+    ("floodgate_connections_refused_total", "Connections refused because their listener held its cap: unix, tcp, grpc past --max-connections; admin, rules (the HTTP APIs) past --http-max-connections or the peer address's quarter of it"),
     ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits, hits_addend 0)"),
     ("floodgate_script_errors_total", "Script calls and entries Redis answered with an error of the script itself (a key of another type, a number Redis refuses), by op: check (the check answered by its rules' fail modes; the shard's breaker stays closed, Redis being there), write_back and take_back (the entry dropped, never retried; the call's other entries applied)"),
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
@@ -223,7 +223,8 @@ pub fn script_errors(op: &'static str, n: u64) {
     }
 }
 
-/// A connection refused because the agent holds its `--max-connections` already.
+/// A connection refused because its listener holds its cap already (`--max-connections`, or
+/// `--http-max-connections` and a peer's share of it for `admin` and `rules`).
 pub fn connection_refused(listener: &'static str) {
     if on() {
         counter!("floodgate_connections_refused_total", "listener" => listener).increment(1);

@@ -7,7 +7,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::time::{Duration, Instant};
 
 use floodgate_tests::raw_http::{closed, connect_from, exchange, half_sent};
-use floodgate_tests::{eventually, RulesServer};
+use floodgate_tests::{eventually, Agent, RulesServer};
 use tokio::net::TcpStream;
 
 /// The cap the tests run with: a quarter of it (4) per peer address.
@@ -148,4 +148,38 @@ async fn closed_after_the_header_timeout_all(held: Vec<TcpStream>, opened: Insta
     let n = held.len();
     until_closed("the half-sent requests are closed", held, n).await;
     assert!(opened.elapsed() >= HEADER_TIMEOUT, "{:?}", opened.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn agent_http_listeners_answer_while_one_client_holds_half_sent_requests() {
+    let mut agent = Agent::builder();
+    for a in limits() {
+        agent = agent.arg(&a);
+    }
+    let agent = agent.start().await;
+    let admin = agent.admin_addr().await;
+    let rules = agent.rules_addr().await;
+    for (addr, label, path) in [(admin, "admin", "/metrics"), (rules, "rules", "/v1/rules")] {
+        let (held, opened) = flood(addr, path).await;
+        // The admin API answers from another address meanwhile, and counts the refusals.
+        let mut op = connect_from(loopback(2), admin).await;
+        let (status, _, metrics) = exchange(
+            &mut op,
+            "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert_eq!(status, 200, "{metrics}");
+        let series = format!("floodgate_connections_refused_total{{listener=\"{label}\"}} ");
+        let refused: f64 = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&series))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{series} in\n{metrics}"));
+        assert_eq!(refused, (CAP - SHARE) as f64);
+        assert!(
+            held.iter().all(|c| !closed(c)),
+            "answered while the half-sent requests were held"
+        );
+        closed_after_the_header_timeout(held, opened).await;
+    }
 }

@@ -165,17 +165,17 @@ impl RulesSource {
                         .with_context(|| {
                             format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
                         })?;
-                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), "rules API listening (embedded, loopback only, no token)");
+                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), max_connections = config.http_max_connections, "rules API listening (embedded, loopback only, no token)");
                     let app = service::app(state.clone());
                     let (mut stop, closing) = (shutdown.clone(), state.clone());
+                    let limits = config.http_limits();
                     tokio::spawn(async move {
-                        let graceful = async move {
+                        let stop = async move {
                             stopped(&mut stop).await;
                             closing.close();
                         };
-                        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(graceful).await {
-                            tracing::error!(error = %e, "rules API failed");
-                        }
+                        floodgate_rules_service::listen::serve(listener, app, None, limits, "rules", stop)
+                            .await;
                     });
                 }
                 // Log mode's would-be rejections go to the embedded service every second.
