@@ -46,7 +46,15 @@ pub async fn run(config: ServeOptions, mut shutdown: watch::Receiver<bool>) -> a
         .with_context(|| format!("cannot serve the rules API on {}", config.listen))?;
     tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = config.tokens.len(), max_connections = config.limits.max_connections, "rules service listening");
     tokio::spawn(service::poll_version(state.clone(), shutdown.clone()));
-    let app = service::app(state.clone());
+    let mut app = service::app(state.clone());
+    if !state.authenticated() {
+        // No token: anyone who reaches loopback may write, so web pages must not.
+        app = crate::browser::BrowserGuard {
+            loopback_host: true,
+            json_bodies: true,
+        }
+        .layer(app);
+    }
     let tls = match &config.tls {
         Some((cert, key)) => {
             let tls = http::server_tls(cert, key).map_err(|e| anyhow::anyhow!("rules service TLS: {e}"))?;

@@ -129,7 +129,7 @@ pub async fn http_request(addr: std::net::SocketAddr, method: &str, path: &str, 
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
         );
         s.write_all(format!("{head}{body}").as_bytes())

@@ -171,6 +171,13 @@ pub async fn run_with_reloads(
             .with_context(|| format!("cannot serve admin HTTP on {addr}"))?;
         tracing::info!(addr = %listener.local_addr()?, max_connections = config.http_max_connections, "admin HTTP listening");
         let app = admin::app(engine.clone()).layer(axum::Extension(metrics.clone()));
+        // No token: on loopback only loopback Hosts (DNS rebinding); anywhere, no cross-site
+        // writes. Bodies may be sent as curl sends them: a form cannot PUT.
+        let guard = floodgate_rules_service::browser::BrowserGuard {
+            loopback_host: addr.ip().is_loopback(),
+            json_bodies: false,
+        };
+        let app = guard.layer(app);
         let mut stop = shutdown.clone();
         let limits = config.http_limits();
         tokio::spawn(async move {

@@ -9,6 +9,7 @@ use floodgate_core::engine::{Engine, RefusedRules};
 use floodgate_core::rules::{self, RuleSet};
 use floodgate_core::store::Clock;
 use floodgate_core::tasks::{every, stopped};
+use floodgate_rules_service::browser::BrowserGuard;
 use floodgate_rules_service::service::{self, ServiceState};
 use floodgate_rules_service::{http, store::RulesStore};
 use tokio::sync::watch;
@@ -166,7 +167,12 @@ impl RulesSource {
                             format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
                         })?;
                     tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), max_connections = config.http_max_connections, "rules API listening (embedded, loopback only, no token)");
-                    let app = service::app(state.clone());
+                    // No token: anyone who reaches loopback may write, so web pages must not.
+                    let guard = BrowserGuard {
+                        loopback_host: true,
+                        json_bodies: true,
+                    };
+                    let app = guard.layer(service::app(state.clone()));
                     let (mut stop, closing) = (shutdown.clone(), state.clone());
                     let limits = config.http_limits();
                     tokio::spawn(async move {
