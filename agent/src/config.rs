@@ -274,10 +274,25 @@ pub struct RulesServerConfig {
     )]
     pub db: String,
 
-    /// Operator tokens, `name:secret` (or a bare secret, named `operator`); repeat for several. With
-    /// none, the API listens on loopback only.
+    /// Write tokens (every request), `name:secret` (or a bare secret, named `operator`); repeat for
+    /// several. With no token of any kind, the API listens on loopback only. A flag's secret is in
+    /// `ps`: prefer `--token-file`.
     #[arg(long = "token", env = "FLOODGATE_RULES_TOKENS", value_delimiter = ',')]
     pub tokens: Vec<String>,
+
+    /// Read tokens, `name:secret`: list, get and watch rules, read and report dry runs (what agents
+    /// do); anything else gets 403. Repeat for several.
+    #[arg(
+        long = "read-token",
+        env = "FLOODGATE_RULES_READ_TOKENS",
+        value_delimiter = ','
+    )]
+    pub read_tokens: Vec<String>,
+
+    /// A file of tokens, one `write name:secret` or `read name:secret` a line (blank lines and `#`
+    /// comments allowed), readable by its owner only (mode 0600 or 0400).
+    #[arg(long, env = "FLOODGATE_RULES_TOKENS_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
 
     /// Most connections the rules API holds open, a quarter of them per peer address (each
     /// following agent keeps one); past it a new connection is closed at once.
@@ -305,6 +320,8 @@ impl RulesServerConfig {
             listen: self.listen,
             db: self.db.clone(),
             tokens: self.tokens.clone(),
+            read_tokens: self.read_tokens.clone(),
+            token_file: self.token_file.clone(),
             tls: self.tls_cert.clone().zip(self.tls_key.clone()),
             limits: http_limits(self.http_max_connections, self.http_header_timeout_ms),
         }

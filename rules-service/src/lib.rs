@@ -2,6 +2,7 @@
 //!
 //! # Map
 //! - [`service`]: the API (`PUT/GET/DELETE /v1/rules`, watches, dry-run reports, tokens, audit).
+//! - [`tokens`]: tokens and their scopes (write, read), from flags and token files.
 //! - [`store`]: the rules store over SQLite or PostgreSQL (versions, migrations, the audit log).
 //! - [`server`]: `floodgate rules-server`: the API served until shutdown, over HTTP or TLS.
 //! - [`http`]: the client agents and the CLI use (reqwest over rustls), and the server's TLS settings.
@@ -16,5 +17,6 @@ pub mod listen;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod tokens;
 
 pub use server::{run, ServeOptions};

@@ -10,6 +10,7 @@ use tokio::sync::watch;
 
 use crate::service::{self, ServiceState};
 use crate::store::RulesStore;
+use crate::tokens::{self, Scope, Token, TokenError};
 use crate::{http, listen};
 
 /// How the rules service runs (the binary's `floodgate rules-server` flags fill it).
@@ -19,17 +20,40 @@ pub struct ServeOptions {
     pub listen: SocketAddr,
     /// The store: `sqlite://path` or `postgres://user@host/db`.
     pub db: String,
-    /// Operator tokens, `name:secret` (or a bare secret); none: loopback only.
+    /// Write tokens, `name:secret` (or a bare secret); with no token at all: loopback only.
     pub tokens: Vec<String>,
+    /// Read tokens, `name:secret` (or a bare secret): the rules, watches and dry runs only.
+    pub read_tokens: Vec<String>,
+    /// A file of `write name:secret` and `read name:secret` lines, readable by its owner only.
+    pub token_file: Option<PathBuf>,
     /// The TLS certificate chain and key (PEM), both or neither.
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The connection cap and timeouts of its listener.
     pub limits: listen::Limits,
 }
 
+impl ServeOptions {
+    /// Every token: `--token` (write), `--read-token`, then the token file's.
+    pub fn tokens(&self) -> Result<Vec<Token>, TokenError> {
+        let mut all = Vec::new();
+        for t in &self.tokens {
+            all.push(tokens::from_flag(t, Scope::Write)?);
+        }
+        for t in &self.read_tokens {
+            all.push(tokens::from_flag(t, Scope::Read)?);
+        }
+        if let Some(path) = &self.token_file {
+            all.extend(tokens::from_file(path)?);
+        }
+        tokens::check(&all)?;
+        Ok(all)
+    }
+}
+
 /// Runs the rules service until `shutdown` turns true (`floodgate rules-server`).
 pub async fn run(config: ServeOptions, mut shutdown: watch::Receiver<bool>) -> anyhow::Result<()> {
-    if config.tokens.is_empty() {
+    let tokens = config.tokens()?;
+    if tokens.is_empty() {
         anyhow::ensure!(
             config.listen.ip().is_loopback(),
             "no --token configured: the rules API would be open to anyone, so it listens on loopback only, not {}",
@@ -37,14 +61,18 @@ pub async fn run(config: ServeOptions, mut shutdown: watch::Receiver<bool>) -> a
         );
         tracing::warn!("no --token configured: the rules API listens on loopback only and asks for no token");
     }
+    let (write, read) = (
+        tokens.iter().filter(|t| t.scope == Scope::Write).count(),
+        tokens.iter().filter(|t| t.scope == Scope::Read).count(),
+    );
     let store = RulesStore::open(&config.db)
         .await
         .with_context(|| format!("cannot open the rules store {}", config.db))?;
-    let state = ServiceState::new(store, &config.tokens).await?;
+    let state = ServiceState::new(store, tokens).await?;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot serve the rules API on {}", config.listen))?;
-    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = config.tokens.len(), max_connections = config.limits.max_connections, "rules service listening");
+    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), tokens = write, read_tokens = read, max_connections = config.limits.max_connections, "rules service listening");
     tokio::spawn(service::poll_version(state.clone(), shutdown.clone()));
     let mut app = service::app(state.clone());
     if !state.authenticated() {

@@ -46,7 +46,7 @@ impl RulesSource {
         let store = RulesStore::open(&db).await.with_context(|| {
             format!("cannot open the rules store {db}; name a writable file with --rules-db")
         })?;
-        let state = ServiceState::new(store, &[]).await?;
+        let state = ServiceState::new(store, Vec::new()).await?;
         let example: Vec<rules::Rule> = RuleSet::parse(rules::EXAMPLE_RULES)?
             .iter()
             .map(|r| (**r).clone())
