@@ -161,9 +161,14 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_URL")]
     pub rules_url: Option<String>,
 
-    /// Bearer token for the rules service.
+    /// Bearer token for the rules service (visible in `ps` as a flag: prefer `--rules-token-file`).
     #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
     pub rules_token: Option<String>,
+
+    /// A file holding the bearer token for the rules service (trimmed), kept out of `ps` and the
+    /// environment; read at start.
+    #[arg(long, env = "FLOODGATE_RULES_TOKEN_FILE", conflicts_with = "rules_token")]
+    pub rules_token_file: Option<PathBuf>,
 
     /// PEM certificates to trust for an `https://` rules service (a private CA), besides the
     /// system's store.
@@ -347,6 +352,21 @@ impl AgentConfig {
         http_limits(self.http_max_connections, self.http_header_timeout_ms)
     }
 
+    /// The rules service's bearer token: `--rules-token`, or read from `--rules-token-file`.
+    /// Both set (a flag and the config file, say) is refused rather than one picked.
+    pub fn rules_token(&self) -> anyhow::Result<Option<String>> {
+        match (&self.rules_token, &self.rules_token_file) {
+            (Some(_), Some(_)) => anyhow::bail!(
+                "both rules_token and rules_token_file are set (flags, environment or config file); keep one"
+            ),
+            (_, Some(path)) => Ok(Some(
+                floodgate_rules_service::tokens::secret_from_file(path)
+                    .map_err(|e| anyhow::anyhow!("--rules-token-file: {e}"))?,
+            )),
+            (token, None) => Ok(token.clone()),
+        }
+    }
+
     /// The embedded rules store's URL.
     pub fn rules_db(&self) -> String {
         self.rules_db.clone().unwrap_or_else(|| {
@@ -445,6 +465,30 @@ mod tests {
         assert!(parse_admin("localhost").is_err());
         assert_eq!(parse_grpc("on"), Ok("127.0.0.1:8081".parse().unwrap()));
         assert!(parse_grpc("8081").is_err());
+    }
+
+    #[test]
+    fn the_rules_token_comes_from_a_flag_or_a_file_not_both() {
+        use clap::{Args, FromArgMatches};
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let file = file.to_str().unwrap();
+        let parse = |cmd: clap::Command, args: &[&str]| {
+            cmd.try_get_matches_from(std::iter::once("agent").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|m| AgentConfig::from_arg_matches(&m).map_err(|e| e.to_string()))
+        };
+        let agent = || AgentConfig::augment_args(clap::Command::new("agent"));
+        let c = parse(agent(), &["--rules-token-file", file]).unwrap();
+        assert_eq!(c.rules_token().unwrap().as_deref(), Some("s3cret"));
+        let e = parse(agent(), &["--rules-token", "x", "--rules-token-file", file]).unwrap_err();
+        assert!(e.contains("cannot be used with"), "{e}");
+        // A config file's value is a default, which clap does not count as a conflict: refused when
+        // the token is asked for, rather than one of the two picked.
+        let cmd = crate::settings::apply_file(agent(), "rules_token = \"x\"\n").unwrap();
+        let c = parse(cmd, &["--rules-token-file", file]).unwrap();
+        assert!(c.rules_token().is_err());
     }
 
     #[test]

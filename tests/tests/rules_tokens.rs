@@ -1,13 +1,14 @@
 //! The rules service's token scopes and token files, against real processes: a read token reads,
 //! watches and reports dry runs but cannot write; a token file gives both kinds; a token file
-//! other users can read (or with a bad line) stops the service at start.
+//! other users can read (or with a bad line) stops the service at start; an agent and the CLI read
+//! their token from a file.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use floodgate_rules_service::http::{request, Response};
-use floodgate_tests::{floodgate_bin, RulesServer};
+use floodgate_tests::{agent_status, eventually, floodgate_bin, patient_client, Agent, RulesServer};
 
 const T: Duration = Duration::from_secs(10);
 const RULE: &str = r#"{"dimension":"user","limit":1,"windowSeconds":60,"mode":"log"}"#;
@@ -150,4 +151,64 @@ async fn a_token_file_others_can_read_or_with_a_bad_line_stops_the_start() {
     assert!(!err.contains("hunter2"), "the error shows no secret: {err}");
     let err = refused_start(&dir, &["--token", "ops:same", "--read-token", "agents:same"]);
     assert!(err.contains("same secret"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_and_the_cli_read_their_token_from_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = secret_file(
+        dir.path(),
+        "tokens",
+        "write ops:w5ecret\nread agents:r5ecret\n",
+        0o600,
+    );
+    let s = RulesServer::start_with(&db(&dir), &[], &["--token-file", file.to_str().unwrap()]).await;
+    // Trimmed: a file written by `echo` ends in a newline.
+    let ops = secret_file(dir.path(), "ops-token", "w5ecret\n", 0o600);
+    let agents = secret_file(dir.path(), "agent-token", "  r5ecret\n", 0o600);
+    let rule = secret_file(dir.path(), "rule.json", RULE, 0o600);
+    let cli = |token: &Path, args: &[&str]| {
+        std::process::Command::new(floodgate_bin())
+            .args(["rules", "--server", &s.url(), "--token-file"])
+            .arg(token)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&ops, &["put", "p", "--file", rule.to_str().unwrap()]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = cli(&agents, &["put", "p", "--file", rule.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("403 this token may only read"),
+        "{err}"
+    );
+
+    // The agent follows with the read token from its file, and reports its log-mode rule's
+    // would-be rejections with it.
+    let agent = Agent::builder()
+        .arg("--rules-url")
+        .arg(&s.url())
+        .arg("--rules-token-file")
+        .arg(agents.to_str().unwrap())
+        .start()
+        .await;
+    eventually("the agent holds the rule", T, || async {
+        (agent_status(&agent).await["rules"] == serde_json::json!(["p"])).then_some(())
+    })
+    .await;
+    let client = patient_client(agent.socket()).await;
+    for _ in 0..3 {
+        assert!(client.allow("user:u", "p", 1).await.unwrap().allowed, "log mode");
+    }
+    eventually(
+        "the agent's dry run reaches the service",
+        Duration::from_secs(15),
+        || async {
+            let r = call(&s, "GET", "/v1/rules/p/dry-run", "r5ecret", None).await;
+            let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
+            (v["wouldReject"].as_u64()? >= 2).then_some(())
+        },
+    )
+    .await;
 }

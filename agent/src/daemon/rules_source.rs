@@ -36,7 +36,7 @@ impl RulesSource {
             let cache = config.rules_cache();
             return Ok(RulesSource::Service(follow::FollowConfig {
                 url: url.clone(),
-                token: config.rules_token.clone(),
+                token: config.rules_token()?,
                 poll: Duration::from_millis(config.rules_poll_ms.max(100)),
                 watch: Duration::from_secs(config.rules_watch_s.min(service::MAX_WATCH_SECONDS)),
                 cache: Some(cache),
