@@ -14,9 +14,12 @@ pub struct RulesCli {
     /// The rules API, `http://host:port` or `https://host:port`.
     #[arg(long, env = "FLOODGATE_RULES_SERVER", default_value = "http://127.0.0.1:9791")]
     pub server: String,
-    /// Bearer token.
+    /// Bearer token (visible in `ps` as a flag: prefer `--token-file`).
     #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
     pub token: Option<String>,
+    /// A file holding the bearer token (trimmed).
+    #[arg(long, env = "FLOODGATE_RULES_TOKEN_FILE", conflicts_with = "token")]
+    pub token_file: Option<std::path::PathBuf>,
     /// PEM certificates to trust for an `https://` server (a private CA), besides the system's.
     #[arg(long, env = "FLOODGATE_RULES_CA")]
     pub ca: Option<std::path::PathBuf>,
@@ -84,7 +87,14 @@ pub enum RulesCommand {
 /// Runs one CLI command; prints its result.
 pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
     http::configure(cli.ca.as_deref()).map_err(|e| anyhow::anyhow!("--ca: {e}"))?;
-    let token = cli.token.as_deref();
+    let token = match &cli.token_file {
+        Some(path) => Some(
+            floodgate_rules_service::tokens::secret_from_file(path)
+                .map_err(|e| anyhow::anyhow!("--token-file: {e}"))?,
+        ),
+        None => cli.token.clone(),
+    };
+    let token = token.as_deref();
     let call =
         |method: &'static str, path: String, extra: Vec<(&'static str, String)>, body: Option<Vec<u8>>| {
             let server = cli.server.clone();

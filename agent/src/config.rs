@@ -68,6 +68,17 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_FRAME_TIMEOUT_MS", default_value_t = NonZeroU64::new(crate::server::DEFAULT_FRAME_TIMEOUT.as_millis() as u64).expect("non-zero"))]
     pub frame_timeout_ms: NonZeroU64,
 
+    /// Most connections each HTTP listener (admin API, embedded rules API) holds open, a quarter of
+    /// them per peer address; past it a new connection is closed at once and counted in
+    /// `floodgate_connections_refused_total` (listener `admin` or `rules`).
+    #[arg(long, env = "FLOODGATE_HTTP_MAX_CONNECTIONS", default_value_t = floodgate_rules_service::listen::AGENT_MAX_CONNECTIONS, value_parser = http_max_connections())]
+    pub http_max_connections: usize,
+
+    /// How long an HTTP client (admin API, embedded rules API) has to send a request's head, and
+    /// how long a kept-alive connection may wait idle, in milliseconds; then it is closed.
+    #[arg(long, env = "FLOODGATE_HTTP_HEADER_TIMEOUT_MS", default_value_t = floodgate_rules_service::listen::DEFAULT_HEADER_TIMEOUT_MS, value_parser = http_header_timeout_ms())]
+    pub http_header_timeout_ms: u64,
+
     /// Admin HTTP address (`/healthz`, `/readyz`, `/metrics`, `/v1/status`, `/v1/batch`), or `off`;
     /// port 0 picks one and logs it. It has no authentication: keep it off public networks.
     #[arg(long, env = "FLOODGATE_ADMIN", default_value = "127.0.0.1:9790", value_parser = parse_admin)]
@@ -169,9 +180,14 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_URL")]
     pub rules_url: Option<String>,
 
-    /// Bearer token for the rules service.
+    /// Bearer token for the rules service (visible in `ps` as a flag: prefer `--rules-token-file`).
     #[arg(long, env = "FLOODGATE_RULES_TOKEN")]
     pub rules_token: Option<String>,
+
+    /// A file holding the bearer token for the rules service (trimmed), kept out of `ps` and the
+    /// environment; read at start.
+    #[arg(long, env = "FLOODGATE_RULES_TOKEN_FILE", conflicts_with = "rules_token")]
+    pub rules_token_file: Option<PathBuf>,
 
     /// PEM certificates to trust for an `https://` rules service (a private CA), besides the
     /// system's store.
@@ -282,10 +298,35 @@ pub struct RulesServerConfig {
     )]
     pub db: String,
 
-    /// Operator tokens, `name:secret` (or a bare secret, named `operator`); repeat for several. With
-    /// none, the API listens on loopback only.
+    /// Write tokens (every request), `name:secret` (or a bare secret, named `operator`); repeat for
+    /// several. With no token of any kind, the API listens on loopback only. A flag's secret is in
+    /// `ps`: prefer `--token-file`.
     #[arg(long = "token", env = "FLOODGATE_RULES_TOKENS", value_delimiter = ',')]
     pub tokens: Vec<String>,
+
+    /// Read tokens, `name:secret`: list, get and watch rules, read and report dry runs (what agents
+    /// do); anything else gets 403. Repeat for several.
+    #[arg(
+        long = "read-token",
+        env = "FLOODGATE_RULES_READ_TOKENS",
+        value_delimiter = ','
+    )]
+    pub read_tokens: Vec<String>,
+
+    /// A file of tokens, one `write name:secret` or `read name:secret` a line (blank lines and `#`
+    /// comments allowed), readable by its owner only (mode 0600 or 0400).
+    #[arg(long, env = "FLOODGATE_RULES_TOKENS_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+
+    /// Most connections the rules API holds open, a quarter of them per peer address (each
+    /// following agent keeps one); past it a new connection is closed at once.
+    #[arg(long, env = "FLOODGATE_HTTP_MAX_CONNECTIONS", default_value_t = floodgate_rules_service::listen::SERVICE_MAX_CONNECTIONS, value_parser = http_max_connections())]
+    pub http_max_connections: usize,
+
+    /// How long a client has to send a request's head, and how long a kept-alive connection may
+    /// wait idle, in milliseconds; then it is closed.
+    #[arg(long, env = "FLOODGATE_HTTP_HEADER_TIMEOUT_MS", default_value_t = floodgate_rules_service::listen::DEFAULT_HEADER_TIMEOUT_MS, value_parser = http_header_timeout_ms())]
+    pub http_header_timeout_ms: u64,
 
     /// Log filter (tracing's env-filter syntax).
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
@@ -303,7 +344,10 @@ impl RulesServerConfig {
             listen: self.listen,
             db: self.db.clone(),
             tokens: self.tokens.clone(),
+            read_tokens: self.read_tokens.clone(),
+            token_file: self.token_file.clone(),
             tls: self.tls_cert.clone().zip(self.tls_key.clone()),
+            limits: http_limits(self.http_max_connections, self.http_header_timeout_ms),
         }
     }
 }
@@ -362,6 +406,26 @@ impl AgentConfig {
             .unwrap_or_default()
     }
 
+    /// The limits of each of the agent's HTTP listeners (admin API, embedded rules API).
+    pub fn http_limits(&self) -> floodgate_rules_service::listen::Limits {
+        http_limits(self.http_max_connections, self.http_header_timeout_ms)
+    }
+
+    /// The rules service's bearer token: `--rules-token`, or read from `--rules-token-file`.
+    /// Both set (a flag and the config file, say) is refused rather than one picked.
+    pub fn rules_token(&self) -> anyhow::Result<Option<String>> {
+        match (&self.rules_token, &self.rules_token_file) {
+            (Some(_), Some(_)) => anyhow::bail!(
+                "both rules_token and rules_token_file are set (flags, environment or config file); keep one"
+            ),
+            (_, Some(path)) => Ok(Some(
+                floodgate_rules_service::tokens::secret_from_file(path)
+                    .map_err(|e| anyhow::anyhow!("--rules-token-file: {e}"))?,
+            )),
+            (token, None) => Ok(token.clone()),
+        }
+    }
+
     /// The embedded rules store's URL.
     pub fn rules_db(&self) -> String {
         self.rules_db.clone().unwrap_or_else(|| {
@@ -395,6 +459,25 @@ impl AgentConfig {
             .map(String::from)
             .collect()
     }
+}
+
+/// An HTTP listener's limits from its two flags.
+pub fn http_limits(
+    max_connections: usize,
+    header_timeout_ms: u64,
+) -> floodgate_rules_service::listen::Limits {
+    floodgate_rules_service::listen::Limits::new(max_connections)
+        .header_timeout(std::time::Duration::from_millis(header_timeout_ms))
+}
+
+/// `--http-max-connections`: 1 to 1,000,000 (past a million the file descriptors run out first).
+fn http_max_connections() -> clap::builder::RangedU64ValueParser<usize> {
+    clap::builder::RangedU64ValueParser::new().range(1..=1_000_000)
+}
+
+/// `--http-header-timeout-ms`: 1 ms to 10 minutes.
+fn http_header_timeout_ms() -> clap::builder::RangedU64ValueParser<u64> {
+    clap::builder::RangedU64ValueParser::new().range(1..=600_000)
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -441,5 +524,56 @@ mod tests {
         assert!(parse_admin("localhost").is_err());
         assert_eq!(parse_grpc("on"), Ok("127.0.0.1:8081".parse().unwrap()));
         assert!(parse_grpc("8081").is_err());
+    }
+
+    #[test]
+    fn the_rules_token_comes_from_a_flag_or_a_file_not_both() {
+        use clap::{Args, FromArgMatches};
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        let file = file.to_str().unwrap();
+        let parse = |cmd: clap::Command, args: &[&str]| {
+            cmd.try_get_matches_from(std::iter::once("agent").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|m| AgentConfig::from_arg_matches(&m).map_err(|e| e.to_string()))
+        };
+        let agent = || AgentConfig::augment_args(clap::Command::new("agent"));
+        let c = parse(agent(), &["--rules-token-file", file]).unwrap();
+        assert_eq!(c.rules_token().unwrap().as_deref(), Some("s3cret"));
+        let e = parse(agent(), &["--rules-token", "x", "--rules-token-file", file]).unwrap_err();
+        assert!(e.contains("cannot be used with"), "{e}");
+        // A config file's value is a default, which clap does not count as a conflict: refused when
+        // the token is asked for, rather than one of the two picked.
+        let cmd = crate::settings::apply_file(agent(), "rules_token = \"x\"\n").unwrap();
+        let c = parse(cmd, &["--rules-token-file", file]).unwrap();
+        assert!(c.rules_token().is_err());
+    }
+
+    #[test]
+    fn http_limits_are_checked_when_parsed() {
+        use clap::{Args, FromArgMatches};
+        let parse = |args: &[&str]| {
+            let cmd = RulesServerConfig::augment_args(clap::Command::new("rules-server"));
+            cmd.try_get_matches_from(std::iter::once("rules-server").chain(args.iter().copied()))
+                .map_err(|e| e.to_string())
+                .and_then(|m| RulesServerConfig::from_arg_matches(&m).map_err(|e| e.to_string()))
+        };
+        let c = parse(&[]).unwrap();
+        assert_eq!((c.http_max_connections, c.http_header_timeout_ms), (4_096, 5_000));
+        let c = parse(&["--http-max-connections", "8", "--http-header-timeout-ms", "250"]).unwrap();
+        let limits = c.serve_options().limits;
+        assert_eq!(
+            (limits.max_connections, limits.per_peer(), limits.header_timeout),
+            (8, 2, std::time::Duration::from_millis(250))
+        );
+        for bad in [
+            ["--http-max-connections", "0"],
+            ["--http-max-connections", "many"],
+            ["--http-header-timeout-ms", "0"],
+        ] {
+            let e = parse(&bad).unwrap_err();
+            assert!(e.contains(bad[0]), "{e}");
+        }
     }
 }

@@ -37,7 +37,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_rejection_cache_entries", "Rejections cached until their reset"),
     ("floodgate_events_sent_total", "Rejection events written to the Redis stream"),
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
-    ("floodgate_connections_refused_total", "Connections refused because their listener (unix, tcp, grpc) held its --max-connections, or their peer (a uid on the socket, an address on TCP) its --max-connections-per-peer"),
+    ("floodgate_connections_refused_total", "Connections refused because their listener held its cap, or their peer its share of it: unix, tcp, grpc past --max-connections or --max-connections-per-peer (a uid on the socket, an address on TCP and gRPC); admin, rules (the HTTP APIs) past --http-max-connections or the peer address's quarter of it"),
     ("floodgate_connections_closed_total", "Frames connections the agent closed, by reason: idle (nothing in flight for --idle-timeout-ms), frame_timeout (a frame not completed within --frame-timeout-ms), buffers (the read-buffer budget for frames still arriving was spent)"),
     ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits, hits_addend 0)"),
     ("floodgate_checks_shed_total", "Checks (their call groups toward one store shard) the agent answered by their rules' fail modes without asking the store, because its queue there already waited longer than a check's budget (the store timeout from the frame's read): load past capacity, not a Redis failure"),
@@ -232,7 +232,8 @@ pub fn script_errors(op: &'static str, n: u64) {
     }
 }
 
-/// A connection refused because the agent holds its `--max-connections` already.
+/// A connection refused because its listener holds its cap already (`--max-connections`, or
+/// `--http-max-connections` and a peer's share of it for `admin` and `rules`).
 pub fn connection_refused(listener: &'static str) {
     if on() {
         counter!("floodgate_connections_refused_total", "listener" => listener).increment(1);

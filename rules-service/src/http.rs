@@ -73,9 +73,18 @@ fn build(ca: Option<&std::path::Path>) -> Result<reqwest::Client, String> {
     reqwest::Client::builder()
         .use_preconfigured_tls(tls)
         .connect_timeout(Duration::from_secs(5))
+        // The rules service closes a connection idle for its header timeout (5 s by default), and
+        // an agent reports dry runs every 5 s: reusing a connection idle that long would meet the
+        // close, a few milliseconds either way. Past 4 s idle a new connection is made instead.
+        .pool_idle_timeout(POOL_IDLE)
         .build()
         .map_err(|e| format!("cannot build the HTTP client: {e}"))
 }
+
+/// How long a pooled connection may wait idle before the client drops it: under the services'
+/// keep-alive idle timeout, `listen::DEFAULT_HEADER_TIMEOUT_MS`.
+const POOL_IDLE: Duration = Duration::from_secs(4);
+const _: () = assert!(POOL_IDLE.as_secs() * 1_000 < crate::listen::DEFAULT_HEADER_TIMEOUT_MS);
 
 fn client() -> Result<&'static reqwest::Client, String> {
     CLIENT.get_or_init(|| build(None)).as_ref().map_err(Clone::clone)

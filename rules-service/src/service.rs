@@ -1,5 +1,6 @@
 //! The rules service's HTTP API: `PUT/GET/DELETE /v1/rules/{id}`, `GET /v1/rules` with a version
-//! (304 when unchanged) and an optional long-poll watch, `GET /v1/audit`, bearer-token auth.
+//! (304 when unchanged) and an optional long-poll watch, `GET /v1/audit`, bearer-token auth with
+//! read and write scopes.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -20,6 +21,7 @@ use floodgate_core::rules::Rule;
 use floodgate_core::tasks::stopped;
 
 use crate::store::{RulesStore, StoreOpError};
+use crate::tokens::Token;
 
 /// The longest a watch (long poll) may hold a request, in seconds.
 pub const MAX_WATCH_SECONDS: u64 = 55;
@@ -28,8 +30,8 @@ pub const MAX_WATCH_SECONDS: u64 = 55;
 pub struct ServiceState {
     /// The durable store.
     pub store: RulesStore,
-    /// Operators' tokens: (name, secret). Empty: no auth (then the API must listen on loopback).
-    tokens: Vec<(String, String)>,
+    /// The tokens and their scopes. Empty: no auth (then the API must listen on loopback).
+    tokens: Vec<Token>,
     /// The global version, announced to watchers after every write.
     changed: watch::Sender<u64>,
     /// Turns true when the service stops: held watches answer at once instead of holding shutdown.
@@ -39,9 +41,9 @@ pub struct ServiceState {
 }
 
 impl ServiceState {
-    /// A service over `store` with these tokens (`name:secret`, or a bare secret named `operator`).
-    pub async fn new(store: RulesStore, tokens: &[String]) -> anyhow::Result<Arc<Self>> {
-        let tokens = parse_tokens(tokens)?;
+    /// A service over `store` with these tokens (none: no auth).
+    pub async fn new(store: RulesStore, tokens: Vec<Token>) -> anyhow::Result<Arc<Self>> {
+        crate::tokens::check(&tokens)?;
         let version = store.version().await?;
         Ok(Arc::new(ServiceState {
             store,
@@ -96,21 +98,6 @@ impl ServiceState {
     }
 }
 
-/// `name:secret` (or a bare secret, named `operator`); an empty secret or name is refused.
-fn parse_tokens(tokens: &[String]) -> anyhow::Result<Vec<(String, String)>> {
-    tokens
-        .iter()
-        .map(|t| {
-            let (name, secret) = t.split_once(':').unwrap_or(("operator", t));
-            anyhow::ensure!(
-                !name.trim().is_empty() && !secret.trim().is_empty(),
-                "a --token must be name:secret (or a secret) with neither empty, not {t:?}"
-            );
-            Ok((name.to_string(), secret.to_string()))
-        })
-        .collect()
-}
-
 /// The API's router; tests call it without a socket.
 pub fn app(state: Arc<ServiceState>) -> Router {
     Router::new()
@@ -163,10 +150,13 @@ async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Ne
     match state
         .tokens
         .iter()
-        .find(|(_, secret)| constant_time_eq(secret.as_bytes(), given.as_bytes()))
+        .find(|t| constant_time_eq(t.secret.as_bytes(), given.as_bytes()))
     {
-        Some((name, _)) => {
-            req.extensions_mut().insert(Actor(name.clone()));
+        Some(t) if !t.scope.allows(req.method(), req.uri().path()) => {
+            error(StatusCode::FORBIDDEN, "this token may only read")
+        }
+        Some(t) => {
+            req.extensions_mut().insert(Actor(t.name.clone()));
             next.run(req).await
         }
         None => error(StatusCode::FORBIDDEN, "this token is not allowed"),

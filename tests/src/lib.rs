@@ -9,6 +9,8 @@
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
+//! - [`raw_http`]: hand-made HTTP/1.1 from a chosen loopback address: half-sent requests, one
+//!   exchange on a kept-alive connection, whether the server closed it.
 //!
 //! # Example
 //! ```no_run
@@ -25,6 +27,7 @@
 mod agent;
 mod cluster;
 mod proxy;
+pub mod raw_http;
 mod redis;
 mod rules;
 mod wait;
@@ -126,7 +129,7 @@ pub async fn http_request(addr: std::net::SocketAddr, method: &str, path: &str, 
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect admin");
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             body.len()
         );
         s.write_all(format!("{head}{body}").as_bytes())

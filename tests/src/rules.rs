@@ -74,6 +74,11 @@ impl RulesServer {
         format!("{}://{}", self.scheme, self.addr)
     }
 
+    /// Its address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.addr
+    }
+
     /// Its log so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

@@ -28,7 +28,7 @@ async fn starts_on_the_embedded_default_and_says_so() {
     let addr = agent.admin_addr().await;
     for (path, body) in [("/healthz", "ok"), ("/readyz", "ready")] {
         let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
             .await
             .unwrap();
         let mut resp = String::new();
@@ -94,7 +94,7 @@ async fn a_redis_agent_is_not_ready_while_redis_is_away() {
         .await;
     let addr = agent.admin_addr().await;
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    s.write_all(format!("GET /readyz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut resp = String::new();

@@ -170,16 +170,20 @@ pub async fn run_with_reloads(
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("cannot serve admin HTTP on {addr}"))?;
-        tracing::info!(addr = %listener.local_addr()?, "admin HTTP listening");
+        tracing::info!(addr = %listener.local_addr()?, max_connections = config.http_max_connections, "admin HTTP listening");
         let app = admin::app(engine.clone()).layer(axum::Extension(metrics.clone()));
+        // No token: on loopback only loopback Hosts (DNS rebinding); anywhere, no cross-site
+        // writes. Bodies may be sent as curl sends them: a form cannot PUT.
+        let guard = floodgate_rules_service::browser::BrowserGuard {
+            loopback_host: addr.ip().is_loopback(),
+            json_bodies: false,
+        };
+        let app = guard.layer(app);
         let mut stop = shutdown.clone();
+        let limits = config.http_limits();
         tokio::spawn(async move {
-            let graceful = async move {
-                floodgate_core::tasks::stopped(&mut stop).await;
-            };
-            if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(graceful).await {
-                tracing::error!(error = %e, "admin HTTP failed");
-            }
+            let stop = async move { floodgate_core::tasks::stopped(&mut stop).await };
+            floodgate_rules_service::listen::serve(listener, app, None, limits, "admin", stop).await;
         });
     }
 

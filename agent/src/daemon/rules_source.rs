@@ -9,6 +9,7 @@ use floodgate_core::engine::{Engine, RefusedRules};
 use floodgate_core::rules::{self, RuleSet};
 use floodgate_core::store::Clock;
 use floodgate_core::tasks::{every, stopped};
+use floodgate_rules_service::browser::BrowserGuard;
 use floodgate_rules_service::service::{self, ServiceState};
 use floodgate_rules_service::{http, store::RulesStore};
 use tokio::sync::watch;
@@ -35,7 +36,7 @@ impl RulesSource {
             let cache = config.rules_cache();
             return Ok(RulesSource::Service(follow::FollowConfig {
                 url: url.clone(),
-                token: config.rules_token.clone(),
+                token: config.rules_token()?,
                 poll: Duration::from_millis(config.rules_poll_ms.max(100)),
                 watch: Duration::from_secs(config.rules_watch_s.min(service::MAX_WATCH_SECONDS)),
                 cache: Some(cache),
@@ -45,7 +46,7 @@ impl RulesSource {
         let store = RulesStore::open(&db).await.with_context(|| {
             format!("cannot open the rules store {db}; name a writable file with --rules-db")
         })?;
-        let state = ServiceState::new(store, &[]).await?;
+        let state = ServiceState::new(store, Vec::new()).await?;
         let example: Vec<rules::Rule> = RuleSet::parse(rules::EXAMPLE_RULES)?
             .iter()
             .map(|r| (**r).clone())
@@ -165,17 +166,22 @@ impl RulesSource {
                         .with_context(|| {
                             format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
                         })?;
-                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), "rules API listening (embedded, loopback only, no token)");
-                    let app = service::app(state.clone());
+                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), max_connections = config.http_max_connections, "rules API listening (embedded, loopback only, no token)");
+                    // No token: anyone who reaches loopback may write, so web pages must not.
+                    let guard = BrowserGuard {
+                        loopback_host: true,
+                        json_bodies: true,
+                    };
+                    let app = guard.layer(service::app(state.clone()));
                     let (mut stop, closing) = (shutdown.clone(), state.clone());
+                    let limits = config.http_limits();
                     tokio::spawn(async move {
-                        let graceful = async move {
+                        let stop = async move {
                             stopped(&mut stop).await;
                             closing.close();
                         };
-                        if let Err(e) = axum::serve(listener, app).with_graceful_shutdown(graceful).await {
-                            tracing::error!(error = %e, "rules API failed");
-                        }
+                        floodgate_rules_service::listen::serve(listener, app, None, limits, "rules", stop)
+                            .await;
                     });
                 }
                 // Log mode's would-be rejections go to the embedded service every second.
