@@ -25,7 +25,7 @@
 use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -442,12 +442,16 @@ pub struct Pipe {
 }
 
 /// What the node's task tells the checks about to queue (relaxed atomics: an estimate).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct PipeState {
-    /// Set when a call goes out with its oldest check past half its budget (the queue before Redis
-    /// is as long as a check's whole budget, or the agent that far behind); cleared when the queue
-    /// drains.
-    overloaded: AtomicBool,
+    /// Where the µs below count from.
+    epoch: Instant,
+    /// Until when (µs from `epoch`) new checks are shed: set one store timeout ahead when a call
+    /// goes out with its oldest check past half its budget (the queue before Redis is as long as a
+    /// check's whole budget, or the agent that far behind); 0 when the queue drains. It lapses by
+    /// itself, so a flag set just before Redis hung (no reply, no queue, nothing to clear it) lets a
+    /// check through after one timeout, whose timeout then counts toward the breaker.
+    overloaded_until_us: AtomicU64,
     /// Checks sent to the task and not yet in its queue, and the queue's length.
     incoming: AtomicUsize,
     waiting: AtomicUsize,
@@ -455,19 +459,51 @@ struct PipeState {
     rtt_us: AtomicU64,
 }
 
+impl PipeState {
+    fn new() -> Self {
+        PipeState {
+            epoch: Instant::now(),
+            overloaded_until_us: AtomicU64::new(0),
+            incoming: AtomicUsize::new(0),
+            waiting: AtomicUsize::new(0),
+            rtt_us: AtomicU64::new(0),
+        }
+    }
+
+    fn now_us(&self) -> u64 {
+        self.epoch.elapsed().as_micros() as u64
+    }
+
+    fn overloaded(&self) -> bool {
+        let until = self.overloaded_until_us.load(Ordering::Relaxed);
+        until != 0 && self.now_us() < until
+    }
+
+    /// Sheds new checks for one `timeout` from now (`true`), or no longer (`false`).
+    fn set_overloaded(&self, on: bool, timeout: Duration) {
+        let until = if on {
+            self.now_us() + timeout.as_micros() as u64
+        } else {
+            0
+        };
+        self.overloaded_until_us.store(until, Ordering::Relaxed);
+    }
+}
+
 impl Pipe {
-    /// Hands a check to the node's task, or sheds it (`Err` gives it back): when the task says it
-    /// is past capacity, or the calls queued ahead of it would take longer than the `left` of its
-    /// budget (a queue of calls is estimated at one round trip per [`MAX_IN_FLIGHT`] calls, each
-    /// carrying up to `max_items` items). With nothing queued a check is always sent, so a slow
-    /// Redis still meets the timeouts that open its breaker, and the estimate keeps learning.
+    /// Hands a check to the node's task, or sheds it (`Err` gives it back): when its budget is
+    /// gone, when checks are queued and the task says it is past capacity, or when the calls
+    /// queued ahead of it would take longer than the `left` of its budget (a queue of calls is
+    /// estimated at one round trip per [`MAX_IN_FLIGHT`] calls, each carrying up to `max_items`
+    /// items). With nothing queued a check is always sent, so a slow Redis still meets the timeouts
+    /// that open its breaker, and the estimate keeps learning.
     pub fn send_check(&self, job: Job, left: Duration) -> Result<(), Job> {
         let s = &self.state;
         let ahead = s.incoming.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed);
         let calls_ahead = ahead / self.max_items;
         let rtt = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed));
         let wait = rtt * (1 + calls_ahead / MAX_IN_FLIGHT) as u32;
-        if left.is_zero() || s.overloaded.load(Ordering::Relaxed) || (calls_ahead > 0 && wait >= left) {
+        if left.is_zero() || (ahead > 0 && s.overloaded()) || (calls_ahead > 0 && wait >= left) {
             return Err(job);
         }
         s.incoming.fetch_add(1, Ordering::Relaxed);
@@ -481,7 +517,7 @@ impl Pipe {
 /// Starts the task of one node; it ends when the store (every sender) is dropped.
 pub fn spawn(task: NodeTask) -> Pipe {
     let (tx, rx) = mpsc::unbounded_channel();
-    let state = Arc::new(PipeState::default());
+    let state = Arc::new(PipeState::new());
     let max_items = task.max_items.max(1);
     let mut load = Vec::new();
     command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
@@ -522,8 +558,8 @@ struct Node {
     /// The timer of [`Node::slot_frees`], and the instant it is set to.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     timer_at: Option<Instant>,
-    /// What the store reads before queueing a check ([`Pipe::send_check`]): while `overloaded` is
-    /// set the store sheds new checks, so the queue drains and the checks it does take are answered
+    /// What the store reads before queueing a check ([`Pipe::send_check`]): while it says the node
+    /// is overloaded the store sheds new checks, so the queue drains and the checks it does take are answered
     /// within their budget; past capacity, a share of checks is answered by its fail mode at once
     /// rather than every check late.
     state: Arc<PipeState>,
@@ -617,8 +653,8 @@ impl Node {
                 self.waiting.pop_front();
             }
             if self.waiting.is_empty() {
-                if self.state.overloaded.load(Ordering::Relaxed) {
-                    self.state.overloaded.store(false, Ordering::Relaxed);
+                if self.state.overloaded_until_us.load(Ordering::Relaxed) != 0 {
+                    self.state.set_overloaded(false, self.task.timeout);
                 }
                 return;
             }
@@ -660,14 +696,13 @@ impl Node {
                     if left.is_zero() {
                         // Its caller's budget is gone: not sent.
                         let _ = first.reply.send(Err(StoreError::Shed));
-                        self.state.overloaded.store(true, Ordering::Relaxed);
+                        self.state.set_overloaded(true, self.task.timeout);
                         continue;
                     }
                     // Not `left` against the round trip: a Redis slower than the budget must still
                     // be sent checks, whose timeouts open its breaker.
-                    let late = left < self.task.timeout / 2;
-                    if late != self.state.overloaded.load(Ordering::Relaxed) {
-                        self.state.overloaded.store(late, Ordering::Relaxed);
+                    if left < self.task.timeout / 2 {
+                        self.state.set_overloaded(true, self.task.timeout);
                     }
                     let mut jobs = vec![first];
                     let mut items = jobs[0].items.len();
