@@ -34,6 +34,9 @@ pub struct Level {
     pub fail_mode_pct: f64,
     /// Checks offered in all (warm-up included) that got no answer within 5 s of the end.
     pub unanswered: u64,
+    /// The same rate against the bare Unix-socket echo server, same run: its p99, µs (what this
+    /// machine, shared by the load generator, adds at that rate with no limiter at all).
+    pub echo_p99_us: f64,
 }
 
 /// The report: the capacity each run measured, and its levels.
@@ -63,6 +66,9 @@ pub(crate) async fn run(
         .start()
         .await;
     let socket = agent.socket().to_path_buf();
+    let dir = tempfile::tempdir()?;
+    let echo_socket = dir.path().join("echo.sock");
+    let _echo = crate::echo::spawn(&echo_socket)?;
     let mut report = Report {
         capacity: Vec::new(),
         levels: Vec::new(),
@@ -81,6 +87,11 @@ pub(crate) async fn run(
             let result =
                 tokio::task::spawn_blocking(move || open::run(&socket, rate, connections, keys, measure))
                     .await??;
+            let echo_socket = echo_socket.clone();
+            let echo = tokio::task::spawn_blocking(move || {
+                open::run(&echo_socket, rate, connections, keys, measure)
+            })
+            .await??;
             let offered_all = (rate as f64 * (measure + measure / 4).as_secs_f64()).round() as u64;
             let q = |p: f64| result.hist.value_at_quantile(p) as f64 / 1e3;
             let level = Level {
@@ -93,10 +104,11 @@ pub(crate) async fn run(
                 p999_us: q(0.999),
                 fail_mode_pct: 100.0 * result.fallbacks as f64 / result.checks.max(1) as f64,
                 unanswered: offered_all.saturating_sub(result.all_checks),
+                echo_p99_us: echo.hist.value_at_quantile(0.99) as f64 / 1e3,
             };
             println!(
-                "  {factor:>4}x  offered {:>8.0}/s  answered {:>8.0}/s  p50 {:>9.1} µs  p99 {:>9.1} µs  p99.9 {:>9.1} µs  fail mode {:>5.1} %  unanswered {}",
-                level.offered, level.answered, level.p50_us, level.p99_us, level.p999_us, level.fail_mode_pct, level.unanswered
+                "  {factor:>4}x  offered {:>8.0}/s  answered {:>8.0}/s  p50 {:>9.1} µs  p99 {:>9.1} µs  p99.9 {:>9.1} µs  fail mode {:>5.1} %  unanswered {}  echo p99 {:>9.1} µs",
+                level.offered, level.answered, level.p50_us, level.p99_us, level.p999_us, level.fail_mode_pct, level.unanswered, level.echo_p99_us
             );
             report.levels.push(level);
         }
@@ -114,10 +126,11 @@ pub(crate) async fn run(
             v[v.len() / 2]
         };
         println!(
-            "  {factor:>4}x  answered {:>8.0}/s  p99 {:>9.1} µs  fail mode {:>5.1} %",
+            "  {factor:>4}x  answered {:>8.0}/s  p99 {:>9.1} µs  fail mode {:>5.1} %  echo p99 {:>9.1} µs",
             of(|l| l.answered),
             of(|l| l.p99_us),
-            of(|l| l.fail_mode_pct)
+            of(|l| l.fail_mode_pct),
+            of(|l| l.echo_p99_us)
         );
     }
     Ok(report)

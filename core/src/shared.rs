@@ -25,6 +25,12 @@ pub trait SharedStore: Send + Sync + 'static {
     fn shard_count(&self) -> usize;
     /// Where a client key's counters live.
     fn route(&self, key: &str) -> Route;
+    /// Whether a check for `route` read at `received` would be shed now (the store is past its
+    /// capacity there): the engine then answers it by its fail modes at once, without a future, a
+    /// queue or a call. A store that never sheds says no.
+    fn sheds(&self, _route: &Route, _received: std::time::Instant) -> bool {
+        false
+    }
     /// Checks the items of one check atomically (all or nothing); outcomes in item order. Every item
     /// has the same route (the engine groups them). `received` is when the check's frame was read:
     /// its budget (the store timeout) runs from then, not from when it reaches the store.

@@ -111,7 +111,17 @@ impl Engine {
         }
         if let Some(guard) = &self.guard {
             for g in &mut groups {
-                g.permit = Some(guard.breaker(g.route.shard).permit_traffic());
+                let mut permit = guard.breaker(g.route.shard).permit_traffic();
+                // Past capacity toward this shard: shed at once, as a refused breaker is answered
+                // (not sent, so what the fallback admits is Redis's to learn later). Cheaper than
+                // finding out through a future, which is what lets a saturated agent keep up.
+                if permit == Permit::Call && r.sheds(&g.route, received) {
+                    permit = Permit::Refuse;
+                    self.shed.fetch_add(1, Ordering::Relaxed);
+                    crate::metrics::shed();
+                    self.note_store_error(&StoreError::Shed);
+                }
+                g.permit = Some(permit);
             }
             if groups.iter().all(|g| g.permit == Some(Permit::Refuse)) {
                 // Redis was not called: what the fallback admits is Redis's to learn later.

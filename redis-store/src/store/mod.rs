@@ -609,6 +609,14 @@ impl SharedStore for RedisStore {
         RedisStore::route(self, key)
     }
 
+    fn sheds(&self, route: &Route, received: Instant) -> bool {
+        let Some(pipes) = self.pipes() else {
+            return false;
+        };
+        let left = (received + self.timeout).saturating_duration_since(Instant::now());
+        pipes[route.shard % pipes.len()].sheds(left)
+    }
+
     fn check(
         self: Arc<Self>,
         items: Vec<Planned>,

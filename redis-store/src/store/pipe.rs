@@ -491,6 +491,16 @@ impl PipeState {
 }
 
 impl Pipe {
+    /// Whether a check with `left` of its budget would be shed now (see [`send_check`](Self::send_check)).
+    pub fn sheds(&self, left: Duration) -> bool {
+        let s = &self.state;
+        let ahead = s.incoming.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed);
+        let calls_ahead = ahead / self.max_items;
+        let rtt = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed));
+        let wait = rtt * (1 + calls_ahead / MAX_IN_FLIGHT) as u32;
+        left.is_zero() || (ahead > 0 && s.overloaded()) || (calls_ahead > 0 && wait >= left)
+    }
+
     /// Hands a check to the node's task, or sheds it (`Err` gives it back): when its budget is
     /// gone, when checks are queued and the task says it is past capacity, or when the calls
     /// queued ahead of it would take longer than the `left` of its budget (a queue of calls is
@@ -498,15 +508,10 @@ impl Pipe {
     /// items). With nothing queued a check is always sent, so a slow Redis still meets the timeouts
     /// that open its breaker, and the estimate keeps learning.
     pub fn send_check(&self, job: Job, left: Duration) -> Result<(), Job> {
-        let s = &self.state;
-        let ahead = s.incoming.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed);
-        let calls_ahead = ahead / self.max_items;
-        let rtt = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed));
-        let wait = rtt * (1 + calls_ahead / MAX_IN_FLIGHT) as u32;
-        if left.is_zero() || (ahead > 0 && s.overloaded()) || (calls_ahead > 0 && wait >= left) {
+        if self.sheds(left) {
             return Err(job);
         }
-        s.incoming.fetch_add(1, Ordering::Relaxed);
+        self.state.incoming.fetch_add(1, Ordering::Relaxed);
         self.tx.send(Request::Check(job)).map_err(|e| match e.0 {
             Request::Check(job) => job,
             Request::Raw { .. } => unreachable!("a check was sent"),
@@ -701,8 +706,8 @@ impl Node {
                     }
                     // Not `left` against the round trip: a Redis slower than the budget must still
                     // be sent checks, whose timeouts open its breaker.
-                    if left < self.task.timeout / 2 {
-                        self.state.set_overloaded(true, self.task.timeout);
+                    if left < self.task.timeout / 4 {
+                        self.state.set_overloaded(true, self.task.timeout / 2);
                     }
                     let mut jobs = vec![first];
                     let mut items = jobs[0].items.len();
