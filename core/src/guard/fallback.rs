@@ -38,8 +38,9 @@ pub struct LedgerEntry {
 pub struct Fallback {
     store: MemoryStore,
     clock: Clock,
-    scaled: Mutex<HashMap<(String, u64), Arc<Rule>>>,
-    ledger: Mutex<HashMap<(String, CompactString), LedgerEntry>>,
+    /// Per rule id: the rule at limit / N, with what it was made from.
+    scaled: Mutex<HashMap<String, Scaled>>,
+    ledger: Mutex<HashMap<(CompactString, CompactString), LedgerEntry>>,
     /// Checks decided here.
     pub decided: AtomicU64,
     /// Units written back to Redis after recoveries.
@@ -54,6 +55,9 @@ pub struct Fallback {
     full: AtomicBool,
     store_cap: usize,
 }
+
+/// A rule at limit / N: the rule it was made from, N, and the scaled copy.
+struct Scaled(Arc<Rule>, u64, Arc<Rule>);
 
 impl Default for Fallback {
     fn default() -> Self {
@@ -79,27 +83,33 @@ impl Fallback {
         }
     }
 
-    /// The rule with its limit (and burst) divided by `n`, at least 1; cached per (rule, n).
+    /// The rule with its limit (and burst) divided by `n`, at least 1; cached per rule id, and
+    /// found without an allocation while the rule set (whose `Arc`s the checks carry) and N stay
+    /// the same: past capacity every shed check comes here, and a copy of the rule per check cost
+    /// several allocations and a comparison of every field.
     fn scaled(&self, rule: &Arc<Rule>, n: u64) -> Arc<Rule> {
         if n <= 1 {
             return rule.clone();
         }
+        let mut cache = self.scaled.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(Scaled(from, cached_n, scaled)) = cache.get_mut(rule.id.as_str()) {
+            if *cached_n == n && Arc::ptr_eq(from, rule) {
+                return scaled.clone();
+            }
+            // The same rule in a new set: kept, and found by pointer from now on.
+            if *cached_n == n && **from == **rule {
+                *from = rule.clone();
+                return scaled.clone();
+            }
+        }
         let mut r = (**rule).clone();
         r.limit = share(rule.limit, n);
         r.burst = rule.burst.map(|b| share(b, n));
-        let mut cache = self.scaled.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (rule.id.clone(), n);
-        // A cached copy of another version of the rule (any field) is replaced.
-        if let Some(cached) = cache.get(&key) {
-            if **cached == r {
-                return cached.clone();
-            }
-        }
         if cache.len() > 10_000 {
             cache.clear();
         }
         let r = Arc::new(r);
-        cache.insert(key, r.clone());
+        cache.insert(rule.id.clone(), Scaled(rule.clone(), n, r.clone()));
         r
     }
 
@@ -152,7 +162,8 @@ impl Fallback {
                     continue;
                 }
                 let window = now / p.rule.window_ms();
-                let k = (p.rule.id.clone(), p.key.clone());
+                // Rule ids are at most 128 bytes; one of up to 24 is kept inline, no allocation.
+                let k = (CompactString::from(p.rule.id.as_str()), p.key.clone());
                 let full = ledger.len() >= LEDGER_CAP;
                 match ledger.get_mut(&k) {
                     Some(e) if e.window == window => e.units += p.cost,
@@ -191,7 +202,7 @@ impl Fallback {
         let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         ledger.retain(|_, e| e.window + 1 >= now / e.rule.window_ms());
-        let keys: Vec<(String, CompactString)> = ledger.keys().take(max).cloned().collect();
+        let keys: Vec<(CompactString, CompactString)> = ledger.keys().take(max).cloned().collect();
         keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
     }
 
@@ -200,13 +211,13 @@ impl Fallback {
     pub fn restore(&self, entries: Vec<LedgerEntry>) {
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         for e in entries {
-            match ledger.get_mut(&(e.rule.id.clone(), e.key.clone())) {
+            match ledger.get_mut(&(CompactString::from(e.rule.id.as_str()), e.key.clone())) {
                 Some(cur) if cur.window == e.window => cur.units += e.units,
                 // Units of the window before the one now recorded for this key are dropped: one
                 // entry per key keeps the ledger bounded (noted in the README).
                 Some(_) => {}
                 None => {
-                    ledger.insert((e.rule.id.clone(), e.key.clone()), e);
+                    ledger.insert((CompactString::from(e.rule.id.as_str()), e.key.clone()), e);
                 }
             }
         }
