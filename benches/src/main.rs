@@ -279,6 +279,9 @@ enum Command {
         /// Distinct keys.
         #[arg(long, default_value_t = 10_000)]
         keys: usize,
+        /// The agent's worker threads (its default is 1; 0: one per core).
+        #[arg(long, default_value_t = 1)]
+        agent_threads: usize,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/overload.json")]
         json: PathBuf,
@@ -440,10 +443,18 @@ fn main() -> anyhow::Result<()> {
             clients,
             connections,
             keys,
+            agent_threads,
             json,
         }) => {
-            let report =
-                runtime.block_on(overload::run(runs, &factors, seconds, clients, connections, keys))?;
+            let report = runtime.block_on(overload::run(
+                runs,
+                &factors,
+                seconds,
+                clients,
+                connections,
+                keys,
+                agent_threads,
+            ))?;
             write_json(&json, &report)
         }
         Some(Command::Memory { keys, json }) => {

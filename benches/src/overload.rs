@@ -56,6 +56,7 @@ pub(crate) async fn run(
     clients: usize,
     connections: usize,
     keys: usize,
+    agent_threads: usize,
 ) -> anyhow::Result<Report> {
     let measure = Duration::from_secs_f64(seconds);
     let redis = RedisServer::start();
@@ -63,6 +64,8 @@ pub(crate) async fn run(
         .redis(&redis.url())
         .shipped_timeout()
         .rules(RULES)
+        .arg("--threads")
+        .arg(&agent_threads.to_string())
         .start()
         .await;
     let socket = agent.socket().to_path_buf();
