@@ -15,6 +15,7 @@
 //! - [`events`]: the rejection events' bounded queue (the writer is the Redis store's).
 //! - [`metrics`]: counters and histograms recorded through the `metrics` facade.
 //! - [`tasks`]: shutdown helpers for background tasks.
+//! - [`admission`]: a listener's connection cap and each peer's share of it (every listener's).
 //!
 //! # Example
 //! ```
@@ -31,6 +32,7 @@
 //! }
 //! ```
 
+pub mod admission;
 pub mod algo;
 pub mod batch;
 pub mod cache;

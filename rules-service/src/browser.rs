@@ -114,7 +114,7 @@ fn json(headers: &HeaderMap) -> bool {
 fn loopback_authority(authority: &str) -> bool {
     let host = match authority.strip_prefix('[') {
         Some(rest) => match rest.split_once(']') {
-            Some((v6, port)) if port.is_empty() || port_suffix(port) => {
+            Some((v6, rest)) if rest.is_empty() || rest.strip_prefix(':').is_some_and(is_port) => {
                 return v6
                     .parse::<Ipv6Addr>()
                     .is_ok_and(|a| IpAddr::V6(a).to_canonical().is_loopback());
@@ -122,7 +122,7 @@ fn loopback_authority(authority: &str) -> bool {
             _ => return false,
         },
         None => match authority.rsplit_once(':') {
-            Some((host, port)) if port_suffix(&format!(":{port}")) => host,
+            Some((host, port)) if is_port(port) => host,
             Some(_) => return false,
             None => authority,
         },
@@ -132,10 +132,9 @@ fn loopback_authority(authority: &str) -> bool {
         || host.parse::<std::net::Ipv4Addr>().is_ok_and(|a| a.is_loopback())
 }
 
-/// `:` followed by a port number.
-fn port_suffix(s: &str) -> bool {
-    s.strip_prefix(':')
-        .is_some_and(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()))
+/// A port number: 1 to 5 digits.
+fn is_port(p: &str) -> bool {
+    !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit())
 }
 
 #[cfg(test)]

@@ -5,10 +5,8 @@
 //! Without these, 1,100 half-sent requests kept authenticated operators out of `rules-server` for
 //! over a minute, and the agent's HTTP listeners could take every file descriptor the agent has.
 
-use std::collections::HashMap;
 use std::future::Future;
-use std::net::IpAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::Request;
@@ -16,10 +14,11 @@ use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use floodgate_core::admission::{warn_refused, ConnectionCap, Peer};
 use floodgate_core::tasks::stopped;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::watch;
 
 use crate::service::MAX_WATCH_SECONDS;
 
@@ -52,10 +51,6 @@ const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long open connections get to finish what they are answering once shutdown begins.
 const DRAIN: Duration = Duration::from_secs(2);
 
-/// One address may hold at most 1 / PEER_SHARE of the cap: a flood from one host leaves three
-/// quarters to everyone else, and filling the cap takes four addresses.
-const PEER_SHARE: usize = 4;
-
 /// How a listener bounds its connections.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -87,67 +82,20 @@ impl Limits {
 
     /// Most connections one peer address may hold: a quarter of the cap, at least 1.
     pub fn per_peer(&self) -> usize {
-        (self.max_connections / PEER_SHARE).max(1)
-    }
-}
-
-/// The cap and the peers' shares of it.
-///
-/// What the share protects depends on where the listener is. The rules service and an admin API
-/// bound beyond loopback (a container's `0.0.0.0:9790`) see each host at its own address: one host
-/// cannot lock the others (operators, the kubelet's probes, Prometheus) out. On loopback every
-/// local client is `127.0.0.1`, one peer: there the share only keeps a quarter of the cap for
-/// clients that connect from another loopback address, and what protects the agent is the cap
-/// (its file descriptors) and the header timeout (a half-sent request frees its slot in 5 s).
-struct Cap {
-    slots: Arc<Semaphore>,
-    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    per_peer: usize,
-}
-
-/// One connection's place under the cap, given back when it closes.
-struct Slot {
-    _permit: OwnedSemaphorePermit,
-    peers: Arc<Mutex<HashMap<IpAddr, usize>>>,
-    peer: IpAddr,
-}
-
-impl Cap {
-    fn new(limits: &Limits) -> Self {
-        Cap {
-            slots: Arc::new(Semaphore::new(limits.max_connections)),
-            peers: Arc::default(),
-            per_peer: limits.per_peer(),
-        }
+        ConnectionCap::default_share(self.max_connections)
     }
 
-    /// A slot for a connection from `peer`; `None` past the cap or past the peer's share.
-    fn admit(&self, peer: IpAddr) -> Option<Slot> {
-        // `::ffff:10.0.0.1` on a dual-stack listener is the same peer as `10.0.0.1`.
-        let peer = peer.to_canonical();
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if peers.get(&peer).copied().unwrap_or(0) >= self.per_peer {
-            return None;
-        }
-        let permit = self.slots.clone().try_acquire_owned().ok()?;
-        *peers.entry(peer).or_default() += 1;
-        Some(Slot {
-            _permit: permit,
-            peers: self.peers.clone(),
-            peer,
-        })
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        let mut peers = self.peers.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(held) = peers.get_mut(&self.peer) {
-            *held -= 1;
-            if *held == 0 {
-                peers.remove(&self.peer);
-            }
-        }
+    /// The cap and the peers' shares of it.
+    ///
+    /// What the share protects depends on where the listener is. The rules service and an admin
+    /// API bound beyond loopback (a container's `0.0.0.0:9790`) see each host at its own address:
+    /// one host cannot lock the others (operators, the kubelet's probes, Prometheus) out. On
+    /// loopback every local client is `127.0.0.1`, one peer: there the share only keeps a quarter
+    /// of the cap for clients that connect from another loopback address, and what protects the
+    /// agent is the cap (its file descriptors) and the header timeout (a half-sent request frees
+    /// its slot in 5 s).
+    fn cap(&self) -> ConnectionCap {
+        ConnectionCap::new(self.max_connections, self.per_peer())
     }
 }
 
@@ -171,7 +119,7 @@ pub async fn serve(
     let app = app.layer(axum::middleware::from_fn(move |req, next| {
         within_deadline(req, next, timeout)
     }));
-    let cap = Cap::new(&limits);
+    let cap = limits.cap();
     let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopping) = watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
@@ -188,11 +136,14 @@ pub async fn serve(
                         continue;
                     }
                 };
-                let Some(slot) = cap.admit(peer.ip()) else {
-                    floodgate_core::metrics::connection_refused(name);
-                    warn_refused(name, &limits);
-                    drop(tcp);
-                    continue;
+                let slot = match cap.try_acquire(Peer::Ip(peer.ip())) {
+                    Ok(slot) => slot,
+                    Err(why) => {
+                        floodgate_core::metrics::connection_refused(name);
+                        warn_refused(name, &format!("{} (--http-max-connections)", cap.refusal_message(why)));
+                        drop(tcp);
+                        continue;
+                    }
                 };
                 let (app, acceptor, stopping) = (app.clone(), acceptor.clone(), stopping.clone());
                 let header_timeout = limits.header_timeout;
@@ -265,50 +216,9 @@ async fn within_deadline(req: Request, next: Next, timeout: Duration) -> Respons
     }
 }
 
-/// Logs a refused connection at most once every 10 s (a flood must not flood the log too).
-fn warn_refused(name: &'static str, limits: &Limits) {
-    static LAST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    use std::sync::atomic::Ordering::Relaxed;
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let last = LAST.load(Relaxed);
-    if now >= last + 10 && LAST.compare_exchange(last, now, Relaxed, Relaxed).is_ok() {
-        tracing::warn!(
-            listener = name,
-            max = limits.max_connections,
-            per_peer = limits.per_peer(),
-            "HTTP connection refused: the listener holds its maximum of connections, or the peer its share (--http-max-connections)"
-        );
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_peer_gets_a_quarter_and_the_cap_holds_for_all() {
-        let cap = Cap::new(&Limits::new(8));
-        let (a, b, c, d): (IpAddr, IpAddr, IpAddr, IpAddr) = (
-            [10, 0, 0, 1].into(),
-            [10, 0, 0, 2].into(),
-            [10, 0, 0, 3].into(),
-            [10, 0, 0, 4].into(),
-        );
-        let mut held: Vec<Slot> = (0..2).filter_map(|_| cap.admit(a)).collect();
-        assert_eq!(held.len(), 2);
-        assert!(cap.admit(a).is_none(), "a's share is 8 / 4 = 2");
-        held.extend((0..2).filter_map(|_| cap.admit(b)));
-        held.extend((0..2).filter_map(|_| cap.admit(c)));
-        held.extend((0..2).filter_map(|_| cap.admit(d)));
-        assert_eq!(held.len(), 8);
-        assert!(cap.admit([10, 0, 0, 5].into()).is_none(), "the cap is full");
-        held.remove(0);
-        assert!(cap.admit(a).is_some(), "a slot given back is a's again");
-        drop(held);
-        assert!(cap.peers.lock().unwrap().is_empty(), "no peer is left counted");
-    }
 
     #[test]
     fn a_tiny_cap_still_admits_one_per_peer() {

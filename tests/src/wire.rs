@@ -38,10 +38,8 @@ impl RawConn {
         local: std::net::IpAddr,
         addr: std::net::SocketAddr,
     ) -> std::io::Result<Self> {
-        let socket = tokio::net::TcpSocket::new_v4()?;
-        socket.bind(std::net::SocketAddr::new(local, 0))?;
         Ok(RawConn {
-            stream: Box::new(socket.connect(addr).await?),
+            stream: Box::new(crate::raw_http::connect_from(local, addr).await),
             buf: Vec::new(),
         })
     }

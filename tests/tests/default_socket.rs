@@ -70,7 +70,18 @@ async fn an_agent_with_no_socket_flag_serves_where_the_sdks_look() {
     assert!(h.connected);
     assert_eq!(h.path, expected);
     assert_eq!((h.failed_attempts, h.fail_policy_answers), (0, 0));
-    assert!(!expected.starts_with("/tmp"));
+    // Its directory is the agent's alone to write: nobody can bind the path first.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(expected.parent().unwrap())
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(
+        mode & 0o022,
+        0,
+        "{} is {mode:o}",
+        expected.parent().unwrap().display()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

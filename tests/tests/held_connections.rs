@@ -114,13 +114,10 @@ async fn a_client_holding_the_cap_leaves_others_answered_by_the_engine() {
 
     // Meanwhile every check of the other client is the engine's answer.
     let started = Instant::now();
-    let mut checks = 0;
     while started.elapsed() < Duration::from_millis(500) {
         let d = legit.allow("user:ok", "api", 1).await.unwrap();
         assert!(d.from_agent_answer(), "{d:?}");
-        checks += 1;
     }
-    assert!(checks > 0);
 
     // The half-sent connections are closed with an Error once their frame times out (1 s)...
     for (_, mut c) in half {

@@ -12,8 +12,9 @@ use floodgate_core::engine::Engine;
 use floodgate_core::tasks::stopped;
 use floodgate_protocol::ErrorCode;
 
-use super::cap::{warn_refused, BufferBudget, ConnectionCap, Peer};
+use super::cap::BufferBudget;
 use super::connection::{connection, error, Limits, WRITE_TIMEOUT};
+use floodgate_core::admission::{warn_refused, ConnectionCap, Peer};
 
 /// Where the frames protocol is served.
 pub enum Listener {

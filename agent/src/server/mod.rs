@@ -1,5 +1,6 @@
 //! The frames server: the Unix socket bound safely (`bind`), TCP where asked, each listener under a
-//! connection cap with a share per peer and a shared read-buffer budget (`cap`), the accept loop
+//! connection cap with a share per peer (`floodgate_core::admission`) and a shared read-buffer
+//! budget (`cap`), the accept loop
 //! (`listener`), and the pipelined per-connection loop with its idle and frame timeouts
 //! (`connection`).
 
@@ -9,11 +10,9 @@ mod connection;
 mod listener;
 
 pub use bind::bind;
-pub use cap::{
-    warn_refused, BufferBudget, ConnectionCap, Peer, Refusal, Slot, BASE_BUFFER, BUFFER_BUDGET,
-    DEFAULT_MAX_CONNECTIONS,
-};
+pub use cap::{BufferBudget, BASE_BUFFER, BUFFER_BUDGET, DEFAULT_MAX_CONNECTIONS};
 pub use connection::{
     connection, Limits, DEFAULT_FRAME_TIMEOUT, DEFAULT_IDLE_TIMEOUT, MAX_IN_FLIGHT, WRITE_TIMEOUT,
 };
+pub use floodgate_core::admission::{warn_refused, ConnectionCap, Peer, Refusal, Slot};
 pub use listener::{serve, Listener, Serving};

@@ -117,8 +117,6 @@ impl Engine {
                 // finding out through a future, which is what lets a saturated agent keep up.
                 if permit == Permit::Call && r.sheds(&g.route, received) {
                     permit = Permit::Refuse;
-                    self.shed.fetch_add(1, Ordering::Relaxed);
-                    crate::metrics::shed();
                     self.note_store_error(&StoreError::Shed);
                 }
                 g.permit = Some(permit);
@@ -237,13 +235,6 @@ impl Engine {
                     // run (a timed-out one may have) and could run again (a script error would
                     // fail the write-back the same way).
                     let certain = !matches!(e, StoreError::Timeout(_) | StoreError::Script(_));
-                    if matches!(e, StoreError::Script(_)) {
-                        crate::metrics::script_errors("check", 1);
-                    }
-                    if matches!(e, StoreError::Shed) {
-                        self.shed.fetch_add(1, Ordering::Relaxed);
-                        crate::metrics::shed();
-                    }
                     degraded.extend(g.items.iter().map(|&i| (i, certain)));
                 }
             }
@@ -354,8 +345,18 @@ impl Engine {
         Some(finish(plan, out))
     }
 
+    /// A check's store call that failed (or was shed): counted, its kind's metric, and a log line
+    /// at most once a second.
     fn note_store_error(&self, e: &StoreError) {
         self.store_errors.fetch_add(1, Ordering::Relaxed);
+        match e {
+            StoreError::Shed => {
+                self.shed.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::shed();
+            }
+            StoreError::Script(_) => crate::metrics::script_errors("check", 1),
+            _ => {}
+        }
         let now = self.clock.now_ms();
         // At most one log line per second: a store outage at 100K checks/s must not flood the logs.
         let last = self.last_error_log_ms.load(Ordering::Relaxed);

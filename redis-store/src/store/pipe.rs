@@ -839,9 +839,10 @@ impl Node {
 
     /// Gives a call's reply to whoever waits for it.
     fn answer(&self, p: &mut Pending, reply: Reply) {
-        if !p.resent && !matches!(p.waiter, Waiter::Load) {
-            // A call's time, sent to answered (its deadline is its send plus the timeout), in a
-            // moving average of 1/8 per call: what a check sent now should expect to wait.
+        if !p.resent && matches!(p.waiter, Waiter::Checks(_)) {
+            // A check call's time, sent to answered (its deadline is its send plus the checks'
+            // timeout; a raw call has a timeout of its own), in a moving average of 1/8 per call:
+            // what a check sent now should expect to wait.
             let took = Instant::now()
                 .saturating_duration_since(p.deadline - self.task.timeout)
                 .as_micros() as u64;
