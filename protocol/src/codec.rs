@@ -1,9 +1,10 @@
 //! Encoding frames to bytes and decoding them back; the decoder never panics on any input.
 
+use crate::fail_modes::{ClosedRule, FailModeList, ListedDimension};
 use crate::frame::{
     Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, Source, Verdict,
 };
-use crate::limits::{kind, HEADER, LEN_PREFIX, MAX_FRAME, MAX_ITEMS, MAX_MESSAGE, VERSION};
+use crate::limits::{kind, HEADER, LEN_PREFIX, MAX_FRAME, MAX_ITEMS, MAX_MESSAGE, MIN_VERSION, VERSION};
 use crate::{DecodeError, EncodeError, ErrorCode};
 
 /// Bytes of one encoded [`Verdict`].
@@ -13,6 +14,7 @@ const FLAG_ALLOWED: u8 = 0b01;
 const FLAG_LOG_ONLY: u8 = 0b10;
 const FORM_ITEMS: u8 = 0;
 const FORM_ATTRIBUTES: u8 = 1;
+const LIST_TRUNCATED: u8 = 0b01;
 
 impl Frame {
     /// A frame.
@@ -37,7 +39,10 @@ impl Frame {
         let version = match self.body {
             // Hello is understood by every version; it announces the range itself.
             Body::Hello { max_version, .. } => max_version.min(VERSION),
-            _ => VERSION,
+            // Each frame carries the version that introduced its kind, so a version-1 peer reads
+            // every frame it knows.
+            Body::FailModes | Body::FailModeList(_) => 2,
+            _ => 1,
         };
         out.push(version);
         out.push(self.kind());
@@ -69,6 +74,8 @@ impl Frame {
             Body::Error(_) => kind::ERROR,
             Body::Ping => kind::PING,
             Body::Pong => kind::PONG,
+            Body::FailModes => kind::FAIL_MODES,
+            Body::FailModeList(_) => kind::FAIL_MODE_LIST,
         }
     }
 
@@ -108,7 +115,20 @@ impl Frame {
                 let msg = truncate_utf8(&e.message, MAX_MESSAGE);
                 put_str16(out, msg);
             }
-            Body::Ping | Body::Pong => {}
+            Body::Ping | Body::Pong | Body::FailModes => {}
+            Body::FailModeList(list) => {
+                out.extend_from_slice(&list.rules_version.to_be_bytes());
+                out.push(if list.truncated { LIST_TRUNCATED } else { 0 });
+                let n = list.rules.len().min(u16::MAX as usize);
+                out.extend_from_slice(&(n as u16).to_be_bytes());
+                for r in &list.rules[..n] {
+                    put_str8(out, &r.rule_id);
+                    out.push(r.dimension.to_u8());
+                    put_str16(out, &r.endpoint);
+                    put_str16(out, &r.tier);
+                    out.extend_from_slice(&r.limit.to_be_bytes());
+                }
+            }
         }
     }
 }
@@ -152,10 +172,10 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
         reason,
         frame_len,
     };
-    if version != VERSION && frame_kind != kind::HELLO {
+    if !(MIN_VERSION..=VERSION).contains(&version) && frame_kind != kind::HELLO {
         return Err(reject(
             ErrorCode::UnsupportedVersion,
-            format!("frame version {version}; this peer speaks version {VERSION}"),
+            format!("frame version {version}; this peer speaks versions {MIN_VERSION} to {VERSION}"),
         ));
     }
     let mut r = Reader {
@@ -261,6 +281,35 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
         }),
         kind::PING => Body::Ping,
         kind::PONG => Body::Pong,
+        kind::FAIL_MODES => Body::FailModes,
+        kind::FAIL_MODE_LIST => {
+            let rules_version = r.u64()?;
+            let flags = r.u8()?;
+            if flags & !LIST_TRUNCATED != 0 {
+                return Err(Problem::Malformed(format!("unknown list flags 0x{flags:02x}")));
+            }
+            let n = r.u16()? as usize;
+            // Each rule takes at least 15 bytes: no allocation beyond what the body can hold.
+            let mut rules = Vec::with_capacity(n.min(r.buf.len() / 15));
+            for _ in 0..n {
+                let rule_id = r.str8()?;
+                let d = r.u8()?;
+                let dimension = ListedDimension::from_u8(d)
+                    .ok_or_else(|| Problem::Malformed(format!("unknown dimension {d}")))?;
+                rules.push(ClosedRule {
+                    rule_id,
+                    dimension,
+                    endpoint: r.str16()?,
+                    tier: r.str16()?,
+                    limit: r.u64()?,
+                });
+            }
+            Body::FailModeList(FailModeList {
+                rules_version,
+                truncated: flags & LIST_TRUNCATED != 0,
+                rules,
+            })
+        }
         other => return Err(Problem::Malformed(format!("unknown frame kind 0x{other:02x}"))),
     })
 }

@@ -39,6 +39,10 @@ pub enum Body {
     Ping,
     /// Agent → client: answer to a ping.
     Pong,
+    /// Client → agent (version 2): which rules fail closed.
+    FailModes,
+    /// Agent → client (version 2): the rules that fail closed, for the SDK to apply while the agent is away.
+    FailModeList(crate::FailModeList),
 }
 
 /// A limit check: explicit items, or request attributes for the agent to match against its rules.

@@ -7,6 +7,7 @@
 //! - `frame`: the frames as Rust values ([`Frame`], [`Body`], [`Check`], [`Decision`], …).
 //! - `codec`: [`Frame::encode`] and [`decode`]; decoding never panics on any input.
 //! - `error`: [`DecodeError`], [`EncodeError`] and the wire [`ErrorCode`]s.
+//! - `fail_modes`: version 2's [`FailModeList`], which checks it closes, and [`endpoint_matches`].
 //! - [`http`]: what a decision means at HTTP (the rate-limit headers, `Retry-After`, [`http::wire_safe`]).
 //!
 //! # Example
@@ -22,14 +23,16 @@
 
 mod codec;
 mod error;
+mod fail_modes;
 mod frame;
 pub mod http;
 pub mod limits;
 
 pub use codec::{decode, VERDICT_LEN};
 pub use error::{DecodeError, EncodeError, ErrorCode};
+pub use fail_modes::{endpoint_matches, ClosedRule, FailModeList, ListedDimension, LIST_HEAD};
 pub use frame::{
     validate_rule_id, Attributes, Body, Check, CompactString, Decision, ErrorBody, Frame, Item, ItemDecision,
     Source, Verdict,
 };
-pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, VERSION};
+pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, MIN_VERSION, VERSION};

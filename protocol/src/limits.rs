@@ -1,7 +1,10 @@
 //! Protocol constants: the version, frame kinds and the size limits every peer enforces.
 
-/// The protocol version this crate speaks.
-pub const VERSION: u8 = 1;
+/// The highest protocol version this crate speaks (2: the fail-mode list).
+pub const VERSION: u8 = 2;
+
+/// The lowest protocol version this crate speaks.
+pub const MIN_VERSION: u8 = 1;
 
 /// Largest frame on the wire, the 4-byte length prefix included (64 KiB).
 pub const MAX_FRAME: usize = 64 * 1024;
@@ -43,4 +46,8 @@ pub mod kind {
     pub const PING: u8 = 0x06;
     /// Agent → client: answer to a ping.
     pub const PONG: u8 = 0x07;
+    /// Client → agent (version 2): which rules fail closed.
+    pub const FAIL_MODES: u8 = 0x08;
+    /// Agent → client (version 2): the rules that fail closed.
+    pub const FAIL_MODE_LIST: u8 = 0x09;
 }

@@ -2,8 +2,8 @@
 //! the bytes decode back to the frame.
 
 use floodgate_protocol::{
-    decode, Attributes, Body, Check, Decision, ErrorBody, ErrorCode, Frame, Item, ItemDecision, Source,
-    Verdict,
+    decode, Attributes, Body, Check, ClosedRule, Decision, ErrorBody, ErrorCode, FailModeList, Frame, Item,
+    ItemDecision, ListedDimension, Source, Verdict,
 };
 
 const DOC: &str = include_str!("../PROTOCOL.md");
@@ -133,14 +133,66 @@ fn frames() -> Vec<(&'static str, Frame)> {
         ),
         ("ping", Frame::new(3, Body::Ping)),
         ("pong", Frame::new(3, Body::Pong)),
+        (
+            "hello_v2",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 2,
+                },
+            ),
+        ),
+        ("hello_ok_v2", Frame::new(0, Body::HelloOk { version: 2 })),
+        ("fail_modes", Frame::new(11, Body::FailModes)),
+        (
+            "fail_mode_list",
+            Frame::new(
+                11,
+                Body::FailModeList(FailModeList {
+                    rules_version: 42,
+                    truncated: false,
+                    rules: vec![
+                        ClosedRule {
+                            rule_id: "login-per-ip".into(),
+                            dimension: ListedDimension::Ip,
+                            endpoint: "/login".into(),
+                            tier: String::new(),
+                            limit: 5,
+                        },
+                        ClosedRule {
+                            rule_id: "admin-per-user".into(),
+                            dimension: ListedDimension::User,
+                            endpoint: "/admin/*".into(),
+                            tier: "staff".into(),
+                            limit: 100,
+                        },
+                    ],
+                }),
+            ),
+        ),
     ]
+}
+
+/// A frame's bytes as the page writes them: 16 to a line.
+fn hex(bytes: &[u8]) -> String {
+    let lines: Vec<String> = bytes
+        .chunks(16)
+        .map(|c| c.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(" "))
+        .collect();
+    lines.join("\n")
 }
 
 #[test]
 fn every_vector_encodes_and_decodes_exactly() {
     for (name, frame) in frames() {
         let bytes = vector(name);
-        assert_eq!(frame.to_bytes().unwrap(), bytes, "encoding of {name}");
+        let encoded = frame.to_bytes().unwrap();
+        assert!(
+            encoded == bytes,
+            "encoding of {name}: the page's block should read\n{}",
+            hex(&encoded)
+        );
         let (back, used) = decode(&bytes).unwrap_or_else(|e| panic!("decoding {name}: {e}"));
         assert_eq!(back, frame, "decoding of {name}");
         assert_eq!(used, bytes.len());
