@@ -5,8 +5,8 @@
 //! (`PROPTEST_CASES=1000000 cargo test --release -p floodgate-protocol --test decode_fuzz`).
 
 use floodgate_protocol::{
-    decode, Attributes, Body, Check, Decision, DecodeError, ErrorBody, ErrorCode, Frame, Item, ItemDecision,
-    Source, Verdict, MAX_FRAME,
+    decode, Attributes, Body, Check, ClosedRule, Decision, DecodeError, ErrorBody, ErrorCode, FailModeList,
+    Frame, Item, ItemDecision, ListedDimension, Source, Verdict, MAX_FRAME,
 };
 use proptest::prelude::*;
 
@@ -83,6 +83,37 @@ fn body() -> impl Strategy<Value = Body> {
         })),
         Just(Body::Ping),
         Just(Body::Pong),
+        Just(Body::FailModes),
+        (
+            any::<u64>(),
+            any::<bool>(),
+            proptest::collection::vec(
+                (
+                    rule_id(),
+                    0u8..4,
+                    proptest::option::of(text(256)),
+                    proptest::option::of(text(256)),
+                    any::<u64>()
+                ),
+                0..40
+            )
+        )
+            .prop_map(
+                |(rules_version, truncated, rules)| Body::FailModeList(FailModeList {
+                    rules_version,
+                    truncated,
+                    rules: rules
+                        .into_iter()
+                        .map(|(id, d, endpoint, tier, limit)| ClosedRule {
+                            rule_id: id.as_str().into(),
+                            dimension: ListedDimension::from_u8(d).unwrap(),
+                            endpoint: endpoint.unwrap_or_default(),
+                            tier: tier.unwrap_or_default(),
+                            limit,
+                        })
+                        .collect(),
+                })
+            ),
     ]
 }
 
@@ -101,9 +132,9 @@ proptest! {
 
     /// Bytes that start like a real frame (valid prefix and header, random body) reach deeper code.
     #[test]
-    fn plausible_frames_never_panic(kind in 1u8..9, id in any::<u32>(), body in proptest::collection::vec(any::<u8>(), 0..600)) {
+    fn plausible_frames_never_panic(kind in 1u8..11, version in 1u8..3, id in any::<u32>(), body in proptest::collection::vec(any::<u8>(), 0..600)) {
         let mut bytes = ((body.len() + 6) as u32).to_be_bytes().to_vec();
-        bytes.extend_from_slice(&[1, kind]);
+        bytes.extend_from_slice(&[version, kind]);
         bytes.extend_from_slice(&id.to_be_bytes());
         bytes.extend_from_slice(&body);
         let _ = decode(&bytes);

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
+use floodgate_protocol::{Attributes, Body, Check, ErrorCode, FailModeList, Frame, Item};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::connection::{self, Reply};
@@ -78,7 +78,8 @@ impl Default for ClientConfig {
 pub struct CallOptions {
     /// Overrides [`ClientConfig::timeout`].
     pub timeout: Option<Duration>,
-    /// Overrides [`ClientConfig::fail`].
+    /// Decides alone when the agent cannot answer: overrides both the rules' fail modes the client
+    /// learned from the agent and [`ClientConfig::fail`].
     pub fail: Option<FailPolicy>,
 }
 
@@ -108,6 +109,11 @@ pub struct Health {
     pub failed_attempts: u64,
     /// Calls answered by the fail policy (agent unreachable or late) since the client started.
     pub fail_policy_answers: u64,
+    /// How many rules fail closed by the agent's last list; `None` until a list arrived (an agent
+    /// of protocol version 2 sends it after every connection and every 10 s).
+    pub fail_closed_rules: Option<usize>,
+    /// The agent's rule set version that list came from.
+    pub rules_version: Option<u64>,
 }
 
 /// The link's history: what [`Health`] reports, and the rate limit of its warnings.
@@ -139,7 +145,9 @@ pub(crate) struct Shared {
     timeouts: AtomicU64,
     local_denied: AtomicU64,
     local: Mutex<HashMap<String, (f64, Instant)>>,
-    next_id: AtomicU32,
+    pub(crate) next_id: AtomicU32,
+    /// The agent's last fail-mode list, kept while the agent is away: the rules that deny then.
+    fail_modes: Mutex<Option<Arc<FailModeList>>>,
 }
 
 impl Shared {
@@ -200,6 +208,32 @@ impl Shared {
     pub(crate) fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u32, oneshot::Sender<Reply>>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// A request id for a new request; never 0 (reserved for connection-level frames).
+    pub(crate) fn next_id(&self) -> u32 {
+        loop {
+            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+            if id != 0 {
+                return id;
+            }
+        }
+    }
+
+    /// The agent sent its fail-mode list: it replaces the last one whole.
+    pub(crate) fn learn_fail_modes(&self, list: FailModeList) {
+        if list.truncated {
+            tracing::warn!(
+                "floodgate: the agent lists more fail-closed rules than one frame holds; the {} listed \
+                 deny while the agent is away, the rest follow the client's fail policy",
+                list.rules.len()
+            );
+        }
+        *self.fail_modes.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(list));
+    }
+
+    fn fail_modes(&self) -> Option<Arc<FailModeList>> {
+        self.fail_modes.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
 }
 
 /// A handle to the local agent. Cheap to clone; all clones share one connection.
@@ -253,6 +287,7 @@ impl Client {
             local_denied: AtomicU64::new(0),
             local: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
+            fail_modes: Mutex::new(None),
         });
         let (ready_tx, ready_rx) = oneshot::channel();
         tokio::spawn(connection::run(Arc::downgrade(&shared), rx, ready_tx));
@@ -277,17 +312,20 @@ impl Client {
     }
 
     /// Any check, with per-call options. Returns within the timeout, whatever the agent does.
+    ///
+    /// When the agent cannot answer, the call decides by, in order: `options.fail`; a rule of the
+    /// check the agent listed as fail-closed (denied, with that rule's limit); [`ClientConfig::fail`].
     pub async fn check_with(&self, check: Check, options: CallOptions) -> Result<Decision, Error> {
         let timeout = options.timeout.unwrap_or(self.shared.config.timeout);
-        let policy = options.fail.unwrap_or(self.shared.config.fail);
-        let local = self.shared.config.fallback_limit.map(|_| local_key(&check));
-        let local = local.as_ref().map(|(k, c)| (k.as_str(), *c));
-        let id = self.next_id();
-        let bytes = Frame::new(id, Body::Check(check))
-            .to_bytes()
-            .map_err(|e| Error::Invalid(e.to_string()))?;
+        let id = self.shared.next_id();
+        let frame = Frame::new(id, Body::Check(check));
+        let bytes = frame.to_bytes().map_err(|e| Error::Invalid(e.to_string()))?;
+        let Body::Check(check) = frame.body else {
+            unreachable!("built as a check above")
+        };
+        let degraded = |why| self.degraded(&check, options.fail, why);
         if !self.shared.connected.load(Ordering::Acquire) {
-            return Ok(self.degraded(policy, Degraded::Unavailable, local));
+            return Ok(degraded(Degraded::Unavailable));
         }
         let (reply_tx, reply_rx) = oneshot::channel();
         self.shared.pending().insert(id, reply_tx);
@@ -296,7 +334,7 @@ impl Client {
             id,
         };
         if self.tx.try_send(bytes).is_err() {
-            return Ok(self.degraded(policy, Degraded::Unavailable, local));
+            return Ok(degraded(Degraded::Unavailable));
         }
         let result = tokio::time::timeout(timeout, reply_rx).await;
         drop(guard);
@@ -309,10 +347,10 @@ impl Client {
                     code,
                     message: e.message,
                 }),
-                _ => Ok(self.degraded(policy, Degraded::Unavailable, local)),
+                _ => Ok(degraded(Degraded::Unavailable)),
             },
-            Ok(Err(_)) => Ok(self.degraded(policy, Degraded::Unavailable, local)),
-            Err(_) => Ok(self.degraded(policy, Degraded::Timeout, local)),
+            Ok(Err(_)) => Ok(degraded(Degraded::Unavailable)),
+            Err(_) => Ok(degraded(Degraded::Timeout)),
         }
     }
 
@@ -324,6 +362,7 @@ impl Client {
     /// How the link to the agent is doing: for the service's health checks (an app whose agent is
     /// unreachable answers every call by its fail policy, which a readiness probe should see).
     pub fn health(&self) -> Health {
+        let fail_modes = self.shared.fail_modes();
         let l = self.shared.link();
         Health {
             connected: self.is_connected(),
@@ -332,6 +371,8 @@ impl Client {
             failed_attempts: l.failed_attempts,
             fail_policy_answers: self.shared.unavailable.load(Ordering::Relaxed)
                 + self.shared.timeouts.load(Ordering::Relaxed),
+            fail_closed_rules: fail_modes.as_ref().map(|l| l.rules.len()),
+            rules_version: fail_modes.map(|l| l.rules_version),
         }
     }
 
@@ -345,17 +386,10 @@ impl Client {
         }
     }
 
-    fn next_id(&self) -> u32 {
-        loop {
-            // Id 0 is reserved for connection-level frames (Hello, fatal errors).
-            let id = self.shared.next_id.fetch_add(1, Ordering::Relaxed);
-            if id != 0 {
-                return id;
-            }
-        }
-    }
-
-    fn degraded(&self, policy: FailPolicy, why: Degraded, local: Option<(&str, u32)>) -> Decision {
+    /// The answer when the agent cannot give one: `fail` if the call gave it, else denied if the
+    /// check touches a rule the agent listed as fail-closed, else the client's policy (with its
+    /// fallback limit when open).
+    fn degraded(&self, check: &Check, fail: Option<FailPolicy>, why: Degraded) -> Decision {
         match why {
             Degraded::Unavailable => &self.shared.unavailable,
             Degraded::Timeout => &self.shared.timeouts,
@@ -365,12 +399,22 @@ impl Client {
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        if let (FailPolicy::Open, Some(limit), Some((key, cost))) =
-            (policy, self.shared.config.fallback_limit, local)
-        {
-            return self.local_limit(limit, key, cost, why, now);
-        }
         let retry = self.shared.config.closed_retry_after.as_millis() as u64;
+        let closing = match fail {
+            Some(_) => None,
+            None => self
+                .shared
+                .fail_modes()
+                .and_then(|l| l.closing(check).map(|r| (r.rule_id.clone(), r.limit))),
+        };
+        if let Some((rule, limit)) = closing {
+            return Decision::degraded(false, why, retry, now).under_rule(&rule, limit);
+        }
+        let policy = fail.unwrap_or(self.shared.config.fail);
+        if let (FailPolicy::Open, Some(limit)) = (policy, self.shared.config.fallback_limit) {
+            let (key, cost) = local_key(check);
+            return self.local_limit(limit, &key, cost, why, now);
+        }
         Decision::degraded(policy == FailPolicy::Open, why, retry, now)
     }
 

@@ -1,16 +1,20 @@
 //! The background task that owns the socket: connects and says Hello, writes queued checks in
-//! batches, dispatches answers by request id, and reconnects with backoff.
+//! batches, dispatches answers by request id, asks a version-2 agent for its fail-mode list after
+//! connecting and every [`FAIL_MODES_EVERY`], and reconnects with backoff.
 
 use std::sync::atomic::Ordering;
 use std::sync::Weak;
 use std::time::Duration;
 
-use floodgate_protocol::{decode, Body, Decision, DecodeError, ErrorBody, Frame, VERSION};
+use floodgate_protocol::{decode, Body, Decision, DecodeError, ErrorBody, Frame, MIN_VERSION, VERSION};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::client::Shared;
+
+/// How often a connected client asks the agent again which rules fail closed.
+pub(crate) const FAIL_MODES_EVERY: Duration = Duration::from_secs(10);
 
 /// An agent's answer to one request.
 pub(crate) enum Reply {
@@ -27,7 +31,7 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
         let (path, config) = (s.target(), s.config.clone());
         drop(s);
         match tokio::time::timeout(config.connect_timeout, handshake(&path)).await {
-            Ok(Ok((stream, leftover))) => {
+            Ok(Ok((stream, leftover, version))) => {
                 let up_since = std::time::Instant::now();
                 let Some(s) = shared.upgrade() else { return };
                 s.link_up(&path);
@@ -37,7 +41,7 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
                 if let Some(r) = ready.take() {
                     let _ = r.send(());
                 }
-                let closed = serve(&shared, stream, leftover, &mut rx).await;
+                let closed = serve(&shared, stream, leftover, version, &mut rx).await;
                 if let Some(s) = shared.upgrade() {
                     s.connected.store(false, Ordering::Release);
                     // Dropping the senders tells every waiting call the connection is gone.
@@ -104,12 +108,13 @@ async fn open(path: &std::path::Path) -> std::io::Result<(Reader, Writer)> {
     }
 }
 
-async fn handshake(path: &std::path::Path) -> std::io::Result<((Reader, Writer), Vec<u8>)> {
+/// Connects and says Hello: the streams, what was read past the HelloOk, and the version agreed.
+async fn handshake(path: &std::path::Path) -> std::io::Result<((Reader, Writer), Vec<u8>, u8)> {
     let (mut rd, mut wr) = open(path).await?;
     let hello = Frame::new(
         0,
         Body::Hello {
-            min_version: VERSION,
+            min_version: MIN_VERSION,
             max_version: VERSION,
         },
     );
@@ -131,13 +136,13 @@ async fn handshake(path: &std::path::Path) -> std::io::Result<((Reader, Writer),
                 },
                 used,
             )) => {
-                if version != VERSION {
+                if !(MIN_VERSION..=VERSION).contains(&version) {
                     return Err(std::io::Error::other(format!(
-                        "agent chose version {version}; this SDK speaks {VERSION}"
+                        "agent chose version {version}; this SDK speaks {MIN_VERSION} to {VERSION}"
                     )));
                 }
                 buf.drain(..used);
-                return Ok(((rd, wr), buf));
+                return Ok(((rd, wr), buf, version));
             }
             Ok((
                 Frame {
@@ -163,12 +168,28 @@ async fn serve(
     shared: &Weak<Shared>,
     (rd, mut wr): (Reader, Writer),
     leftover: Vec<u8>,
+    version: u8,
     rx: &mut mpsc::Receiver<Vec<u8>>,
 ) -> bool {
     let mut reader = tokio::spawn(read_loop(shared.clone(), rd, leftover));
     let mut batch = Vec::with_capacity(16 * 1024);
+    // Asked at once, then every FAIL_MODES_EVERY; a version-1 agent has no list and is never asked.
+    let mut ask = (version >= 2).then(|| {
+        let mut i = tokio::time::interval(FAIL_MODES_EVERY);
+        i.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        i
+    });
     let closed = loop {
         tokio::select! {
+            () = tick(&mut ask) => {
+                let Some(s) = shared.upgrade() else { break true };
+                let id = s.next_id();
+                drop(s);
+                let bytes = Frame::new(id, Body::FailModes).to_bytes().expect("an empty body encodes");
+                if wr.write_all(&bytes).await.is_err() {
+                    break false;
+                }
+            }
             msg = rx.recv() => {
                 let Some(first) = msg else { break true };
                 batch.clear();
@@ -191,6 +212,16 @@ async fn serve(
     closed
 }
 
+/// The next tick of `ask`; never, without one.
+async fn tick(ask: &mut Option<tokio::time::Interval>) {
+    match ask {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
 async fn read_loop(shared: Weak<Shared>, mut rd: Reader, mut buf: Vec<u8>) {
     loop {
         let mut pos = 0;
@@ -198,12 +229,16 @@ async fn read_loop(shared: Weak<Shared>, mut rd: Reader, mut buf: Vec<u8>) {
             match decode(&buf[pos..]) {
                 Ok((frame, used)) => {
                     pos += used;
+                    let Some(s) = shared.upgrade() else { return };
                     let reply = match frame.body {
                         Body::Decision(d) => Reply::Decision(d),
                         Body::Error(e) => Reply::Error(e),
+                        Body::FailModeList(list) => {
+                            s.learn_fail_modes(list);
+                            continue;
+                        }
                         _ => continue,
                     };
-                    let Some(s) = shared.upgrade() else { return };
                     let waiter = s.pending().remove(&frame.request_id);
                     if let Some(w) = waiter {
                         let _ = w.send(reply);

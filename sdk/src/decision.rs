@@ -29,7 +29,8 @@ pub enum Origin {
 pub struct Decision {
     /// Whether the request may pass.
     pub allowed: bool,
-    /// The binding rule's limit (0 when no rule applied or the SDK decided alone).
+    /// The binding rule's limit (0 when no rule applied or the SDK decided alone, except under a
+    /// rule the agent listed as fail-closed: that rule's limit).
     pub limit: u64,
     /// Units left under the binding rule.
     pub remaining: u64,
@@ -39,7 +40,8 @@ pub struct Decision {
     pub retry_after_ms: Option<u64>,
     /// Who decided.
     pub origin: Origin,
-    /// Per-rule verdicts from the agent (empty when the SDK decided alone).
+    /// Per-rule verdicts from the agent (empty when the SDK decided alone, except under a rule the
+    /// agent listed as fail-closed: that rule's verdict, source fallback).
     pub items: Vec<ItemDecision>,
 }
 
@@ -71,6 +73,25 @@ impl Decision {
             },
             items: Vec::new(),
         }
+    }
+
+    /// The same answer as that rule's verdict (a fail-closed rule the agent listed), so headers name
+    /// the rule and its limit.
+    pub(crate) fn under_rule(mut self, rule_id: &str, limit: u64) -> Self {
+        self.limit = limit;
+        self.items = vec![ItemDecision {
+            rule_id: rule_id.into(),
+            verdict: floodgate_protocol::Verdict {
+                allowed: self.allowed,
+                log_only: false,
+                source: Source::Fallback,
+                limit,
+                remaining: self.remaining,
+                reset_at_ms: self.reset_at_ms,
+                retry_after_ms: self.retry_after_ms.unwrap_or(0),
+            },
+        }];
+        self
     }
 
     pub(crate) fn local(

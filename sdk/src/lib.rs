@@ -3,8 +3,10 @@
 //! One [`Client`] per process holds one multiplexed Unix-socket connection to the agent: many checks
 //! are in flight at once, each with its own request id. Every call returns within its timeout
 //! (default 10 ms). When the agent is unreachable or late, the call answers by its fail policy —
-//! open (allow) by default, closed (deny with a Retry-After) where configured — and the client
-//! reconnects in the background with backoff. Nothing here panics on what the agent sends.
+//! open (allow) by default, closed (deny with a Retry-After) where configured, and closed for the
+//! rules the agent lists as `failMode = "closed"` (the client asks after connecting and every 10 s,
+//! and keeps the list while the agent is away) — and the client reconnects in the background with
+//! backoff. Nothing here panics on what the agent sends.
 //!
 //! # Layout
 //! - `client`: [`Client`], [`ClientConfig`], [`CallOptions`].

@@ -17,8 +17,9 @@
 //!
 //! Rules in log mode never block (the agent never rejects for them) and never show in the headers:
 //! a dry run is invisible to clients. A request no rule applies to gets no headers. When the agent
-//! cannot answer, the client's fail policy decides (open by default: the request passes without
-//! headers; closed: 429).
+//! cannot answer, the route's own policy decides if [`RateLimitLayer::fail_for`] set one; else a
+//! request a fail-closed rule applies to gets a 429 (the client learned those rules from the agent);
+//! else the client's fail policy (open by default: the request passes without headers; closed: 429).
 //!
 //! ```no_run
 //! # async fn demo() {
@@ -29,6 +30,7 @@
 //! let layer = RateLimitLayer::new(client)
 //!     .user_header("x-authenticated-user")
 //!     .cost("/search", 5)
+//!     .fail_for("/health", floodgate_sdk::FailPolicy::Open)
 //!     .trust_proxies(["10.0.0.0/8"])
 //!     .unwrap()
 //!     .ietf_headers(true);
@@ -49,7 +51,7 @@ use http::header::{HeaderName, HeaderValue, RETRY_AFTER};
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
 
-use crate::{Attributes, Client, Decision};
+use crate::{Attributes, CallOptions, Client, Decision, FailPolicy};
 
 /// Reads one attribute off a request.
 pub type Extractor = Arc<dyn Fn(&Parts) -> Option<String> + Send + Sync>;
@@ -125,6 +127,7 @@ struct Config {
     ip: Option<Extractor>,
     trusted: Vec<Cidr>,
     costs: HashMap<String, u32>,
+    fails: HashMap<String, FailPolicy>,
     ietf: bool,
 }
 
@@ -226,6 +229,7 @@ impl RateLimitLayer {
                 ip: None,
                 trusted: Vec::new(),
                 costs: HashMap::new(),
+                fails: HashMap::new(),
                 ietf: false,
             }),
         }
@@ -245,6 +249,7 @@ impl RateLimitLayer {
                     ip: c.ip.clone(),
                     trusted: c.trusted.clone(),
                     costs: c.costs.clone(),
+                    fails: c.fails.clone(),
                     ietf: c.ietf,
                 };
                 f(&mut copy);
@@ -319,6 +324,16 @@ impl RateLimitLayer {
         })
     }
 
+    /// What a request to `endpoint` answers when the agent cannot: `policy` alone decides, over the
+    /// fail modes of the rules the client learned from the agent and the client's own policy (a
+    /// login route `Closed` even under fail-open rules; a health route `Open` under fail-closed ones).
+    pub fn fail_for(self, endpoint: &str, policy: FailPolicy) -> Self {
+        let endpoint = route_name(endpoint);
+        self.edit(|c| {
+            c.fails.insert(endpoint, policy);
+        })
+    }
+
     /// Also sets the IETF draft's `RateLimit-Policy` and `RateLimit` headers.
     pub fn ietf_headers(self, on: bool) -> Self {
         self.edit(|c| c.ietf = on)
@@ -344,13 +359,15 @@ pub struct RateLimit<S> {
 }
 
 impl Config {
-    fn attributes(&self, p: &Parts) -> Attributes {
+    /// What a request is checked as, and its route's fail policy if one was set.
+    fn attributes(&self, p: &Parts) -> (Attributes, Option<FailPolicy>) {
         let endpoint = (self.endpoint)(p);
         let cost = endpoint
             .as_deref()
             .and_then(|e| self.costs.get(e))
             .copied()
             .unwrap_or(1);
+        let fail = endpoint.as_deref().and_then(|e| self.fails.get(e)).copied();
         let ip = match &self.ip {
             Some(f) => f(p),
             None => {
@@ -368,14 +385,15 @@ impl Config {
             }
         };
         let read = |f: &Option<Extractor>| f.as_ref().and_then(|f| f(p)).map(wire_safe);
-        Attributes {
+        let attributes = Attributes {
             endpoint: endpoint.map(wire_safe),
             tier: read(&self.tier),
             user: read(&self.user),
             api_key: read(&self.api_key),
             ip: ip.map(wire_safe),
             cost,
-        }
+        };
+        (attributes, fail)
     }
 }
 
@@ -453,9 +471,14 @@ where
         let config = self.config.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let attributes = config.attributes(&parts);
+            let (attributes, fail) = config.attributes(&parts);
             let req = Request::from_parts(parts, body);
-            let decision = match config.client.check_request(attributes).await {
+            let options = CallOptions {
+                fail,
+                ..CallOptions::default()
+            };
+            let check = floodgate_protocol::Check::Attributes(attributes);
+            let decision = match config.client.check_with(check, options).await {
                 Ok(d) => d,
                 Err(e) => {
                     // Attributes are made wire-safe above, so this is a bug or a mismatch between

@@ -140,14 +140,18 @@ async fn hello_negotiates_or_refuses() {
     ))
     .await
     .unwrap();
-    assert_eq!(conn.recv().await.unwrap().body, Body::HelloOk { version: 1 });
+    assert_eq!(
+        conn.recv().await.unwrap().body,
+        Body::HelloOk { version: 2 },
+        "the highest version both speak"
+    );
     conn.send(&Frame::new(1, Body::Ping)).await.unwrap();
     assert_eq!(conn.recv().await.unwrap(), Frame::new(1, Body::Pong));
     conn.send(&Frame::new(
         2,
         Body::Hello {
-            min_version: 2,
-            max_version: 3,
+            min_version: 3,
+            max_version: 4,
         },
     ))
     .await

@@ -11,7 +11,7 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, VERSION};
+use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, MIN_VERSION, VERSION};
 
 use floodgate_core::engine::{Answer, Engine};
 use floodgate_core::tasks::stopped;
@@ -317,23 +317,31 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
             min_version,
             max_version,
         } => {
-            if (min_version..=max_version).contains(&VERSION) {
-                encode(out, Frame::new(id, Body::HelloOk { version: VERSION }));
+            // The highest version both speak.
+            let version = max_version.min(VERSION);
+            if version >= min_version.max(MIN_VERSION) {
+                encode(out, Frame::new(id, Body::HelloOk { version }));
             } else {
                 error(
                     out,
                     id,
                     ErrorCode::UnsupportedVersion,
-                    format!("client speaks {min_version}..={max_version}; this agent speaks {VERSION}"),
+                    format!(
+                        "client speaks {min_version}..={max_version}; this agent speaks {MIN_VERSION}..={VERSION}"
+                    ),
                 );
             }
         }
         Body::Ping => encode(out, Frame::new(id, Body::Pong)),
+        Body::FailModes => {
+            let list = floodgate_core::rules::fail_mode_list(&engine.rules());
+            encode(out, Frame::new(id, Body::FailModeList(list)));
+        }
         _ => error(
             out,
             id,
             ErrorCode::UnexpectedFrame,
-            "only Hello, Check and Ping go to an agent".into(),
+            "only Hello, Check, Ping and FailModes go to an agent".into(),
         ),
     }
 }

@@ -405,7 +405,7 @@ pub struct TakenBack {
 
 /// An item a check did not look at because another item rejected it: its rule's plain figures.
 fn unseen(rule: &Rule, now: u64) -> Outcome {
-    let limit = display_limit(rule);
+    let limit = rule.display_limit();
     Outcome {
         allowed: true,
         limit,
@@ -424,13 +424,6 @@ fn finish(plan: &[Planned], out: Vec<Option<(Outcome, Source)>>) -> Decision {
             .zip(plan)
             .map(|(o, p)| o.unwrap_or_else(|| (unseen(&p.rule, now), Source::Fallback))),
     )
-}
-
-fn display_limit(rule: &Rule) -> u64 {
-    match rule.algorithm {
-        crate::rules::Algorithm::SlidingWindow => rule.limit.get(),
-        crate::rules::Algorithm::TokenBucket => rule.burst(),
-    }
 }
 
 fn no_rule() -> Verdict {

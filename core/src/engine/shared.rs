@@ -9,7 +9,7 @@ use std::time::Instant;
 use floodgate_protocol::{Decision, ErrorBody, ErrorCode, Source};
 
 use super::Store;
-use super::{display_limit, finish, unseen, Answer, Engine, FAIL_CLOSED_RETRY_MS};
+use super::{finish, unseen, Answer, Engine, FAIL_CLOSED_RETRY_MS};
 use crate::algo::Outcome;
 use crate::batch::Denial;
 use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
@@ -451,7 +451,7 @@ fn denied(plan: &[Planned], out: &[Option<(Outcome, Source)>]) -> bool {
 }
 
 fn fail_outcome(rule: &Rule, now: u64, retry_ms: u64) -> Outcome {
-    let limit = display_limit(rule);
+    let limit = rule.display_limit();
     match rule.fail_mode {
         FailMode::Open => Outcome {
             allowed: true,

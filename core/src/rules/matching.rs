@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use floodgate_protocol::Attributes;
+use floodgate_protocol::{endpoint_matches, Attributes};
 
 use super::{Dimension, Rule, RuleSet};
 
@@ -39,26 +39,6 @@ pub fn items_for(rules: &RuleSet, a: &Attributes) -> Vec<(Arc<Rule>, String)> {
             Some((rule.clone(), key))
         })
         .collect()
-}
-
-/// Exact, or segment by segment where `*` matches one segment; a `*` in the last segment matches
-/// that segment and everything after it (`/api/*` matches `/api/a/b`).
-fn endpoint_matches(pattern: &str, endpoint: &str) -> bool {
-    if !pattern.contains('*') {
-        return pattern == endpoint;
-    }
-    let mut want = pattern.split('/').peekable();
-    let mut have = endpoint.split('/');
-    while let Some(w) = want.next() {
-        let last = want.peek().is_none();
-        match (w, have.next()) {
-            ("*", Some(_)) if last => return true,
-            ("*", Some(_)) => {}
-            (w, Some(h)) if w == h => {}
-            _ => return false,
-        }
-    }
-    have.next().is_none()
 }
 
 #[cfg(test)]

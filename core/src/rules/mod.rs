@@ -2,10 +2,12 @@
 
 mod descriptors;
 pub mod envoy_config;
+mod fail_list;
 pub mod fields;
 mod matching;
 mod model;
 
+pub use fail_list::fail_mode_list;
 pub use matching::items_for;
 pub use model::{
     validate_endpoint_pattern, Algorithm, Dimension, EnvoyEntry, EnvoyMatch, Execution, FailMode, Match,

@@ -244,6 +244,14 @@ impl Rule {
         self.burst.unwrap_or(self.limit).get()
     }
 
+    /// The limit a client is told (`X-RateLimit-Limit`): the window's limit, or the bucket's capacity.
+    pub fn display_limit(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::SlidingWindow => self.limit.get(),
+            Algorithm::TokenBucket => self.burst(),
+        }
+    }
+
     /// Whether rejections are enforced.
     pub fn enforced(&self) -> bool {
         self.mode == Mode::Enforce
