@@ -4,8 +4,8 @@ use std::net::SocketAddr;
 use std::num::{NonZeroU64, NonZeroUsize};
 use std::path::PathBuf;
 
-/// How `floodgate agent` runs. Every field has a flag and an environment variable; README's table
-/// mirrors this struct.
+/// How `floodgate agent` runs. Every field has a flag and an environment variable; the table in
+/// docs/configuration.md mirrors this struct.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentConfig {
     /// A TOML config file whose keys are these flags in snake case (`redis_timeout_ms = 5`); its

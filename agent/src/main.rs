@@ -48,7 +48,7 @@ enum Command {
     },
     /// Print the man page (roff).
     Man,
-    /// Print the Markdown table of the agent's settings (README's "Configuration" is this output).
+    /// Print the Markdown table of the agent's settings (docs/configuration.md's table is this output).
     #[command(hide = true)]
     ConfigTable,
 }

@@ -197,19 +197,17 @@ mod tests {
         ));
     }
 
-    /// README's table is this module's output (`floodgate config-table` prints it).
+    /// docs/configuration.md's table is this module's output (`floodgate config-table` prints it).
     #[test]
-    fn the_readme_has_the_generated_table() {
-        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
-        let start = readme
-            .find("<!-- agent-config:start -->\n")
-            .expect("start marker")
-            + 28;
-        let end = readme.find("<!-- agent-config:end -->").expect("end marker");
+    fn the_configuration_page_has_the_generated_table() {
+        let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/configuration.md"))
+            .unwrap();
+        let start = page.find("<!-- agent-config:start -->\n").expect("start marker") + 28;
+        let end = page.find("<!-- agent-config:end -->").expect("end marker");
         assert_eq!(
-            &readme[start..end],
+            &page[start..end],
             table(&agent()),
-            "README's configuration table is stale: paste `floodgate config-table` between its markers"
+            "docs/configuration.md's table is stale: paste `floodgate config-table` between its markers"
         );
     }
 

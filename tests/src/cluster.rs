@@ -99,7 +99,7 @@ impl Cluster {
             .arg(format!("127.0.0.1:{}", self.nodes[from].port()))
             .args(["--cluster-from", &id(from), "--cluster-to", &id(to)])
             .args(["--cluster-slots", &slots.to_string(), "--cluster-yes"])
-            // As README's limitations say operators must: a check on a slot that is moving is sent
+            // As docs/limitations.md says operators must: a check on a slot that is moving is sent
             // to the importing node (ASK: the script's declared key is its window prefix, which no
             // node holds), which creates the window's hash there; without REPLACE, MIGRATE then
             // meets "Target key exists" and redis-cli stops half-way.

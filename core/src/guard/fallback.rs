@@ -214,7 +214,7 @@ impl Fallback {
             match ledger.get_mut(&(CompactString::from(e.rule.id.as_str()), e.key.clone())) {
                 Some(cur) if cur.window == e.window => cur.units += e.units,
                 // Units of the window before the one now recorded for this key are dropped: one
-                // entry per key keeps the ledger bounded (noted in the README).
+                // entry per key keeps the ledger bounded (noted in docs/redis.md).
                 Some(_) => {}
                 None => {
                     ledger.insert((CompactString::from(e.rule.id.as_str()), e.key.clone()), e);

@@ -1,6 +1,6 @@
 //! envoyproxy/ratelimit's YAML configuration as Floodgate rules: one `descriptor` rule per descriptor
 //! with a `rate_limit`, its `envoy` path the descriptor's place in the tree. What cannot be mapped is
-//! refused with an error naming the descriptor (README "Behind Envoy" has the table).
+//! refused with an error naming the descriptor (docs/envoy.md has the table).
 
 use std::collections::HashSet;
 use std::num::NonZeroU64;
@@ -27,7 +27,7 @@ struct Descriptor {
     descriptors: Vec<Descriptor>,
     #[serde(default)]
     shadow_mode: bool,
-    // Accepted and without effect: Floodgate's metrics are per rule (README "Behind Envoy").
+    // Accepted and without effect: Floodgate's metrics are per rule (docs/envoy.md).
     #[serde(default)]
     #[allow(dead_code)]
     detailed_metric: bool,

@@ -1,7 +1,7 @@
 //! A small axum service behind Floodgate's tower Layer. Every response a rule applies to carries
 //! `X-RateLimit-Limit/Remaining/Reset`; past the limit it answers 429 with `Retry-After` and
 //! `{"error":"rate_limited","retryAfter":N}`. With the agent's embedded default rules, `/api/...`
-//! is limited per user (`X-User-Id`) and `/login` per client IP; see the README for curl.
+//! is limited per user (`X-User-Id`) and `/login` per client IP; see docs/gateway.md for curl.
 //!
 //! `cargo run --release --bin gateway -- --listen 127.0.0.1:8080` (the agent at its default socket)
 
