@@ -19,6 +19,7 @@ import {
   encodeFrame,
   ErrorCode,
   InvalidCheck,
+  MIN_VERSION,
   VERSION,
   type Attributes,
   type Check,
@@ -146,7 +147,7 @@ const MAX_TIMER_MS = 2 ** 31 - 1;
 /** The default logger: warnings to stderr, where an unreachable agent is seen without any setup. */
 const CONSOLE: Logger = { warn: (message) => console.warn(message) };
 
-const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: VERSION, maxVersion: VERSION } });
+const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: MIN_VERSION, maxVersion: VERSION } });
 
 function resolveConfig(c: ClientConfig): Resolved {
   const ms = (v: number | undefined, d: number, min = 0) =>
@@ -440,7 +441,12 @@ export class Client {
       if (!this.connected) {
         const r = decodeFrame(this.rbuf);
         if (!r.ok && r.type === "incomplete") return;
-        if (r.ok && r.frame.body.kind === "helloOk" && r.frame.body.version === VERSION) {
+        if (
+          r.ok &&
+          r.frame.body.kind === "helloOk" &&
+          r.frame.body.version >= MIN_VERSION &&
+          r.frame.body.version <= VERSION
+        ) {
           clearTimeout(timer);
           this.rbuf = this.rbuf.subarray(r.used);
           this.connected = true;
@@ -454,7 +460,7 @@ export class Client {
             ? r.frame.body.kind === "error"
               ? `agent refused Hello: ${r.frame.body.code}: ${r.frame.body.message}`
               : r.frame.body.kind === "helloOk"
-                ? `agent chose version ${r.frame.body.version}; this SDK speaks ${VERSION}`
+                ? `agent chose version ${r.frame.body.version}; this SDK speaks ${MIN_VERSION} to ${VERSION}`
                 : `unexpected answer to Hello (${r.frame.body.kind})`
             : `unexpected answer to Hello (not a Floodgate agent?): ${r.reason}`;
           sock.destroy();

@@ -33,9 +33,12 @@ export {
   MAX_ITEMS,
   MAX_KEY,
   MAX_RULE_ID,
+  MIN_VERSION,
   VERSION,
 } from "./protocol";
 export type { Attributes, Body, Check, DecodeResult, Frame, Item, ItemDecision, Source, Verdict } from "./protocol";
+export { closing, endpointMatches, touches } from "./fail-modes";
+export type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 export {
   Cidr,
   bindingRule,

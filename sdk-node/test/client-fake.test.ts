@@ -146,7 +146,7 @@ describe("client against a fake agent", () => {
         sock.write(b);
       } else if (n === 2) {
         const b = decisionFrame(f.requestId, 1);
-        b[4] = 2; // version 2
+        b[4] = 3; // version 3, which this SDK does not speak
         sock.write(b);
       } else sock.write(decisionFrame(f.requestId, 9));
     };
