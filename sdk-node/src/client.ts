@@ -190,9 +190,10 @@ function resolveConfig(c: ClientConfig): Resolved {
 /**
  * A client of the local agent. One per process: every call shares its one connection, many in
  * flight at once. Every call resolves within its timeout (default 10 ms), whatever the agent does:
- * when the agent is unreachable or late the call answers by its fail policy, open (allow) by
- * default, and the client reconnects in the background with backoff and jitter. Calls reject only
- * for checks no policy can answer ({@link FloodgateError}: an invalid check, an unknown rule).
+ * when the agent is unreachable or late a call under one of the agent's fail-closed rules is
+ * denied and any other answers by its fail policy, open (allow) by default, and the client
+ * reconnects in the background with backoff and jitter. Calls reject only for checks no policy can
+ * answer ({@link FloodgateError}: an invalid check, an unknown rule).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
