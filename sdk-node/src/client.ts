@@ -1,17 +1,20 @@
 /**
  * The client: one multiplexed Unix-socket connection to the local agent, request ids, pipelining,
- * a timeout per call, the fail policy, reconnection with backoff and jitter, and its health.
+ * a timeout per call, the agent's fail-closed rules and the fail policy, reconnection with backoff
+ * and jitter, and its health.
  */
 
 import * as net from "node:net";
 
 import {
   agentDecision,
+  closedRuleDecision,
   degradedDecision,
   localDecision,
   type Decision,
   type Degraded,
 } from "./decision";
+import { closing, type FailModeList } from "./fail-modes";
 import { describeError, Reachability, type Health } from "./health";
 import {
   attributeFields,
@@ -19,6 +22,7 @@ import {
   encodeFrame,
   ErrorCode,
   InvalidCheck,
+  MIN_VERSION,
   VERSION,
   type Attributes,
   type Check,
@@ -26,7 +30,11 @@ import {
 } from "./protocol";
 import { defaultSocketPath } from "./socket-path";
 
-/** What a call answers when the agent cannot: allow (`open`, the default) or deny (`closed`). */
+/**
+ * What a call answers when the agent cannot: allow (`open`, the default) or deny (`closed`). Given
+ * per call it decides alone; the client's own applies to checks no fail-closed rule of the agent's
+ * touches.
+ */
 export type FailPolicy = "open" | "closed";
 
 /**
@@ -50,9 +58,12 @@ export interface Logger {
 export interface ClientConfig {
   /** Longest a call waits for the agent, in ms (default 10). */
   timeoutMs?: number;
-  /** What a call answers when the agent cannot (default `open`). */
+  /**
+   * What a call answers when the agent cannot and it touches none of the agent's fail-closed rules
+   * (default `open`).
+   */
   fail?: FailPolicy;
-  /** The Retry-After a fail-closed answer carries, in ms (default 1000). */
+  /** The Retry-After a fail-closed answer carries (a rule's or a policy's), in ms (default 1000). */
   closedRetryAfterMs?: number;
   /** First reconnection delay in ms; doubles on each failure (default 10). */
   reconnectMinMs?: number;
@@ -80,7 +91,10 @@ export interface ClientConfig {
 export interface CallOptions {
   /** Overrides {@link ClientConfig.timeoutMs}. */
   timeoutMs?: number;
-  /** Overrides {@link ClientConfig.fail}. */
+  /**
+   * What this call answers when the agent cannot, whatever the agent's fail-closed rules and
+   * {@link ClientConfig.fail} say.
+   */
   fail?: FailPolicy;
 }
 
@@ -120,8 +134,9 @@ interface Pending {
   resolve(d: Decision): void;
   reject(e: Error): void;
   timer: NodeJS.Timeout;
-  policy: FailPolicy;
-  local: [string, number] | null;
+  /** The call's own fail policy; null: the agent's fail-closed rules, then the client's policy. */
+  fail: FailPolicy | null;
+  check: Check;
 }
 
 /** Distinct keys the local limiter tracks before it starts over (bounded memory). */
@@ -140,13 +155,20 @@ interface Resolved {
   logger: Logger | null;
 }
 
+/**
+ * How often a connected client asks again for the fail-closed rules (PROTOCOL.md, "Version 2"): a
+ * rule changed on the agent is applied by the SDK within 10 s, for one small frame each way per
+ * process.
+ */
+export const FAIL_MODES_EVERY_MS = 10_000;
+
 /** Node runs a timer of more than 2^31 - 1 ms after 1 ms: every duration is held below it. */
 const MAX_TIMER_MS = 2 ** 31 - 1;
 
 /** The default logger: warnings to stderr, where an unreachable agent is seen without any setup. */
 const CONSOLE: Logger = { warn: (message) => console.warn(message) };
 
-const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: VERSION, maxVersion: VERSION } });
+const HELLO = encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: MIN_VERSION, maxVersion: VERSION } });
 
 function resolveConfig(c: ClientConfig): Resolved {
   const ms = (v: number | undefined, d: number, min = 0) =>
@@ -168,9 +190,10 @@ function resolveConfig(c: ClientConfig): Resolved {
 /**
  * A client of the local agent. One per process: every call shares its one connection, many in
  * flight at once. Every call resolves within its timeout (default 10 ms), whatever the agent does:
- * when the agent is unreachable or late the call answers by its fail policy, open (allow) by
- * default, and the client reconnects in the background with backoff and jitter. Calls reject only
- * for checks no policy can answer ({@link FloodgateError}: an invalid check, an unknown rule).
+ * when the agent is unreachable or late a call under one of the agent's fail-closed rules is
+ * denied and any other answers by its fail policy, open (allow) by default, and the client
+ * reconnects in the background with backoff and jitter. Calls reject only for checks no policy can
+ * answer ({@link FloodgateError}: an invalid check, an unknown rule).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -197,6 +220,11 @@ export class Client {
   private readonly local = new Map<string, { tokens: number; at: number }>();
   private readonly counts: ClientStats = { unavailable: 0, timeouts: 0, connects: 0, localDenied: 0 };
   private lastWarn = new Map<string, number>();
+  /** The agent's last fail-closed rules, kept across disconnections (that is when they are needed). */
+  private failModes: FailModeList | null = null;
+  /** Asks for the list again while a version-2 connection is up. */
+  private failModesTimer: NodeJS.Timeout | null = null;
+  private truncationSaid = false;
 
   /**
    * A client for the agent at `path`, used as given. Without it (`new Client()` or
@@ -284,13 +312,16 @@ export class Client {
    * without rate-limit headers).
    */
   health(): Health {
-    return {
+    const h: Health = {
       connected: this.connected,
       path: this.current,
       lastError: this.reach.lastError,
       failedAttempts: this.reach.failedAttempts,
       failPolicyAnswers: this.counts.unavailable + this.counts.timeouts,
+      failClosedRules: this.failModes?.rules.length ?? 0,
     };
+    if (this.failModes) h.rulesVersion = this.failModes.rulesVersion;
+    return h;
   }
 
   /**
@@ -302,6 +333,7 @@ export class Client {
     this.closed = true;
     if (this.reconnectTimer) clearTimeout(this.reconnectTimer);
     this.reconnectTimer = null;
+    this.stopFailModes();
     const s = this.socket;
     this.socket = null;
     this.connected = false;
@@ -319,8 +351,8 @@ export class Client {
         ? Math.min(Math.max(0, options.timeoutMs), MAX_TIMER_MS)
         : this.config.timeoutMs;
     // As the client's own setting is read: anything but "closed" fails open.
-    const policy: FailPolicy =
-      options?.fail === undefined ? this.config.fail : options.fail === "closed" ? "closed" : "open";
+    const fail: FailPolicy | null =
+      options?.fail === undefined || options.fail === null ? null : options.fail === "closed" ? "closed" : "open";
     const id = this.allocateId();
     let bytes: Buffer;
     try {
@@ -329,7 +361,6 @@ export class Client {
       const message = e instanceof InvalidCheck ? e.message : String(e);
       return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));
     }
-    const local = this.config.fallbackLimit ? localKey(check) : null;
     const sock = this.socket;
     if (
       !this.connected ||
@@ -337,13 +368,13 @@ export class Client {
       this.pending.size >= this.config.maxPending ||
       sock.writableLength > this.config.maxBufferedBytes
     ) {
-      return Promise.resolve(this.degraded(policy, "unavailable", local));
+      return Promise.resolve(this.degraded(fail, check, "unavailable"));
     }
     return new Promise<Decision>((resolve, reject) => {
       const timer = setTimeout(() => {
-        if (this.pending.delete(id)) resolve(this.degraded(policy, "timeout", local));
+        if (this.pending.delete(id)) resolve(this.degraded(fail, check, "timeout"));
       }, timeoutMs);
-      this.pending.set(id, { resolve, reject, timer, policy, local });
+      this.pending.set(id, { resolve, reject, timer, fail, check });
       // Written at once rather than coalesced per tick: measured, a closed loop of 16 callers ran
       // ~1.6x faster and with less CPU per check, since the agent starts on the first check while
       // this process still resumes the others (coalescing made both sides take turns).
@@ -374,16 +405,30 @@ export class Client {
     this.pending.clear();
     for (const p of all) {
       clearTimeout(p.timer);
-      p.resolve(this.degraded(p.policy, why, p.local));
+      p.resolve(this.degraded(p.fail, p.check, why));
     }
   }
 
-  private degraded(policy: FailPolicy, why: Degraded, local: [string, number] | null): Decision {
+  /**
+   * The answer to a check the agent cannot answer, in PROTOCOL.md's order: the call's own policy
+   * alone; else denied if it touches one of the agent's fail-closed rules; else the client's policy.
+   * Open answers go through the per-process fallback limit when there is one.
+   */
+  private degraded(fail: FailPolicy | null, check: Check, why: Degraded): Decision {
     if (why === "unavailable") this.counts.unavailable++;
     else this.counts.timeouts++;
     const now = Date.now();
+    let policy = fail;
+    if (policy === null) {
+      const rule = this.failModes ? closing(this.failModes, check) : undefined;
+      if (rule) return closedRuleDecision(rule, why, this.config.closedRetryAfterMs, now);
+      policy = this.config.fail;
+    }
     const limit = this.config.fallbackLimit;
-    if (policy === "open" && limit && local) return this.localLimit(limit, local[0], local[1], why, now);
+    if (policy === "open" && limit) {
+      const [key, cost] = localKey(check);
+      return this.localLimit(limit, key, cost, why, now);
+    }
     return degradedDecision(policy === "open", why, this.config.closedRetryAfterMs, now);
   }
 
@@ -440,13 +485,20 @@ export class Client {
       if (!this.connected) {
         const r = decodeFrame(this.rbuf);
         if (!r.ok && r.type === "incomplete") return;
-        if (r.ok && r.frame.body.kind === "helloOk" && r.frame.body.version === VERSION) {
+        if (
+          r.ok &&
+          r.frame.body.kind === "helloOk" &&
+          r.frame.body.version >= MIN_VERSION &&
+          r.frame.body.version <= VERSION
+        ) {
           clearTimeout(timer);
           this.rbuf = this.rbuf.subarray(r.used);
           this.connected = true;
           upSince = performance.now();
           this.counts.connects++;
           this.reach.connected(path);
+          // A version-1 agent would refuse FailModes (error 3): it is asked only on version 2.
+          if (r.frame.body.version >= 2) this.startFailModes(sock);
           this.wake();
         } else {
           // Warned about as a failed attempt, with this reason, when the socket closes.
@@ -454,7 +506,7 @@ export class Client {
             ? r.frame.body.kind === "error"
               ? `agent refused Hello: ${r.frame.body.code}: ${r.frame.body.message}`
               : r.frame.body.kind === "helloOk"
-                ? `agent chose version ${r.frame.body.version}; this SDK speaks ${VERSION}`
+                ? `agent chose version ${r.frame.body.version}; this SDK speaks ${MIN_VERSION} to ${VERSION}`
                 : `unexpected answer to Hello (${r.frame.body.kind})`
             : `unexpected answer to Hello (not a Floodgate agent?): ${r.reason}`;
           sock.destroy();
@@ -469,6 +521,7 @@ export class Client {
       const wasUp = this.connected;
       this.socket = null;
       this.connected = false;
+      this.stopFailModes();
       this.rbuf = Buffer.alloc(0);
       this.failAll("unavailable");
       if (this.closed) return;
@@ -481,6 +534,38 @@ export class Client {
       this.wake();
       this.scheduleReconnect();
     });
+  }
+
+  /** Asks for the fail-closed rules now and every {@link FAIL_MODES_EVERY_MS} while `sock` is up. */
+  private startFailModes(sock: net.Socket): void {
+    this.stopFailModes();
+    const ask = () => {
+      if (this.socket !== sock || !this.connected) return;
+      // An id of the checks' sequence: never one a call in flight holds.
+      sock.write(encodeFrame({ requestId: this.allocateId(), body: { kind: "failModes" } }));
+    };
+    ask();
+    this.failModesTimer = setInterval(ask, FAIL_MODES_EVERY_MS);
+    // Like the socket, the refresh never keeps the process alive.
+    this.failModesTimer.unref();
+  }
+
+  private stopFailModes(): void {
+    if (this.failModesTimer) clearInterval(this.failModesTimer);
+    this.failModesTimer = null;
+  }
+
+  /** A new list replaces the old one whole. */
+  private learn(list: FailModeList): void {
+    this.failModes = list;
+    if (list.truncated && !this.truncationSaid) {
+      this.truncationSaid = true;
+      this.config.logger?.warn(
+        `floodgate: the agent's fail-closed rules fill more than one frame; the first ${list.rules.length} ` +
+          `deny while the agent is away, checks touching only later ones answer by fail policy ` +
+          `${this.config.fail} (said once)`,
+      );
+    }
   }
 
   private scheduleReconnect(): void {
@@ -509,6 +594,8 @@ export class Client {
         if (body.kind === "decision") {
           const p = this.settle(requestId);
           if (p) p.resolve(agentDecision(body.combined, body.items));
+        } else if (body.kind === "failModeList") {
+          this.learn(body.list);
         } else if (body.kind === "error") {
           const p = this.settle(requestId);
           if (!p) continue; // connection-level (id 0) or a call that already timed out
@@ -516,7 +603,7 @@ export class Client {
             p.reject(new FloodgateError("agent", `agent refused the check (${body.code}): ${body.message}`, body.code));
           } else {
             // Overload, an internal error, a code from a newer agent: the agent's trouble.
-            p.resolve(this.degraded(p.policy, "unavailable", p.local));
+            p.resolve(this.degraded(p.fail, p.check, "unavailable"));
           }
         }
         // Any other kind is not an answer: ignored.
@@ -528,7 +615,7 @@ export class Client {
         // fail policy now instead of waiting out its timeout.
         pos += r.frameLen;
         const p = this.settle(r.requestId);
-        if (p) p.resolve(this.degraded(p.policy, "unavailable", p.local));
+        if (p) p.resolve(this.degraded(p.fail, p.check, "unavailable"));
         this.warn("rejected", `floodgate: unreadable answer from the agent: ${r.reason}`);
         continue;
       }

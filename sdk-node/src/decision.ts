@@ -1,6 +1,7 @@
 /** A decision as the SDK returns it, with who decided. */
 
-import type { ItemDecision, Source } from "./protocol";
+import type { ClosedRule } from "./fail-modes";
+import type { ItemDecision, Source, Verdict } from "./protocol";
 
 /** Why the SDK answered by itself instead of the agent. */
 export type Degraded =
@@ -15,7 +16,7 @@ export type Origin =
   | { kind: "agent"; source: Source }
   /** The SDK's fail policy: allowed because the agent could not answer. */
   | { kind: "failOpen"; reason: Degraded }
-  /** The SDK's fail policy: denied because the agent could not answer. */
+  /** Denied because the agent could not answer: a fail-closed rule of the agent's, or the fail policy. */
   | { kind: "failClosed"; reason: Degraded }
   /** The SDK's per-process fallback limit decided (allowed or not) because the agent could not. */
   | { kind: "localLimit"; reason: Degraded };
@@ -24,7 +25,7 @@ export type Origin =
 export interface Decision {
   /** Whether the request may pass. */
   allowed: boolean;
-  /** The binding rule's limit (0 when no rule applied or the SDK decided alone). */
+  /** The binding rule's limit (0 when no rule applied or the SDK's fail policy decided). */
   limit: number;
   /** Units left under the binding rule. */
   remaining: number;
@@ -34,11 +35,17 @@ export interface Decision {
   retryAfterMs?: number;
   /** Who decided. */
   origin: Origin;
-  /** The agent's source of the combined verdict; undefined when the SDK decided alone. */
+  /**
+   * The agent's source of the combined verdict; `fallback` when a fail-closed rule denied while the
+   * agent was away; undefined when the SDK's fail policy or fallback limit decided.
+   */
   source?: Source;
   /** The combined verdict carries the log-only flag: every item is in log mode (never enforced). */
   logOnly: boolean;
-  /** Per-rule verdicts from the agent (empty when the SDK decided alone). */
+  /**
+   * Per-rule verdicts from the agent; the fail-closed rule that denied while the agent was away;
+   * empty when the SDK's fail policy or fallback limit decided.
+   */
   items: ItemDecision[];
 }
 
@@ -76,6 +83,34 @@ export function degradedDecision(allow: boolean, why: Degraded, retryAfterMs: nu
     origin: allow ? { kind: "failOpen", reason: why } : { kind: "failClosed", reason: why },
     logOnly: false,
     items: [],
+  };
+}
+
+/**
+ * @internal A fail-closed rule's answer while the agent is away (PROTOCOL.md, "Version 2"): denied,
+ * source fallback, the rule's limit, nothing remaining, retry after the client's fail-closed
+ * Retry-After. The rule is its one item, so the middleware's headers name its figures.
+ */
+export function closedRuleDecision(rule: ClosedRule, why: Degraded, retryAfterMs: number, nowMs: number): Decision {
+  const verdict: Verdict = {
+    allowed: false,
+    logOnly: false,
+    source: "fallback",
+    limit: rule.limit,
+    remaining: 0,
+    resetAtMs: nowMs + retryAfterMs,
+    retryAfterMs: Math.max(1, retryAfterMs),
+  };
+  return {
+    allowed: false,
+    limit: verdict.limit,
+    remaining: 0,
+    resetAtMs: verdict.resetAtMs,
+    retryAfterMs: verdict.retryAfterMs,
+    origin: { kind: "failClosed", reason: why },
+    source: "fallback",
+    logOnly: false,
+    items: [{ ruleId: rule.ruleId, verdict }],
   };
 }
 

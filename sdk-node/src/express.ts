@@ -3,8 +3,10 @@
  * `X-RateLimit-Limit`, `-Remaining` and `-Reset` on every response an enforced rule applied to, and
  * answers a rejection with 429, `Retry-After` (whole seconds, rounded up, at least 1) and
  * `{"error":"rate_limited","retryAfter":N}`. Log-mode rules never block and never show in the
- * headers; when the agent cannot answer the client's fail policy decides (open by default: the
- * request passes without headers).
+ * headers. When the agent cannot answer, the route's `failFor` policy decides if it has one; else a
+ * fail-closed rule of the agent's that the request falls under denies it (429 with that rule's
+ * limit in the headers); else the client's fail policy decides (open by default: the request passes
+ * without headers).
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path

@@ -1,10 +1,11 @@
 /**
  * Fastify plugin and hook: the same behaviour as the Express middleware (headers of the binding
  * enforced rule on every response a rule applied to, 429 with `Retry-After` and the JSON body on a
- * rejection). Fastify routes before `onRequest` hooks run, so the endpoint is the matched route
- * (`/items/:id`) for every request that matched one, whatever spelling its router took there
- * (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and the path for
- * the others (answered 404 by Fastify).
+ * rejection, and the same answers while the agent is away: `failFor`, the agent's fail-closed rules,
+ * the client's fail policy). Fastify routes before `onRequest` hooks run, so the endpoint is the
+ * matched route (`/items/:id`) for every request that matched one, whatever spelling its router
+ * took there (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and
+ * the path for the others (answered 404 by Fastify).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket

@@ -19,10 +19,17 @@ export interface Health {
   /** Connection attempts that failed since the last connection was made. */
   failedAttempts: number;
   /**
-   * Calls the SDK answered by itself (fail policy or fallback limit), not the agent, since the
-   * client started: the agent was unreachable, late, or could not answer.
+   * Calls the SDK answered by itself (a fail-closed rule, the fail policy or the fallback limit), not
+   * the agent, since the client started: the agent was unreachable, late, or could not answer.
    */
   failPolicyAnswers: number;
+  /**
+   * The agent's fail-closed rules the client knows (its last list, kept while the agent is away):
+   * checks touching them are denied when the agent cannot answer. 0 before any list.
+   */
+  failClosedRules: number;
+  /** The rule set version of that list (0 for a rules file); absent before any list. */
+  rulesVersion?: number;
 }
 
 /**

@@ -7,7 +7,7 @@
 
 import * as net from "node:net";
 
-import type { Client } from "./client";
+import type { Client, FailPolicy } from "./client";
 import type { Decision } from "./decision";
 import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
 
@@ -319,6 +319,12 @@ export interface RateLimitOptions {
   trustProxies?: readonly string[];
   /** What a request to an endpoint (as the endpoint extractor gives it) costs; 1 elsewhere. */
   costs?: Readonly<Record<string, number>>;
+  /**
+   * What a request to an endpoint (keyed as `costs`) answers when the agent cannot: `open` or
+   * `closed`, deciding alone, over the agent's fail-closed rules and the client's fail policy.
+   * Elsewhere: denied if a fail-closed rule of the agent's applies, else the client's fail policy.
+   */
+  failFor?: Readonly<Record<string, FailPolicy>>;
   /** Also set the IETF draft's `RateLimit-Policy` and `RateLimit` headers (default false). */
   ietfHeaders?: boolean;
   /** Where the rare warnings go (default `console`). */
@@ -369,6 +375,7 @@ export class Limiter {
   private readonly ip?: Extractor;
   private readonly trusted: Cidr[];
   private readonly costs = new Map<string, number>();
+  private readonly failFor = new Map<string, FailPolicy>();
   private readonly ietf: boolean;
   private readonly logger: { warn(message: string): void } | null;
   private lastCheckFailed = -Infinity;
@@ -388,14 +395,27 @@ export class Limiter {
     for (const [e, c] of Object.entries(o.costs ?? {})) {
       this.costs.set(routeName(e), Math.max(1, Math.floor(Number(c)) || 1));
     }
+    // Throws on anything else: a misspelt "close" must fail at start, not fail open in an outage.
+    for (const [e, f] of Object.entries(o.failFor ?? {})) {
+      if (f !== "open" && f !== "closed") {
+        throw new Error(`failFor[${JSON.stringify(e)}] must be "open" or "closed", not ${JSON.stringify(f)}`);
+      }
+      this.failFor.set(routeName(e), f);
+    }
     this.ietf = o.ietfHeaders ?? false;
     this.logger = o.logger === undefined ? console : o.logger;
   }
 
   /** The request's attributes, every value wire-safe. */
   attributes(req: RequestView): Attributes {
+    return this.prepare(req).attributes;
+  }
+
+  /** The request's attributes, and the fail policy its endpoint is given (`failFor`), if any. */
+  private prepare(req: RequestView): { attributes: Attributes; fail?: FailPolicy } {
     const endpoint = this.endpoint(req) || undefined;
     const cost = (endpoint !== undefined && this.costs.get(endpoint)) || 1;
+    const fail = endpoint !== undefined ? this.failFor.get(endpoint) : undefined;
     let ip: string | undefined | null;
     if (this.ip) ip = this.ip(req);
     else {
@@ -409,7 +429,7 @@ export class Limiter {
       const v = f?.(req);
       return v ? wireSafe(v) : undefined;
     };
-    return {
+    const attributes: Attributes = {
       endpoint: endpoint !== undefined ? wireSafe(endpoint) : undefined,
       tier: read(this.tier),
       user: read(this.user),
@@ -417,13 +437,15 @@ export class Limiter {
       ip: ip ? wireSafe(ip) : undefined,
       cost,
     };
+    return { attributes, fail };
   }
 
   /** Asks the agent and says what to do: never rejects (a failed check lets the request pass). */
   async decide(req: RequestView): Promise<LimitOutcome> {
     let decision: Decision;
     try {
-      decision = await this.client.checkAttributes(this.attributes(req));
+      const { attributes, fail } = this.prepare(req);
+      decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
       // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).

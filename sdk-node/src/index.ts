@@ -3,8 +3,10 @@
  *
  * One {@link Client} per process holds one multiplexed Unix-socket connection to the agent; many
  * checks are in flight at once, each with its own request id. Every call resolves within its
- * timeout (default 10 ms): when the agent is unreachable or late it answers by its fail policy, open
- * (allow) by default, closed where configured, and the client reconnects in the background.
+ * timeout (default 10 ms): when the agent is unreachable or late it denies checks under the agent's
+ * fail-closed rules (learnt from the agent, kept while it is away) and answers the others by its
+ * fail policy, open (allow) by default, closed where configured; the client reconnects in the
+ * background.
  *
  * - {@link Client}: `allow`, `check`, `checkAttributes`, `health`. `new Client()` finds the agent
  *   with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else `/run/floodgate/floodgate.sock`, else
@@ -33,9 +35,12 @@ export {
   MAX_ITEMS,
   MAX_KEY,
   MAX_RULE_ID,
+  MIN_VERSION,
   VERSION,
 } from "./protocol";
 export type { Attributes, Body, Check, DecodeResult, Frame, Item, ItemDecision, Source, Verdict } from "./protocol";
+export { closing, endpointMatches, touches } from "./fail-modes";
+export type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 export {
   Cidr,
   bindingRule,

@@ -1,13 +1,19 @@
 /**
- * Floodgate's wire protocol, version 1 (`protocol/PROTOCOL.md`): frames to bytes and bytes to
- * frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
+ * Floodgate's wire protocol, versions 1 and 2 (`protocol/PROTOCOL.md`): frames to bytes and bytes
+ * to frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
  *
  * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
- * counting everything after itself; a whole frame is at most 65,536 bytes.
+ * counting everything after itself; a whole frame is at most 65,536 bytes. The version byte is the
+ * version that introduced the frame's kind (2 for FailModes and FailModeList, else 1; Hello's is
+ * `min(max_version, 2)`), so a version-1 peer reads every frame it knows.
  */
 
-/** The protocol version this SDK speaks. */
-export const VERSION = 1;
+import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
+
+/** The highest protocol version this SDK speaks (2: the fail-mode list). */
+export const VERSION = 2;
+/** The lowest protocol version this SDK speaks. */
+export const MIN_VERSION = 1;
 /** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
 export const MAX_FRAME = 64 * 1024;
 /** Bytes of the length prefix. */
@@ -38,6 +44,10 @@ export const Kind = {
   Error: 0x05,
   Ping: 0x06,
   Pong: 0x07,
+  /** Version 2: which rules fail closed (client to agent, empty body). */
+  FailModes: 0x08,
+  /** Version 2: the rules that fail closed (agent to client). */
+  FailModeList: 0x09,
 } as const;
 
 /** Error codes carried by Error frames. Unknown codes are kept as numbers. */
@@ -55,6 +65,12 @@ export const ErrorCode = {
 /** Where a verdict came from. */
 export type Source = "redis" | "local" | "cache" | "fallback";
 const SOURCES: readonly Source[] = ["redis", "local", "cache", "fallback"];
+
+/** A listed rule's dimension by its wire byte. */
+const DIMENSIONS: readonly ListedDimension[] = ["user", "apiKey", "ip", "descriptor"];
+
+/** FailModeList flags bit 0: more rules than one frame holds. */
+const LIST_TRUNCATED = 0b01;
 
 /** One `(key, ruleId, cost)` item of a check. */
 export interface Item {
@@ -121,7 +137,9 @@ export type Body =
   | { kind: "decision"; combined: Verdict; items: ItemDecision[] }
   | { kind: "error"; code: number; message: string }
   | { kind: "ping" }
-  | { kind: "pong" };
+  | { kind: "pong" }
+  | { kind: "failModes" }
+  | { kind: "failModeList"; list: FailModeList };
 
 /** A frame: a request id and what it carries. */
 export interface Frame {
@@ -332,6 +350,10 @@ function kindOf(body: Body): number {
       return Kind.Ping;
     case "pong":
       return Kind.Pong;
+    case "failModes":
+      return Kind.FailModes;
+    case "failModeList":
+      return Kind.FailModeList;
   }
 }
 
@@ -358,8 +380,15 @@ export function encodeFrame(frame: Frame): Buffer {
     throw new InvalidCheck(`a decision carries at most ${MAX_ITEMS} items, not ${body.items.length}`);
   }
   const w = new Writer();
-  // Hello is understood by every version; its own version byte is min(max_version, ours).
-  w.u8(body.kind === "hello" ? Math.min(body.maxVersion, VERSION) : VERSION);
+  // Hello is understood by every version; its own version byte is min(max_version, ours). Any other
+  // frame carries the version that introduced its kind, so a version-1 peer reads all it knows.
+  w.u8(
+    body.kind === "hello"
+      ? Math.min(body.maxVersion, VERSION)
+      : body.kind === "failModes" || body.kind === "failModeList"
+        ? 2
+        : 1,
+  );
   w.u8(kindOf(body));
   w.u32(frame.requestId);
   switch (body.kind) {
@@ -403,7 +432,23 @@ export function encodeFrame(frame: Frame): Buffer {
     }
     case "ping":
     case "pong":
+    case "failModes":
       break;
+    case "failModeList": {
+      const l = body.list;
+      w.u64(l.rulesVersion);
+      w.u8(l.truncated ? LIST_TRUNCATED : 0);
+      const n = Math.min(l.rules.length, 0xffff);
+      w.u16(n);
+      for (const r of l.rules.slice(0, n)) {
+        w.str8(r.ruleId);
+        w.u8(Math.max(0, DIMENSIONS.indexOf(r.dimension)));
+        w.str16(r.endpoint);
+        w.str16(r.tier);
+        w.u64(r.limit);
+      }
+      break;
+    }
   }
   if (w.len > MAX_FRAME) {
     throw new InvalidCheck(`frame of ${w.len} bytes exceeds the ${MAX_FRAME}-byte limit`);
@@ -533,6 +578,25 @@ function decodeBody(kind: number, r: Reader): Body {
       return { kind: "ping" };
     case Kind.Pong:
       return { kind: "pong" };
+    case Kind.FailModes:
+      return { kind: "failModes" };
+    case Kind.FailModeList: {
+      const rulesVersion = r.u64();
+      const flags = r.u8();
+      if (flags & ~LIST_TRUNCATED) {
+        throw new Malformed(`unknown list flags 0x${flags.toString(16).padStart(2, "0")}`);
+      }
+      const n = r.u16();
+      const rules: ClosedRule[] = [];
+      for (let i = 0; i < n; i++) {
+        const ruleId = r.str8();
+        const d = r.u8();
+        const dimension = DIMENSIONS[d];
+        if (dimension === undefined) throw new Malformed(`unknown dimension ${d}`);
+        rules.push({ ruleId, dimension, endpoint: r.str16(), tier: r.str16(), limit: r.u64() });
+      }
+      return { kind: "failModeList", list: { rulesVersion, truncated: (flags & LIST_TRUNCATED) !== 0, rules } };
+    }
     default:
       throw new Malformed(`unknown frame kind 0x${kind.toString(16).padStart(2, "0")}`);
   }
@@ -578,13 +642,13 @@ function decodeUnsafe(buf: Buffer): DecodeResult {
   const version = buf[4];
   const kind = buf[5];
   const requestId = buf.readUInt32BE(6);
-  if (version !== VERSION && kind !== Kind.Hello) {
+  if ((version < MIN_VERSION || version > VERSION) && kind !== Kind.Hello) {
     return {
       ok: false,
       type: "rejected",
       code: ErrorCode.UnsupportedVersion,
       requestId,
-      reason: `frame version ${version}; this peer speaks version ${VERSION}`,
+      reason: `frame version ${version}; this peer speaks versions ${MIN_VERSION} to ${VERSION}`,
       frameLen,
     };
   }

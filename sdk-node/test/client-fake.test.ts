@@ -1,7 +1,8 @@
 /**
  * The client against a fake agent that answers out of order, in fragments, with garbage, oversize
  * frames, unknown kinds, bad text and error codes: the client never crashes, never rejects for the
- * agent's trouble, and answers each call by its fail policy without waiting out its timeout.
+ * agent's trouble, and answers each call by its fail policy without waiting out its timeout; and
+ * how it asks for, keeps and applies the agent's fail-closed rules (protocol version 2).
  */
 
 import assert from "node:assert/strict";
@@ -10,7 +11,8 @@ import * as path from "node:path";
 import { promisify } from "node:util";
 import { after, describe, it } from "node:test";
 
-import { Client, FloodgateError, type Decision } from "../src/index";
+import { FAIL_MODES_EVERY_MS } from "../src/client";
+import { Client, FloodgateError, type ClosedRule, type Decision, type FailModeList } from "../src/index";
 import { encodeFrame, type Frame } from "../src/protocol";
 import { decisionFrame, eventually, FakeAgent, tempDir } from "./helpers";
 
@@ -146,7 +148,7 @@ describe("client against a fake agent", () => {
         sock.write(b);
       } else if (n === 2) {
         const b = decisionFrame(f.requestId, 1);
-        b[4] = 2; // version 2
+        b[4] = 3; // version 3, which this SDK does not speak
         sock.write(b);
       } else sock.write(decisionFrame(f.requestId, 9));
     };
@@ -300,16 +302,20 @@ describe("client against a fake agent", () => {
 
   it("an open client does not keep its process alive", async () => {
     const { fake } = await setup();
+    // Version 2, so the fail-closed rules' refresh timer is armed too.
+    fake.helloVersion = 2;
+    fake.failModeList = { rulesVersion: 4, truncated: false, rules: [] };
     fake.onCheck = (f, sock) => sock.write(decisionFrame(f.requestId, 5));
     const script = `
       const { Client } = require(${JSON.stringify(path.join(__dirname, "..", "src", "index.js"))});
       Client.connect(${JSON.stringify(fake.path)}).then(async (c) => {
         const d = await c.allow("k", "rule");
-        console.log(JSON.stringify([c.isConnected(), d.remaining]));
+        while (c.health().rulesVersion === undefined) await new Promise((r) => setTimeout(r, 5));
+        console.log(JSON.stringify([c.isConnected(), d.remaining, c.health().rulesVersion]));
       });`;
     const t = performance.now();
     const { stdout } = await execFileP(process.execPath, ["-e", script], { timeout: 10_000 });
-    assert.deepEqual(JSON.parse(stdout), [true, 5], "it was connected and answered");
+    assert.deepEqual(JSON.parse(stdout), [true, 5, 4], "it was connected, answered and had the list");
     // It exited by itself, connection open and reconnection armed, without close(): well before the
     // 10 s kill (node itself starts in well under a second even on a loaded machine).
     assert.ok(performance.now() - t < 5_000);
@@ -373,5 +379,135 @@ describe("client with no agent at all", () => {
     } finally {
       client.close();
     }
+  });
+});
+
+describe("the agent's fail-closed rules (fake agent)", () => {
+  const clients: Client[] = [];
+  const fakes: FakeAgent[] = [];
+  after(async () => {
+    for (const c of clients) c.close();
+    for (const f of fakes) await f.close();
+  });
+
+  const login: ClosedRule = { ruleId: "login-per-ip", dimension: "ip", endpoint: "/login", tier: "", limit: 5 };
+  const admin: ClosedRule = { ruleId: "admin-per-user", dimension: "user", endpoint: "/admin/*", tier: "staff", limit: 100 };
+  const loginCheck = { endpoint: "/login", ip: "203.0.113.5" };
+
+  async function setup(helloVersion: number, list: FailModeList, config: ConstructorParameters<typeof Client>[1] = {}) {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = helloVersion;
+    fake.failModeList = list;
+    fake.onCheck = (f, sock) => sock.write(decisionFrame(f.requestId, 1));
+    const client = await Client.connect(fake.path, { timeoutMs: LONG, ...config });
+    clients.push(client);
+    assert.ok(client.isConnected());
+    return { fake, client };
+  }
+
+  it("an agent answering HelloOk 1 is never asked for them, and its rules fail by the client's policy", async (t) => {
+    t.mock.timers.enable({ apis: ["setInterval"] });
+    const { fake, client } = await setup(1, { rulesVersion: 1, truncated: false, rules: [login] });
+    // FailModes would be written right after HelloOk, before any check: a check the fake has read
+    // shows that nothing was sent before it.
+    assert.equal((await client.checkAttributes(loginCheck)).origin.kind, "agent");
+    t.mock.timers.tick(3 * FAIL_MODES_EVERY_MS);
+    assert.equal((await client.checkAttributes(loginCheck)).origin.kind, "agent");
+    assert.deepEqual(
+      fake.received.map((f) => f.body.kind),
+      ["hello", "check", "check"],
+    );
+    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 2, "Hello offers 1..2");
+    assert.equal(client.health().failClosedRules, 0);
+    assert.ok(!("rulesVersion" in client.health()), "no list: no rules version");
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    assert.deepEqual((await client.checkAttributes(loginCheck)).origin, { kind: "failOpen", reason: "unavailable" });
+  });
+
+  it("a version-2 agent's list is asked for, refreshed every 10 s, replaced whole and kept while away", async (t) => {
+    t.mock.timers.enable({ apis: ["setInterval"] });
+    const { fake, client } = await setup(2, { rulesVersion: 7, truncated: false, rules: [login] }, { closedRetryAfterMs: 2000 });
+    await eventually("the first list", 5_000, () => client.health().rulesVersion === 7);
+    assert.equal(client.health().failClosedRules, 1);
+    assert.equal(fake.failModesAsked, 1);
+    assert.ok(fake.received.every((f) => f.body.kind === "hello" || f.requestId !== 0), "FailModes never uses id 0");
+
+    // Late answers are the agent's failure too: a listed rule denies, with the call's reason.
+    fake.onCheck = () => {};
+    const late = await client.checkAttributes(loginCheck, { timeoutMs: 50 });
+    assert.equal(late.allowed, false);
+    assert.deepEqual(late.origin, { kind: "failClosed", reason: "timeout" });
+    assert.equal(late.limit, 5);
+
+    fake.failModeList = { rulesVersion: 8, truncated: false, rules: [admin] };
+    fake.onCheck = (f, sock) => sock.write(decisionFrame(f.requestId, 1));
+    t.mock.timers.tick(FAIL_MODES_EVERY_MS - 1);
+    // A FailModes written now would reach the fake before this check.
+    assert.equal((await client.checkAttributes(loginCheck)).origin.kind, "agent");
+    assert.equal(fake.failModesAsked, 1, "not asked again before 10 s");
+    t.mock.timers.tick(1);
+    await eventually("the refreshed list", 5_000, () => client.health().rulesVersion === 8);
+    assert.equal(fake.failModesAsked, 2);
+
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    assert.deepEqual(
+      [client.health().failClosedRules, client.health().rulesVersion],
+      [1, 8],
+      "the last list is kept across the disconnection",
+    );
+    const t0 = Date.now();
+    const denied = await client.checkAttributes({ endpoint: "/admin/users", user: "u1", tier: "staff" });
+    assert.equal(denied.allowed, false);
+    assert.deepEqual(denied.origin, { kind: "failClosed", reason: "unavailable" });
+    assert.deepEqual([denied.limit, denied.remaining, denied.retryAfterMs, denied.source], [100, 0, 2000, "fallback"]);
+    assert.ok(denied.resetAtMs >= t0 + 2000 && denied.resetAtMs <= Date.now() + 2000, `reset ${denied.resetAtMs}`);
+    assert.deepEqual(denied.items.map((i) => [i.ruleId, i.verdict.allowed, i.verdict.limit]), [["admin-per-user", false, 100]]);
+    const named = await client.allow("user:u1", "admin-per-user");
+    assert.equal(named.allowed, false, "an item naming the rule touches it");
+    const replaced = await client.checkAttributes(loginCheck);
+    assert.deepEqual(replaced.origin, { kind: "failOpen", reason: "unavailable" }, "the old list's rule is gone");
+    const otherTier = await client.checkAttributes({ endpoint: "/admin/users", user: "u1", tier: "free" });
+    assert.equal(otherTier.allowed, true);
+    const perCall = await client.checkAttributes({ endpoint: "/admin/users", user: "u1", tier: "staff" }, { fail: "open" });
+    assert.deepEqual(perCall.origin, { kind: "failOpen", reason: "unavailable" }, "a per-call policy decides alone");
+  });
+
+  it("the per-call policy, then the list, then the client's policy and its fallback limit", async () => {
+    const { fake, client } = await setup(
+      2,
+      { rulesVersion: 3, truncated: false, rules: [login] },
+      { fail: "open", fallbackLimit: { limit: 1, perMs: 60_000 } },
+    );
+    await eventually("the list", 5_000, () => client.health().rulesVersion === 3);
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    assert.equal((await client.checkAttributes(loginCheck)).origin.kind, "failClosed", "the list before the fallback limit");
+    const a = await client.checkAttributes({ endpoint: "/search", ip: "1" });
+    const b = await client.checkAttributes({ endpoint: "/search", ip: "1" });
+    assert.deepEqual([a.allowed, b.allowed, b.origin.kind], [true, false, "localLimit"]);
+    const closed = await client.checkAttributes({ endpoint: "/other", ip: "1" }, { fail: "closed" });
+    assert.deepEqual([closed.allowed, closed.origin.kind, closed.limit], [false, "failClosed", 0]);
+  });
+
+  it("a truncated list is used as far as it goes, and said once", async (t) => {
+    t.mock.timers.enable({ apis: ["setInterval"] });
+    const lines: string[] = [];
+    const { fake, client } = await setup(2, { rulesVersion: 1, truncated: true, rules: [login] }, {
+      logger: { warn: (m) => lines.push(m) },
+    });
+    await eventually("the list", 5_000, () => client.health().rulesVersion === 1);
+    fake.failModeList = { rulesVersion: 2, truncated: true, rules: [login] };
+    t.mock.timers.tick(FAIL_MODES_EVERY_MS);
+    await eventually("the refreshed list", 5_000, () => client.health().rulesVersion === 2);
+    const said = lines.filter((l) => l.includes("fail-closed rules fill more than one frame"));
+    assert.equal(said.length, 1, lines.join("\n"));
+    assert.match(said[0], /the first 1 deny while the agent is away/);
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    assert.equal((await client.checkAttributes(loginCheck)).allowed, false, "the listed rule still denies");
+    assert.deepEqual((await client.allow("user:1", "past-the-list")).origin, { kind: "failOpen", reason: "unavailable" });
   });
 });

@@ -62,12 +62,16 @@ describe("the default socket and an unreachable agent", () => {
     const c = track(await Client.connect({ timeoutMs: 5_000, logger: log }));
     const d = await c.allow(`user:${unique()}`, "r");
     assert.deepEqual([d.allowed, d.origin.kind, d.limit, d.remaining], [true, "agent", 3, 2]);
+    // The fail-closed rules are asked for after Hello, and may be answered after the check.
+    await eventually("the agent's fail-closed rules", 5_000, () => c.health().rulesVersion !== undefined);
     assert.deepEqual(c.health(), {
       connected: true,
       path: agent.socket,
       lastError: null,
       failedAttempts: 0,
       failPolicyAnswers: 0,
+      failClosedRules: 0,
+      rulesVersion: 0,
     });
     assert.equal(c.path, agent.socket);
     assert.deepEqual(log.lines, [], "nothing to warn about");
@@ -125,7 +129,16 @@ describe("the default socket and an unreachable agent", () => {
     await eventually("the client to connect to the agent started after it", 10_000, () => c.isConnected());
     const back = await c.allow(`user:${unique()}`, "r");
     assert.deepEqual([back.origin.kind, back.remaining], ["agent", 2]);
-    assert.deepEqual(c.health(), { connected: true, path: socket, lastError: null, failedAttempts: 0, failPolicyAnswers: 1 });
+    await eventually("the agent's fail-closed rules", 5_000, () => c.health().rulesVersion !== undefined);
+    assert.deepEqual(c.health(), {
+      connected: true,
+      path: socket,
+      lastError: null,
+      failedAttempts: 0,
+      failPolicyAnswers: 1,
+      failClosedRules: 0,
+      rulesVersion: 0,
+    });
     assert.equal(log.lines.length, 2);
     assert.match(log.lines[1], new RegExp(`^floodgate: agent reachable again at ${socket} \\(after \\d+ failed attempts\\)$`));
   });

@@ -315,6 +315,7 @@ export function unique(): string {
 // ---------------------------------------------------------------------------------------------
 // A fake agent, to send what a real one never would.
 
+import type { FailModeList } from "../src/fail-modes";
 import { decodeFrame, encodeFrame, type Frame, type Verdict } from "../src/protocol";
 
 /** What the fake does with a Hello: answer HelloOk, refuse it (Error 3, close), or say nothing. */
@@ -328,6 +329,12 @@ export class FakeAgent {
   /** Called with every Check frame the fake reads. */
   onCheck: (frame: Frame, sock: net.Socket) => void = () => {};
   helloMode: HelloMode = "ok";
+  /** The version its HelloOk chooses (1: an agent from before the fail-mode list). */
+  helloVersion = 1;
+  /** What it answers to FailModes; null: no answer. */
+  failModeList: FailModeList | null = null;
+  /** Every frame it read, in order, across connections. */
+  readonly received: Frame[] = [];
   /** When each connection was accepted (performance.now()). */
   readonly acceptedAt: number[] = [];
   private server: net.Server;
@@ -360,16 +367,31 @@ export class FakeAgent {
         if (!r.ok) return;
         buf = buf.subarray(r.used);
         const f = r.frame;
+        this.received.push(f);
         if (f.body.kind === "hello") {
-          if (this.helloMode === "ok") sock.write(encodeFrame({ requestId: 0, body: { kind: "helloOk", version: 1 } }));
-          else if (this.helloMode === "refuse") {
+          if (this.helloMode === "ok") {
+            sock.write(encodeFrame({ requestId: 0, body: { kind: "helloOk", version: this.helloVersion } }));
+          } else if (this.helloMode === "refuse") {
             sock.end(encodeFrame({ requestId: 0, body: { kind: "error", code: 3, message: "no version in common" } }));
           }
         } else if (f.body.kind === "check") {
           this.onCheck(f, sock);
+        } else if (f.body.kind === "failModes" && this.failModeList) {
+          sock.write(encodeFrame({ requestId: f.requestId, body: { kind: "failModeList", list: this.failModeList } }));
         }
       }
     });
+  }
+
+  /** How many times it was asked for the fail-closed rules. */
+  get failModesAsked(): number {
+    return this.received.filter((f) => f.body.kind === "failModes").length;
+  }
+
+  /** Drops every connection and every later one: the agent is away, its socket file still there. */
+  goAway(): void {
+    this.helloMode = "drop";
+    for (const s of this.sockets) s.destroy();
   }
 
   async close(): Promise<void> {

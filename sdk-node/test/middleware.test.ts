@@ -361,6 +361,16 @@ middleware("embedded");
 middleware("redis");
 
 describe("middleware when the agent is away", () => {
+  it("failFor takes only open or closed, at start", () => {
+    const client = new Client(`${tempDir()}/nobody.sock`, { logger: null });
+    try {
+      assert.throws(() => floodgateExpress(client, { failFor: { "/login": "close" as "closed" } }), /must be "open" or "closed"/);
+      assert.throws(() => floodgateFastifyHook(client, { failFor: { "/login": "deny" as "closed" } }), /must be "open" or "closed"/);
+    } finally {
+      client.close();
+    }
+  });
+
   it("fail open: the request passes without headers; fail closed: 429 with Retry-After 1", async () => {
     const missing = `${tempDir()}/nobody.sock`;
     const open = await Client.connect(missing);

@@ -12,7 +12,7 @@ import { REPO } from "./helpers";
 function vectorsFromDoc(): Map<string, Buffer> {
   const doc = fs.readFileSync(path.join(REPO, "protocol", "PROTOCOL.md"), "utf8");
   const out = new Map<string, Buffer>();
-  const re = /<!--\s*vector:\s*([a-z_]+)\s*-->\s*```hex\n([\s\S]*?)```/g;
+  const re = /<!--\s*vector:\s*([a-z0-9_]+)\s*-->\s*```hex\n([\s\S]*?)```/g;
   for (let m = re.exec(doc); m; m = re.exec(doc)) {
     out.set(m[1], Buffer.from(m[2].replace(/\s+/g, ""), "hex"));
   }
@@ -82,6 +82,23 @@ const EXPECTED: Record<string, Frame> = {
   error_unknown_rule: { requestId: 7, body: { kind: "error", code: 4, message: 'unknown rule "nope"' } },
   ping: { requestId: 3, body: { kind: "ping" } },
   pong: { requestId: 3, body: { kind: "pong" } },
+  hello_v2: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 2 } },
+  hello_ok_v2: { requestId: 0, body: { kind: "helloOk", version: 2 } },
+  fail_modes: { requestId: 11, body: { kind: "failModes" } },
+  fail_mode_list: {
+    requestId: 11,
+    body: {
+      kind: "failModeList",
+      list: {
+        rulesVersion: 42,
+        truncated: false,
+        rules: [
+          { ruleId: "login-per-ip", dimension: "ip", endpoint: "/login", tier: "", limit: 5 },
+          { ruleId: "admin-per-user", dimension: "user", endpoint: "/admin/*", tier: "staff", limit: 100 },
+        ],
+      },
+    },
+  },
 };
 
 describe("PROTOCOL.md test vectors", () => {
@@ -136,7 +153,7 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
   });
 
   it("an unknown kind, unknown flags or source, or extra bytes are fatal", () => {
-    const unknownKind = Buffer.from("00000006010900000003", "hex");
+    const unknownKind = Buffer.from("00000006010a00000003", "hex");
     const extra = Buffer.from("0000000701070000000300", "hex");
     const vec = vectorsFromDoc().get("decision_allowed")!;
     const badFlags = Buffer.from(vec);
@@ -152,8 +169,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
   });
 
   it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
-    const v2 = Buffer.from("00000006020700000003", "hex");
-    const r = decodeFrame(Buffer.concat([v2, pong]));
+    const v3 = Buffer.from("00000006030700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v3, pong]));
     assert.ok(!r.ok && r.type === "rejected");
     assert.equal(r.code, 3);
     assert.equal(r.frameLen, 10);
@@ -164,6 +181,40 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     assert.equal(bad.code, 5);
     assert.equal(bad.requestId, 7);
     assert.equal(bad.frameLen, vec.length);
+  });
+
+  it("either version byte, 1 or 2, is read on any kind", () => {
+    const pong2 = Buffer.from(pong);
+    pong2[4] = 2;
+    const a = decodeFrame(pong2);
+    assert.ok(a.ok);
+    assert.deepEqual(a.frame, { requestId: 3, body: { kind: "pong" } });
+    const failModes1 = Buffer.from(vectorsFromDoc().get("fail_modes")!);
+    failModes1[4] = 1;
+    const b = decodeFrame(failModes1);
+    assert.ok(b.ok);
+    assert.deepEqual(b.frame, { requestId: 11, body: { kind: "failModes" } });
+  });
+
+  it("a fail-mode list with unknown flags or a dimension above 3 is fatal; the truncated flag is kept", () => {
+    const vec = vectorsFromDoc().get("fail_mode_list")!;
+    // Offsets: 10 header, 8 rules version, then the flags (18), the count (19), the first rule's
+    // id length (21), its 12 bytes, its dimension (34).
+    const badFlags = Buffer.from(vec);
+    badFlags[18] = 0x02;
+    const badDimension = Buffer.from(vec);
+    badDimension[34] = 4;
+    for (const [name, b] of Object.entries({ badFlags, badDimension })) {
+      const r = decodeFrame(b);
+      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${JSON.stringify(r)}`);
+    }
+    const truncated = Buffer.from(vec);
+    truncated[18] = 0x01;
+    const r = decodeFrame(truncated);
+    assert.ok(r.ok && r.frame.body.kind === "failModeList");
+    assert.equal(r.frame.body.list.truncated, true);
+    assert.equal(r.frame.body.list.rules.length, 2);
+    assert.equal(encodeFrame(r.frame).toString("hex"), truncated.toString("hex"));
   });
 
   it("error codes the SDK does not know are kept", () => {
