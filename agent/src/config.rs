@@ -118,9 +118,9 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_COALESCE", default_value_t = floodgate_redis::DEFAULT_COALESCE)]
     pub coalesce: usize,
 
-    /// Default flush interval of batched rules in milliseconds (a rule's flushIntervalMs overrides
-    /// it; both can be changed at run time through the admin API).
-    #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = floodgate_core::batch::DEFAULT_FLUSH_MS)]
+    /// Default flush interval of batched rules in milliseconds, at least 1 (a rule's flushIntervalMs
+    /// overrides it; both can be changed at run time through the admin API).
+    #[arg(long, env = "FLOODGATE_FLUSH_INTERVAL_MS", default_value_t = floodgate_core::batch::DEFAULT_FLUSH_MS, value_parser = clap::value_parser!(u64).range(1..))]
     pub flush_interval_ms: u64,
 
     /// Most (rule, key) counters tracked for batched rules; past it new keys run sync.
@@ -141,12 +141,12 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_REJECTION_CACHE", default_value_t = floodgate_core::cache::DEFAULT_CAP)]
     pub rejection_cache: usize,
 
-    /// Longest a check waits for Redis before the rule's fail mode decides, in milliseconds.
-    #[arg(long, env = "FLOODGATE_REDIS_TIMEOUT_MS", default_value_t = 5)]
+    /// Longest a check waits for Redis before the rule's fail mode decides, in milliseconds (at least 1).
+    #[arg(long, env = "FLOODGATE_REDIS_TIMEOUT_MS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
     pub redis_timeout_ms: u64,
 
-    /// Consecutive Redis failures (errors or timeouts) that open the circuit breaker.
-    #[arg(long, env = "FLOODGATE_BREAKER_FAILURES", default_value_t = 5)]
+    /// Consecutive Redis failures (errors or timeouts) that open the circuit breaker (at least 1).
+    #[arg(long, env = "FLOODGATE_BREAKER_FAILURES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub breaker_failures: u32,
 
     /// How long a failure streak must last before it opens the breaker, in milliseconds (one stall
@@ -166,8 +166,9 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_AGENT_ID")]
     pub agent_id: Option<String>,
 
-    /// How often the agent writes its heartbeat, in milliseconds (it counts for 5 intervals).
-    #[arg(long, env = "FLOODGATE_HEARTBEAT_MS", default_value_t = 1_000)]
+    /// How often the agent writes its heartbeat, in milliseconds, at least 10 (it counts for 5
+    /// intervals).
+    #[arg(long, env = "FLOODGATE_HEARTBEAT_MS", default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(10..))]
     pub heartbeat_ms: u64,
 
     /// Rules file (TOML or JSON), read at start. Without it and without `--rules-url`, the agent
@@ -194,12 +195,14 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_RULES_CA")]
     pub rules_ca: Option<PathBuf>,
 
-    /// How often to pull the rule set, in milliseconds (also the retry interval after a failure).
-    #[arg(long, env = "FLOODGATE_RULES_POLL_MS", default_value_t = 30_000)]
+    /// How often to pull the rule set, in milliseconds, at least 100 (also the retry interval after
+    /// a failure).
+    #[arg(long, env = "FLOODGATE_RULES_POLL_MS", default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..))]
     pub rules_poll_ms: u64,
 
-    /// How long each long-poll watch may wait for a change, in seconds (0: no watch, pull only).
-    #[arg(long, env = "FLOODGATE_RULES_WATCH_S", default_value_t = 25)]
+    /// How long each long-poll watch may wait for a change, in seconds, at most 55 (0: no watch,
+    /// pull only).
+    #[arg(long, env = "FLOODGATE_RULES_WATCH_S", default_value_t = 25, value_parser = clap::value_parser!(u64).range(0..=floodgate_rules_service::service::MAX_WATCH_SECONDS))]
     pub rules_watch_s: u64,
 
     /// The last good rule set from the service, kept across restarts (default:

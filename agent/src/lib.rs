@@ -3,29 +3,31 @@
 //! embedded in-memory store; and the `floodgate` binary's commands.
 //!
 //! # Map
-//! - [`daemon`]: the agent run until shutdown: store, guard, engine, rules source, listeners, loops.
-//! - [`config`]: the agent's flags and environment variables.
-//! - [`settings`]: the config file (TOML keys onto the flags), its generated table, reloads.
+//! - [`commands`]: the `floodgate` binary's commands, one file each (`agent`, `rules-server`,
+//!   `rules …`, `check`, `status`, and the printed command line: completions, man, config table).
+//! - [`daemon`]: the agent: built (everything made and bound), spawned, drained after shutdown.
+//! - [`config`]: the agent's flags and environment variables, validated as they are parsed.
+//! - [`settings`]: the config file's keys onto the flags, its generated table, what a reload changed.
+//! - [`reload`]: the config file applied to the command line, and SIGHUP's reload of the agent.
 //! - [`server`]: the socket and TCP listeners (safe binding, pipelined connections, connection cap).
 //! - [`envoy`]: Envoy's RateLimitService over gRPC, answered by the engine.
 //! - [`admin`]: the admin HTTP router (health, readiness, status, dry runs, `/metrics`).
 //! - [`exporter`]: the Prometheus exporter and the gauges read at scrape time.
 //! - [`follow`]: following a rules service (pull, watch, the last good set cached on disk).
-//! - [`cli`]: `floodgate rules …`, the operators' command line for the rules API.
-//! - [`ops`]: `floodgate check` and `floodgate status`, the operators' look at a running agent.
 //!
 //! The engine, rules and algorithms are `floodgate-core`'s; the rules service is
 //! `floodgate-rules-service`'s.
 
 pub mod admin;
-pub mod cli;
+pub mod commands;
 pub mod config;
 pub mod daemon;
 pub mod envoy;
 pub mod exporter;
 pub mod follow;
-pub mod ops;
+pub mod reload;
 pub mod server;
 pub mod settings;
 
-pub use daemon::{run, run_with_reloads, Reload};
+pub use daemon::{run, run_with_reloads};
+pub use reload::Reload;

@@ -234,3 +234,34 @@ async fn a_config_file_is_read_and_sighup_reloads_what_it_can() {
         text(&out.stderr)
     );
 }
+
+/// Values the agent cannot run with are refused as the command line (or config file) is parsed,
+/// with the flag and its range named, never clamped into something else.
+#[test]
+fn out_of_range_settings_are_refused_at_parse_time() {
+    for (flag, value, range) in [
+        ("--redis-timeout-ms", "0", "1.."),
+        ("--breaker-failures", "0", "1.."),
+        ("--heartbeat-ms", "9", "10.."),
+        ("--flush-interval-ms", "0", "1.."),
+        ("--rules-poll-ms", "99", "100.."),
+        ("--rules-watch-s", "56", "0..=55"),
+    ] {
+        let out = floodgate(&["agent", flag, value]);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}");
+        let err = text(&out.stderr);
+        assert!(err.contains(flag) && err.contains(range), "{flag} {value}: {err}");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("floodgate.toml");
+    std::fs::write(&config, "heartbeat_ms = 5\n").unwrap();
+    let out = floodgate(&["agent", "--config", config.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        text(&out.stderr).contains("--heartbeat-ms"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = floodgate(&["check", "k", "r", "--timeout-ms", "0"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}

@@ -23,8 +23,9 @@ pub(super) enum RulesSource {
     File(std::path::PathBuf),
     /// A rules service the agent follows.
     Service(follow::FollowConfig),
-    /// The embedded default: the agent serves the rules API itself over a SQLite file.
-    Embedded(Arc<ServiceState>),
+    /// The embedded default: the agent serves the rules API itself over a SQLite file, on its
+    /// listener (bound when the source is opened; none with `--rules-listen off`).
+    Embedded(Arc<ServiceState>, Option<tokio::net::TcpListener>),
 }
 
 impl RulesSource {
@@ -37,8 +38,8 @@ impl RulesSource {
             return Ok(RulesSource::Service(follow::FollowConfig {
                 url: url.clone(),
                 token: config.rules_token()?,
-                poll: Duration::from_millis(config.rules_poll_ms.max(100)),
-                watch: Duration::from_secs(config.rules_watch_s.min(service::MAX_WATCH_SECONDS)),
+                poll: Duration::from_millis(config.rules_poll_ms),
+                watch: Duration::from_secs(config.rules_watch_s),
                 cache: Some(cache),
             }));
         }
@@ -52,7 +53,20 @@ impl RulesSource {
             .map(|r| (**r).clone())
             .collect();
         state.seed(&example).await?;
-        Ok(RulesSource::Embedded(state))
+        let listener = match config.rules_listen {
+            Admin::At(addr) => {
+                anyhow::ensure!(
+                    addr.ip().is_loopback(),
+                    "the embedded rules API has no token, so it listens on loopback only, not {addr}; run `floodgate rules-server --token …` to serve it further"
+                );
+                let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| {
+                    format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
+                })?;
+                Some(listener)
+            }
+            Admin::Off => None,
+        };
+        Ok(RulesSource::Embedded(state, listener))
     }
 
     /// The rule set to start with, where it came from (for the log), and the set refused if the
@@ -71,7 +85,7 @@ impl RulesSource {
                     (RuleSet::default(), format!("{} (not reached yet)", f.url))
                 }
             },
-            RulesSource::Embedded(state) => {
+            RulesSource::Embedded(state, _) => {
                 let (version, rules) = state.store.snapshot().await?;
                 let from = format!(
                     "the embedded rules store {} (version {version})",
@@ -97,12 +111,7 @@ impl RulesSource {
     }
 
     /// Starts following the source (service or embedded store); serves the embedded API.
-    pub(super) async fn start(
-        &self,
-        engine: &Arc<Engine>,
-        config: &AgentConfig,
-        shutdown: watch::Receiver<bool>,
-    ) -> anyhow::Result<()> {
+    pub(super) fn start(self, engine: &Arc<Engine>, config: &AgentConfig, shutdown: watch::Receiver<bool>) {
         match self {
             RulesSource::File(_) => {
                 // No service to report the dry run to: its tally starts over every 5 s, as a
@@ -155,18 +164,10 @@ impl RulesSource {
                     }
                 }));
             }
-            RulesSource::Embedded(state) => {
-                if let Admin::At(addr) = config.rules_listen {
-                    anyhow::ensure!(
-                        addr.ip().is_loopback(),
-                        "the embedded rules API has no token, so it listens on loopback only, not {addr}; run `floodgate rules-server --token …` to serve it further"
-                    );
-                    let listener = tokio::net::TcpListener::bind(addr)
-                        .await
-                        .with_context(|| {
-                            format!("cannot serve the rules API on {addr} (another agent on this host? give this one --rules-listen off or another address, and its own --rules-db)")
-                        })?;
-                    tracing::info!(addr = %listener.local_addr()?, store = %state.store.describe(), max_connections = config.http_max_connections, "rules API listening (embedded, loopback only, no token)");
+            RulesSource::Embedded(state, listener) => {
+                if let Some(listener) = listener {
+                    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                    tracing::info!(addr = %addr, store = %state.store.describe(), max_connections = config.http_max_connections, "rules API listening (embedded, loopback only, no token)");
                     // No token: anyone who reaches loopback may write, so web pages must not.
                     let guard = BrowserGuard {
                         loopback_host: true,
@@ -214,6 +215,5 @@ impl RulesSource {
                 });
             }
         }
-        Ok(())
     }
 }

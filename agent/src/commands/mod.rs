@@ -1,0 +1,153 @@
+//! The `floodgate` binary's commands, one file each: `agent` runs the per-host agent, `rules-server`
+//! the rules service, `rules …` is the operators' CLI for rules, `check` and `status` look at a
+//! running agent, `completions`, `man` and `config-table` print what the command line is.
+
+mod agent;
+mod check;
+mod docs;
+mod rules;
+mod rules_server;
+mod status;
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use tokio::signal::unix::{signal, SignalKind};
+use tokio::sync::watch;
+
+use crate::config::{AgentConfig, LogFormat, RulesServerConfig};
+pub use check::{CheckCli, CheckOutcome};
+pub use rules::{RulesCli, RulesCommand};
+pub use status::StatusCli;
+
+#[derive(Parser)]
+#[command(
+    name = "floodgate",
+    version,
+    about = "Fleet-wide rate limiting: agent and tools"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the per-host agent (embedded store unless --redis is given).
+    Agent(Box<AgentConfig>),
+    /// Run the rules service: the rules API over SQLite or PostgreSQL.
+    RulesServer(RulesServerConfig),
+    /// Operate on rules through the rules API.
+    Rules(RulesCli),
+    /// Ask the local agent for one decision (the cost is consumed): exit code 0 allowed, 1 denied,
+    /// 2 the agent could not answer.
+    Check(CheckCli),
+    /// The local agent's state: breakers, fallback, live agents, rules version, batching.
+    Status(StatusCli),
+    /// Print shell completions (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff).
+    Man,
+    /// Print the Markdown table of the agent's settings (docs/configuration.md's table is this output).
+    #[command(hide = true)]
+    ConfigTable,
+}
+
+/// Parses the command line (with `floodgate agent`'s config file applied) and runs its command.
+pub fn main() -> anyhow::Result<()> {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cmd = match crate::reload::command_with_file(Cli::command(), &args) {
+        Ok(cmd) => cmd,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let matches = cmd.get_matches_from(args);
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    match cli.command {
+        Command::Agent(config) => agent::run(*config),
+        Command::RulesServer(config) => rules_server::run(config),
+        Command::Rules(cli) => operator(1, rules::run(cli)),
+        Command::Check(cli) => match operator(2, check::check(cli))? {
+            CheckOutcome::Allowed => Ok(()),
+            CheckOutcome::Denied => std::process::exit(1),
+        },
+        Command::Status(cli) => operator(1, status::status(cli)),
+        Command::Completions { shell } => docs::completions(&mut Cli::command(), shell),
+        Command::Man => docs::man(Cli::command()),
+        Command::ConfigTable => docs::config_table(),
+    }
+}
+
+/// The `agent` subcommand's matches from `args`, its config file applied.
+pub(crate) fn agent_matches(args: &[std::ffi::OsString]) -> anyhow::Result<clap::ArgMatches> {
+    let matches = crate::reload::command_with_file(Cli::command(), args)?.try_get_matches_from(args)?;
+    match matches.subcommand() {
+        Some(("agent", m)) => Ok(m.clone()),
+        _ => anyhow::bail!("not the agent command"),
+    }
+}
+
+/// A tokio runtime of `threads` workers (0: one per core).
+fn runtime(threads: usize) -> anyhow::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if threads > 0 {
+        builder.worker_threads(threads);
+    }
+    Ok(builder.enable_all().build()?)
+}
+
+/// A shutdown signal that turns true on SIGTERM or SIGINT.
+fn shutdown_on_signals() -> anyhow::Result<watch::Receiver<bool>> {
+    let (tx, rx) = watch::channel(false);
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+        let _ = tx.send(true);
+    });
+    Ok(rx)
+}
+
+/// Changes the log filter of a running process.
+pub(crate) type LogHandle =
+    tracing_subscriber::reload::Handle<tracing_subscriber::EnvFilter, tracing_subscriber::Registry>;
+
+fn init_log(filter: &str, format: LogFormat) -> anyhow::Result<LogHandle> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let (filter, handle) =
+        tracing_subscriber::reload::Layer::new(tracing_subscriber::EnvFilter::try_new(filter)?);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter);
+    match format {
+        LogFormat::Text => registry.with(fmt).init(),
+        LogFormat::Json => registry.with(fmt.json().flatten_event(true)).init(),
+    }
+    Ok(handle)
+}
+
+/// An operator's command: a one-line error and `code`, no backtrace.
+fn operator<T>(code: i32, f: impl std::future::Future<Output = anyhow::Result<T>>) -> anyhow::Result<T> {
+    match runtime(1)?.block_on(f) {
+        Ok(v) => Ok(v),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::exit(code);
+        }
+    }
+}
+
+/// Writes to stdout; a reader that stops early (`| head`) is not an error.
+fn print_all(bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().write_all(bytes) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        other => Ok(other?),
+    }
+}

@@ -1,0 +1,218 @@
+//! Building the agent: every part made and every listener bound, before anything runs. A build that
+//! fails (a socket in use, a rules store that cannot open, a bad Redis URL) fails here, with nothing
+//! started and nothing to undo.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use floodgate_core::engine::{Engine, EngineOptions, Store};
+use floodgate_core::events::Events;
+use floodgate_core::guard::membership::default_agent_id;
+use floodgate_core::guard::{BreakerConfig, Guard, MembershipConfig};
+use floodgate_core::store::{Layout, MemoryStore};
+use floodgate_redis::events::StreamConfig;
+use floodgate_redis::shards::Shards;
+use floodgate_redis::{RedisConfig, RedisStore};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::{TcpListener, UnixListener};
+
+use super::rules_source::RulesSource;
+use crate::config::{Admin, AgentConfig};
+use crate::server;
+
+/// The agent, built: what [`Built::spawn`](super::Built) starts.
+pub(crate) struct Built {
+    pub(super) config: AgentConfig,
+    pub(super) engine: Arc<Engine>,
+    pub(super) store: Store,
+    pub(super) guard: Option<Arc<Guard>>,
+    pub(super) source: RulesSource,
+    /// The Prometheus recorder, when `--metrics` is on.
+    pub(super) metrics: Option<PrometheusHandle>,
+    /// The rejection events' queue and where they go, when `--events` is on (Redis only).
+    pub(super) events: Option<(
+        tokio::sync::mpsc::Receiver<floodgate_core::events::Event>,
+        Shards,
+        StreamConfig,
+    )>,
+    pub(super) listeners: Listeners,
+}
+
+/// Every listener the agent serves, bound.
+pub(super) struct Listeners {
+    /// The frames socket and its path (removed on the way out).
+    pub(super) socket: (PathBuf, UnixListener),
+    /// `--listen-tcp`.
+    pub(super) tcp: Option<TcpListener>,
+    /// `--grpc` over TCP.
+    pub(super) grpc_tcp: Option<TcpListener>,
+    /// `--grpc-socket`, and its path.
+    pub(super) grpc_unix: Option<(PathBuf, UnixListener)>,
+    /// `--admin`.
+    pub(super) admin: Option<TcpListener>,
+}
+
+/// Builds the agent from its configuration.
+pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
+    floodgate_rules_service::http::configure(config.rules_ca.as_deref())
+        .map_err(|e| anyhow::anyhow!("--rules-ca: {e}"))?;
+    let source = RulesSource::open(&config).await?;
+    let (rules, rules_from, refused_rules) = source.initial().await?;
+    let access = floodgate_redis::shards::RedisAccess::load(
+        config.redis_ca.as_deref(),
+        config.redis_password_file.as_deref(),
+    )?;
+    let store = match &config.redis {
+        Some(_) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
+            urls: config.redis_urls(),
+            cluster: config.redis_cluster,
+            timeout: Duration::from_millis(config.redis_timeout_ms),
+            layout: Layout::new(config.redis_buckets, config.redis_tags),
+            coalesce: config.coalesce,
+            access: access.clone(),
+        })?)),
+        None => Store::Memory(Arc::new(MemoryStore::default())),
+    };
+    let socket = bind_socket(&config)?;
+    tracing::info!(store = %store.describe(), timeout_ms = config.redis_timeout_ms, "counter store");
+    let ids: Vec<&str> = rules.iter().map(|r| r.id.as_str()).collect();
+    tracing::info!(count = rules.len(), from = %rules_from, rules = %ids.join(", "), "rules loaded");
+    let listeners = bind(&config, socket).await?;
+
+    let guard = match &store {
+        Store::Redis(r) => Some(Arc::new(guard(&config, r.shard_count()))),
+        Store::Memory(_) => None,
+    };
+    let metrics = if config.metrics {
+        Some(crate::exporter::install()?)
+    } else {
+        None
+    };
+    let mut options = EngineOptions {
+        cache_cap: config.rejection_cache,
+        flush_ms: config.flush_interval_ms,
+        max_batched_keys: config.batch_max_keys,
+        hot_key_rate: config.hot_key_rate,
+        accuracy: config.accuracy,
+        events: None,
+    };
+    let mut events = None;
+    if let (Store::Redis(_), true) = (&store, config.events) {
+        let (queue, rx) = Events::new(config.events_queue);
+        let shards = Shards::new(
+            &config.redis_urls(),
+            config.redis_cluster,
+            config.redis_buckets,
+            &access,
+        )?;
+        let stream = StreamConfig {
+            stream: config.events_stream.clone(),
+            maxlen: config.events_maxlen,
+            agent: guard
+                .as_ref()
+                .map(|g| g.membership.config().id.clone())
+                .unwrap_or_else(default_agent_id),
+        };
+        tracing::info!(stream = %stream.stream, maxlen = stream.maxlen, queue = config.events_queue, "rejection events to a Redis stream");
+        options.events = Some(Arc::new(queue));
+        events = Some((rx, shards, stream));
+    }
+    let engine = Engine::with_guard(rules, store.clone(), guard.clone(), options);
+    if let Some(refused) = refused_rules {
+        engine.refuse_rules(refused);
+    }
+    Ok(Built {
+        config,
+        engine,
+        store,
+        guard,
+        source,
+        metrics,
+        events,
+        listeners,
+    })
+}
+
+/// The guard of a Redis store: its breakers (one per shard), the limit / N fallback, heartbeats.
+fn guard(config: &AgentConfig, shards: usize) -> Guard {
+    let membership = MembershipConfig {
+        id: config.agent_id.clone().unwrap_or_else(default_agent_id),
+        interval: Duration::from_millis(config.heartbeat_ms),
+        ttl: Duration::from_millis(config.heartbeat_ms * 5),
+        fixed: config.agents.filter(|n| *n > 0),
+    };
+    let breaker = BreakerConfig {
+        failures: config.breaker_failures,
+        cooldown: Duration::from_millis(config.breaker_cooldown_ms),
+        min_streak: Duration::from_millis(config.breaker_min_streak_ms),
+    };
+    tracing::info!(
+        agent_id = %membership.id,
+        breaker_failures = breaker.failures,
+        cooldown_ms = config.breaker_cooldown_ms,
+        fixed_agents = ?membership.fixed,
+        "guard: circuit breaker, limit/N fallback, heartbeats"
+    );
+    Guard::new(breaker, membership, shards)
+}
+
+/// Binds the frames socket, and says so first.
+fn bind_socket(config: &AgentConfig) -> anyhow::Result<(PathBuf, UnixListener)> {
+    let path = config.serve_socket()?;
+    let socket = server::bind(&path, config.socket_mode)
+        .with_context(|| format!("cannot serve socket {}", path.display()))?;
+    tracing::info!(socket = %path.display(), mode = format!("{:04o}", config.socket_mode), "floodgate agent listening");
+    Ok((path, socket))
+}
+
+/// Binds every other listener the configuration asks for, beside the `socket` already bound.
+async fn bind(config: &AgentConfig, socket: (PathBuf, UnixListener)) -> anyhow::Result<Listeners> {
+    let tcp = match config.listen_tcp {
+        Some(addr) => {
+            let tcp = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on TCP {addr}"))?;
+            tracing::info!(addr = %tcp.local_addr()?, "frames protocol on TCP");
+            Some(tcp)
+        }
+        None => None,
+    };
+    let grpc_tcp = match config.grpc {
+        Some(addr) => {
+            let tcp = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot serve gRPC on {addr}"))?;
+            tracing::info!(addr = %tcp.local_addr()?, "Envoy RateLimitService (gRPC) listening");
+            Some(tcp)
+        }
+        None => None,
+    };
+    let grpc_unix = match &config.grpc_socket {
+        Some(path) => {
+            let unix = server::bind(path, config.socket_mode)
+                .with_context(|| format!("cannot serve gRPC on socket {}", path.display()))?;
+            tracing::info!(socket = %path.display(), "Envoy RateLimitService (gRPC) on a Unix socket");
+            Some((path.clone(), unix))
+        }
+        None => None,
+    };
+    let admin = match config.admin {
+        Admin::At(addr) => {
+            let listener = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot serve admin HTTP on {addr}"))?;
+            tracing::info!(addr = %listener.local_addr()?, max_connections = config.http_max_connections, "admin HTTP listening");
+            Some(listener)
+        }
+        Admin::Off => None,
+    };
+    Ok(Listeners {
+        socket,
+        tcp,
+        grpc_tcp,
+        grpc_unix,
+        admin,
+    })
+}
