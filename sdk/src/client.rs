@@ -1,87 +1,20 @@
-//! The client: configuration, call options, and the calls themselves.
+//! The client: its handles, the calls, and what a call answers when the agent cannot.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate_protocol::{Attributes, Body, Check, ErrorCode, FailModeList, Frame, Item};
+use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::connection::{self, Reply};
-use crate::socket::default_socket_path;
+use crate::config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
+use crate::connection;
+use crate::state::{Reply, Shared};
 use crate::{Decision, Degraded, Error};
-
-/// What a call answers when the agent cannot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum FailPolicy {
-    /// Allow: a limiter outage must not become an API outage (the default).
-    #[default]
-    Open,
-    /// Deny with a Retry-After: for checks where over-admission is worse than downtime.
-    Closed,
-}
-
-/// How a client behaves; `ClientConfig::default()` suits most services.
-#[derive(Debug, Clone)]
-pub struct ClientConfig {
-    /// Longest a call waits for the agent (default 10 ms).
-    pub timeout: Duration,
-    /// What a call answers when the agent cannot (default open).
-    pub fail: FailPolicy,
-    /// The Retry-After a fail-closed answer carries (default 1 s).
-    pub closed_retry_after: Duration,
-    /// First reconnection delay; doubles on each failure (default 10 ms).
-    pub reconnect_min: Duration,
-    /// Longest reconnection delay (default 1 s).
-    pub reconnect_max: Duration,
-    /// Longest a connection attempt and its Hello may take (default 250 ms).
-    pub connect_timeout: Duration,
-    /// Checks queued for the socket at most; past it calls answer by their fail policy (default 8192).
-    pub queue: usize,
-    /// A limit this process enforces by itself while the agent is away, for fail-open calls (off by
-    /// default): the service is not left unprotected when its agent is gone.
-    pub fallback_limit: Option<LocalLimit>,
-}
-
-/// A per-process limit per check key (items: every `(key, rule)` of the check; attributes: all of
-/// them), as a token bucket of `limit` refilled over `per`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LocalLimit {
-    /// Bucket capacity and refill per `per`.
-    pub limit: u32,
-    /// The refill period.
-    pub per: Duration,
-}
 
 /// Distinct keys the local limiter tracks before it starts over (bounded memory).
 const LOCAL_KEYS: usize = 100_000;
-
-impl Default for ClientConfig {
-    fn default() -> Self {
-        ClientConfig {
-            timeout: Duration::from_millis(10),
-            fail: FailPolicy::Open,
-            closed_retry_after: Duration::from_secs(1),
-            reconnect_min: Duration::from_millis(10),
-            reconnect_max: Duration::from_secs(1),
-            connect_timeout: Duration::from_millis(250),
-            queue: 8192,
-            fallback_limit: None,
-        }
-    }
-}
-
-/// Per-call overrides of the client's configuration.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CallOptions {
-    /// Overrides [`ClientConfig::timeout`].
-    pub timeout: Option<Duration>,
-    /// Decides alone when the agent cannot answer: overrides both the rules' fail modes the client
-    /// learned from the agent and [`ClientConfig::fail`].
-    pub fail: Option<FailPolicy>,
-}
 
 /// Counts of calls the SDK answered by itself, for the service's own metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -114,126 +47,6 @@ pub struct Health {
     pub fail_closed_rules: Option<usize>,
     /// The agent's rule set version that list came from.
     pub rules_version: Option<u64>,
-}
-
-/// The link's history: what [`Health`] reports, and the rate limit of its warnings.
-#[derive(Debug, Default)]
-pub(crate) struct Link {
-    path: PathBuf,
-    last_error: Option<String>,
-    failed_attempts: u64,
-    /// When the last warning was logged, and failed attempts since then not logged.
-    last_warn: Option<Instant>,
-    unlogged: u64,
-    /// Whether this outage was warned about (then its end is said too).
-    warned: bool,
-}
-
-/// At most one warning per client this often: an app whose agent is gone makes an attempt every
-/// second at the backoff's top, and hundreds of clients would flood its logs.
-const WARN_EVERY: Duration = Duration::from_secs(10);
-
-pub(crate) struct Shared {
-    /// The socket given by the caller; none: [`default_socket_path`] on every attempt.
-    pub(crate) path: Option<PathBuf>,
-    pub(crate) link: Mutex<Link>,
-    pub(crate) config: ClientConfig,
-    pub(crate) pending: Mutex<HashMap<u32, oneshot::Sender<Reply>>>,
-    pub(crate) connected: AtomicBool,
-    pub(crate) connects: AtomicU64,
-    unavailable: AtomicU64,
-    timeouts: AtomicU64,
-    local_denied: AtomicU64,
-    local: Mutex<HashMap<String, (f64, Instant)>>,
-    pub(crate) next_id: AtomicU32,
-    /// The agent's last fail-mode list, kept while the agent is away: the rules that deny then.
-    fail_modes: Mutex<Option<Arc<FailModeList>>>,
-}
-
-impl Shared {
-    /// The socket to try now.
-    pub(crate) fn target(&self) -> PathBuf {
-        self.path.clone().unwrap_or_else(default_socket_path)
-    }
-
-    fn link(&self) -> std::sync::MutexGuard<'_, Link> {
-        self.link.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A connection attempt to `path` failed: recorded, and warned about at most every
-    /// [`WARN_EVERY`] (the next warning counts the attempts not logged).
-    pub(crate) fn link_failed(&self, path: &Path, error: String) {
-        let mut l = self.link();
-        l.path = path.to_path_buf();
-        l.failed_attempts += 1;
-        let now = Instant::now();
-        if l.last_warn.is_some_and(|t| now.duration_since(t) < WARN_EVERY) {
-            l.unlogged += 1;
-            l.last_error = Some(error);
-            return;
-        }
-        let policy = match self.config.fail {
-            FailPolicy::Open => "open",
-            FailPolicy::Closed => "closed",
-        };
-        let unlogged = match std::mem::take(&mut l.unlogged) {
-            0 => String::new(),
-            n => format!(" ({n} more failed attempts not logged since the last warning)"),
-        };
-        tracing::warn!(
-            "floodgate: cannot reach the agent at {}: {error}; answering by fail policy {policy}{unlogged}",
-            path.display()
-        );
-        l.last_warn = Some(now);
-        l.warned = true;
-        l.last_error = Some(error);
-    }
-
-    /// Connected to `path`: the outage, if one was warned about, is said to be over.
-    pub(crate) fn link_up(&self, path: &Path) {
-        let mut l = self.link();
-        if l.warned {
-            tracing::warn!(
-                "floodgate: agent reachable again at {} (after {} failed attempts)",
-                path.display(),
-                l.failed_attempts
-            );
-        }
-        *l = Link {
-            path: path.to_path_buf(),
-            ..Link::default()
-        };
-    }
-
-    pub(crate) fn pending(&self) -> std::sync::MutexGuard<'_, HashMap<u32, oneshot::Sender<Reply>>> {
-        self.pending.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// A request id for a new request; never 0 (reserved for connection-level frames).
-    pub(crate) fn next_id(&self) -> u32 {
-        loop {
-            let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-            if id != 0 {
-                return id;
-            }
-        }
-    }
-
-    /// The agent sent its fail-mode list: it replaces the last one whole.
-    pub(crate) fn learn_fail_modes(&self, list: FailModeList) {
-        if list.truncated {
-            tracing::warn!(
-                "floodgate: the agent lists more fail-closed rules than one frame holds; the {} listed \
-                 deny while the agent is away, the rest follow the client's fail policy",
-                list.rules.len()
-            );
-        }
-        *self.fail_modes.lock().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(list));
-    }
-
-    fn fail_modes(&self) -> Option<Arc<FailModeList>> {
-        self.fail_modes.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
 }
 
 /// A handle to the local agent. Cheap to clone; all clones share one connection.
@@ -272,23 +85,7 @@ impl Client {
 
     async fn build(path: Option<PathBuf>, config: ClientConfig) -> Client {
         let (tx, rx) = mpsc::channel(config.queue.max(1));
-        let shared = Arc::new(Shared {
-            link: Mutex::new(Link {
-                path: path.clone().unwrap_or_else(default_socket_path),
-                ..Link::default()
-            }),
-            path,
-            config,
-            pending: Mutex::new(HashMap::new()),
-            connected: AtomicBool::new(false),
-            connects: AtomicU64::new(0),
-            unavailable: AtomicU64::new(0),
-            timeouts: AtomicU64::new(0),
-            local_denied: AtomicU64::new(0),
-            local: Mutex::new(HashMap::new()),
-            next_id: AtomicU32::new(1),
-            fail_modes: Mutex::new(None),
-        });
+        let shared = Arc::new(Shared::new(path, config));
         let (ready_tx, ready_rx) = oneshot::channel();
         tokio::spawn(connection::run(Arc::downgrade(&shared), rx, ready_tx));
         let _ = tokio::time::timeout(shared.config.connect_timeout, ready_rx).await;

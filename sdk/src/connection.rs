@@ -6,21 +6,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Weak;
 use std::time::Duration;
 
-use floodgate_protocol::{decode, Body, Decision, DecodeError, ErrorBody, Frame, MIN_VERSION, VERSION};
+use floodgate_protocol::{decode, Body, DecodeError, Frame, MIN_VERSION, VERSION};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::client::Shared;
+use crate::state::{Reply, Shared};
 
 /// How often a connected client asks the agent again which rules fail closed.
 pub(crate) const FAIL_MODES_EVERY: Duration = Duration::from_secs(10);
-
-/// An agent's answer to one request.
-pub(crate) enum Reply {
-    Decision(Decision),
-    Error(ErrorBody),
-}
 
 /// Runs until every `Client` clone is dropped.
 pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, ready: oneshot::Sender<()>) {

@@ -9,13 +9,17 @@
 //! backoff. Nothing here panics on what the agent sends.
 //!
 //! # Layout
-//! - `client`: [`Client`], [`ClientConfig`], [`CallOptions`].
+//! - `config`: [`ClientConfig`], [`CallOptions`], [`FailPolicy`], [`LocalLimit`].
+//! - `client`: [`Client`]: the calls, what a call answers when the agent cannot, health and stats.
+//! - `state`: what the handles and the connection task share (pending calls, the link's history,
+//!   counters, the agent's fail-mode list).
 //! - `decision`: [`Decision`] and where it came from ([`Origin`]).
 //! - `error`: [`Error`].
-//! - `connection`: the background task that owns the socket, dispatches answers and reconnects.
+//! - `connection`: the background task that owns the socket, dispatches answers, asks for the
+//!   fail-mode list and reconnects (it knows `state`, never `client`).
 //! - `socket`: the default socket path ([`default_socket_path`]), the same in every SDK and the agent.
 //! - [`middleware`] (feature `tower`; `axum` for the matched route and peer address): the tower Layer
-//!   that sets the rate-limit headers and answers 429s.
+//!   that sets the rate-limit headers and answers 429s: `layer`, `service`, `extractors`, `headers`.
 //!
 //! # Example
 //! ```no_run
@@ -41,14 +45,17 @@
 //! ```
 
 mod client;
+mod config;
 mod connection;
 mod decision;
 mod error;
 #[cfg(feature = "tower")]
 pub mod middleware;
 mod socket;
+mod state;
 
-pub use client::{CallOptions, Client, ClientConfig, ClientStats, FailPolicy, Health, LocalLimit};
+pub use client::{Client, ClientStats, Health};
+pub use config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;
 pub use floodgate_protocol::{Attributes, Item, ItemDecision, Source};

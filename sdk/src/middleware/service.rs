@@ -1,0 +1,112 @@
+//! The service the Layer wraps around yours: one check per request, the rate-limit headers on the
+//! response, a 429 with `Retry-After` and a JSON body on a denial.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::header::{HeaderValue, RETRY_AFTER};
+use http::{Request, Response, StatusCode};
+
+use super::headers::{rate_limit_headers, retry_after_seconds};
+use super::layer::Config;
+use crate::CallOptions;
+
+/// The service the layer wraps around yours.
+#[derive(Clone)]
+pub struct RateLimit<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> RateLimit<S> {
+    pub(super) fn new(inner: S, config: Arc<Config>) -> Self {
+        RateLimit { inner, config }
+    }
+}
+
+/// Logs at most one warning a minute per `last`, one per kind of warning (a bad request per request
+/// must not flood the log).
+fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn std::fmt::Display) {
+    let now = now_ms() / 60_000;
+    if last.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
+        tracing::warn!(error = %error, "{message}");
+    }
+}
+
+static CHECK_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl<S, B, RB> tower_service::Service<Request<B>> for RateLimit<S>
+where
+    S: tower_service::Service<Request<B>, Response = Response<RB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+    RB: From<String> + Send + 'static,
+{
+    type Response = Response<RB>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<RB>, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        // The clone is ready-polled later; the one polled ready now serves this request.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        Box::pin(async move {
+            let (parts, body) = req.into_parts();
+            let (attributes, fail) = config.attributes(&parts);
+            let req = Request::from_parts(parts, body);
+            let options = CallOptions {
+                fail,
+                ..CallOptions::default()
+            };
+            let check = floodgate_protocol::Check::Attributes(attributes);
+            let decision = match config.client.check_with(check, options).await {
+                Ok(d) => d,
+                Err(e) => {
+                    // Attributes are made wire-safe above, so this is a bug or a mismatch between
+                    // SDK and agent, not something a client can cause: the request passes (the
+                    // agent-unreachable case is the client's fail policy, decided before here).
+                    warn_rarely(
+                        &CHECK_FAILED,
+                        "floodgate: the check failed; the request passes",
+                        &e,
+                    );
+                    return inner.call(req).await;
+                }
+            };
+            let headers = rate_limit_headers(&decision, config.ietf, now_ms());
+            let mut response = if decision.allowed {
+                inner.call(req).await?
+            } else {
+                let secs = retry_after_seconds(&decision);
+                let mut r = Response::new(RB::from(format!(
+                    "{{\"error\":\"rate_limited\",\"retryAfter\":{secs}}}"
+                )));
+                *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
+                r.headers_mut().insert(
+                    http::header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+                r
+            };
+            for (name, value) in headers {
+                response.headers_mut().insert(name, value);
+            }
+            Ok(response)
+        })
+    }
+}
