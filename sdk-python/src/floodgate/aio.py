@@ -98,10 +98,10 @@ class _Conn(asyncio.Protocol):
             del buf[:pos]
 
     def _handshake_answer(self, body: object) -> None:
-        if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+        if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
             self.hello.set_result(None)
         elif isinstance(body, p.HelloOk):
-            self._broken(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+            self._broken(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
         elif isinstance(body, p.ErrorBody):
             self._broken(f"agent refused Hello: {int(body.code)}: {body.message}")
         else:

@@ -385,12 +385,12 @@ class Client:
                     continue
                 if status == 1:
                     _, body = value  # type: ignore[misc]
-                    if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+                    if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
                         del buf[:used]
                         sock.setblocking(False)
                         return sock, buf
                     if isinstance(body, p.HelloOk):
-                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
                     if isinstance(body, p.ErrorBody):
                         raise OSError(f"agent refused Hello: {int(body.code)}: {body.message}")
                 raise OSError("unexpected answer to Hello (not a Floodgate agent?)")
