@@ -111,10 +111,15 @@ class FakeAgent:
 
     def close(self) -> None:
         self.closed = True
+        # shutdown, not only close: a thread blocked in accept or recv keeps a closed socket open
+        # (a closed listener would still accept a reconnecting client).
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.server.close()
         for s in self.socks:
             try:
-                # shutdown, not only close: a thread blocked in recv keeps a closed socket open.
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
