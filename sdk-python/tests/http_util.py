@@ -148,3 +148,22 @@ def check_429(r: Response, limit: Optional[int] = None) -> int:
     assert r.headers.get("content-type") == "application/json"
     assert json.loads(r.body) == {"error": "rate_limited", "retryAfter": retry}
     return retry
+
+
+def fail_closed_after_kill(port: int, agent: Any, client: Any) -> None:
+    """What every middleware does once its agent is killed, with ``rules.FAIL_MODE_RULES`` (a
+    fail-closed rule on ``/login``, a fail-open one on ``/api/*``), served at ``port`` with the
+    agent's ``client``; a request with ``X-Variant: fail-for`` goes through a middleware configured
+    with ``fail_for={"/login": "open"}`` on the same client."""
+    r = request(port, "POST", "/login")
+    assert r.status == 200 and r.num("x-ratelimit-limit") == 5, r
+    eventually("the SDK learns the fail-closed rules", lambda: client.health().rules_version is not None)
+    assert client.health().fail_closed_rules == 1
+    agent.kill()
+    eventually("the SDK sees the agent gone", lambda: not client.is_connected())
+    # A 429 as any denial: Retry-After (the client's closed_retry_after, 1 s) and the rule's headers.
+    assert check_429(request(port, "POST", "/login"), limit=5) == 1
+    r = request(port, "GET", "/api/hello")
+    assert r.status == 200 and "x-ratelimit-limit" not in r.headers, "the fail-open rule passes"
+    r = request(port, "POST", "/login", [("X-Variant", "fail-for")])
+    assert r.status == 200 and "x-ratelimit-limit" not in r.headers, "fail_for decides alone"

@@ -58,6 +58,25 @@ windowSeconds = {WINDOW_S}
 mode = "log"
 """
 
+# A login rule that fails closed (the agent lists it to the SDKs) and an API rule that fails open:
+# what a client answers for each once the agent is killed.
+FAIL_MODE_RULES = f"""
+[[rules]]
+id = "login-closed"
+dimension = "ip"
+match = {{ endpoint = "/login" }}
+limit = 5
+windowSeconds = {WINDOW_S}
+failMode = "closed"
+
+[[rules]]
+id = "api-open"
+dimension = "ip"
+match = {{ endpoint = "/api/*" }}
+limit = 100
+windowSeconds = {WINDOW_S}
+"""
+
 
 def now_ms() -> int:
     return int(time.time() * 1000)

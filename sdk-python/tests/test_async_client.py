@@ -1,6 +1,7 @@
 """The asyncio client against real agent processes, on the embedded store and on Redis: figures,
 all-or-nothing checks, attribute checks and log mode, many checks in flight on one connection, the
-fail policy when the agent is away or stopped, and reconnection after a restart."""
+fail policy when the agent is away or stopped, the agent's fail-closed rules once it is killed, and
+reconnection after a restart."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 
 import pytest
 from conftest import unique
-from rules import CLIENT_RULES, now_ms, window_reset_ms
+from rules import CLIENT_RULES, FAIL_MODE_RULES, now_ms, window_reset_ms
 
 from floodgate import AgentError, AsyncClient, Degraded, InvalidCheck, LocalLimit, Origin, Source
 
@@ -235,6 +236,48 @@ def test_a_stopped_agent_costs_the_timeout_and_no_more(make_agent) -> None:  # n
         await answered_by_agent(client, "the agent answers again after SIGCONT")
         assert client.stats().connects == 1
         await client.close()
+
+    run(main())
+
+
+def test_a_killed_agents_fail_closed_rules_still_deny(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(FAIL_MODE_RULES)
+    ip = "203.0.113.9"
+
+    async def main() -> None:
+        client = await AsyncClient.connect(agent.socket, timeout=2.0)
+        try:
+            d = await client.check_attributes(endpoint="/login", ip=ip)
+            assert d.from_agent and d.allowed and d.limit == 5
+
+            async def learnt() -> bool:
+                return client.health().rules_version is not None
+
+            await until("the client learns the fail-closed rules", learnt)
+            h = client.health()
+            assert (h.fail_closed_rules, h.rules_version) == (1, 0), "one listed rule, from a rules file"
+            agent.kill()
+
+            async def gone() -> bool:
+                return not client.is_connected()
+
+            await until("the client sees the agent gone", gone)
+            t0 = now_ms()
+            d = await client.check_attributes(endpoint="/login", ip=ip)
+            assert not d.allowed and d.origin is Origin.FAIL_CLOSED and d.degraded is Degraded.UNAVAILABLE
+            assert (d.limit, d.remaining, d.retry_after_ms) == (5, 0, 1_000)
+            assert t0 + 1_000 <= d.reset_at_ms <= now_ms() + 1_000
+            assert [i.rule_id for i in d.items] == ["login-closed"]
+            # An items check naming the rule, likewise; the fail-open rule and no rule pass.
+            assert not (await client.allow(f"ip:{ip}", "login-closed")).allowed
+            d = await client.check_attributes(endpoint="/api/search", ip=ip)
+            assert d.allowed and d.origin is Origin.FAIL_OPEN
+            assert (await client.check_attributes(endpoint="/other", ip=ip)).allowed
+            # A per-call policy decides alone.
+            assert (await client.check_attributes(endpoint="/login", ip=ip, fail="open")).allowed
+            assert client.health().fail_closed_rules == 1, "kept while the agent is away"
+        finally:
+            await client.close()
 
     run(main())
 

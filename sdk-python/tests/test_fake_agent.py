@@ -2,11 +2,14 @@
 frames, unknown kinds, bad verdicts, unreadable text, unknown error codes, answers to nobody, a
 refused handshake, and valid answers one byte at a time. Each call still returns a decision (by the
 fail policy where the answer is unusable), within its timeout, and the client recovers: it
-reconnects after a broken stream, or keeps the connection after a frame it could skip."""
+reconnects after a broken stream, or keeps the connection after a frame it could skip. Version 2:
+an agent that answers HelloOk 1 is never asked for the fail-mode list, a refreshed list replaces the
+old one whole and is kept once the agent is gone, and a truncated list is used and warned about once."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import tempfile
@@ -18,6 +21,7 @@ import pytest
 from conftest import eventually
 
 from floodgate import AgentError, AsyncClient, Client, Decision, Degraded, Origin
+from floodgate import fail_modes as fm
 from floodgate import protocol as p
 
 OK = p.Verdict(True, False, p.Source.LOCAL, 10, 9, 1_700_000_000_000, 0)
@@ -39,12 +43,21 @@ def raw(kind: int, rid: int, body: bytes, version: int = 1, length: int = -1) ->
 class FakeAgent:
     """A Unix-socket server that answers Hello with ``hello`` and each Check with what
     ``respond(connection_number, request_id)`` gives: bytes, a list of chunks sent one by one, or
-    None (no answer)."""
+    None (no answer); the n-th FailModes (from 1, over all connections) with what
+    ``fail_modes(n, request_id)`` gives. ``kinds`` lists the kind of every frame received, in order."""
 
-    def __init__(self, respond: Callable[[int, int], Reply], hello: Optional[bytes] = None) -> None:
+    def __init__(
+        self,
+        respond: Callable[[int, int], Reply],
+        hello: Optional[bytes] = None,
+        fail_modes: Optional[Callable[[int, int], Optional[bytes]]] = None,
+    ) -> None:
         self.path = os.path.join(tempfile.mkdtemp(prefix="fg-fake-"), "fake.sock")
         self.respond = respond
         self.hello = hello
+        self.fail_modes = fail_modes
+        self.asks = 0
+        self.kinds: List[int] = []
         self.connections = 0
         self.server = socket.socket(socket.AF_UNIX)
         self.server.bind(self.path)
@@ -77,7 +90,13 @@ class FakeAgent:
                         break
                     del buf[: r.used]
                     f = r.frame
-                    if isinstance(f.body, p.Hello):
+                    self.kinds.append(buf_kind(f.body))
+                    if isinstance(f.body, p.FailModes):
+                        self.asks += 1
+                        answer = self.fail_modes(self.asks, f.request_id) if self.fail_modes else None
+                        if answer:
+                            conn.sendall(answer)
+                    elif isinstance(f.body, p.Hello):
                         conn.sendall(self.hello if self.hello is not None else p.encode(p.Frame(f.request_id, p.HelloOk(1))))
                     elif isinstance(f.body, p.Check):
                         out = self.respond(n, f.request_id)
@@ -92,12 +111,32 @@ class FakeAgent:
 
     def close(self) -> None:
         self.closed = True
+        # shutdown, not only close: a thread blocked in accept or recv keeps a closed socket open
+        # (a closed listener would still accept a reconnecting client).
+        try:
+            self.server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self.server.close()
         for s in self.socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 s.close()
             except OSError:
                 pass
+
+
+def buf_kind(body: object) -> int:
+    """The kind byte of a decoded frame's body."""
+    return {
+        p.Hello: p.Kind.HELLO,
+        p.Check: p.Kind.CHECK,
+        p.Ping: p.Kind.PING,
+        p.FailModes: p.Kind.FAIL_MODES,
+    }.get(type(body), 0)
 
 
 # What the fake sends on its first connection for the first check; on later checks and connections
@@ -153,6 +192,11 @@ class Either:
         if self.kind == "sync":
             return self.sync.allow(key, rule, **kw)  # type: ignore[arg-type]
         return self._run(self.aio.allow(key, rule, **kw))  # type: ignore[arg-type]
+
+    def attributes(self, **kw: object) -> Decision:
+        if self.kind == "sync":
+            return self.sync.check_attributes(**kw)  # type: ignore[arg-type]
+        return self._run(self.aio.check_attributes(**kw))  # type: ignore[arg-type]
 
     def timed(self, **kw: object) -> "tuple[Decision, float]":
         t = time.monotonic()
@@ -279,12 +323,12 @@ def test_the_agents_refusals_raise_only_for_the_callers_mistakes(kind: str) -> N
 @pytest.mark.parametrize(
     "hello",
     [
-        p.encode(p.Frame(0, p.HelloOk(2))),
+        p.encode(p.Frame(0, p.HelloOk(3))),
         p.encode(p.Frame(0, p.ErrorBody(p.ErrorCode.UNSUPPORTED_VERSION, "no"))),
         p.encode(p.Frame(0, p.Pong())),
         b"\x00\x00\x00\x01x",
     ],
-    ids=["version 2", "error", "pong", "garbage"],
+    ids=["version 3", "error", "pong", "garbage"],
 )
 def test_a_refused_handshake_leaves_the_client_answering_by_policy(kind: str, hello: bytes) -> None:
     fake = FakeAgent(lambda conn, rid: decision(rid), hello=hello)
@@ -295,6 +339,138 @@ def test_a_refused_handshake_leaves_the_client_answering_by_policy(kind: str, he
         d, took = c.timed()
         assert d.allowed and d.degraded is Degraded.UNAVAILABLE and took < 1.0
         assert c.stats().connects == 0 and not c.connected()
+    finally:
+        c.close()
+        fake.close()
+
+
+# --- version 2: the fail-mode list --------------------------------------------------------------------
+
+HELLO_OK_2 = p.encode(p.Frame(0, p.HelloOk(2)))
+
+
+def listing(rid: int, version: int, *rules: p.ClosedRule, truncated: bool = False) -> bytes:
+    return p.encode(p.Frame(rid, p.FailModeList(version, truncated, list(rules))))
+
+
+def closed(rule_id: str, limit: int, endpoint: str = "") -> p.ClosedRule:
+    return p.ClosedRule(rule_id, p.ListedDimension.IP, endpoint, "", limit)
+
+
+@pytest.fixture
+def quick_refresh(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Asks for the list every 20 ms instead of every 10 s, so that a test sees several refreshes."""
+    monkeypatch.setattr(fm, "REFRESH_EVERY", 0.02)
+    return 0.02
+
+
+def test_an_agent_answering_hello_ok_1_is_never_asked_for_fail_modes(kind: str, quick_refresh: float) -> None:
+    v1 = FakeAgent(lambda conn, rid: decision(rid))
+    v2 = FakeAgent(lambda conn, rid: decision(rid), hello=HELLO_OK_2,
+                   fail_modes=lambda n, rid: listing(rid, 1, closed("r", 5)))
+    old = Either(kind, v1.path, timeout=2.0)
+    new = None
+    try:
+        assert old.allow().from_agent
+        # A client of a version-2 agent, connected after the first, asks again and again meanwhile.
+        new = Either(kind, v2.path, timeout=2.0)
+        assert new.allow().from_agent
+        eventually("the version-2 agent is asked three times", lambda: v2.asks >= 3)
+        assert v2.kinds[:2] == [p.Kind.HELLO, p.Kind.FAIL_MODES], "asked right after its HelloOk"
+        assert old.allow().from_agent
+        assert p.Kind.FAIL_MODES not in v1.kinds and v1.kinds[0] == p.Kind.HELLO, v1.kinds
+        h = old.health()
+        assert (h.fail_closed_rules, h.rules_version) == (0, None)
+        assert new.health().rules_version == 1
+        # With no list, the agent gone, the client's fail policy decides.
+        v1.close()
+        eventually("the client sees the agent gone", lambda: not old.connected())
+        d = old.allow()
+        assert d.allowed and d.origin is Origin.FAIL_OPEN
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+        v1.close()
+        v2.close()
+
+
+def test_a_refreshed_list_replaces_the_old_and_outlives_the_agent(kind: str, quick_refresh: float) -> None:
+    def lists(n: int, rid: int) -> bytes:
+        if n == 1:
+            return listing(rid, 1, closed("a", 3), closed("b", 4))
+        return listing(rid, 2, closed("b", 7, endpoint="/b"), closed("c", 9, endpoint="/login"))
+
+    fake = FakeAgent(lambda conn, rid: decision(rid), hello=HELLO_OK_2, fail_modes=lists)
+    c = Either(kind, fake.path, timeout=2.0, closed_retry_after=2.5)
+    try:
+        assert c.allow().from_agent
+        eventually("the refreshed list is learnt", lambda: c.health().rules_version == 2)
+        assert c.health().fail_closed_rules == 2
+        fake.close()
+        eventually("the client sees the agent gone", lambda: not c.connected())
+        h = c.health()
+        assert (h.fail_closed_rules, h.rules_version) == (2, 2), "the last list is kept"
+        # "a" was only in the first list: the client's policy (open) decides.
+        d = c.allow("k", "a")
+        assert d.allowed and d.origin is Origin.FAIL_OPEN and d.items == []
+        # "b" is listed (its limit from the new list): denied as PROTOCOL.md says.
+        t0 = int(time.time() * 1000)
+        d = c.allow("k", "b")
+        t1 = int(time.time() * 1000)
+        assert not d.allowed and d.origin is Origin.FAIL_CLOSED and d.degraded is Degraded.UNAVAILABLE
+        assert (d.limit, d.remaining, d.retry_after_ms, d.source) == (7, 0, 2_500, None)
+        assert t0 + 2_500 <= d.reset_at_ms <= t1 + 2_500
+        [item] = d.items
+        assert item.rule_id == "b"
+        assert item.verdict == p.Verdict(False, False, p.Source.FALLBACK, 7, 0, d.reset_at_ms, 2_500)
+        # An attribute check the listed rule "c" (ip, /login) would match; not another endpoint.
+        d = c.attributes(endpoint="/login", ip="203.0.113.5")
+        assert not d.allowed and d.limit == 9 and d.items[0].rule_id == "c"
+        assert c.attributes(endpoint="/search", ip="203.0.113.5").allowed
+        # A per-call policy decides alone, either way.
+        assert c.allow("k", "b", fail="open").allowed
+        d = c.allow("k", "a", fail="closed")
+        assert not d.allowed and d.limit == 0 and d.items == []
+        assert c.stats().rule_denied == 2
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_a_listed_check_the_agent_is_late_for_is_denied(kind: str) -> None:
+    fake = FakeAgent(lambda conn, rid: None, hello=HELLO_OK_2,
+                     fail_modes=lambda n, rid: listing(rid, 5, closed("b", 4)))
+    c = Either(kind, fake.path, timeout=0.05)
+    try:
+        eventually("the list is learnt", lambda: c.health().rules_version == 5)
+        d = c.allow("k", "b")
+        assert not d.allowed and d.degraded is Degraded.TIMEOUT and d.limit == 4
+        assert c.allow("k", "other").allowed
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_a_truncated_list_is_used_and_warned_about_once(
+    kind: str, quick_refresh: float, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake = FakeAgent(lambda conn, rid: decision(rid), hello=HELLO_OK_2,
+                     fail_modes=lambda n, rid: listing(rid, 3, closed("b", 4), truncated=True))
+    caplog.set_level(logging.WARNING, logger="floodgate")
+    c = Either(kind, fake.path, timeout=2.0)
+    try:
+        eventually("three lists were sent", lambda: fake.asks >= 3)
+        # Answers come in order on the connection: once this one is back, the lists before it are read.
+        assert c.allow().from_agent
+        warned = [r.getMessage() for r in caplog.records if "truncated" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert "the 1 rules listed deny" in warned[0]
+        fake.close()
+        eventually("the client sees the agent gone", lambda: not c.connected())
+        d = c.allow("k", "b")
+        assert not d.allowed and d.limit == 4
+        assert c.allow("k", "past-the-prefix").allowed, "rules past the list answer by the policy"
     finally:
         c.close()
         fake.close()

@@ -3,7 +3,7 @@ headers on every response a rule applied to, costs by matched route, 429 with Re
 JSON body, log mode invisible, odd values hashed as PROTOCOL.md says, X-Forwarded-For believed only
 from trusted proxies (also when uvicorn's proxy headers read it first), IETF headers, a handler's
 error as a 500 with the headers, a plain ASGI app checked as the path it routes on, fail open and
-closed without an agent."""
+closed without an agent, and a fail-closed rule (or a route's fail_for) once the agent is killed."""
 
 from __future__ import annotations
 
@@ -14,12 +14,22 @@ import tempfile
 from conftest import unique
 from fastapi import APIRouter, FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
-from http_util import MAX_RESET_S, MIDDLEWARE_RULES, UvicornServer, check_429, now_s, request
+from http_util import (
+    MAX_RESET_S,
+    MIDDLEWARE_RULES,
+    UvicornServer,
+    check_429,
+    fail_closed_after_kill,
+    now_s,
+    request,
+)
+from rules import FAIL_MODE_RULES
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from floodgate import AsyncClient
 from floodgate.middleware import FloodgateMiddleware
+from floodgate.middleware.asgi import scope_header
 
 
 def make_app(**options: object) -> FastAPI:
@@ -284,5 +294,33 @@ def test_a_plain_asgi_app_is_checked_as_the_path_it_routes_on(make_agent) -> Non
         r = request(server.port, "POST", "/login")
         assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0)
         check_429(request(server.port, "POST", "/%6cogin"), limit=2)
+    finally:
+        server.close()
+
+
+def test_asgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(FAIL_MODE_RULES)
+    app = FastAPI()
+
+    @app.post("/login")
+    async def login() -> str:
+        return "welcome"
+
+    @app.get("/api/hello")
+    async def hello() -> str:
+        return "hello"
+
+    # One client (made outside the server's loop, started on it by the first request), two middleware.
+    client = AsyncClient(agent.socket, timeout=2.0)
+    default = FloodgateMiddleware(app, client=client)
+    per_route = FloodgateMiddleware(app, client=client, fail_for={"/login": "open"})
+
+    async def dispatch(scope, receive, send):  # noqa: ANN001, ANN202
+        chosen = per_route if scope["type"] == "http" and scope_header(scope, "x-variant") == "fail-for" else default
+        await chosen(scope, receive, send)
+
+    server = UvicornServer(dispatch)
+    try:
+        fail_closed_after_kill(server.port, agent, client)
     finally:
         server.close()

@@ -1,7 +1,8 @@
 """The Django middleware in a minimal Django project served over real HTTP (Django's WSGI handler
 under wsgiref, its ASGI handler under uvicorn), asking a real agent: the endpoint is Django's
 resolved route, a 200 with headers, then a 429 with Retry-After and the JSON body; under uvicorn's
-proxy headers, X-Forwarded-For does not choose the IP key."""
+proxy headers, X-Forwarded-For does not choose the IP key; a fail-closed rule (or a route's
+fail_for) once the agent is killed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from conftest import unique
 from django.conf import settings
 from django.http import HttpResponse
 from django.urls import path
-from http_util import MIDDLEWARE_RULES, UvicornServer, WsgiServer, check_429, request
+from http_util import MIDDLEWARE_RULES, UvicornServer, WsgiServer, check_429, fail_closed_after_kill, request
+from rules import FAIL_MODE_RULES
 
 
 def item(request, pk):  # noqa: ANN001, ANN201
@@ -29,15 +31,16 @@ urlpatterns = [
 ]
 
 
-def configure(agent) -> None:  # noqa: ANN001
+def configure(agent, **more: object) -> None:  # noqa: ANN001
     """Django's settings for a project whose middleware asks ``agent`` (a handler made after this
-    builds its middleware with them)."""
+    builds its middleware with them), with ``more`` keys of ``FLOODGATE``."""
     conf = {
         "socket": agent.socket,
         "timeout": 2.0,
         "user_header": "X-User-Id",
         # Costs by Django route, in Django's spelling or the agent's.
         "costs": {"api/items/<int:pk>": 4, "/api/hello": 1},
+        **more,
     }
     if settings.configured:
         settings.FLOODGATE = conf
@@ -96,5 +99,29 @@ def test_django_under_uvicorn_proxy_headers_does_not_let_a_client_choose_its_ip_
         r = login("8.8.8.8")
         assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0), "another address written is not another client"
         check_429(login("7.7.7.7"), limit=2)
+    finally:
+        server.close()
+
+
+def test_django_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # noqa: ANN001
+    from django.core.wsgi import get_wsgi_application
+
+    from floodgate.middleware import django as fg_django
+
+    agent = make_agent(FAIL_MODE_RULES)
+    # Two handlers, each building its middleware from the settings of the moment; one client per
+    # socket is shared by both (the middleware's one connection per process).
+    configure(agent)
+    default = get_wsgi_application()
+    configure(agent, fail_for={"login": "open"})  # Django's spelling of the route /login
+    per_route = get_wsgi_application()
+
+    def dispatch(environ, start_response):  # noqa: ANN001, ANN202
+        chosen = per_route if environ.get("HTTP_X_VARIANT") == "fail-for" else default
+        return chosen(environ, start_response)
+
+    server = WsgiServer(dispatch)
+    try:
+        fail_closed_after_kill(server.port, agent, fg_django._clients[agent.socket])
     finally:
         server.close()

@@ -9,7 +9,7 @@ import ipaddress
 
 import pytest
 
-from floodgate import Decision, ItemDecision, Origin, Source, Verdict
+from floodgate import Decision, FailPolicy, ItemDecision, Origin, Source, Verdict
 from floodgate.middleware import (
     Cidr,
     build_attributes,
@@ -23,6 +23,7 @@ from floodgate.middleware import (
     route_name,
     server_took_forwarded_for,
 )
+from floodgate.middleware._common import Settings
 from floodgate.middleware.django import django_route_name
 from floodgate.middleware.wsgi import default_endpoint as wsgi_endpoint
 
@@ -175,3 +176,17 @@ def test_attributes_are_wire_safe_and_costed_by_endpoint() -> None:
     assert a.user == "h:0a5b9694d4ec70f5", "PROTOCOL.md's worked example"
     assert a.api_key is not None and a.api_key.startswith("h:") and len(a.api_key) == 18
     assert build_attributes(None, None, None, None, None, {"/search": 5}).cost == 1
+
+
+def test_fail_for_is_keyed_as_costs_and_checked_up_front() -> None:
+    s = Settings(fail_for={"/login": "closed", "/items/{id}": FailPolicy.OPEN, "/health": "open"})
+    assert s.fail_policy("/login") is FailPolicy.CLOSED
+    assert s.fail_policy("/items/:id") is FailPolicy.OPEN, "a route's braces as costs spell them"
+    assert s.fail_policy("/search") is None and s.fail_policy(None) is None
+    # A route's fail_for over the middleware's fail; fail for the others.
+    s = Settings(fail="closed", fail_for={"/health": "open"})
+    assert (s.fail_policy("/health"), s.fail_policy("/login")) == (FailPolicy.OPEN, FailPolicy.CLOSED)
+    with pytest.raises(ValueError):
+        Settings(fail_for={"/login": "Closed"})
+    with pytest.raises(ValueError):
+        Settings(fail="shut")

@@ -1,7 +1,8 @@
 """The WSGI middleware in front of a plain WSGI app served by wsgiref over real HTTP, asking a real
 agent: a 200 with the limiter's headers, then a 429 with Retry-After and the JSON body; costs by
 path, the path as the app routes on it, identity only from the configured header, X-Forwarded-For
-only through a trusted proxy, log mode invisible, fail open and closed without an agent."""
+only through a trusted proxy, log mode invisible, fail open and closed without an agent, and a
+fail-closed rule (or a route's fail_for) once the agent is killed."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import tempfile
 
 from conftest import unique
-from http_util import MAX_RESET_S, MIDDLEWARE_RULES, WsgiServer, check_429, now_s, request
+from http_util import MAX_RESET_S, MIDDLEWARE_RULES, WsgiServer, check_429, fail_closed_after_kill, now_s, request
+from rules import FAIL_MODE_RULES
 
 from floodgate import Client
 from floodgate.middleware import FloodgateWSGIMiddleware
@@ -97,3 +99,21 @@ def test_wsgi_without_an_agent_fails_open_or_closed() -> None:
                 assert r.num("retry-after") == 1 and r.body == b'{"error":"rate_limited","retryAfter":1}'
         finally:
             server.close()
+
+
+def test_wsgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(FAIL_MODE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    default = FloodgateWSGIMiddleware(app, client=client)
+    per_route = FloodgateWSGIMiddleware(app, client=client, fail_for={"/login": "open"})
+
+    def dispatch(environ, start_response):  # noqa: ANN001, ANN202
+        chosen = per_route if environ.get("HTTP_X_VARIANT") == "fail-for" else default
+        return chosen(environ, start_response)
+
+    server = WsgiServer(dispatch)
+    try:
+        fail_closed_after_kill(server.port, agent, client)
+    finally:
+        server.close()
+        client.close()

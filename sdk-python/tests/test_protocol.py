@@ -1,6 +1,7 @@
 """The wire format: PROTOCOL.md's hex vectors both ways, the decoding rules, the limits a check is
-validated against before anything is sent, the wire_safe hash PROTOCOL.md documents, and a decoder
-that never raises on any input."""
+validated against before anything is sent, the wire_safe hash PROTOCOL.md documents, a decoder
+that never raises on any input, and version 2's fail-mode list: the page's endpoint pattern table and
+which checks a listed rule closes."""
 
 from __future__ import annotations
 
@@ -15,16 +16,20 @@ from floodgate import protocol as p
 from floodgate.protocol import (
     Attributes,
     Check,
+    ClosedRule,
     DecisionBody,
     Decoded,
     ErrorBody,
     ErrorCode,
+    FailModeList,
+    FailModes,
     Fatal,
     Frame,
     Hello,
     HelloOk,
     Item,
     ItemDecision,
+    ListedDimension,
     Ping,
     Pong,
     Rejected,
@@ -59,11 +64,25 @@ FRAMES = {
     "error_unknown_rule": Frame(7, ErrorBody(ErrorCode.UNKNOWN_RULE, 'unknown rule "nope"')),
     "ping": Frame(3, Ping()),
     "pong": Frame(3, Pong()),
+    "hello_v2": Frame(0, Hello(1, 2)),
+    "hello_ok_v2": Frame(0, HelloOk(2)),
+    "fail_modes": Frame(11, FailModes()),
+    "fail_mode_list": Frame(
+        11,
+        FailModeList(
+            42,
+            False,
+            [
+                ClosedRule("login-per-ip", ListedDimension.IP, "/login", "", 5),
+                ClosedRule("admin-per-user", ListedDimension.USER, "/admin/*", "staff", 100),
+            ],
+        ),
+    ),
 }
 
 
 def test_every_vector_in_protocol_md_is_covered() -> None:
-    named = set(re.findall(r"<!-- vector: ([a-z_]+) -->", DOC))
+    named = set(re.findall(r"<!-- vector: ([a-z0-9_]+) -->", DOC))
     assert named == set(FRAMES), "PROTOCOL.md's vectors and this test's frames differ"
 
 
@@ -90,10 +109,16 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
     assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
-    assert p.HELLO_FRAME == vector("hello")
+    assert p.HELLO_FRAME == vector("hello_v2")
+    assert p.fail_modes_frame(11) == vector("fail_modes")
     status, value, used = p.decode_reply(vector("decision_denied"), 0)
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
+    # The client reads HelloOk of either version and the list; an agent never sends FailModes.
+    for name in ("hello_ok", "hello_ok_v2", "fail_mode_list"):
+        data = vector(name)
+        assert p.decode_reply(data, 0) == (1, (FRAMES[name].request_id, FRAMES[name].body), len(data))
+    assert p.decode_reply(vector("fail_modes"), 0)[0] == 3
 
 
 def test_wire_safe_matches_the_worked_example_in_protocol_md() -> None:
@@ -186,8 +211,10 @@ def test_decoding_rules() -> None:
     assert p.decode(b"\x00\x00\x00\x05\x01\x04\x00\x00\x00").code == ErrorCode.MALFORMED_FRAME  # type: ignore[union-attr]
     # 4: unknown kind, trailing bytes, a short body, unknown flags or source, 17 items.
     for bad in [
-        _frame(0x09, 1, b""),
+        _frame(0x0A, 1, b""),
         _frame(0x07, 1, b"\x00"),
+        _frame(0x08, 1, b"\x00", version=2),
+        _frame(0x09, 1, b"", version=2),
         _frame(0x04, 1, verdict[:-1]),
         _frame(0x04, 1, verdict + b"\x00\x00"),
         _frame(0x04, 1, b"\x04" + verdict[1:] + b"\x00"),
@@ -197,10 +224,26 @@ def test_decoding_rules() -> None:
     ]:
         r = p.decode(bad)
         assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(), r)
+    # A fail-mode list with unknown flags, an unknown dimension, a rule cut short, or bytes after.
+    listed = vector("fail_mode_list")
+    body = listed[10:]
+    for bad in [
+        _frame(0x09, 11, body[:8] + b"\x02" + body[9:], version=2),
+        _frame(0x09, 11, body[:24] + b"\x04" + body[25:], version=2),
+        _frame(0x09, 11, body[:-1], version=2),
+        _frame(0x09, 11, body + b"\x00", version=2),
+    ]:
+        r = p.decode(bad)
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(), r)
+    assert body[24] == ListedDimension.IP, "the byte changed above is the first rule's dimension"
+    # Either version byte is read on any kind (a version-2 peer accepts both).
+    v2 = _frame(0x04, 5, verdict + b"\x00", version=2)
+    assert p.decode(v2) == Decoded(Frame(5, DecisionBody(ALLOWED, [])), len(v2))
+    assert p.decode(_frame(0x09, 11, body, version=1)) == Decoded(FRAMES["fail_mode_list"], len(listed))
     # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
-    other_version = _frame(0x04, 5, verdict + b"\x00", version=2)
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=3)
     assert p.decode(other_version) == Rejected(
-        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 2; this peer speaks version 1", len(other_version)
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 3; this peer speaks versions 1 to 2", len(other_version)
     )
     bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
     r = p.decode(bad_text)
@@ -239,9 +282,71 @@ def test_decoder_never_raises_on_any_input() -> None:
         # The client's fast path agrees with the full decoder.
         if r is None:
             assert status == 0
-        elif isinstance(r, Decoded) and isinstance(r.frame.body, (DecisionBody, ErrorBody, HelloOk, Pong)):
+        elif isinstance(r, Decoded) and isinstance(
+            r.frame.body, (DecisionBody, ErrorBody, HelloOk, Pong, FailModeList)
+        ):
             assert (status, value, used) == (1, (r.frame.request_id, r.frame.body), r.used)
         elif isinstance(r, Rejected):
             assert (status, value, used) == (2, r.request_id, r.frame_len)
         else:
             assert status == 3
+
+
+# --- version 2: the fail-mode list ------------------------------------------------------------------
+
+
+def test_endpoint_patterns_as_the_protocol_page_lists_them() -> None:
+    # The page's table itself, so that the page and this test cannot drift (as the Rust test does).
+    rows = 0
+    for line in DOC.splitlines():
+        if not line.startswith("| `/"):
+            continue
+        cells = [c.strip().strip("`") for c in line.split("|")]
+        pattern, endpoint, want = cells[1], cells[2], cells[3] == "yes"
+        assert p.endpoint_matches(pattern, endpoint) is want, (pattern, endpoint)
+        rows += 1
+    assert rows == 10, "the page's pattern table"
+
+
+LOGIN = ClosedRule("login-per-ip", ListedDimension.IP, "/login", "", 5)
+
+
+def attributes(**kw: object) -> Check:
+    return Check(attributes=Attributes(**kw))  # type: ignore[arg-type]
+
+
+def test_items_touch_a_listed_rule_they_name() -> None:
+    api = ClosedRule("api", ListedDimension.USER, "/api/*", "", 100)
+    listed = FailModeList(1, False, [api, LOGIN])
+    named = Check(items=[Item("a", "other", 1), Item("ip:1", "login-per-ip", 1)])
+    assert listed.closing(named) is LOGIN
+    assert listed.closing(Check(items=[("a", "other")])) is None
+    # Two listed rules named: the first in the list's order decides, whichever item comes first.
+    both = Check(items=[("ip:1", "login-per-ip", 1), ("u:1", "api", 1)])
+    assert listed.closing(both) is api
+    # Items name rules: their attributes do not matter.
+    assert LOGIN.touches(Check(items=[("anything", "login-per-ip", 1)]))
+
+
+def test_attributes_touch_a_listed_rule_the_agent_would_match() -> None:
+    assert LOGIN.touches(attributes(endpoint="/login", ip="203.0.113.5"))
+    assert not LOGIN.touches(attributes(endpoint="/login")), "no IP: the rule would not apply"
+    assert not LOGIN.touches(attributes(endpoint="/login", ip="")), "an empty IP is absent"
+    assert not LOGIN.touches(attributes(endpoint="/login", user="u")), "another dimension"
+    assert not LOGIN.touches(attributes(endpoint="/search", ip="203.0.113.5"))
+    assert not LOGIN.touches(attributes(ip="203.0.113.5")), "no endpoint: a pattern cannot match"
+    everywhere = ClosedRule("ip-all", ListedDimension.IP, "", "", 9)
+    assert everywhere.touches(attributes(ip="1")) and everywhere.touches(attributes(endpoint="/x", ip="1"))
+    staff = ClosedRule("admin-per-user", ListedDimension.USER, "/admin/*", "staff", 100)
+    assert staff.touches(attributes(endpoint="/admin/users", tier="staff", user="u"))
+    assert not staff.touches(attributes(endpoint="/admin/users", user="u")), "tier absent"
+    assert not staff.touches(attributes(endpoint="/admin/users", tier="free", user="u"))
+    assert not staff.touches(attributes(endpoint="/admin", tier="staff", user="u"))
+    key = ClosedRule("key", ListedDimension.API_KEY, "", "", 3)
+    assert key.touches(attributes(api_key="k")) and not key.touches(attributes(user="u"))
+    descriptor = ClosedRule("d", ListedDimension.DESCRIPTOR, "", "", 1)
+    assert not descriptor.touches(attributes(endpoint="/login", ip="1", user="u", api_key="k"))
+    # The first listed rule the check touches is the one that closes it.
+    listed = FailModeList(7, False, [staff, everywhere, LOGIN])
+    assert listed.closing(attributes(endpoint="/login", ip="1")) is everywhere
+    assert FailModeList().closing(attributes(endpoint="/login", ip="1")) is None

@@ -1,5 +1,6 @@
 """The threaded client against real agent processes: figures, many threads on one connection, the
-fail policy when the agent is away or stopped, reconnection, and a forked child's own connection."""
+fail policy when the agent is away or stopped, the agent's fail-closed rules once it is killed,
+reconnection, and a forked child's own connection."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import List, Optional
 
 import pytest
 from conftest import eventually, unique
-from rules import CLIENT_RULES, now_ms, window_reset_ms
+from rules import CLIENT_RULES, FAIL_MODE_RULES, now_ms, window_reset_ms
 
 from floodgate import AgentError, Client, Decision, Degraded, InvalidCheck, Origin, Source
 
@@ -118,6 +119,33 @@ def test_a_stopped_agent_costs_the_timeout_and_no_more(make_agent) -> None:  # n
         assert client.stats().timeouts == 2
         answered_by_agent(client, "the agent answers again after SIGCONT")
         assert client.stats().connects == 1
+
+
+def test_a_killed_agents_fail_closed_rules_still_deny(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(FAIL_MODE_RULES)
+    ip = "203.0.113.9"
+    with Client(agent.socket, timeout=2.0) as client:
+        d = client.check_attributes(endpoint="/login", ip=ip)
+        assert d.from_agent and d.allowed and d.limit == 5
+        eventually("the client learns the fail-closed rules", lambda: client.health().rules_version is not None)
+        h = client.health()
+        assert (h.fail_closed_rules, h.rules_version) == (1, 0), "one listed rule, from a rules file"
+        agent.kill()
+        eventually("the client sees the agent gone", lambda: not client.is_connected())
+        t0 = now_ms()
+        d = client.check_attributes(endpoint="/login", ip=ip)
+        assert not d.allowed and d.origin is Origin.FAIL_CLOSED and d.degraded is Degraded.UNAVAILABLE
+        assert (d.limit, d.remaining, d.retry_after_ms) == (5, 0, 1_000)
+        assert t0 + 1_000 <= d.reset_at_ms <= now_ms() + 1_000
+        assert [i.rule_id for i in d.items] == ["login-closed"]
+        # An items check naming the rule, likewise; the fail-open rule and no rule pass.
+        assert not client.allow(f"ip:{ip}", "login-closed").allowed
+        d = client.check_attributes(endpoint="/api/search", ip=ip)
+        assert d.allowed and d.origin is Origin.FAIL_OPEN
+        assert client.check_attributes(endpoint="/other", ip=ip).allowed
+        # A per-call policy decides alone.
+        assert client.check_attributes(endpoint="/login", ip=ip, fail="open").allowed
+        assert client.health().fail_closed_rules == 1, "kept while the agent is away"
 
 
 def test_the_client_reconnects_after_the_agent_is_killed_and_restarted(make_agent) -> None:  # noqa: ANN001

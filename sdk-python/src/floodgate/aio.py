@@ -2,7 +2,8 @@
 
 Every call returns within its timeout (10 ms by default), whatever the agent does: when the agent
 is unreachable, late or confused the call answers by its fail policy (open by default, closed per
-client or per call) and the client reconnects in the background with backoff and jitter. Only a
+client or per call, or the agent's fail-closed rules) and the client reconnects in the background
+with backoff and jitter. Only a
 check the caller got wrong raises (:class:`~floodgate.InvalidCheck` before sending,
 :class:`~floodgate.AgentError` for an unknown rule).
 
@@ -23,6 +24,7 @@ import random
 import time
 from typing import Any, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
+from . import fail_modes as fm
 from . import protocol as p
 from .decision import (
     TIMEOUT,
@@ -33,8 +35,7 @@ from .decision import (
     Decision,
     Degraded,
     FailPolicy,
-    local_key_attributes,
-    local_key_items,
+    Subject,
 )
 from .health import Health, Reachability, describe
 from .socket_path import default_socket_path
@@ -58,6 +59,7 @@ class _Conn(asyncio.Protocol):
         self.hello: asyncio.Future = loop.create_future()
         self.lost: asyncio.Future = loop.create_future()
         self.why: Optional[str] = None  # why the connection ended, for the client's health()
+        self.version = 1  # the version the agent's HelloOk chose
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -87,6 +89,8 @@ class _Conn(asyncio.Protocol):
                     fut = pending.pop(rid, None)
                     if fut is not None and not fut.done():
                         fut.set_result(body)
+                elif isinstance(body, p.FailModeList):
+                    self.client._core.learn(body)
                 # HelloOk or Pong after the handshake: nothing waits for them.
             else:
                 # An answer this SDK cannot read (bad text, another version): its call answers by
@@ -98,10 +102,11 @@ class _Conn(asyncio.Protocol):
             del buf[:pos]
 
     def _handshake_answer(self, body: object) -> None:
-        if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+        if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
+            self.version = body.version
             self.hello.set_result(None)
         elif isinstance(body, p.HelloOk):
-            self._broken(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+            self._broken(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
         elif isinstance(body, p.ErrorBody):
             self._broken(f"agent refused Hello: {int(body.code)}: {body.message}")
         else:
@@ -238,10 +243,10 @@ class AsyncClient:
 
     def health(self) -> Health:
         """Whether the agent is reachable, where, why not, and how many calls the fail policy
-        answered: for a service's health endpoint (an unreachable agent otherwise shows only as
-        requests passing without rate-limit headers)."""
+        answered, and the fail-closed rules it knows: for a service's health endpoint (an
+        unreachable agent otherwise shows only as requests passing without rate-limit headers)."""
         s = self._core.snapshot()
-        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts)
+        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts, self._core.fail_modes)
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -257,8 +262,7 @@ class AsyncClient:
         """One ``(key, rule_id, cost)`` item."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
-        local = local_key_items([(key, rule_id, cost)]) if self._config.fallback_limit is not None else None
-        return await self._call(rid, data, timeout, fail, local)
+        return await self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
 
     async def check(
         self,
@@ -272,8 +276,7 @@ class AsyncClient:
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        local = local_key_items(items) if self._config.fallback_limit is not None else None
-        return await self._call(rid, data, timeout, fail, local)
+        return await self._call(rid, data, timeout, fail, items)
 
     async def check_attributes(
         self,
@@ -303,8 +306,7 @@ class AsyncClient:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        local = local_key_attributes(attributes) if self._config.fallback_limit is not None else None
-        return await self._call(rid, data, timeout, fail, local)
+        return await self._call(rid, data, timeout, fail, attributes)
 
     def _next_id(self) -> int:
         while True:
@@ -318,7 +320,7 @@ class AsyncClient:
         data: bytes,
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
-        local: Optional[Tuple[str, int]],
+        subject: Subject,
     ) -> Decision:
         core = self._core
         policy = core.policy(fail)
@@ -344,7 +346,7 @@ class AsyncClient:
             or len(pending) >= self._config.max_pending
             or conn.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER
         ):
-            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
         fut = loop.create_future()
         if not pending and not self._out:
             # Nothing in flight: write now (a lone caller pays no extra loop iteration).
@@ -365,7 +367,7 @@ class AsyncClient:
             reply = await fut
         finally:
             pending.pop(rid, None)
-        return core.result(reply, policy, local)
+        return core.result(reply, policy, subject)
 
     def _deadline(self, loop: asyncio.AbstractEventLoop, timeout: float, fut: asyncio.Future) -> None:
         """Wakes ``fut`` with TIMEOUT after ``timeout`` unless it is answered first.
@@ -419,7 +421,7 @@ class AsyncClient:
                 self._core.connected()
                 self._reach.connected(path)
                 self._ready.set()
-                await asyncio.shield(conn.lost)
+                await self._serve(conn)
                 self._conn = None
                 self._reach.lost(conn.why or "the agent closed the connection")
                 self._fail_pending()
@@ -435,6 +437,22 @@ class AsyncClient:
             # Jitter: a fleet of processes whose agent restarted must not reconnect in lockstep.
             await asyncio.sleep(delay * random.uniform(0.5, 1.0))
 
+    async def _serve(self, conn: _Conn) -> None:
+        """Waits for the connection to end; on version 2, asks for the fail-mode list again every
+        ``fail_modes.REFRESH_EVERY`` seconds meanwhile."""
+        if conn.version < 2:
+            await asyncio.shield(conn.lost)
+            return
+        while True:
+            # asyncio.wait does not cancel conn.lost when this task is cancelled (close()).
+            done, _ = await asyncio.wait({conn.lost}, timeout=fm.REFRESH_EVERY)
+            if done:
+                return
+            t = conn.transport
+            # An agent that stopped reading is asked again next time, not buffered for.
+            if t is not None and not t.is_closing() and t.get_write_buffer_size() <= _MAX_WRITE_BUFFER:
+                t.write(p.fail_modes_frame(self._next_id()))
+
     async def _handshake(self, loop: asyncio.AbstractEventLoop, path: str) -> _Conn:
         tcp = p.tcp_address(path)
         if tcp is not None:
@@ -445,6 +463,9 @@ class AsyncClient:
         try:
             transport.write(p.HELLO_FRAME)
             await conn.hello
+            if conn.version >= 2:
+                # Before any check can be written: the list arrives as soon as the agent can say it.
+                transport.write(p.fail_modes_frame(self._next_id()))
         except BaseException:
             transport.abort()
             raise

@@ -1,8 +1,8 @@
 """The synchronous client, for WSGI apps and threads: thread-safe, one connection per process.
 
 A background thread owns the socket: it connects and says Hello, reads answers and wakes the
-calling thread by request id, writes what callers could not write at once, and reconnects with
-backoff and jitter. Callers write their own checks when the socket takes them (the common case),
+calling thread by request id, writes what callers could not write at once, asks a version-2 agent
+for its fail-mode list every 10 s, and reconnects with backoff and jitter. Callers write their own checks when the socket takes them (the common case),
 so a call costs one ``send`` and one wake-up. Like the asyncio client, every call returns within
 its timeout, answering by its fail policy when the agent cannot.
 
@@ -24,6 +24,7 @@ import time
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
+from . import fail_modes as fm
 from . import protocol as p
 from .decision import (
     TIMEOUT,
@@ -34,8 +35,7 @@ from .decision import (
     Decision,
     Degraded,
     FailPolicy,
-    local_key_attributes,
-    local_key_items,
+    Subject,
 )
 from .health import Health, Reachability, describe
 from .socket_path import default_socket_path
@@ -143,7 +143,8 @@ class Client:
                         s.close()
                     except OSError:
                         pass
-            self._core = Core(self._config)
+            # The parent's fail-mode list is the last one known: kept, as across a disconnection.
+            self._core = Core(self._config, self._core.fail_modes)
             self._reach = Reachability(self.path, self._config.fail.value)
             self._start()
 
@@ -176,10 +177,10 @@ class Client:
 
     def health(self) -> Health:
         """Whether the agent is reachable, where, why not, and how many calls the fail policy
-        answered: for a service's health endpoint (an unreachable agent otherwise shows only as
-        requests passing without rate-limit headers)."""
+        answered, and the fail-closed rules it knows: for a service's health endpoint (an
+        unreachable agent otherwise shows only as requests passing without rate-limit headers)."""
         s = self._core.snapshot()
-        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts)
+        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts, self._core.fail_modes)
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -195,8 +196,7 @@ class Client:
         """One ``(key, rule_id, cost)`` item."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
-        local = local_key_items([(key, rule_id, cost)]) if self._config.fallback_limit is not None else None
-        return self._call(rid, data, timeout, fail, local)
+        return self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
 
     def check(
         self,
@@ -209,8 +209,7 @@ class Client:
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        local = local_key_items(items) if self._config.fallback_limit is not None else None
-        return self._call(rid, data, timeout, fail, local)
+        return self._call(rid, data, timeout, fail, items)
 
     def check_attributes(
         self,
@@ -237,8 +236,7 @@ class Client:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        local = local_key_attributes(attributes) if self._config.fallback_limit is not None else None
-        return self._call(rid, data, timeout, fail, local)
+        return self._call(rid, data, timeout, fail, attributes)
 
     def _next_id(self) -> int:
         while True:
@@ -252,7 +250,7 @@ class Client:
         data: bytes,
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
-        local: Optional[Tuple[str, int]],
+        subject: Subject,
     ) -> Decision:
         if self._forked:
             self._restart_after_fork()
@@ -260,17 +258,17 @@ class Client:
         policy = core.policy(fail)
         pending = self._pending
         if self._sock is None or len(pending) >= self._config.max_pending:
-            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
         w = _Waiter()
         pending[rid] = w
         core.note_in_flight(len(pending))
         if not self._send(data):
             pending.pop(rid, None)
-            return core.degraded(policy, Degraded.UNAVAILABLE, local)
+            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
         w.lock.acquire(True, max(self._config.timeout if timeout is None else timeout, 0.0))
         pending.pop(rid, None)
         reply = w.reply
-        return core.result(TIMEOUT if reply is None else reply, policy, local)
+        return core.result(TIMEOUT if reply is None else reply, policy, subject)
 
     def _send(self, data: bytes) -> bool:
         """Writes a frame now if the socket takes it, else queues it for the I/O thread. False when
@@ -314,7 +312,7 @@ class Client:
         while not self._stop.is_set():
             conn = self._handshake()
             if conn is not None:
-                sock, leftover = conn
+                sock, leftover, version = conn
                 up_since = time.monotonic()
                 with self._lock:
                     self._sock = sock
@@ -322,7 +320,7 @@ class Client:
                 self._reach.connected(self.path)
                 self._ready.set()
                 try:
-                    why = self._serve(sock, leftover)
+                    why = self._serve(sock, leftover, version)
                 except Exception as e:  # noqa: BLE001 - never let the I/O thread die; reconnect instead
                     why = f"connection lost: {e}"
                 self._reach.lost(why)
@@ -350,8 +348,10 @@ class Client:
             except OSError:
                 pass
 
-    def _handshake(self) -> Optional[Tuple[socket.socket, bytearray]]:
-        """One connection attempt and its Hello; None (and the failure recorded) when it fails."""
+    def _handshake(self) -> Optional[Tuple[socket.socket, bytearray, int]]:
+        """One connection attempt and its Hello: the socket, what was read past the HelloOk and the
+        version chosen; None (and the failure recorded) when it fails. On version 2 the first ask
+        for the fail-mode list is sent before any check can be."""
         deadline = time.monotonic() + self._config.connect_timeout
         sock: Optional[socket.socket] = None
         # Looked up on every attempt: an agent started after this process is found where it is.
@@ -385,12 +385,14 @@ class Client:
                     continue
                 if status == 1:
                     _, body = value  # type: ignore[misc]
-                    if isinstance(body, p.HelloOk) and body.version == p.VERSION:
+                    if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
                         del buf[:used]
+                        if body.version >= 2:
+                            sock.sendall(p.fail_modes_frame(self._next_id()))
                         sock.setblocking(False)
-                        return sock, buf
+                        return sock, buf, body.version
                     if isinstance(body, p.HelloOk):
-                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.VERSION}")
+                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
                     if isinstance(body, p.ErrorBody):
                         raise OSError(f"agent refused Hello: {int(body.code)}: {body.message}")
                 raise OSError("unexpected answer to Hello (not a Floodgate agent?)")
@@ -403,10 +405,12 @@ class Client:
             self._reach.failed(path, describe(e, self._config.connect_timeout))
             return None
 
-    def _serve(self, sock: socket.socket, buf: bytearray) -> str:
-        """Serves the connection until it ends; returns why it ended."""
+    def _serve(self, sock: socket.socket, buf: bytearray, version: int) -> str:
+        """Serves the connection until it ends; returns why it ended. On version 2 it asks for the
+        fail-mode list again every ``fail_modes.REFRESH_EVERY`` seconds."""
         sel = selectors.DefaultSelector()
         broken = "the agent sent a broken frame"
+        next_ask = time.monotonic() + fm.REFRESH_EVERY if version >= 2 else None
         try:
             sel.register(sock, selectors.EVENT_READ, "sock")
             sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -419,7 +423,14 @@ class Client:
                 if want_write != writing:
                     sel.modify(sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if want_write else 0), "sock")
                     writing = want_write
-                for key, events in sel.select():
+                wait = None if next_ask is None else max(next_ask - time.monotonic(), 0.0)
+                ready = sel.select(wait)
+                if next_ask is not None and time.monotonic() >= next_ask:
+                    # Queued behind callers' checks when the socket is full; dropped (asked again
+                    # next time) when the queue is over its cap.
+                    self._send(p.fail_modes_frame(self._next_id()))
+                    next_ask = time.monotonic() + fm.REFRESH_EVERY
+                for key, events in ready:
                     if key.data == "wake":
                         try:
                             while self._wake_r.recv(4096):
@@ -481,6 +492,8 @@ class Client:
                         w = pending.pop(rid, None)
                         if w is not None:
                             w.wake(body)
+                    elif isinstance(body, p.FailModeList):
+                        self._core.learn(body)
                 else:
                     w = pending.pop(value, None)
                     if w is not None:

@@ -1,9 +1,11 @@
 """Decisions as the SDK returns them, the client configuration, and what both clients share: the
-fail policy, the per-process fallback limit and the counters."""
+fail policy, the fail-mode list learnt from the agent, the per-process fallback limit and the
+counters."""
 
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import threading
 import time
@@ -11,7 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import AgentError
-from .protocol import Attributes, DecisionBody, ErrorBody, ErrorCode, ItemDecision, Source
+from .fail_modes import ClosedRule, FailModeList
+from .protocol import Attributes, Check, DecisionBody, ErrorBody, ErrorCode, ItemDecision, Source, Verdict
+
+log = logging.getLogger("floodgate")
 
 
 class FailPolicy(str, enum.Enum):
@@ -40,7 +45,8 @@ class Origin(str, enum.Enum):
     FAIL_OPEN = "fail_open"
     """The SDK's fail policy: allowed because the agent could not answer."""
     FAIL_CLOSED = "fail_closed"
-    """The SDK's fail policy: denied because the agent could not answer."""
+    """Denied by the SDK because the agent could not answer: by the fail policy, or because the
+    check touches a rule the agent lists as fail-closed (then :attr:`Decision.items` names it)."""
     LOCAL_LIMIT = "local_limit"
     """The SDK's per-process fallback limit decided because the agent could not."""
 
@@ -101,6 +107,8 @@ class ClientStats:
     """Degraded calls the per-process fallback limit denied."""
     max_in_flight: int = 0
     """Most checks that were waiting for the agent at once on the connection (pipelining depth)."""
+    rule_denied: int = 0
+    """Degraded calls denied because they touch a rule the agent lists as fail-closed."""
 
 
 @dataclass
@@ -126,7 +134,8 @@ class Decision:
     log_only: bool = False
     """Only rules in log mode applied: the figures are theirs and nothing was enforced."""
     items: List[ItemDecision] = field(default_factory=list)
-    """Per-rule verdicts from the agent (empty when the SDK decided alone)."""
+    """Per-rule verdicts from the agent. When the SDK decided alone: empty, except for a denial by a
+    listed fail-closed rule, which carries that rule's verdict (source ``FALLBACK``)."""
 
     @property
     def from_agent(self) -> bool:
@@ -172,6 +181,17 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+Subject = Union[Sequence[Any], Attributes]
+"""What a call checks: its items (``(key, rule_id[, cost])``), or its attributes."""
+
+
+def local_key(subject: Subject) -> Tuple[str, int]:
+    """The fallback limiter's key and cost for what a call checks."""
+    if isinstance(subject, Attributes):
+        return local_key_attributes(subject)
+    return local_key_items(subject)
+
+
 def local_key_items(items: Sequence[Any]) -> Tuple[str, int]:
     """The fallback limiter's key and cost for items."""
     parts = []
@@ -191,54 +211,105 @@ def local_key_attributes(a: Attributes) -> Tuple[str, int]:
 
 
 class Core:
-    """What the asyncio and the threaded client share: configuration, counters, the fail policy
-    and the fallback limit. Thread-safe."""
+    """What the asyncio and the threaded client share: configuration, counters, the fail policy,
+    the fail-mode list and the fallback limit. Thread-safe."""
 
-    def __init__(self, config: ClientConfig) -> None:
+    def __init__(self, config: ClientConfig, fail_modes: Optional[FailModeList] = None) -> None:
         self.config = config
         self.stats = ClientStats()
         self._lock = threading.Lock()
         self._local: Dict[str, Tuple[float, float]] = {}
+        # The agent's last FailModeList (None until a version-2 agent sent one): replaced whole by
+        # each new list (one reference store, so callers on other threads read one list or the
+        # other), and kept across disconnections, which is when it is used.
+        self.fail_modes = fail_modes
+        self._warned_truncated = False
 
-    def policy(self, fail: Union[FailPolicy, str, None]) -> FailPolicy:
+    def policy(self, fail: Union[FailPolicy, str, None]) -> Optional[FailPolicy]:
+        """A call's own fail policy, converted (a misspelt one raises ``ValueError`` before anything
+        is sent); ``None`` when the call gives none."""
         if fail is None:
-            return self.config.fail  # a FailPolicy: ClientConfig converts it
+            return None
         return fail if isinstance(fail, FailPolicy) else FailPolicy(fail)
 
-    def result(
-        self,
-        reply: object,
-        policy: FailPolicy,
-        local: Optional[Tuple[str, int]],
-    ) -> Decision:
+    def learn(self, listed: FailModeList) -> None:
+        """The agent's fail-mode list: it replaces the one known."""
+        self.fail_modes = listed
+        if listed.truncated:
+            with self._lock:
+                warned, self._warned_truncated = self._warned_truncated, True
+            if not warned:
+                log.warning(
+                    "floodgate: the agent's list of fail-closed rules is truncated (more than one frame"
+                    " holds): the %d rules listed deny while the agent is away, the others answer by"
+                    " the fail policy (said once)",
+                    len(listed.rules),
+                )
+
+    def result(self, reply: object, fail: Optional[FailPolicy], subject: Subject) -> Decision:
         """A call's decision from what it was woken with; raises :class:`AgentError` for a check the
-        agent refuses as the caller's mistake (unknown rule, invalid item)."""
+        agent refuses as the caller's mistake (unknown rule, invalid item). ``fail`` is the call's
+        own policy (``None``: none given)."""
         if isinstance(reply, DecisionBody):
             return decision_from_agent(reply)
         if isinstance(reply, ErrorBody):
             if reply.code in (ErrorCode.UNKNOWN_RULE, ErrorCode.INVALID_ITEM):
                 raise AgentError(reply.code, reply.message)
             # Overload, an internal error, a code from a newer agent: the agent's trouble.
-            return self.degraded(policy, Degraded.UNAVAILABLE, local)
+            return self.degraded(fail, Degraded.UNAVAILABLE, subject)
         if reply is TIMEOUT:
-            return self.degraded(policy, Degraded.TIMEOUT, local)
-        return self.degraded(policy, Degraded.UNAVAILABLE, local)
+            return self.degraded(fail, Degraded.TIMEOUT, subject)
+        return self.degraded(fail, Degraded.UNAVAILABLE, subject)
 
-    def degraded(self, policy: FailPolicy, why: Degraded, local: Optional[Tuple[str, int]]) -> Decision:
-        """The fail policy's answer (or the fallback limit's, for fail-open calls when configured)."""
+    def degraded(self, fail: Optional[FailPolicy], why: Degraded, subject: Subject) -> Decision:
+        """The SDK's own answer to a check the agent could not answer (PROTOCOL.md, "Version 2"):
+        the call's own policy ``fail`` decides alone when given; else a check that touches a rule
+        the agent lists as fail-closed is denied; else the client's fail policy decides (open: the
+        fallback limit's answer when one is configured)."""
+        now = _now_ms()
+        rule = None
+        if fail is None:
+            listed = self.fail_modes
+            if listed is not None:
+                rule = listed.closing(
+                    Check(attributes=subject) if isinstance(subject, Attributes) else Check(items=subject)
+                )
+            fail = self.config.fail  # a FailPolicy: ClientConfig converts it
         with self._lock:
             if why is Degraded.TIMEOUT:
                 self.stats.timeouts += 1
             else:
                 self.stats.unavailable += 1
-        now = _now_ms()
+            if rule is not None:
+                self.stats.rule_denied += 1
+        if rule is not None:
+            return self._denied_by_rule(rule, why, now)
         limit = self.config.fallback_limit
-        if policy is FailPolicy.OPEN and limit is not None and local is not None:
-            return self._local_limit(limit, local[0], local[1], why, now)
+        if fail is FailPolicy.OPEN and limit is not None:
+            key, cost = local_key(subject)
+            return self._local_limit(limit, key, cost, why, now)
         retry = int(self.config.closed_retry_after * 1000)
-        if policy is FailPolicy.OPEN:
+        if fail is FailPolicy.OPEN:
             return Decision(True, 0, 0, now, None, Origin.FAIL_OPEN, None, why)
         return Decision(False, 0, 0, now + retry, max(retry, 1), Origin.FAIL_CLOSED, None, why)
+
+    def _denied_by_rule(self, rule: ClosedRule, why: Degraded, now_ms: int) -> Decision:
+        # The rule's verdict goes in items, so that middleware sends its X-RateLimit-* headers as
+        # for any denial (limit: the rule's, remaining 0, reset when Retry-After says to retry).
+        retry = max(int(self.config.closed_retry_after * 1000), 1)
+        verdict = Verdict(False, False, Source.FALLBACK, rule.limit, 0, now_ms + retry, retry)
+        return Decision(
+            False,
+            rule.limit,
+            0,
+            now_ms + retry,
+            retry,
+            Origin.FAIL_CLOSED,
+            None,
+            why,
+            False,
+            [ItemDecision(rule.rule_id, verdict)],
+        )
 
     def _local_limit(self, limit: LocalLimit, key: str, cost: int, why: Degraded, now_ms: int) -> Decision:
         capacity = float(max(limit.limit, 1))
@@ -274,7 +345,9 @@ class Core:
     def snapshot(self) -> ClientStats:
         with self._lock:
             s = self.stats
-            return ClientStats(s.unavailable, s.timeouts, s.connects, s.local_denied, s.max_in_flight)
+            return ClientStats(
+                s.unavailable, s.timeouts, s.connects, s.local_denied, s.max_in_flight, s.rule_denied
+            )
 
     def connected(self) -> None:
         with self._lock:

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from .fail_modes import FailModeList
+
 log = logging.getLogger("floodgate")
 
 WARN_EVERY = 10.0
@@ -37,8 +39,14 @@ class Health:
     failed_attempts: int
     """Connection attempts that failed since the last connection was made."""
     fail_policy_answers: int
-    """Calls the SDK answered by itself (fail policy or fallback limit), not the agent, since the
-    client started: the agent was unreachable, late, or could not answer."""
+    """Calls the SDK answered by itself (fail policy, a fail-closed rule, or fallback limit), not
+    the agent, since the client started: the agent was unreachable, late, or could not answer."""
+    fail_closed_rules: int = 0
+    """Rules in the agent's last fail-mode list: checks touching them are denied while the agent
+    cannot answer (0 before any list)."""
+    rules_version: Optional[int] = None
+    """The agent's rule set version that list came with (0 for a rules file); ``None`` until a
+    version-2 agent sent one."""
 
 
 def describe(error: BaseException, connect_timeout: float) -> str:
@@ -103,6 +111,14 @@ class Reachability:
         with self._lock:
             self.last_error = error
 
-    def health(self, connected: bool, fail_policy_answers: int) -> Health:
+    def health(self, connected: bool, fail_policy_answers: int, fail_modes: Optional[FailModeList]) -> Health:
         with self._lock:
-            return Health(connected, self.path, self.last_error, self.failed_attempts, fail_policy_answers)
+            return Health(
+                connected,
+                self.path,
+                self.last_error,
+                self.failed_attempts,
+                fail_policy_answers,
+                0 if fail_modes is None else len(fail_modes.rules),
+                None if fail_modes is None else fail_modes.rules_version,
+            )

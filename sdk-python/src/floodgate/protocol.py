@@ -1,4 +1,4 @@
-"""Floodgate's wire protocol, version 1: frames to bytes and bytes to frames.
+"""Floodgate's wire protocol, versions 1 and 2: frames to bytes and bytes to frames.
 
 ``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
 and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
@@ -15,9 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .errors import InvalidCheck
+from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
-VERSION = 1
-"""The protocol version this module speaks."""
+VERSION = 2
+"""The highest protocol version this module speaks (2: the fail-mode list)."""
+MIN_VERSION = 1
+"""The lowest protocol version this module speaks."""
 
 MAX_FRAME = 64 * 1024
 """Largest frame on the wire, the 4-byte length prefix included."""
@@ -43,6 +46,10 @@ class Kind(enum.IntEnum):
     ERROR = 0x05
     PING = 0x06
     PONG = 0x07
+    FAIL_MODES = 0x08
+    """Client to agent (version 2): which rules fail closed."""
+    FAIL_MODE_LIST = 0x09
+    """Agent to client (version 2): the rules that fail closed."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -78,6 +85,7 @@ FLAG_ALLOWED = 0x01
 FLAG_LOG_ONLY = 0x02
 FORM_ITEMS = 0
 FORM_ATTRIBUTES = 1
+LIST_TRUNCATED = 0x01
 
 
 # --- frame bodies ---------------------------------------------------------------------------------
@@ -115,7 +123,7 @@ class Attributes:
 
 @dataclass
 class Hello:
-    min_version: int = VERSION
+    min_version: int = MIN_VERSION
     max_version: int = VERSION
 
 
@@ -180,7 +188,12 @@ class Pong:
     pass
 
 
-Body = Union[Hello, HelloOk, Check, DecisionBody, ErrorBody, Ping, Pong]
+@dataclass
+class FailModes:
+    """The client's ask for the fail-mode list (version 2); the agent answers a :class:`FailModeList`."""
+
+
+Body = Union[Hello, HelloOk, Check, DecisionBody, ErrorBody, Ping, Pong, FailModes, FailModeList]
 
 
 @dataclass
@@ -281,10 +294,14 @@ _STR16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 _VERDICT = struct.Struct(">BBQQQQ")
 _ERR = struct.Struct(">HH")
+_U64 = struct.Struct(">Q")
+_LIST_HEAD = struct.Struct(">QBH")
 _PREFIX_ITEMS = b"\x00"
 
 
-def _frame(kind: int, request_id: int, body: bytes, version: int = VERSION) -> bytes:
+def _frame(kind: int, request_id: int, body: bytes, version: int = 1) -> bytes:
+    """A frame; ``version`` is the one that introduced its kind (1, or 2 for the fail-mode kinds), so
+    a version-1 peer reads every frame it knows."""
     n = HEADER + len(body)
     if LEN_PREFIX + n > MAX_FRAME:
         raise InvalidCheck(f"frame of {LEN_PREFIX + n} bytes exceeds the {MAX_FRAME}-byte limit")
@@ -380,6 +397,18 @@ def encode(frame: Frame) -> bytes:
         return _frame(Kind.PING, rid, b"")
     if isinstance(b, Pong):
         return _frame(Kind.PONG, rid, b"")
+    if isinstance(b, FailModes):
+        return _frame(Kind.FAIL_MODES, rid, b"", 2)
+    if isinstance(b, FailModeList):
+        n = min(len(b.rules), 0xFFFF)
+        parts = [_LIST_HEAD.pack(b.rules_version, LIST_TRUNCATED if b.truncated else 0, n)]
+        for r in b.rules[:n]:
+            parts.append(_str8(r.rule_id))
+            parts.append(bytes((int(r.dimension),)))
+            parts.append(_str16(r.endpoint))
+            parts.append(_str16(r.tier))
+            parts.append(_U64.pack(r.limit))
+        return _frame(Kind.FAIL_MODE_LIST, rid, b"".join(parts), 2)
     raise TypeError(f"not a frame body: {b!r}")
 
 
@@ -394,7 +423,7 @@ def check_one_frame(request_id: int, key: str, rule_id: str, cost: int = 1) -> b
     r = _rule_bytes(rule_id)
     c = _cost(cost)
     return b"".join(
-        (_HDR.pack(15 + len(k) + len(r), VERSION, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
+        (_HDR.pack(15 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
          _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c))
     )
 
@@ -404,7 +433,13 @@ def check_attributes_frame(request_id: int, attributes: Attributes) -> bytes:
     return _frame(Kind.CHECK, request_id, attributes_body(attributes))
 
 
-HELLO_FRAME = encode(Frame(0, Hello(VERSION, VERSION)))
+HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
+"""The Hello a client opens with: versions 1 to 2."""
+
+
+def fail_modes_frame(request_id: int) -> bytes:
+    """A FailModes frame: send it only on a connection whose HelloOk said 2."""
+    return _frame(Kind.FAIL_MODES, request_id, b"", 2)
 
 
 # --- decoding -------------------------------------------------------------------------------------
@@ -459,6 +494,9 @@ class _Reader:
 
     def u32(self) -> int:
         return int.from_bytes(self.take(4), "big")
+
+    def u64(self) -> int:
+        return int.from_bytes(self.take(8), "big")
 
     def text(self, n: int) -> str:
         b = self.take(n)
@@ -517,7 +555,28 @@ def _body(kind: int, r: _Reader) -> Body:
             v = [r.str16() or None for _ in range(5)]
             return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost=r.u32()))
         raise _Malformed(f"unknown check form {form}")
+    if kind == Kind.FAIL_MODE_LIST:
+        return _fail_mode_list(r)
+    if kind == Kind.FAIL_MODES:
+        return FailModes()
     raise _Malformed(f"unknown frame kind 0x{kind:02x}")
+
+
+def _fail_mode_list(r: _Reader) -> FailModeList:
+    rules_version = r.u64()
+    flags = r.u8()
+    if flags & ~LIST_TRUNCATED:
+        raise _Malformed(f"unknown list flags 0x{flags:02x}")
+    rules = []
+    for _ in range(r.u16()):
+        rule_id = r.str8()
+        d = r.u8()
+        if d > ListedDimension.DESCRIPTOR:
+            raise _Malformed(f"unknown dimension {d}")
+        endpoint = r.str16()
+        tier = r.str16()
+        rules.append(ClosedRule(rule_id, ListedDimension(d), endpoint, tier, r.u64()))
+    return FailModeList(rules_version, bool(flags & LIST_TRUNCATED), rules)
 
 
 def _check_limits(c: Check) -> Optional[str]:
@@ -555,11 +614,11 @@ def decode(buf: Union[bytes, bytearray, memoryview], pos: int = 0) -> DecodeResu
         version = buf[pos + 4]
         kind = buf[pos + 5]
         rid = int.from_bytes(buf[pos + 6 : pos + 10], "big")
-        if version != VERSION and kind != Kind.HELLO:
+        if not MIN_VERSION <= version <= VERSION and kind != Kind.HELLO:
             return Rejected(
                 ErrorCode.UNSUPPORTED_VERSION,
                 rid,
-                f"frame version {version}; this peer speaks version {VERSION}",
+                f"frame version {version}; this peer speaks versions {MIN_VERSION} to {VERSION}",
                 frame_len,
             )
         end = pos + frame_len
@@ -591,7 +650,8 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
     """The client's decoder for what an agent sends: ``(status, value, used)``.
 
     ``status`` 0: incomplete (read more). 1: ``value`` is ``(request_id, body)`` with body a
-    :class:`DecisionBody`, :class:`ErrorBody`, :class:`HelloOk` or :class:`Pong`; skip ``used``
+    :class:`DecisionBody`, :class:`ErrorBody`, :class:`HelloOk`, :class:`Pong` or
+    :class:`FailModeList`; skip ``used``
     bytes. 2: a refused frame for request id ``value``; skip ``used`` bytes. 3: fatal, ``value`` is the
     reason: close the connection. Never raises. A well-formed Decision takes a fast path; anything
     else goes through :func:`decode`.
@@ -640,9 +700,9 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
 def _slow(res: DecodeResult) -> Tuple[int, Any, int]:
     if isinstance(res, Decoded):
         f = res.frame
-        if isinstance(f.body, (DecisionBody, ErrorBody, HelloOk, Pong)):
+        if isinstance(f.body, (DecisionBody, ErrorBody, HelloOk, Pong, FailModeList)):
             return 1, (f.request_id, f.body), res.used
-        # Hello, Check or Ping: only a client sends those; an agent that does is confused.
+        # Hello, Check, Ping or FailModes: only a client sends those; an agent that does is confused.
         return 3, f"the agent sent a {type(f.body).__name__} frame", res.used
     if isinstance(res, Rejected):
         return 2, res.request_id, res.frame_len
@@ -694,6 +754,7 @@ def parse_hex(text: str) -> bytes:
 
 __all__: Sequence[str] = [
     "VERSION",
+    "MIN_VERSION",
     "MAX_FRAME",
     "MAX_ITEMS",
     "MAX_KEY",
@@ -713,6 +774,11 @@ __all__: Sequence[str] = [
     "ErrorBody",
     "Ping",
     "Pong",
+    "FailModes",
+    "FailModeList",
+    "ClosedRule",
+    "ListedDimension",
+    "endpoint_matches",
     "Frame",
     "Decoded",
     "Rejected",
@@ -721,6 +787,7 @@ __all__: Sequence[str] = [
     "decode",
     "check_items_frame",
     "check_attributes_frame",
+    "fail_modes_frame",
     "wire_safe",
     "fnv1a64",
     "validate_rule_id",

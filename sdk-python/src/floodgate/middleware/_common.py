@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..decision import Decision
+from ..decision import Decision, FailPolicy
 from ..protocol import _RULE_ID, Attributes, wire_safe
 
 log = logging.getLogger("floodgate")
@@ -196,6 +196,12 @@ def normalise_costs(costs: Optional[Mapping[str, int]]) -> Dict[str, int]:
     return {route_name(k): max(int(v), 1) for k, v in (costs or {}).items()}
 
 
+def normalise_fail_for(fail_for: Optional[Mapping[str, Union[str, FailPolicy]]]) -> Dict[str, FailPolicy]:
+    """``fail_for`` keyed as ``costs`` is, each policy checked (a misspelt one raises ``ValueError``
+    here, not on a request)."""
+    return {route_name(k): FailPolicy(v) for k, v in (fail_for or {}).items()}
+
+
 def _safe(v: Optional[str]) -> Optional[str]:
     if v is None:
         return None
@@ -317,7 +323,8 @@ class Settings:
         costs: Optional[Mapping[str, int]] = None,
         ietf_headers: bool = False,
         timeout: Optional[float] = None,
-        fail: Optional[str] = None,
+        fail: Union[str, FailPolicy, None] = None,
+        fail_for: Optional[Mapping[str, Union[str, FailPolicy]]] = None,
     ) -> None:
         for name, f, h in (("tier", tier, tier_header), ("user", user, user_header), ("api_key", api_key, api_key_header)):
             if f is not None and h is not None:
@@ -334,7 +341,16 @@ class Settings:
         self.costs = normalise_costs(costs)
         self.ietf = bool(ietf_headers)
         self.timeout = timeout
-        self.fail = fail
+        self.fail = None if fail is None else FailPolicy(fail)
+        self.fail_for = normalise_fail_for(fail_for)
+
+    def fail_policy(self, endpoint: Optional[str]) -> Optional[FailPolicy]:
+        """The per-call fail policy of a request to ``endpoint``: its route's in ``fail_for``, else
+        ``fail``; ``None`` (neither given) leaves it to the agent's fail-closed rules, then the
+        client's policy."""
+        if endpoint and self.fail_for:
+            return self.fail_for.get(endpoint, self.fail)
+        return self.fail
 
 
 def request_attributes(
@@ -346,10 +362,27 @@ def request_attributes(
     peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
 ) -> Attributes:
-    """What a request is checked as, for every framework: ``header(request, name)`` reads a header
-    (lower-case name), ``default_endpoint(request)`` names the route, ``peer(request)`` gives the peer
-    address, the ``X-Forwarded-For`` values and whether the server took that address from the header
-    itself (:func:`server_took_forwarded_for`); ``no_peer`` is said once when there is no peer."""
+    """What a request is checked as: :func:`request_check` without the fail policy."""
+    return request_check(
+        s, request, header=header, default_endpoint=default_endpoint, peer=peer, no_peer=no_peer
+    )[0]
+
+
+def request_check(
+    s: Settings,
+    request: Any,
+    *,
+    header: Callable[[Any, str], Optional[str]],
+    default_endpoint: Callable[[Any], Optional[str]],
+    peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
+    no_peer: str,
+) -> Tuple[Attributes, Optional[FailPolicy]]:
+    """What a request is checked as, for every framework, and its per-call fail policy
+    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by):
+    ``header(request, name)`` reads a header (lower-case name), ``default_endpoint(request)`` names
+    the route, ``peer(request)`` gives the peer address, the ``X-Forwarded-For`` values and whether
+    the server took that address from the header itself (:func:`server_took_forwarded_for`);
+    ``no_peer`` is said once when there is no peer."""
 
     def value(f: Optional[Extractor], name: Optional[str]) -> Optional[str]:
         if f is not None:
@@ -383,7 +416,7 @@ def request_attributes(
             if addr is None:
                 NO_PEER.warn(no_peer)
             ip = format_ip(addr) if addr is not None else None
-    return build_attributes(
+    attributes = build_attributes(
         endpoint,
         value(s.tier, s.tier_header),
         value(s.user, s.user_header),
@@ -391,3 +424,4 @@ def request_attributes(
         ip,
         s.costs,
     )
+    return attributes, s.fail_policy(endpoint)

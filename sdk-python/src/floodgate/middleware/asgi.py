@@ -3,8 +3,10 @@
 Every response a rule applied to carries ``X-RateLimit-Limit``, ``X-RateLimit-Remaining`` and
 ``X-RateLimit-Reset`` of the binding rule; a rejection is a 429 with ``Retry-After`` (whole seconds,
 rounded up, at least 1) and ``{"error":"rate_limited","retryAfter":N}``. Rules in log mode never
-block and never show; when the agent cannot answer, the client's fail policy decides (open by
-default: the request passes without headers).
+block and never show. When the agent cannot answer, the route's ``fail_for`` policy (or ``fail``)
+decides when given; else a request a rule the agent lists as fail-closed would match is a 429 with
+that rule's headers; else the client's fail policy decides (open by default: the request passes
+without headers).
 
 The endpoint is the matched route when the app is a Starlette/FastAPI app (``/items/{id}`` is sent
 as ``/items/:id``), else the path the app routes on (``scope["path"]``, percent-decoded by the
@@ -42,7 +44,7 @@ from ._common import (
     Settings,
     header_text,
     rate_limit_headers,
-    request_attributes,
+    request_check,
     rejection_body,
     retry_after_seconds,
     route_name,
@@ -173,8 +175,10 @@ class FloodgateMiddleware:
     e.g. reading what your auth middleware put in ``scope["state"]``); ``endpoint`` and ``ip``
     replace the default extractors; ``trust_proxies`` (CIDR blocks whose ``X-Forwarded-For`` entries
     are believed); ``costs`` (``{route: cost}``, 1 elsewhere); ``ietf_headers``; ``timeout`` and
-    ``fail`` (per-call overrides of the client's). Other keyword arguments configure the client
-    (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
+    ``fail`` (per-call overrides of the client's: a ``fail`` given decides alone for every route,
+    over the agent's fail-closed rules); ``fail_for`` (``{route: "open" | "closed"}``, keyed as
+    ``costs``: that route's per-call fail policy, over ``fail``). Other keyword arguments configure
+    the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
     """
 
     def __init__(
@@ -196,6 +200,7 @@ class FloodgateMiddleware:
         ietf_headers: bool = False,
         timeout: Optional[float] = None,
         fail: Optional[str] = None,
+        fail_for: Optional[Dict[str, str]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -213,6 +218,7 @@ class FloodgateMiddleware:
             ietf_headers=ietf_headers,
             timeout=timeout,
             fail=fail,
+            fail_for=fail_for,
         )
         self._socket = socket
         self._client_config = client_config
@@ -238,7 +244,10 @@ class FloodgateMiddleware:
 
     def attributes(self, scope: Scope):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        return request_attributes(
+        return self._check(scope)[0]
+
+    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy)
+        return request_check(
             self.settings,
             scope,
             header=scope_header,
@@ -253,9 +262,9 @@ class FloodgateMiddleware:
             return
         s = self.settings
         try:
-            attributes = self.attributes(scope)
+            attributes, fail = self._check(scope)
             client = await self._get_client()
-            decision = await client.check_request(attributes, timeout=s.timeout, fail=s.fail)
+            decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
             # rules matched), not something a client can cause: the request passes.

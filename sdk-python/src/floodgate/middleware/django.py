@@ -9,6 +9,7 @@ Configure it in ``settings.py``::
         "user_header": "x-authenticated-user",  # set by your auth hop, or "user": callable(request)
         "trust_proxies": ["10.0.0.0/8"],
         "costs": {"/api/search": 5},
+        "fail_for": {"login": "closed"},  # per route while the agent is away, keyed as costs
     }
 
 Every key of ``FLOODGATE`` is a keyword of :class:`~floodgate.middleware.FloodgateWSGIMiddleware`;
@@ -34,7 +35,7 @@ from ._common import (
     Settings,
     header_text,
     rate_limit_headers,
-    request_attributes,
+    request_check,
     rejection_body,
     retry_after_seconds,
     scope_took_forwarded_for,
@@ -111,22 +112,27 @@ class FloodgateDjangoMiddleware:
                 "ietf_headers",
                 "timeout",
                 "fail",
+                "fail_for",
             )
             if k in conf
         }
-        if "costs" in options:
-            # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
-            options["costs"] = {
-                (django_route_name(k) if "<" in k or not k.startswith("/") else k): v
-                for k, v in dict(options["costs"]).items()
-            }
+        for routes in ("costs", "fail_for"):
+            if routes in options:
+                # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
+                options[routes] = {
+                    (django_route_name(k) if "<" in k or not k.startswith("/") else k): v
+                    for k, v in dict(options[routes]).items()
+                }
         extractors: Dict[str, Any] = {k: _callable(conf.pop(k, None)) for k in ("endpoint", "tier", "user", "api_key", "ip")}
         self.settings = Settings(**options, **extractors)
         self.client: Client = client if client is not None else _shared_client(socket, conf)
 
     def attributes(self, request: HttpRequest):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        return request_attributes(
+        return self._check(request)[0]
+
+    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy)
+        return request_check(
             self.settings,
             request,
             header=_header,
@@ -138,7 +144,8 @@ class FloodgateDjangoMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         s = self.settings
         try:
-            decision = self.client.check_request(self.attributes(request), timeout=s.timeout, fail=s.fail)
+            attributes, fail = self._check(request)
+            decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.get_response(request)

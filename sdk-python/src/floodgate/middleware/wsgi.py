@@ -27,7 +27,7 @@ from ._common import (
     Settings,
     header_text,
     rate_limit_headers,
-    request_attributes,
+    request_check,
     rejection_body,
     retry_after_seconds,
 )
@@ -95,6 +95,7 @@ class FloodgateWSGIMiddleware:
         ietf_headers: bool = False,
         timeout: Optional[float] = None,
         fail: Optional[str] = None,
+        fail_for: Optional[Dict[str, str]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -112,12 +113,16 @@ class FloodgateWSGIMiddleware:
             ietf_headers=ietf_headers,
             timeout=timeout,
             fail=fail,
+            fail_for=fail_for,
         )
         self.client = client if client is not None else Client(socket, **client_config)
 
     def attributes(self, environ: Environ):  # noqa: ANN201 - floodgate.Attributes
         """What the request is checked as."""
-        return request_attributes(
+        return self._check(environ)[0]
+
+    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy)
+        return request_check(
             self.settings,
             environ,
             header=environ_header,
@@ -129,7 +134,8 @@ class FloodgateWSGIMiddleware:
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         s = self.settings
         try:
-            decision = self.client.check_request(self.attributes(environ), timeout=s.timeout, fail=s.fail)
+            attributes, fail = self._check(environ)
+            decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.app(environ, start_response)
