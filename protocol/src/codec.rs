@@ -25,7 +25,9 @@ impl Frame {
     /// Appends the encoded frame to `out`. Fails, writing nothing, if the frame breaks a limit.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
         match &self.body {
-            Body::Check(check) => check.validate().map_err(EncodeError::Invalid)?,
+            Body::Check(check) => check
+                .validate()
+                .map_err(|e| EncodeError::Invalid(e.to_string()))?,
             Body::Decision(d) if d.items.len() > MAX_ITEMS => {
                 return Err(EncodeError::Invalid(format!(
                     "a decision carries at most {MAX_ITEMS} items, not {}",
@@ -255,7 +257,7 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
                 )));
             }
             if r.bad_text.is_none() {
-                check.validate().map_err(Problem::Invalid)?;
+                check.validate().map_err(|e| Problem::Invalid(e.to_string()))?;
             }
             Body::Check(check)
         }

@@ -115,3 +115,57 @@ pub enum EncodeError {
     #[error("frame of {0} bytes exceeds the 64 KiB limit")]
     TooLarge(usize),
 }
+
+/// A value outside the protocol's limits: what [`crate::Check::validate`] and the other `validate`
+/// functions refuse (and what an agent answers with [`ErrorCode::InvalidItem`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidValue {
+    /// A key or attribute that is present but empty.
+    #[error("{field} is empty")]
+    Empty {
+        /// `key`, `endpoint`, `tier`, `user`, `apiKey` or `ip`.
+        field: &'static str,
+    },
+    /// Longer than its limit, in bytes of UTF-8.
+    #[error("{field} is {len} bytes, over the {max}-byte limit")]
+    TooLong {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// A brace (a Redis hash tag) or a control character.
+    #[error("{field} contains {found:?}: braces (Redis hash tags) and control characters are not allowed")]
+    Forbidden {
+        /// The field.
+        field: &'static str,
+        /// The character.
+        found: char,
+    },
+    /// A cost of 0.
+    #[error("cost must be at least 1")]
+    ZeroCost,
+    /// A check with no items, or more than [`crate::MAX_ITEMS`].
+    #[error("a check carries 1 to {max} items, not {count}", max = crate::MAX_ITEMS)]
+    ItemCount {
+        /// How many it carries.
+        count: usize,
+    },
+    /// A rule id of 0 or more than [`crate::MAX_RULE_ID`] bytes.
+    #[error("rule id must be 1 to {max} bytes, not {len}", max = crate::MAX_RULE_ID)]
+    RuleIdLength {
+        /// Its length.
+        len: usize,
+    },
+    /// A rule id with a character outside `[A-Za-z0-9_.:-]`.
+    #[error("rule id {rule_id:?} contains {found:?}: only ASCII letters, digits and _ - . : are allowed")]
+    RuleIdChar {
+        /// The rule id.
+        rule_id: String,
+        /// The character.
+        found: char,
+    },
+}

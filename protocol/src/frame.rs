@@ -1,7 +1,7 @@
 //! The frames Floodgate peers exchange, as plain Rust values.
 
 use crate::limits::{MAX_ATTRIBUTE, MAX_ITEMS, MAX_KEY, MAX_RULE_ID};
-use crate::ErrorCode;
+use crate::{ErrorCode, InvalidValue};
 pub use compact_str::CompactString;
 
 /// One frame: a request id and what it carries.
@@ -76,11 +76,11 @@ impl Item {
     }
 
     /// Checks the item against the protocol's limits.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidValue> {
         validate_text("key", &self.key, MAX_KEY)?;
         validate_rule_id(&self.rule_id)?;
         if self.cost == 0 {
-            return Err("cost must be at least 1".into());
+            return Err(InvalidValue::ZeroCost);
         }
         Ok(())
     }
@@ -105,14 +105,14 @@ pub struct Attributes {
 
 impl Attributes {
     /// Checks the attributes against the protocol's limits.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidValue> {
         for (name, value) in self.fields() {
             if let Some(v) = value {
                 validate_text(name, v, MAX_ATTRIBUTE)?;
             }
         }
         if self.cost == 0 {
-            return Err("cost must be at least 1".into());
+            return Err(InvalidValue::ZeroCost);
         }
         Ok(())
     }
@@ -131,14 +131,11 @@ impl Attributes {
 
 impl Check {
     /// Checks the whole check against the protocol's limits.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), InvalidValue> {
         match self {
             Check::Items(items) => {
                 if items.is_empty() || items.len() > MAX_ITEMS {
-                    return Err(format!(
-                        "a check carries 1 to {MAX_ITEMS} items, not {}",
-                        items.len()
-                    ));
+                    return Err(InvalidValue::ItemCount { count: items.len() });
                 }
                 items.iter().try_for_each(Item::validate)
             }
@@ -239,39 +236,36 @@ pub struct ErrorBody {
     pub message: String,
 }
 
-fn validate_text(name: &str, value: &str, max: usize) -> Result<(), String> {
+fn validate_text(field: &'static str, value: &str, max: usize) -> Result<(), InvalidValue> {
     if value.is_empty() {
-        return Err(format!("{name} is empty"));
+        return Err(InvalidValue::Empty { field });
     }
     if value.len() > max {
-        return Err(format!(
-            "{name} is {} bytes, over the {max}-byte limit",
-            value.len()
-        ));
+        return Err(InvalidValue::TooLong {
+            field,
+            len: value.len(),
+            max,
+        });
     }
-    if let Some(c) = value.chars().find(|c| *c == '{' || *c == '}' || c.is_control()) {
-        return Err(format!(
-            "{name} contains {c:?}: braces (Redis hash tags) and control characters are not allowed"
-        ));
+    if let Some(found) = value.chars().find(|c| *c == '{' || *c == '}' || c.is_control()) {
+        return Err(InvalidValue::Forbidden { field, found });
     }
     Ok(())
 }
 
 /// Checks a rule id: 1 to 128 bytes of ASCII letters, digits and `_ - . :`.
-pub fn validate_rule_id(rule_id: &str) -> Result<(), String> {
+pub fn validate_rule_id(rule_id: &str) -> Result<(), InvalidValue> {
     if rule_id.is_empty() || rule_id.len() > MAX_RULE_ID {
-        return Err(format!(
-            "rule id must be 1 to {MAX_RULE_ID} bytes, not {}",
-            rule_id.len()
-        ));
+        return Err(InvalidValue::RuleIdLength { len: rule_id.len() });
     }
-    if let Some(c) = rule_id
+    if let Some(found) = rule_id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':')))
     {
-        return Err(format!(
-            "rule id {rule_id:?} contains {c:?}: only ASCII letters, digits and _ - . : are allowed"
-        ));
+        return Err(InvalidValue::RuleIdChar {
+            rule_id: rule_id.to_string(),
+            found,
+        });
     }
     Ok(())
 }

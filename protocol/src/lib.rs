@@ -29,7 +29,7 @@ pub mod http;
 pub mod limits;
 
 pub use codec::{decode, VERDICT_LEN};
-pub use error::{DecodeError, EncodeError, ErrorCode};
+pub use error::{DecodeError, EncodeError, ErrorCode, InvalidValue};
 pub use fail_modes::{endpoint_matches, ClosedRule, FailModeList, ListedDimension, LIST_HEAD};
 pub use frame::{
     validate_rule_id, Attributes, Body, Check, CompactString, Decision, ErrorBody, Frame, Item, ItemDecision,

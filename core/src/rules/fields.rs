@@ -56,7 +56,7 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
         return Err(errors);
     };
     if let Err(e) = floodgate_protocol::validate_rule_id(id) {
-        errors.insert("id".into(), e);
+        errors.insert("id".into(), e.to_string());
     }
     for (k, v) in obj {
         let check = match k.as_str() {

@@ -258,7 +258,7 @@ impl Rule {
     }
 
     fn validate(&self) -> Result<(), String> {
-        floodgate_protocol::validate_rule_id(&self.id)?;
+        floodgate_protocol::validate_rule_id(&self.id).map_err(|e| e.to_string())?;
         if !(self.window_seconds.is_finite() && self.window_seconds >= 0.001) {
             return Err(format!(
                 "rule {}: windowSeconds must be at least 0.001, not {}",
