@@ -446,11 +446,14 @@ pub struct Pipe {
 struct PipeState {
     /// Where the µs below count from.
     epoch: Instant,
-    /// Until when (µs from `epoch`) new checks are shed: set one store timeout ahead when a call
-    /// goes out with its oldest check past half its budget (the queue before Redis is as long as a
-    /// check's whole budget, or the agent that far behind); 0 when the queue drains. It lapses by
-    /// itself, so a flag set just before Redis hung (no reply, no queue, nothing to clear it) lets a
-    /// check through after one timeout, whose timeout then counts toward the breaker.
+    /// Until when (µs from `epoch`) new checks are shed: set half a store timeout ahead when a call
+    /// goes out with its oldest check three quarters through its budget (`left < timeout / 4`: the
+    /// queue before Redis is nearly a check's whole budget long, or the agent that far behind), and a
+    /// whole timeout ahead when a check's budget is gone before it is sent; 0 when the queue drains.
+    /// On a 2.5 ms stall of the VM, tripping at half a budget and holding a whole timeout shed 0.1-3.6 %
+    /// of checks at 0.5-1× capacity, these thresholds 0.0-0.3 % (BENCHMARKS.md, "Past capacity"). It
+    /// lapses by itself, so a flag set just before Redis hung (no reply, no queue, nothing to clear
+    /// it) lets a check through within one timeout, whose timeout then counts toward the breaker.
     overloaded_until_us: AtomicU64,
     /// Checks sent to the task and not yet in its queue, and the queue's length.
     incoming: AtomicUsize,
@@ -693,10 +696,11 @@ impl Node {
                     reply,
                 }) => (cmd, Waiter::Raw(reply), items, timeout),
                 Some(Request::Check(first)) => {
-                    // Half its budget gone before it is even sent: the store sheds new checks until
-                    // the queue drains. One whose budget is gone is shed here: its caller's timer
-                    // may not have run yet on a saturated agent, and sending it would only delay
-                    // the checks behind it.
+                    // Three quarters of its budget gone before it is even sent: the store sheds new
+                    // checks for half a store timeout, or until the queue drains. One whose budget is
+                    // gone is shed here (and new checks for a whole timeout): its caller's timer may
+                    // not have run yet on a saturated agent, and sending it would only delay the
+                    // checks behind it.
                     let left = first.deadline.saturating_duration_since(now);
                     if left.is_zero() {
                         // Its caller's budget is gone: not sent.
