@@ -5,6 +5,7 @@
 mod call;
 mod coalesce;
 mod pipe;
+mod resp;
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};

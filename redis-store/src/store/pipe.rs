@@ -40,6 +40,7 @@ use floodgate_core::store::{Layout, StoreError};
 
 use super::call;
 use super::coalesce::{Job, MAX_IN_FLIGHT};
+use super::resp::{self, Reply, RespError, MAX_REPLY};
 use crate::shards::RedisAccess;
 
 /// Longest a connect (TCP, TLS, AUTH, SELECT) may take.
@@ -54,9 +55,6 @@ pub const STALE_AFTER: Duration = Duration::from_secs(1);
 
 const MIN_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
-
-/// Longest a reply line or bulk string may be (a Redis reply to our commands is far shorter).
-const MAX_REPLY: usize = 1 << 20;
 
 /// What a node's task is asked to do.
 pub enum Request {
@@ -210,21 +208,20 @@ impl NodeAddr {
 async fn sign_in(io: &mut Box<dyn Io>, args: &[&[u8]]) -> Result<Option<String>, StoreError> {
     let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());
     let mut out = Vec::new();
-    command(&mut out, args);
+    resp::command(&mut out, args);
     io.write_all(&out).await.map_err(io_err)?;
     io.flush().await.map_err(io_err)?;
     let mut buf = Vec::with_capacity(128);
     loop {
-        let reply =
-            parse(&buf).map_err(|e| StoreError::Connection(format!("an unreadable reply from Redis: {e}")));
-        match reply? {
-            Some((Reply::Error(e), _)) => return Ok(Some(e)),
-            Some(_) => return Ok(None),
-            None => {
+        match resp::parse(&buf) {
+            Ok((Reply::Error(e), _)) => return Ok(Some(e)),
+            Ok(_) => return Ok(None),
+            Err(RespError::Incomplete) => {
                 if io.read_buf(&mut buf).await.map_err(io_err)? == 0 {
                     return Err(StoreError::Connection("Redis closed the connection".into()));
                 }
             }
+            Err(e) => return Err(StoreError::Connection(e.to_string())),
         }
     }
 }
@@ -247,147 +244,6 @@ fn roots(ca: Option<&[u8]>) -> Result<rustls::RootCertStore, String> {
         }
     }
     Ok(roots)
-}
-
-/// Appends a command of `args` as RESP.
-fn command(buf: &mut Vec<u8>, args: &[&[u8]]) {
-    buf.push(b'*');
-    buf.extend_from_slice(itoa::Buffer::new().format(args.len()).as_bytes());
-    buf.extend_from_slice(b"\r\n");
-    for a in args {
-        buf.push(b'$');
-        buf.extend_from_slice(itoa::Buffer::new().format(a.len()).as_bytes());
-        buf.extend_from_slice(b"\r\n");
-        buf.extend_from_slice(a);
-        buf.extend_from_slice(b"\r\n");
-    }
-}
-
-/// What the check path needs to know of a reply.
-#[derive(Debug, PartialEq)]
-pub enum Reply {
-    /// An integer.
-    Int(i64),
-    /// An array of integers (the check script's reply).
-    Ints(Vec<i64>),
-    /// An error reply, its text.
-    Error(String),
-    /// Anything else (`+OK`, a bulk string, nil, an array of other things).
-    Other,
-}
-
-/// One RESP2 reply at the start of `buf`: `Ok(None)` while it is incomplete, with the bytes it took.
-pub fn parse(buf: &[u8]) -> Result<Option<(Reply, usize)>, String> {
-    let mut at = 0;
-    Ok(value(buf, &mut at, 0)?.map(|v| (v, at)))
-}
-
-fn value(buf: &[u8], at: &mut usize, depth: usize) -> Result<Option<Reply>, String> {
-    let Some(line) = line(buf, at)? else {
-        return Ok(None);
-    };
-    let (kind, rest) = line.split_first().ok_or("an empty reply line")?;
-    Ok(Some(match kind {
-        b':' => Reply::Int(int(rest)?),
-        b'+' => Reply::Other,
-        b'-' => Reply::Error(String::from_utf8_lossy(rest).into_owned()),
-        b'$' => {
-            let len = int(rest)?;
-            if len >= 0 {
-                let len = usize::try_from(len).map_err(|_| "a bulk string too long")?;
-                if len > MAX_REPLY {
-                    return Err(format!("a bulk string of {len} bytes"));
-                }
-                if buf.len() < *at + len + 2 {
-                    return Ok(None);
-                }
-                if &buf[*at + len..*at + len + 2] != b"\r\n" {
-                    return Err("a bulk string without its CRLF".into());
-                }
-                *at += len + 2;
-            }
-            Reply::Other
-        }
-        b'*' => {
-            let len = int(rest)?;
-            if len < 0 {
-                return Ok(Some(Reply::Other));
-            }
-            if depth >= 8 || len > MAX_REPLY as i64 {
-                return Err(format!("an array of {len} elements at depth {depth}"));
-            }
-            let mut ints = Vec::with_capacity((len as usize).min(1024));
-            let mut all_ints = true;
-            for _ in 0..len {
-                match value(buf, at, depth + 1)? {
-                    None => return Ok(None),
-                    Some(Reply::Int(i)) => ints.push(i),
-                    Some(_) => all_ints = false,
-                }
-            }
-            if all_ints {
-                Reply::Ints(ints)
-            } else {
-                Reply::Other
-            }
-        }
-        other => return Err(format!("a reply starting with byte {other:#04x}")),
-    }))
-}
-
-/// The line at `*at` without its CRLF, moving `at` past it.
-fn line<'a>(buf: &'a [u8], at: &mut usize) -> Result<Option<&'a [u8]>, String> {
-    let rest = &buf[*at..];
-    let Some(nl) = rest.iter().position(|&b| b == b'\n') else {
-        if rest.len() > MAX_REPLY {
-            return Err("a reply line with no end".into());
-        }
-        return Ok(None);
-    };
-    if nl == 0 || rest[nl - 1] != b'\r' {
-        return Err("a reply line not ended by CRLF".into());
-    }
-    *at += nl + 1;
-    Ok(Some(&rest[..nl - 1]))
-}
-
-fn int(s: &[u8]) -> Result<i64, String> {
-    let bad = || format!("not an integer: {:?}", String::from_utf8_lossy(s));
-    let (negative, digits) = match s.split_first() {
-        Some((b'-', d)) => (true, d),
-        _ => (false, s),
-    };
-    if digits.is_empty() {
-        return Err(bad());
-    }
-    // Up to 18 digits cannot overflow (the script's figures: counts, limits, milliseconds): one pass.
-    if digits.len() <= 18 {
-        let mut n: i64 = 0;
-        for &d in digits {
-            let v = d.wrapping_sub(b'0');
-            if v > 9 {
-                return Err(bad());
-            }
-            n = n * 10 + i64::from(v);
-        }
-        return Ok(if negative { -n } else { n });
-    }
-    if !digits.iter().all(u8::is_ascii_digit) {
-        return Err(bad());
-    }
-    // Accumulated negatively: i64::MIN has no positive counterpart.
-    let mut n: i64 = 0;
-    for &d in digits {
-        n = n
-            .checked_mul(10)
-            .and_then(|n| n.checked_sub(i64::from(d - b'0')))
-            .ok_or_else(bad)?;
-    }
-    if negative {
-        Ok(n)
-    } else {
-        n.checked_neg().ok_or_else(bad)
-    }
 }
 
 /// Where one check's outcomes go.
@@ -528,7 +384,7 @@ pub fn spawn(task: NodeTask) -> Pipe {
     let state = Arc::new(PipeState::new());
     let max_items = task.max_items.max(1);
     let mut load = Vec::new();
-    command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
+    resp::command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
     let node = Node {
         task,
         load,
@@ -790,13 +646,13 @@ impl Node {
     async fn on_data(&mut self) {
         let mut again = Vec::new();
         let broken = loop {
-            let (reply, used) = match parse(&self.rbuf[self.rpos..]) {
-                Ok(Some(r)) => r,
-                Ok(None) if self.rbuf.len() - self.rpos > MAX_REPLY => {
+            let (reply, used) = match resp::parse(&self.rbuf[self.rpos..]) {
+                Ok(r) => r,
+                Err(RespError::Incomplete) if self.rbuf.len() - self.rpos > MAX_REPLY => {
                     break Some("a reply longer than any the check script gives".to_string())
                 }
-                Ok(None) => break None,
-                Err(e) => break Some(format!("an unreadable reply from Redis: {e}")),
+                Err(RespError::Incomplete) => break None,
+                Err(e) => break Some(e.to_string()),
             };
             self.rpos += used;
             let Some(mut p) = self.pending.pop_front() else {
@@ -936,54 +792,4 @@ async fn write(io: &mut Box<dyn Io>, bytes: &[u8], timeout: Duration) -> Result<
         },
     };
     result.map_err(|e| StoreError::Connection(e.to_string()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn replies_are_read_whole_or_not_at_all() {
-        let whole: &[u8] = b"*3\r\n:1\r\n:-42\r\n:9223372036854775807\r\n+OK\r\n";
-        let (r, used) = parse(whole).unwrap().unwrap();
-        assert_eq!(r, Reply::Ints(vec![1, -42, i64::MAX]));
-        assert_eq!(parse(&whole[used..]).unwrap(), Some((Reply::Other, 5)));
-        // Every prefix of a reply is incomplete, never an error or a different reply.
-        for cut in 0..used {
-            assert_eq!(parse(&whole[..cut]).unwrap(), None, "cut at {cut}");
-        }
-        assert_eq!(
-            parse(b"-NOSCRIPT No matching script\r\n").unwrap(),
-            Some((Reply::Error("NOSCRIPT No matching script".into()), 30))
-        );
-        assert_eq!(parse(b"$5\r\nab\r\nc\r\n").unwrap(), Some((Reply::Other, 11)));
-        assert_eq!(parse(b"$-1\r\n").unwrap(), Some((Reply::Other, 5)));
-        assert_eq!(
-            parse(b"*2\r\n:1\r\n$1\r\nx\r\n").unwrap(),
-            Some((Reply::Other, 15))
-        );
-        assert_eq!(
-            parse(b":-9223372036854775808\r\n").unwrap(),
-            Some((Reply::Int(i64::MIN), 23))
-        );
-    }
-
-    #[test]
-    fn malformed_replies_are_errors_not_panics() {
-        for bad in [
-            &b"?1\r\n"[..],
-            b":12a\r\n",
-            b":\r\n",
-            b":-\r\n",
-            b":9223372036854775808\r\n",
-            b"$3\r\nabcd\r\n",
-            b"*1\n",
-            b"\r\n",
-            b"$-2x\r\n",
-            b"*9999999999\r\n",
-            b"*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n*1\r\n:1\r\n",
-        ] {
-            assert!(parse(bad).is_err(), "{:?}", String::from_utf8_lossy(bad));
-        }
-    }
 }
