@@ -4,7 +4,7 @@
 //! # Map
 //! - [`store`]: [`RedisStore`]: one atomic Lua script call per check (per shard), EVALSHA with a
 //!   reload on NOSCRIPT, bounded timeouts, errors classified for the rule's fail mode; flushes of
-//!   batched counts, adjustments (write-back, take-back), probes and heartbeats; `store/pipe.rs`: on
+//!   batched counts, adjustments (write-back, take-back), probes and heartbeats; `store/node/`: on
 //!   independent nodes, the check path's own connection per node (one task writes the coalesced
 //!   EVALSHA as RESP and answers each check from the reply); `store/coalesce.rs`: the same coalescing
 //!   for a Cluster or a Sentinel-named master, through redis-rs.

@@ -1,7 +1,7 @@
 //! What one call of the check script carries: its items, and the EVALSHA built from them (the
 //! checks' and the breaker probe's: check.lua's argument layout lives here only), either as a
 //! redis-rs `Cmd` (a Cluster or a Sentinel-named master) or as RESP bytes for the check path's own
-//! node connection (`pipe`).
+//! node connection (`node`).
 
 use floodgate_core::algo::Outcome;
 use floodgate_core::rules::{Algorithm, Rule};

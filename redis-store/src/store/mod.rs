@@ -4,7 +4,7 @@
 
 mod call;
 mod coalesce;
-mod pipe;
+mod node;
 mod resp;
 
 use std::future::Future;
@@ -98,11 +98,11 @@ pub struct RedisStore {
     timeout: Duration,
     coalesce: usize,
     workers: OnceLock<Vec<tokio::sync::mpsc::UnboundedSender<coalesce::Job>>>,
-    /// Independent nodes: where each is, for the check path's own connections (`pipe`); `None` for
+    /// Independent nodes: where each is, for the check path's own connections (`node`); `None` for
     /// a Cluster or Sentinel, whose checks go through redis-rs.
-    nodes: Option<Vec<Arc<pipe::NodeAddr>>>,
+    nodes: Option<Vec<Arc<node::NodeAddr>>>,
     /// The task of each node, started on first use.
-    pipes: OnceLock<Vec<pipe::Pipe>>,
+    pipes: OnceLock<Vec<node::Pipe>>,
 }
 
 impl RedisStore {
@@ -118,7 +118,7 @@ impl RedisStore {
             Shards::Nodes { .. } => config
                 .urls
                 .iter()
-                .map(|url| pipe::NodeAddr::new(url, &config.access))
+                .map(|url| node::NodeAddr::new(url, &config.access))
                 .collect::<Result<Vec<_>, _>>()?
                 .into_iter()
                 .map(|addr| addr.map(Arc::new))
@@ -140,14 +140,14 @@ impl RedisStore {
     }
 
     /// The tasks of the nodes' own connections, if the check path has them.
-    fn pipes(&self) -> Option<&[pipe::Pipe]> {
+    fn pipes(&self) -> Option<&[node::Pipe]> {
         let nodes = self.nodes.as_ref()?;
         let pipes = self.pipes.get_or_init(|| {
             nodes
                 .iter()
                 .enumerate()
                 .map(|(shard, addr)| {
-                    pipe::spawn(pipe::NodeTask {
+                    node::spawn(node::NodeTask {
                         shard,
                         addr: addr.clone(),
                         script_hash: self.script.get_hash().to_string(),
@@ -242,7 +242,7 @@ impl RedisStore {
         .await
     }
 
-    /// Hands a check to its node's own connection (`pipe.rs`) at once and returns the wait for its
+    /// Hands a check to its node's own connection (`node/`) at once and returns the wait for its
     /// answer: a oneshot and a timer, 168 bytes, where `check`'s whole future (which also holds the
     /// redis-rs paths' calls) is 1,152 bytes, past glibc's per-thread cache of small blocks (1,032
     /// bytes): boxed on its own, the common path's future no longer takes malloc's slow path.
@@ -558,7 +558,7 @@ impl RedisStore {
             return ask(timeout, |reply| {
                 let cmd = cmd.get_packed_command();
                 pipe.tx
-                    .send(pipe::Request::Raw {
+                    .send(node::Request::Raw {
                         cmd,
                         items,
                         timeout,

@@ -1,50 +1,26 @@
-//! The check path's own connection to one Redis node. One task per node owns the socket: it takes
-//! checks off its queue, coalesces them into one check-script call (as `coalesce` does for a Cluster
-//! or a Sentinel-named master), writes the EVALSHA as RESP straight from the checks, reads the
-//! replies in order and answers each check from its five integers per item. There is no second task
-//! (redis-rs's multiplexer), no packing of a command twice and no general reply parser between a
-//! check and its answer (BENCHMARKS.md, issue 14).
-//!
-//! What it owns, and how it behaves:
-//! - connecting (TCP, TLS for `rediss://` with the `--redis-ca` roots or the system's, a Unix socket),
-//!   AUTH (without the user name for a Redis 5), SELECT and a PING, within [`CONNECT_TIMEOUT`]; after
-//!   a failed connect, checks fail at once (the error is the connect's) until a backoff of 10 ms,
-//!   doubling to 200 ms, has passed;
-//! - at most [`MAX_IN_FLIGHT`] calls whose callers still wait: a call past its deadline (its caller
-//!   has had its timeout) stops counting, so a slow Redis does not hold new calls back longer than
-//!   the store timeout; [`MAX_PENDING`] unanswered calls, or one unanswered [`STALE_AFTER`] past its
-//!   deadline, close the connection (a host gone without a reset is not waited for);
-//! - NOSCRIPT (a restarted or flushed Redis): `SCRIPT LOAD` and the same call again, once;
-//! - a reply it cannot read, one that nobody waits for, a failed write or a closed socket: the
-//!   connection is dropped and every call on it fails with a connection error (the breaker and the
-//!   rule's fail mode decide), and the next call connects again.
-//!
-//! Flushes, heartbeats, pings and script preloads are not on the request path and still go through
-//! redis-rs's connection manager (`shards`), as everything does for a Cluster or Sentinel.
+//! A node's task: takes checks off its queue, coalesces them into one check-script call while fewer
+//! than [`MAX_IN_FLIGHT`] calls are live, writes it, reads the replies in order and answers each
+//! check; connects again with a backoff, and drops a connection that stops answering.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use rustls::pki_types::{CertificateDer, ServerName};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
 use floodgate_core::algo::Outcome;
 use floodgate_core::metrics;
-use floodgate_core::store::{Layout, StoreError};
+use floodgate_core::store::StoreError;
 
-use super::call;
-use super::coalesce::{Job, MAX_IN_FLIGHT};
-use super::resp::{self, Reply, RespError, MAX_REPLY};
-use crate::shards::RedisAccess;
-
-/// Longest a connect (TCP, TLS, AUTH, SELECT) may take.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+use super::connect::{Io, CONNECT_TIMEOUT};
+use super::{NodeTask, PipeState, Request};
+use crate::store::call;
+use crate::store::coalesce::MAX_IN_FLIGHT;
+use crate::store::resp::{self, Reply, RespError, MAX_REPLY};
 
 /// Calls written and not yet answered (their callers gone or not) that close the connection: Redis
 /// has not answered for that long, and the replies still owed are not worth waiting for.
@@ -55,196 +31,6 @@ pub const STALE_AFTER: Duration = Duration::from_secs(1);
 
 const MIN_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
-
-/// What a node's task is asked to do.
-pub enum Request {
-    /// A check: coalesced with the checks queued with it into one script call.
-    Check(Job),
-    /// A ready command of the check script (adjustments, the breaker's probe) and where its reply
-    /// goes: `items` × 5 integers.
-    Raw {
-        /// The command, as RESP.
-        cmd: Vec<u8>,
-        /// Items it carries.
-        items: usize,
-        /// How long its caller waits.
-        timeout: Duration,
-        /// Where the reply goes.
-        reply: oneshot::Sender<Result<Vec<i64>, StoreError>>,
-    },
-}
-
-impl Request {
-    fn gone(&self) -> bool {
-        match self {
-            Request::Check(j) => j.reply.is_closed(),
-            Request::Raw { reply, .. } => reply.is_closed(),
-        }
-    }
-
-    fn fail(self, e: &StoreError) {
-        match self {
-            Request::Check(j) => {
-                let _ = j.reply.send(Err(e.clone()));
-            }
-            Request::Raw { reply, .. } => {
-                let _ = reply.send(Err(e.clone()));
-            }
-        }
-    }
-}
-
-/// Where a node is and how to sign in, from its URL.
-pub struct NodeAddr {
-    target: Target,
-    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
-    username: Option<String>,
-    password: Option<String>,
-    db: i64,
-}
-
-enum Target {
-    Tcp(String, u16),
-    Unix(PathBuf),
-}
-
-/// A connection: TCP, TLS over TCP, or a Unix socket.
-trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
-
-impl NodeAddr {
-    /// The node behind `url`; `None` for a URL whose checks stay with redis-rs (`rediss://…#insecure`:
-    /// TLS without checking the certificate's name is not built here). One such URL keeps every
-    /// node's checks with redis-rs.
-    pub fn new(url: &str, access: &RedisAccess) -> Result<Option<NodeAddr>, StoreError> {
-        let err = |e: String| StoreError::Connection(format!("{}: {e}", floodgate_core::store::redact(url)));
-        let info = redis::IntoConnectionInfo::into_connection_info(url).map_err(|e| err(e.to_string()))?;
-        let settings = info.redis_settings();
-        let (target, tls) = match info.addr() {
-            redis::ConnectionAddr::Tcp(host, port) => (Target::Tcp(host.clone(), *port), None),
-            redis::ConnectionAddr::TcpTls { insecure: true, .. } => return Ok(None),
-            redis::ConnectionAddr::TcpTls { host, port, .. } => {
-                let name = ServerName::try_from(host.clone()).map_err(|e| err(e.to_string()))?;
-                let roots = roots(access.ca.as_deref()).map_err(err)?;
-                let config = rustls::ClientConfig::builder()
-                    .with_root_certificates(roots)
-                    .with_no_client_auth();
-                (Target::Tcp(host.clone(), *port), Some((Arc::new(config), name)))
-            }
-            redis::ConnectionAddr::Unix(path) => (Target::Unix(path.clone()), None),
-            // A kind of address a later redis-rs may add.
-            _ => return Ok(None),
-        };
-        Ok(Some(NodeAddr {
-            target,
-            tls,
-            username: settings.username().map(str::to_string),
-            password: access
-                .password
-                .clone()
-                .or_else(|| settings.password().map(str::to_string)),
-            db: settings.db(),
-        }))
-    }
-
-    /// Connects and signs in (AUTH, SELECT).
-    async fn connect(&self) -> Result<Box<dyn Io>, StoreError> {
-        let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());
-        let mut io: Box<dyn Io> = match &self.target {
-            Target::Tcp(host, port) => {
-                let tcp = tokio::net::TcpStream::connect((host.as_str(), *port))
-                    .await
-                    .map_err(io_err)?;
-                tcp.set_nodelay(true).map_err(io_err)?;
-                match &self.tls {
-                    Some((config, name)) => Box::new(
-                        tokio_rustls::TlsConnector::from(config.clone())
-                            .connect(name.clone(), tcp)
-                            .await
-                            .map_err(io_err)?,
-                    ),
-                    None => Box::new(tcp),
-                }
-            }
-            Target::Unix(path) => Box::new(tokio::net::UnixStream::connect(path).await.map_err(io_err)?),
-        };
-        // One command at a time: AUTH (Redis 5 and older know no user name: without it, as redis-rs
-        // does), SELECT, and always a PING, so that a Redis that accepts and then refuses (maxclients,
-        // protected mode, still loading) is a failed connect, with its backoff, not a connection that
-        // fails its first call.
-        if let Some(password) = &self.password {
-            let pass = password.as_bytes();
-            let mut refused = match &self.username {
-                Some(user) => sign_in(&mut io, &[b"AUTH", user.as_bytes(), pass]).await?,
-                None => sign_in(&mut io, &[b"AUTH", pass]).await?,
-            };
-            if self.username.is_some()
-                && refused
-                    .as_deref()
-                    .is_some_and(|e| e.contains("wrong number of arguments"))
-            {
-                refused = sign_in(&mut io, &[b"AUTH", pass]).await?;
-            }
-            if let Some(e) = refused {
-                return Err(StoreError::Connection(format!("Redis refused the sign-in: {e}")));
-            }
-        }
-        if self.db != 0 {
-            if let Some(e) = sign_in(&mut io, &[b"SELECT", self.db.to_string().as_bytes()]).await? {
-                return Err(StoreError::Connection(format!(
-                    "Redis refused SELECT {}: {e}",
-                    self.db
-                )));
-            }
-        }
-        if let Some(e) = sign_in(&mut io, &[b"PING"]).await? {
-            return Err(StoreError::Connection(format!("Redis refused PING: {e}")));
-        }
-        Ok(io)
-    }
-}
-
-/// Sends one command of the sign-in and reads its reply: `Some(error text)` if Redis refused it.
-async fn sign_in(io: &mut Box<dyn Io>, args: &[&[u8]]) -> Result<Option<String>, StoreError> {
-    let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());
-    let mut out = Vec::new();
-    resp::command(&mut out, args);
-    io.write_all(&out).await.map_err(io_err)?;
-    io.flush().await.map_err(io_err)?;
-    let mut buf = Vec::with_capacity(128);
-    loop {
-        match resp::parse(&buf) {
-            Ok((Reply::Error(e), _)) => return Ok(Some(e)),
-            Ok(_) => return Ok(None),
-            Err(RespError::Incomplete) => {
-                if io.read_buf(&mut buf).await.map_err(io_err)? == 0 {
-                    return Err(StoreError::Connection("Redis closed the connection".into()));
-                }
-            }
-            Err(e) => return Err(StoreError::Connection(e.to_string())),
-        }
-    }
-}
-
-/// The roots a `rediss://` connection trusts: the `--redis-ca` certificates only, or the system's.
-fn roots(ca: Option<&[u8]>) -> Result<rustls::RootCertStore, String> {
-    use rustls::pki_types::pem::PemObject;
-    let mut roots = rustls::RootCertStore::empty();
-    match ca {
-        Some(pem) => {
-            for cert in CertificateDer::pem_slice_iter(pem) {
-                let cert = cert.map_err(|e| format!("the Redis CA is not PEM certificates: {e}"))?;
-                roots.add(cert).map_err(|e| format!("the Redis CA: {e}"))?;
-            }
-        }
-        None => {
-            for cert in rustls_native_certs::load_native_certs().certs {
-                let _ = roots.add(cert);
-            }
-        }
-    }
-    Ok(roots)
-}
 
 /// Where one check's outcomes go.
 type CheckReply = oneshot::Sender<Result<Vec<Outcome>, StoreError>>;
@@ -270,142 +56,9 @@ struct Pending {
     resent: bool,
 }
 
-/// What the node's task needs of the store.
-pub struct NodeTask {
-    /// The shard, for metrics.
-    pub shard: usize,
-    /// Where the node is.
-    pub addr: Arc<NodeAddr>,
-    /// The check script's hash and text.
-    pub script_hash: String,
-    /// The check script (for SCRIPT LOAD after NOSCRIPT).
-    pub script: &'static str,
-    /// The key layout.
-    pub layout: Layout,
-    /// The checks' timeout.
-    pub timeout: Duration,
-    /// Most items one call carries.
-    pub max_items: usize,
-}
-
-/// A node's task, as the store holds it: where requests go, and what the store needs to know to
-/// shed a check rather than queue it past its budget.
-pub struct Pipe {
-    /// The task's queue.
-    pub tx: mpsc::UnboundedSender<Request>,
-    state: Arc<PipeState>,
-    max_items: usize,
-}
-
-/// What the node's task tells the checks about to queue (relaxed atomics: an estimate).
-#[derive(Debug)]
-struct PipeState {
-    /// Where the µs below count from.
-    epoch: Instant,
-    /// Until when (µs from `epoch`) new checks are shed: set half a store timeout ahead when a call
-    /// goes out with its oldest check three quarters through its budget (`left < timeout / 4`: the
-    /// queue before Redis is nearly a check's whole budget long, or the agent that far behind), and a
-    /// whole timeout ahead when a check's budget is gone before it is sent; 0 when the queue drains.
-    /// On a 2.5 ms stall of the VM, tripping at half a budget and holding a whole timeout shed 0.1-3.6 %
-    /// of checks at 0.5-1× capacity, these thresholds 0.0-0.3 % (BENCHMARKS.md, "Past capacity"). It
-    /// lapses by itself, so a flag set just before Redis hung (no reply, no queue, nothing to clear
-    /// it) lets a check through within one timeout, whose timeout then counts toward the breaker.
-    overloaded_until_us: AtomicU64,
-    /// Checks sent to the task and not yet in its queue, and the queue's length.
-    incoming: AtomicUsize,
-    waiting: AtomicUsize,
-    /// Recent calls' time from send to reply, in µs (a moving average of 1/8 per call).
-    rtt_us: AtomicU64,
-}
-
-impl PipeState {
-    fn new() -> Self {
-        PipeState {
-            epoch: Instant::now(),
-            overloaded_until_us: AtomicU64::new(0),
-            incoming: AtomicUsize::new(0),
-            waiting: AtomicUsize::new(0),
-            rtt_us: AtomicU64::new(0),
-        }
-    }
-
-    fn now_us(&self) -> u64 {
-        self.epoch.elapsed().as_micros() as u64
-    }
-
-    fn overloaded(&self) -> bool {
-        let until = self.overloaded_until_us.load(Ordering::Relaxed);
-        until != 0 && self.now_us() < until
-    }
-
-    /// Sheds new checks for one `timeout` from now (`true`), or no longer (`false`).
-    fn set_overloaded(&self, on: bool, timeout: Duration) {
-        let until = if on {
-            self.now_us() + timeout.as_micros() as u64
-        } else {
-            0
-        };
-        self.overloaded_until_us.store(until, Ordering::Relaxed);
-    }
-}
-
-impl Pipe {
-    /// Whether a check with `left` of its budget would be shed now (see [`send_check`](Self::send_check)).
-    pub fn sheds(&self, left: Duration) -> bool {
-        let s = &self.state;
-        let ahead = s.incoming.load(Ordering::Relaxed) + s.waiting.load(Ordering::Relaxed);
-        let calls_ahead = ahead / self.max_items;
-        let rtt = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed));
-        let wait = rtt * (1 + calls_ahead / MAX_IN_FLIGHT) as u32;
-        left.is_zero() || (ahead > 0 && s.overloaded()) || (calls_ahead > 0 && wait >= left)
-    }
-
-    /// Hands a check to the node's task, or sheds it (`Err` gives it back): when its budget is
-    /// gone, when checks are queued and the task says it is past capacity, or when the calls
-    /// queued ahead of it would take longer than the `left` of its budget (a queue of calls is
-    /// estimated at one round trip per [`MAX_IN_FLIGHT`] calls, each carrying up to `max_items`
-    /// items). With nothing queued a check is always sent, so a slow Redis still meets the timeouts
-    /// that open its breaker, and the estimate keeps learning.
-    pub fn send_check(&self, job: Job, left: Duration) -> Result<(), Job> {
-        if self.sheds(left) {
-            return Err(job);
-        }
-        self.state.incoming.fetch_add(1, Ordering::Relaxed);
-        self.tx.send(Request::Check(job)).map_err(|e| match e.0 {
-            Request::Check(job) => job,
-            Request::Raw { .. } => unreachable!("a check was sent"),
-        })
-    }
-}
-
-/// Starts the task of one node; it ends when the store (every sender) is dropped.
-pub fn spawn(task: NodeTask) -> Pipe {
-    let (tx, rx) = mpsc::unbounded_channel();
-    let state = Arc::new(PipeState::new());
-    let max_items = task.max_items.max(1);
-    let mut load = Vec::new();
-    resp::command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
-    let node = Node {
-        task,
-        load,
-        conn: None,
-        rbuf: Vec::with_capacity(4096),
-        rpos: 0,
-        pending: VecDeque::new(),
-        waiting: VecDeque::new(),
-        spare: Vec::new(),
-        retry_at: None,
-        backoff: MIN_BACKOFF,
-        last_error: StoreError::Connection("not connected".into()),
-        timer: None,
-        timer_at: None,
-        state: state.clone(),
-    };
-    tokio::spawn(node.run(rx));
-    Pipe { tx, state, max_items }
-}
-
-struct Node {
+/// A node's task: its connection, the calls written on it and not yet answered, and the requests
+/// waiting for one of the [`MAX_IN_FLIGHT`] slots.
+pub(super) struct Node {
     task: NodeTask,
     /// `SCRIPT LOAD` of the check script, as RESP.
     load: Vec<u8>,
@@ -422,10 +75,11 @@ struct Node {
     /// The timer of [`Node::slot_frees`], and the instant it is set to.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
     timer_at: Option<Instant>,
-    /// What the store reads before queueing a check ([`Pipe::send_check`]): while it says the node
-    /// is overloaded the store sheds new checks, so the queue drains and the checks it does take are answered
-    /// within their budget; past capacity, a share of checks is answered by its fail mode at once
-    /// rather than every check late.
+    /// What the store reads before queueing a check
+    /// ([`Pipe::send_check`](super::Pipe::send_check)): while it says the node is overloaded the
+    /// store sheds new checks, so the queue drains and the checks it does take are answered within
+    /// their budget; past capacity, a share of checks is answered by its fail mode at once rather
+    /// than every check late.
     state: Arc<PipeState>,
 }
 
@@ -449,7 +103,30 @@ async fn read_more(conn: &mut Option<Box<dyn Io>>, buf: &mut Vec<u8>) -> std::io
 }
 
 impl Node {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+    /// The task of `task`'s node, not yet connected, publishing its queue through `state`.
+    pub(super) fn new(task: NodeTask, state: Arc<PipeState>) -> Node {
+        let mut load = Vec::new();
+        resp::command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
+        Node {
+            task,
+            load,
+            conn: None,
+            rbuf: Vec::with_capacity(4096),
+            rpos: 0,
+            pending: VecDeque::new(),
+            waiting: VecDeque::new(),
+            spare: Vec::new(),
+            retry_at: None,
+            backoff: MIN_BACKOFF,
+            last_error: StoreError::Connection("not connected".into()),
+            timer: None,
+            timer_at: None,
+            state,
+        }
+    }
+
+    /// Serves requests until the store (every sender) is dropped.
+    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
         loop {
             // Calls wait and both slots are held: the first deadline to pass frees one. One timer,
             // moved only when that deadline changes (once per call, not per check).
@@ -719,7 +396,7 @@ impl Node {
                 v.len(),
                 p.items
             ))),
-            Reply::Error(e) => Err(super::reply_error("", e)),
+            Reply::Error(e) => Err(crate::store::reply_error("", e)),
             Reply::Int(_) | Reply::Other => {
                 Err(StoreError::Script("script returned no array of integers".into()))
             }
