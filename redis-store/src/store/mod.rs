@@ -4,16 +4,21 @@
 
 mod call;
 mod coalesce;
+mod errors;
 mod node;
 mod resp;
+mod scripts;
+
+pub use scripts::{AGENTS_KEY, CHECK_LUA, FLUSH_LUA, HEARTBEAT_LUA};
 
 use std::future::Future;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use redis::{Cmd, ErrorKind, RedisError, Script, ServerErrorKind};
+use redis::{Cmd, ErrorKind, Script, ServerErrorKind};
 
 use call::CallItem;
+use errors::classify;
 use floodgate_core::algo::Outcome;
 use floodgate_core::batch::{FlushEntry, Learned};
 use floodgate_core::guard::LedgerEntry;
@@ -22,26 +27,6 @@ use floodgate_core::shared::{Adjust, Adjusted, BoxFuture, FlushReply, Flushed, R
 use floodgate_core::store::{Layout, Planned, StoreError};
 
 use crate::shards::{RedisAccess, Shards};
-
-/// The check script, embedded at build time: the two algorithms' functions and the all-or-nothing
-/// driver, as one script with one SHA (see `lua/check.lua`).
-pub const CHECK_LUA: &str = concat!(
-    include_str!("../../../lua/sliding_window.lua"),
-    include_str!("../../../lua/token_bucket.lua"),
-    include_str!("../../../lua/check.lua"),
-);
-
-/// The heartbeat script: Redis TIME as the clock, so agents' clocks need not agree.
-pub const HEARTBEAT_LUA: &str = include_str!("../../../lua/heartbeat.lua");
-
-/// Key of the live-agents set (its own hash tag, so on a cluster it lives on one slot).
-pub const AGENTS_KEY: &str = "fg:{agents}:live";
-
-/// The flush script of batched rules (see `lua/flush.lua`).
-pub const FLUSH_LUA: &str = concat!(
-    include_str!("../../../lua/sliding_window.lua"),
-    include_str!("../../../lua/flush.lua"),
-);
 
 /// Entries one flush script call carries: ~1 µs of Redis time each, so a call stays well under a
 /// millisecond and never holds up the checks queued behind it.
@@ -684,91 +669,5 @@ async fn answer<T>(
         Ok(Ok(result)) => result,
         Ok(Err(_)) => Err(shutting_down()),
         Err(_) => Err(StoreError::Timeout(timeout)),
-    }
-}
-
-fn classify(e: RedisError) -> StoreError {
-    if e.is_timeout() {
-        StoreError::Timeout(Duration::ZERO)
-    } else if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
-        StoreError::Connection(e.to_string())
-    } else {
-        match e.kind() {
-            ErrorKind::Server(_) => reply_error(e.code().unwrap_or(""), e.to_string()),
-            _ => StoreError::Script(e.to_string()),
-        }
-    }
-}
-
-/// Error codes that say the server (not the script) cannot serve now: the breaker's business.
-const SERVER_CODES: &[&str] = &[
-    "OOM",
-    "READONLY",
-    "BUSY",
-    "LOADING",
-    "MASTERDOWN",
-    "CLUSTERDOWN",
-    "MISCONF",
-    "NOREPLICAS",
-    "TRYAGAIN",
-    "MOVED",
-    "ASK",
-    "NOAUTH",
-    "WRONGPASS",
-    "NOPERM",
-    "NOSCRIPT",
-];
-
-/// An error reply classified: one the script raised on its data (Redis names the script's line,
-/// `@user_script:N`, or check.lua's own `ERR floodgate:`) is [`StoreError::Script`]: Redis is there
-/// and answered, so it must not open the shard's breaker for every rule; one of the server's state
-/// (OOM, READONLY, BUSY, …, even when raised inside the script) is [`StoreError::Server`].
-pub(crate) fn reply_error(code: &str, text: String) -> StoreError {
-    let code = if code.is_empty() {
-        text.split_whitespace().next().unwrap_or("")
-    } else {
-        code
-    };
-    if SERVER_CODES.contains(&code) {
-        StoreError::Server(text)
-    } else if text.contains("@user_script") || text.starts_with("ERR floodgate:") {
-        StoreError::Script(text)
-    } else {
-        StoreError::Server(text)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn script_errors_are_told_from_the_servers_state() {
-        // Redis 7.0's own texts.
-        let script = [
-            "WRONGTYPE Operation against a key holding the wrong kind of value script: 085e, on @user_script:1.",
-            "ERR value is not an integer or out of range script: 7871, on @user_script:1.",
-            "ERR user_script:1: attempt to perform arithmetic on a nil value script: d13b, on @user_script:1.",
-            "ERR floodgate: unknown algorithm 7",
-        ];
-        for text in script {
-            assert!(
-                matches!(reply_error("", text.into()), StoreError::Script(_)),
-                "{text}"
-            );
-        }
-        let server = [
-            "OOM command not allowed when used memory > 'maxmemory'. script: 085e, on @user_script:1.",
-            "READONLY You can't write against a read only replica. script: 085e, on @user_script:1.",
-            "BUSY Redis is busy running a script.",
-            "LOADING Redis is loading the dataset in memory",
-            "ERR max number of clients reached",
-        ];
-        for text in server {
-            assert!(
-                matches!(reply_error("", text.into()), StoreError::Server(_)),
-                "{text}"
-            );
-        }
     }
 }

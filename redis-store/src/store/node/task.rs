@@ -396,7 +396,7 @@ impl Node {
                 v.len(),
                 p.items
             ))),
-            Reply::Error(e) => Err(crate::store::reply_error("", e)),
+            Reply::Error(e) => Err(crate::store::errors::reply_error("", e)),
             Reply::Int(_) | Reply::Other => {
                 Err(StoreError::Script("script returned no array of integers".into()))
             }
