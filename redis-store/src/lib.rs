@@ -3,11 +3,13 @@
 //!
 //! # Map
 //! - [`store`]: [`RedisStore`]: one atomic Lua script call per check (per shard), EVALSHA with a
-//!   reload on NOSCRIPT, bounded timeouts, errors classified for the rule's fail mode; flushes of
-//!   batched counts, adjustments (write-back, take-back), probes and heartbeats; `store/pipe.rs`: on
-//!   independent nodes, the check path's own connection per node (one task writes the coalesced
-//!   EVALSHA as RESP and answers each check from the reply); `store/coalesce.rs`: the same coalescing
-//!   for a Cluster or a Sentinel-named master, through redis-rs.
+//!   reload on NOSCRIPT, bounded timeouts, errors classified for the rule's fail mode. In `store/`:
+//!   `routes.rs`, a check's way to Redis; `upkeep.rs`, flushes of batched counts, adjustments
+//!   (write-back, take-back), probes, preloads and heartbeats; `scripts.rs`; `errors.rs`; `call.rs`,
+//!   check.lua's arguments; `resp.rs`, RESP written and read; `node/`: on independent nodes, the
+//!   check path's own connection per node (one task writes the coalesced EVALSHA as RESP and answers
+//!   each check from the reply); `coalesce.rs`: the same coalescing for a Cluster or a
+//!   Sentinel-named master, through redis-rs.
 //! - [`shards`]: independent nodes, a Redis Cluster or a Sentinel-named master; TLS and AUTH.
 //! - `sentinel`: the master the sentinels name, asked again after a failed call.
 //! - [`events`]: the rejection events' writer (`XADD … MAXLEN ~`).

@@ -1,12 +1,14 @@
 //! What one call of the check script carries: its items, and the EVALSHA built from them (the
 //! checks' and the breaker probe's: check.lua's argument layout lives here only), either as a
 //! redis-rs `Cmd` (a Cluster or a Sentinel-named master) or as RESP bytes for the check path's own
-//! node connection (`pipe`).
+//! node connection (`node`).
 
 use floodgate_core::algo::Outcome;
 use floodgate_core::rules::{Algorithm, Rule};
 use floodgate_core::store::{Layout, Planned};
 use redis::Cmd;
+
+use super::resp;
 
 /// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
 /// take back into window `target`); `last` closes a check (all or nothing up to it).
@@ -64,40 +66,14 @@ impl Args for Cmd {
     }
 }
 
-/// RESP: each argument a bulk string (`$<len>\r\n<bytes>\r\n`). A number's whole argument (at most
-/// 27 bytes) is put together on the stack and copied once: nine of a check item's ten arguments are
-/// numbers, and a copy per piece (five, each a `memcpy` call) cost more than the digits.
+/// RESP: each argument a bulk string (`$<len>\r\n<bytes>\r\n`), written by `resp` (a number's whole
+/// argument put together on the stack and copied once).
 impl Args for Vec<u8> {
     fn text(&mut self, s: &str) {
-        let mut len = itoa::Buffer::new();
-        let len = len.format(s.len()).as_bytes();
-        // "$" + up to 20 digits + CRLF.
-        let mut head = [0u8; 23];
-        head[0] = b'$';
-        head[1..1 + len.len()].copy_from_slice(len);
-        head[1 + len.len()..3 + len.len()].copy_from_slice(b"\r\n");
-        self.extend_from_slice(&head[..3 + len.len()]);
-        self.extend_from_slice(s.as_bytes());
-        self.extend_from_slice(b"\r\n");
+        resp::bulk(self, s.as_bytes());
     }
     fn num(&mut self, n: u64) {
-        let mut digits = itoa::Buffer::new();
-        let digits = digits.format(n).as_bytes();
-        // "$" + a length of one or two digits + CRLF + up to 20 digits + CRLF.
-        let mut arg = [0u8; 27];
-        arg[0] = b'$';
-        let mut at = 1;
-        if digits.len() >= 10 {
-            arg[at] = b'0' + (digits.len() / 10) as u8;
-            at += 1;
-        }
-        arg[at] = b'0' + (digits.len() % 10) as u8;
-        arg[at + 1..at + 3].copy_from_slice(b"\r\n");
-        at += 3;
-        arg[at..at + digits.len()].copy_from_slice(digits);
-        at += digits.len();
-        arg[at..at + 2].copy_from_slice(b"\r\n");
-        self.extend_from_slice(&arg[..at + 2]);
+        resp::bulk_num(self, n);
     }
 }
 
@@ -144,9 +120,7 @@ pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_
 /// The same EVALSHA as RESP, appended to `buf`: the array header (3 + 10 arguments per item), then
 /// the arguments, with no intermediate command.
 pub(super) fn write_check(buf: &mut Vec<u8>, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
-    buf.push(b'*');
-    buf.extend_from_slice(itoa::Buffer::new().format(3 + 10 * items.len()).as_bytes());
-    buf.extend_from_slice(b"\r\n$7\r\nEVALSHA\r\n");
+    resp::evalsha(buf, 3 + 10 * items.len());
     check_args(buf, script_hash, layout, items);
 }
 

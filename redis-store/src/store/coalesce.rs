@@ -5,7 +5,7 @@
 //! checks only pile up (and share a call) while Redis is busy anyway.
 //!
 //! This worker serves a Cluster or a Sentinel-named master, whose calls go through redis-rs;
-//! independent nodes get the same coalescing from their own connection's task (`pipe`).
+//! independent nodes get the same coalescing from their own connection's task (`node`).
 
 use std::sync::Weak;
 

@@ -1,0 +1,472 @@
+//! A node's task: takes checks off its queue, coalesces them into one check-script call while fewer
+//! than [`MAX_IN_FLIGHT`] calls are live, writes it, reads the replies in order and answers each
+//! check; connects again with a backoff, and drops a connection that stops answering.
+
+use std::collections::VecDeque;
+use std::pin::{pin, Pin};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use floodgate_core::algo::Outcome;
+use floodgate_core::metrics;
+use floodgate_core::store::StoreError;
+
+use super::connect::{Io, CONNECT_TIMEOUT};
+use super::{NodeTask, PipeState, Request};
+use crate::store::call;
+use crate::store::coalesce::MAX_IN_FLIGHT;
+use crate::store::resp::{self, Reply, RespError, MAX_REPLY};
+
+/// Calls written and not yet answered (their callers gone or not) that close the connection: Redis
+/// has not answered for that long, and the replies still owed are not worth waiting for.
+pub const MAX_PENDING: usize = 64;
+
+/// How long past its deadline an unanswered call makes the connection count as dead.
+pub const STALE_AFTER: Duration = Duration::from_secs(1);
+
+const MIN_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_millis(200);
+
+/// Where one check's outcomes go.
+type CheckReply = oneshot::Sender<Result<Vec<Outcome>, StoreError>>;
+
+/// Who waits for a call's reply.
+enum Waiter {
+    /// Coalesced checks: how many items each, and where its outcomes go.
+    Checks(Vec<(usize, CheckReply)>),
+    /// A raw call.
+    Raw(oneshot::Sender<Result<Vec<i64>, StoreError>>),
+    /// A `SCRIPT LOAD` sent after NOSCRIPT; the call sent again after it gets the answer.
+    Load,
+}
+
+/// A call written and not yet answered.
+struct Pending {
+    waiter: Waiter,
+    items: usize,
+    deadline: Instant,
+    /// The command, kept to send once more after NOSCRIPT.
+    cmd: Vec<u8>,
+    /// Whether it was sent again after NOSCRIPT (it is not sent a third time).
+    resent: bool,
+}
+
+/// A node's task: its connection, the calls written on it and not yet answered, and the requests
+/// waiting for one of the [`MAX_IN_FLIGHT`] slots.
+pub(super) struct Node {
+    task: NodeTask,
+    /// `SCRIPT LOAD` of the check script, as RESP.
+    load: Vec<u8>,
+    conn: Option<Box<dyn Io>>,
+    rbuf: Vec<u8>,
+    rpos: usize,
+    pending: VecDeque<Pending>,
+    waiting: VecDeque<Request>,
+    /// Command buffers of answered calls, reused.
+    spare: Vec<Vec<u8>>,
+    retry_at: Option<Instant>,
+    backoff: Duration,
+    last_error: StoreError,
+    /// The timer of [`Node::slot_frees`], and the instant it is set to.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    timer_at: Option<Instant>,
+    /// What the store reads before queueing a check
+    /// ([`Pipe::send_check`](super::Pipe::send_check)): while it says the node is overloaded the
+    /// store sheds new checks, so the queue drains and the checks it does take are answered within
+    /// their budget; past capacity, a share of checks is answered by its fail mode at once rather
+    /// than every check late.
+    state: Arc<PipeState>,
+}
+
+/// Waits for the timer (never ready without one).
+async fn expiry(timer: &mut Option<Pin<Box<tokio::time::Sleep>>>) {
+    match timer {
+        Some(timer) => timer.as_mut().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reads more of the connection into `buf` (never ready without one).
+async fn read_more(conn: &mut Option<Box<dyn Io>>, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+    match conn {
+        Some(io) => {
+            buf.reserve(4096);
+            io.read_buf(buf).await
+        }
+        None => std::future::pending().await,
+    }
+}
+
+impl Node {
+    /// The task of `task`'s node, not yet connected, publishing its queue through `state`.
+    pub(super) fn new(task: NodeTask, state: Arc<PipeState>) -> Node {
+        let mut load = Vec::new();
+        resp::command(&mut load, &[b"SCRIPT", b"LOAD", task.script.as_bytes()]);
+        Node {
+            task,
+            load,
+            conn: None,
+            rbuf: Vec::with_capacity(4096),
+            rpos: 0,
+            pending: VecDeque::new(),
+            waiting: VecDeque::new(),
+            spare: Vec::new(),
+            retry_at: None,
+            backoff: MIN_BACKOFF,
+            last_error: StoreError::Connection("not connected".into()),
+            timer: None,
+            timer_at: None,
+            state,
+        }
+    }
+
+    /// Serves requests until the store (every sender) is dropped.
+    pub(super) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Request>) {
+        loop {
+            // Calls wait and both slots are held: the first deadline to pass frees one. One timer,
+            // moved only when that deadline changes (once per call, not per check).
+            let frees = self.slot_frees();
+            if let Some(at) = frees {
+                match &mut self.timer {
+                    Some(_) if self.timer_at == Some(at) => {}
+                    Some(timer) => timer.as_mut().reset(at.into()),
+                    None => self.timer = Some(Box::pin(tokio::time::sleep_until(at.into()))),
+                }
+                self.timer_at = Some(at);
+            }
+            tokio::select! {
+                biased;
+                // Read whenever connected: a Redis that closes an idle connection is noticed at once,
+                // not by the next check's call.
+                read = read_more(&mut self.conn, &mut self.rbuf), if self.conn.is_some() => match read {
+                    Ok(0) => self.drop_conn(StoreError::Connection("Redis closed the connection".into())),
+                    Ok(_) => self.on_data().await,
+                    Err(e) => self.drop_conn(StoreError::Connection(e.to_string())),
+                },
+                _ = expiry(&mut self.timer), if frees.is_some() => {}
+                request = rx.recv() => {
+                    let Some(request) = request else { break };
+                    self.take(request);
+                    while let Ok(request) = rx.try_recv() {
+                        self.take(request);
+                    }
+                }
+            }
+            self.pump().await;
+            self.state.waiting.store(self.waiting.len(), Ordering::Relaxed);
+        }
+    }
+
+    /// Queues a request from the channel.
+    fn take(&mut self, request: Request) {
+        if matches!(request, Request::Check(_)) {
+            self.state.incoming.fetch_sub(1, Ordering::Relaxed);
+        }
+        self.waiting.push_back(request);
+    }
+
+    /// When the next in-flight call passes its deadline (and stops holding a slot).
+    fn slot_frees(&self) -> Option<Instant> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        self.live(Instant::now()).min()
+    }
+
+    /// The deadlines of the calls whose callers still wait for them.
+    fn live(&self, now: Instant) -> impl Iterator<Item = Instant> + '_ {
+        self.pending
+            .iter()
+            .filter(|p| !matches!(p.waiter, Waiter::Load))
+            .map(|p| p.deadline)
+            .filter(move |&d| d > now)
+    }
+
+    /// Sends what waits, while fewer than [`MAX_IN_FLIGHT`] calls are live.
+    async fn pump(&mut self) {
+        loop {
+            while self.waiting.front().is_some_and(Request::gone) {
+                self.waiting.pop_front();
+            }
+            if self.waiting.is_empty() {
+                if self.state.overloaded_until_us.load(Ordering::Relaxed) != 0 {
+                    self.state.set_overloaded(false, self.task.timeout);
+                }
+                return;
+            }
+            let now = Instant::now();
+            if self.live(now).count() >= MAX_IN_FLIGHT {
+                return;
+            }
+            if self.pending.len() >= MAX_PENDING
+                || self
+                    .pending
+                    .front()
+                    .is_some_and(|p| now > p.deadline + STALE_AFTER)
+            {
+                // Redis has not answered for that long (a host gone without a reset, a dropped
+                // flow): the replies still owed are not worth waiting for; connect again.
+                self.drop_conn(StoreError::Timeout(self.task.timeout));
+            }
+            if self.conn.is_none() {
+                if let Err(e) = self.connect(now).await {
+                    for r in self.waiting.drain(..) {
+                        r.fail(&e);
+                    }
+                    return;
+                }
+            }
+            let (cmd, waiter, items, timeout) = match self.waiting.pop_front() {
+                Some(Request::Raw {
+                    cmd,
+                    items,
+                    timeout,
+                    reply,
+                }) => (cmd, Waiter::Raw(reply), items, timeout),
+                Some(Request::Check(first)) => {
+                    // Three quarters of its budget gone before it is even sent: the store sheds new
+                    // checks for half a store timeout, or until the queue drains. One whose budget is
+                    // gone is shed here (and new checks for a whole timeout): its caller's timer may
+                    // not have run yet on a saturated agent, and sending it would only delay the
+                    // checks behind it.
+                    let left = first.deadline.saturating_duration_since(now);
+                    if left.is_zero() {
+                        // Its caller's budget is gone: not sent.
+                        let _ = first.reply.send(Err(StoreError::Shed));
+                        self.state.set_overloaded(true, self.task.timeout);
+                        continue;
+                    }
+                    // Not `left` against the round trip: a Redis slower than the budget must still
+                    // be sent checks, whose timeouts open its breaker.
+                    if left < self.task.timeout / 4 {
+                        self.state.set_overloaded(true, self.task.timeout / 2);
+                    }
+                    let mut jobs = vec![first];
+                    let mut items = jobs[0].items.len();
+                    while items < self.task.max_items {
+                        match self.waiting.front() {
+                            Some(Request::Check(j)) if j.reply.is_closed() => {
+                                self.waiting.pop_front();
+                            }
+                            Some(Request::Check(_)) => {
+                                if let Some(Request::Check(j)) = self.waiting.pop_front() {
+                                    items += j.items.len();
+                                    jobs.push(j);
+                                }
+                            }
+                            _ => break,
+                        }
+                    }
+                    let mut cmd = self.spare.pop().unwrap_or_default();
+                    cmd.clear();
+                    let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
+                    call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
+                    drop(call_items);
+                    let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
+                    (cmd, waiter, items, self.task.timeout)
+                }
+                None => return,
+            };
+            let pending = Pending {
+                waiter,
+                items,
+                deadline: now + timeout,
+                cmd,
+                resent: false,
+            };
+            self.send(pending).await;
+        }
+    }
+
+    /// Writes a call and queues it for its reply; a failed write fails it and the connection.
+    async fn send(&mut self, p: Pending) {
+        let written = match &mut self.conn {
+            Some(io) => write(io, &p.cmd, self.task.timeout).await,
+            None => Err(StoreError::Connection("the connection to Redis closed".into())),
+        };
+        self.pending.push_back(p);
+        if let Err(e) = written {
+            self.drop_conn(e);
+        }
+    }
+
+    async fn connect(&mut self, now: Instant) -> Result<(), StoreError> {
+        if self.retry_at.is_some_and(|at| now < at) {
+            return Err(self.last_error.clone());
+        }
+        let made = match tokio::time::timeout(CONNECT_TIMEOUT, self.task.addr.connect()).await {
+            Ok(made) => made,
+            Err(_) => Err(StoreError::Timeout(CONNECT_TIMEOUT)),
+        };
+        match made {
+            Ok(io) => {
+                self.conn = Some(io);
+                self.retry_at = None;
+                self.backoff = MIN_BACKOFF;
+                Ok(())
+            }
+            Err(e) => {
+                self.retry_at = Some(Instant::now() + self.backoff);
+                self.backoff = (self.backoff * 2).min(MAX_BACKOFF);
+                self.last_error = e.clone();
+                Err(e)
+            }
+        }
+    }
+
+    /// Answers every reply read so far.
+    async fn on_data(&mut self) {
+        let mut again = Vec::new();
+        let broken = loop {
+            let (reply, used) = match resp::parse(&self.rbuf[self.rpos..]) {
+                Ok(r) => r,
+                Err(RespError::Incomplete) if self.rbuf.len() - self.rpos > MAX_REPLY => {
+                    break Some("a reply longer than any the check script gives".to_string())
+                }
+                Err(RespError::Incomplete) => break None,
+                Err(e) => break Some(e.to_string()),
+            };
+            self.rpos += used;
+            let Some(mut p) = self.pending.pop_front() else {
+                break Some("a reply no call waits for".into());
+            };
+            if let Reply::Error(e) = &reply {
+                if e.starts_with("NOSCRIPT") && !p.resent {
+                    p.resent = true;
+                    again.push(p);
+                    continue;
+                }
+            }
+            self.answer(&mut p, reply);
+            if self.spare.len() < MAX_IN_FLIGHT * 2 {
+                self.spare.push(std::mem::take(&mut p.cmd));
+            }
+        };
+        if let Some(why) = broken {
+            let e = StoreError::Connection(why);
+            for p in again {
+                metrics::redis_call(self.task.shard, false);
+                fail(p.waiter, &e);
+            }
+            self.drop_conn(e);
+            return;
+        }
+        // What is left is the start of a reply still arriving: moved to the front, so the buffer never
+        // grows past the longest reply.
+        self.rbuf.drain(..self.rpos);
+        self.rpos = 0;
+        // NOSCRIPT: load the script, then the same call once more (its reply comes after the load's).
+        for p in again {
+            let load = Pending {
+                waiter: Waiter::Load,
+                items: 0,
+                deadline: p.deadline,
+                cmd: self.load.clone(),
+                resent: true,
+            };
+            self.send(load).await;
+            self.send(p).await;
+        }
+    }
+
+    /// Gives a call's reply to whoever waits for it.
+    fn answer(&self, p: &mut Pending, reply: Reply) {
+        if !p.resent && matches!(p.waiter, Waiter::Checks(_)) {
+            // A check call's time, sent to answered (its deadline is its send plus the checks'
+            // timeout; a raw call has a timeout of its own), in a moving average of 1/8 per call:
+            // what a check sent now should expect to wait.
+            let took = Instant::now()
+                .saturating_duration_since(p.deadline - self.task.timeout)
+                .as_micros() as u64;
+            let rtt = self.state.rtt_us.load(Ordering::Relaxed);
+            // The first call sets it; after that each moves it by an eighth.
+            let rtt = if rtt == 0 { took } else { (rtt * 7 + took) / 8 };
+            self.state.rtt_us.store(rtt.max(1), Ordering::Relaxed);
+        }
+        let waiter = std::mem::replace(&mut p.waiter, Waiter::Load);
+        let result = match reply {
+            Reply::Ints(v) if v.len() == p.items * 5 => Ok(v),
+            Reply::Ints(v) => Err(StoreError::Script(format!(
+                "script returned {} values for {} items",
+                v.len(),
+                p.items
+            ))),
+            Reply::Error(e) => Err(crate::store::errors::reply_error("", e)),
+            Reply::Int(_) | Reply::Other => {
+                Err(StoreError::Script("script returned no array of integers".into()))
+            }
+        };
+        if !matches!(waiter, Waiter::Load) {
+            // A reply past its deadline came too late for its callers: counted as the failure it was.
+            metrics::redis_call(self.task.shard, result.is_ok() && Instant::now() <= p.deadline);
+        }
+        match (waiter, result) {
+            (Waiter::Load, _) => {}
+            (Waiter::Raw(reply), result) => {
+                let _ = reply.send(result);
+            }
+            (Waiter::Checks(checks), Ok(v)) => {
+                let mut at = 0;
+                for (n, reply) in checks {
+                    let outcomes = v[at..at + n * 5].chunks_exact(5).map(call::outcome).collect();
+                    at += n * 5;
+                    let _ = reply.send(Ok(outcomes));
+                }
+            }
+            (Waiter::Checks(checks), Err(e)) => {
+                for (_, reply) in checks {
+                    let _ = reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Drops the connection; every call on it fails with `e`.
+    fn drop_conn(&mut self, e: StoreError) {
+        self.conn = None;
+        self.rbuf.clear();
+        self.rpos = 0;
+        for p in self.pending.drain(..) {
+            if !matches!(p.waiter, Waiter::Load) {
+                metrics::redis_call(self.task.shard, false);
+            }
+            fail(p.waiter, &e);
+        }
+    }
+}
+
+fn fail(waiter: Waiter, e: &StoreError) {
+    match waiter {
+        Waiter::Checks(checks) => {
+            for (_, reply) in checks {
+                let _ = reply.send(Err(e.clone()));
+            }
+        }
+        Waiter::Raw(reply) => {
+            let _ = reply.send(Err(e.clone()));
+        }
+        Waiter::Load => {}
+    }
+}
+
+/// Writes `bytes` whole: at once when the socket takes them (the usual case, no timer), else within
+/// `timeout` (a write cut short leaves half a command on the socket: the caller drops it).
+async fn write(io: &mut Box<dyn Io>, bytes: &[u8], timeout: Duration) -> Result<(), StoreError> {
+    let mut written = pin!(async {
+        io.write_all(bytes).await?;
+        io.flush().await
+    });
+    let result = match futures::poll!(written.as_mut()) {
+        Poll::Ready(r) => r,
+        Poll::Pending => match tokio::time::timeout(timeout.max(Duration::from_millis(100)), written).await {
+            Ok(r) => r,
+            Err(_) => return Err(StoreError::Timeout(timeout)),
+        },
+    };
+    result.map_err(|e| StoreError::Connection(e.to_string()))
+}
