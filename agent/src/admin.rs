@@ -113,7 +113,7 @@ async fn batch(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Valu
         .into_iter()
         .map(|(id, keys, pending, unlearned)| (id, (keys, pending, unlearned)))
         .collect();
-    let redis = matches!(engine.store(), Store::Redis(_));
+    let redis = matches!(engine.store(), Store::Shared(_));
     let rules: Vec<serde_json::Value> = engine
         .rules()
         .iter()
@@ -209,7 +209,7 @@ async fn set_flush_interval(
 async fn readyz(State(engine): State<Arc<Engine>>) -> (StatusCode, String) {
     match engine.store() {
         Store::Memory(_) => (StatusCode::OK, "ready: embedded store\n".into()),
-        Store::Redis(r) => match r.ping().await {
+        Store::Shared(r) => match r.ping().await {
             Ok(()) => (StatusCode::OK, "ready: redis answers\n".into()),
             Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {e}\n")),
         },

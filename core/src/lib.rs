@@ -1,10 +1,10 @@
 //! Floodgate's core: the decision engine and everything it decides with, free of I/O but for the
-//! [`shared::SharedStore`] trait the Redis store (`floodgate-redis`) implements.
+//! [`shared_store::SharedStore`] trait the Redis store (`floodgate-redis`) implements.
 //!
 //! # Map
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts; its
-//!   shared-store path (cache, batching, call groups, fallback, take-back) in `engine/shared.rs`.
-//! - [`shared`]: what the engine and the agent's loops ask of the fleet's shared store.
+//!   shared-store path (cache, batching, call groups, fallback, take-back) in `engine/shared_path.rs`.
+//! - [`shared_store`]: what the engine and the agent's loops ask of the fleet's shared store.
 //! - [`store`]: the embedded in-memory store, the store errors, the key layout.
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files (TOML/JSON, Envoy YAML), attribute and descriptor matching.
@@ -42,6 +42,6 @@ pub mod events;
 pub mod guard;
 pub mod metrics;
 pub mod rules;
-pub mod shared;
+pub mod shared_store;
 pub mod store;
 pub mod tasks;

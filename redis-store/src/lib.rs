@@ -1,4 +1,4 @@
-//! Redis as the fleet's shared counter store: the [`SharedStore`](floodgate_core::shared::SharedStore)
+//! Redis as the fleet's shared counter store: the [`SharedStore`](floodgate_core::shared_store::SharedStore)
 //! the agent's engine asks, and the rejection events' stream writer.
 //!
 //! # Map

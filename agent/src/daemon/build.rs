@@ -65,7 +65,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         config.redis_password_file.as_deref(),
     )?;
     let store = match &config.redis {
-        Some(_) => Store::Redis(Arc::new(RedisStore::new(&RedisConfig {
+        Some(_) => Store::Shared(Arc::new(RedisStore::new(&RedisConfig {
             urls: config.redis_urls(),
             cluster: config.redis_cluster,
             timeout: Duration::from_millis(config.redis_timeout_ms),
@@ -82,7 +82,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
     let listeners = bind(&config, socket).await?;
 
     let guard = match &store {
-        Store::Redis(r) => Some(Arc::new(guard(&config, r.shard_count()))),
+        Store::Shared(r) => Some(Arc::new(guard(&config, r.shard_count()))),
         Store::Memory(_) => None,
     };
     let metrics = if config.metrics {
@@ -99,7 +99,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         events: None,
     };
     let mut events = None;
-    if let (Store::Redis(_), true) = (&store, config.events) {
+    if let (Store::Shared(_), true) = (&store, config.events) {
         let (queue, rx) = Events::new(config.events_queue);
         let shards = Shards::new(
             &config.redis_urls(),

@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate_core::engine::Engine;
-use floodgate_core::shared::SharedStore;
+use floodgate_core::shared_store::SharedStore;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

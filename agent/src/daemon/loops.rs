@@ -7,7 +7,7 @@ use std::time::Duration;
 use floodgate_core::engine::Engine;
 use floodgate_core::guard::{BreakerState, Guard, Permit, Transition};
 use floodgate_core::rules::Rule;
-use floodgate_core::shared::{Adjust, SharedStore};
+use floodgate_core::shared_store::{Adjust, SharedStore};
 use floodgate_core::store::{Clock, StoreError};
 use floodgate_core::tasks::stopped;
 use tokio::sync::watch;

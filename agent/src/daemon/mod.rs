@@ -74,7 +74,7 @@ impl Built {
             tokio::spawn(crate::reload::apply(engine.clone(), rules_file, rx));
         }
         let guard = match (&store, guard) {
-            (Store::Redis(r), Some(g)) => Some(tokio::spawn(loops::guard_loop(
+            (Store::Shared(r), Some(g)) => Some(tokio::spawn(loops::guard_loop(
                 g,
                 r.clone(),
                 engine.clone(),
@@ -111,7 +111,7 @@ impl Built {
             });
         }
         let flusher = match &store {
-            Store::Redis(r) => Some((
+            Store::Shared(r) => Some((
                 tokio::spawn(loops::flush_loop(engine.clone(), r.clone(), shutdown.clone())),
                 r.clone(),
             )),

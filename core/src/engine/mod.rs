@@ -14,10 +14,10 @@ use crate::batch::{Batcher, HotKeys};
 use crate::cache::RejectionCache;
 use crate::guard::Guard;
 use crate::rules::{items_for, Algorithm, Execution, Rule, RuleSet};
-use crate::shared::SharedStore;
+use crate::shared_store::SharedStore;
 use crate::store::{Clock, MemoryStore, Planned};
 
-mod shared;
+mod shared_path;
 
 /// The shortest Retry-After a fail-closed rule gives while its store is away (longer while the breaker's
 /// cool-down lasts). Short enough that clients come back soon after Redis does, long enough not to
@@ -37,16 +37,18 @@ pub enum Answer {
 pub enum Store {
     /// The embedded in-memory store: exact for one agent, no fleet-wide sharing.
     Memory(Arc<MemoryStore>),
-    /// Redis (`floodgate-redis`): fleet-wide state through atomic scripts.
-    Redis(Arc<dyn SharedStore>),
+    /// A store the fleet shares (`floodgate-redis` implements it over Redis): fleet-wide state
+    /// through atomic calls.
+    Shared(Arc<dyn SharedStore>),
 }
 
 impl Store {
-    /// A short name for logs: `memory` or the Redis URL without credentials.
+    /// A short name for logs: the embedded store, or the shared store's own (Redis: `redis: ` and its
+    /// URLs without credentials).
     pub fn describe(&self) -> String {
         match self {
             Store::Memory(_) => "embedded in-memory store".into(),
-            Store::Redis(r) => format!("redis: {}", r.describe()),
+            Store::Shared(r) => r.describe(),
         }
     }
 }
@@ -281,7 +283,7 @@ impl Engine {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, &[Source::Local])))
             }
-            Store::Redis(r) => self.check_redis(r, plan, received),
+            Store::Shared(r) => self.check_shared(r, plan, received),
         };
         if logged.is_empty() {
             return answer;

@@ -49,18 +49,18 @@ async fn worker(
             job = rx.recv(), if in_flight.len() < MAX_IN_FLIGHT => {
                 let Some(job) = job else { break };
                 let mut items = job.items.len();
-                let mut batch = vec![job];
+                let mut jobs = vec![job];
                 while items < max_items {
                     match rx.try_recv() {
                         Ok(job) => {
                             items += job.items.len();
-                            batch.push(job);
+                            jobs.push(job);
                         }
                         Err(_) => break,
                     }
                 }
                 let Some(store) = store.upgrade() else { break };
-                in_flight.push(async move { store.run_batch(shard, batch).await });
+                in_flight.push(async move { store.run_coalesced(shard, jobs).await });
             }
             Some(()) = in_flight.next(), if !in_flight.is_empty() => {}
         }

@@ -35,7 +35,7 @@ use redis::Script;
 use floodgate_core::algo::Outcome;
 use floodgate_core::batch::FlushEntry;
 use floodgate_core::guard::LedgerEntry;
-use floodgate_core::shared::{Adjust, Adjusted, BoxFuture, Flushed, Route, SharedStore};
+use floodgate_core::shared_store::{Adjust, Adjusted, BoxFuture, Flushed, Route, SharedStore};
 use floodgate_core::store::{Layout, Planned, StoreError};
 
 use crate::shards::{RedisAccess, Shards};
@@ -151,7 +151,7 @@ impl RedisStore {
 
     /// The nodes or the cluster, without passwords, for logs.
     pub fn describe(&self) -> String {
-        self.shards.describe()
+        format!("redis: {}", self.shards.describe())
     }
 
     /// How many shards (each with its own breaker).

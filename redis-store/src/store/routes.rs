@@ -36,7 +36,7 @@ impl RedisStore {
         };
         let route = self.route(&first.key);
         if self.coalesce <= 1 {
-            let mut reply = self.run_batch_direct(route.shard, vec![items]).await?;
+            let mut reply = self.call_direct(route.shard, vec![items]).await?;
             return Ok(reply.pop().unwrap_or_default());
         }
         let workers = self.workers.get_or_init(|| {
@@ -109,16 +109,16 @@ impl RedisStore {
     }
 
     /// Runs queued checks of one call group as one script call and answers each.
-    pub(crate) async fn run_batch(&self, shard: usize, batch: Vec<coalesce::Job>) {
+    pub(crate) async fn run_coalesced(&self, shard: usize, jobs: Vec<coalesce::Job>) {
         // A check whose caller gave up (its timeout passed) is not sent: nobody would learn whether
         // it counted.
-        let batch: Vec<coalesce::Job> = batch.into_iter().filter(|j| !j.reply.is_closed()).collect();
-        if batch.is_empty() {
+        let jobs: Vec<coalesce::Job> = jobs.into_iter().filter(|j| !j.reply.is_closed()).collect();
+        if jobs.is_empty() {
             return;
         }
         let (checks, replies): (Vec<Vec<Planned>>, Vec<_>) =
-            batch.into_iter().map(|j| (j.items, j.reply)).unzip();
-        match self.run_batch_direct(shard, checks).await {
+            jobs.into_iter().map(|j| (j.items, j.reply)).unzip();
+        match self.call_direct(shard, checks).await {
             Ok(outcomes) => {
                 for (reply, o) in replies.into_iter().zip(outcomes) {
                     let _ = reply.send(Ok(o));
@@ -133,7 +133,7 @@ impl RedisStore {
     }
 
     /// One script call for several checks (each all or nothing): outcomes per check, in order.
-    async fn run_batch_direct(
+    async fn call_direct(
         &self,
         shard: usize,
         checks: Vec<Vec<Planned>>,

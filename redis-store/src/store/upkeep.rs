@@ -7,7 +7,7 @@ use std::time::Duration;
 use floodgate_core::batch::{FlushEntry, Learned};
 use floodgate_core::guard::LedgerEntry;
 use floodgate_core::metrics;
-use floodgate_core::shared::{Adjust, Adjusted, FlushReply, Flushed, Route};
+use floodgate_core::shared_store::{Adjust, Adjusted, FlushReply, Flushed, Route};
 use floodgate_core::store::StoreError;
 
 use super::call::{self, CallItem};

@@ -14,7 +14,7 @@ use crate::algo::Outcome;
 use crate::batch::Denial;
 use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
 use crate::rules::{Algorithm, FailMode, Rule};
-use crate::shared::{Adjust, Route, SharedStore};
+use crate::shared_store::{Adjust, Route, SharedStore};
 use crate::store::{Planned, StoreError};
 
 impl Engine {
@@ -54,7 +54,7 @@ impl Engine {
     /// script call per call group (all of one client's items share a group), all groups at once;
     /// groups whose breaker is open are decided by the fallback. A check is all or nothing across
     /// groups too: what one group committed is taken back if another rejected the check.
-    pub(super) fn check_redis(
+    pub(super) fn check_shared(
         self: &Arc<Self>,
         r: &Arc<dyn SharedStore>,
         plan: Vec<Planned>,
@@ -394,7 +394,7 @@ impl Engine {
         }
         let now = self.clock.now_ms();
         let store = match &self.store {
-            Store::Redis(r) => Some(r),
+            Store::Shared(r) => Some(r),
             Store::Memory(_) => None,
         };
         let retry = |p: &Planned| {
