@@ -28,6 +28,7 @@
 //! - `task.rs`: the task's loop: coalescing, writing, reading and answering, and the connection's
 //!   failures and backoff.
 
+mod calls;
 mod connect;
 mod task;
 

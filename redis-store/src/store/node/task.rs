@@ -3,19 +3,18 @@
 //! check; connects again with a backoff, and drops a connection that stops answering.
 
 use std::collections::VecDeque;
-use std::pin::{pin, Pin};
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::io::AsyncReadExt;
+use tokio::sync::mpsc;
 
-use floodgate_core::algo::Outcome;
 use floodgate_core::metrics;
 use floodgate_core::store::StoreError;
 
+use super::calls::{fail, write, Pending, Waiter};
 use super::connect::{Io, CONNECT_TIMEOUT};
 use super::{NodeTask, PipeState, Request};
 use crate::store::call;
@@ -31,30 +30,6 @@ pub const STALE_AFTER: Duration = Duration::from_secs(1);
 
 const MIN_BACKOFF: Duration = Duration::from_millis(10);
 const MAX_BACKOFF: Duration = Duration::from_millis(200);
-
-/// Where one check's outcomes go.
-type CheckReply = oneshot::Sender<Result<Vec<Outcome>, StoreError>>;
-
-/// Who waits for a call's reply.
-enum Waiter {
-    /// Coalesced checks: how many items each, and where its outcomes go.
-    Checks(Vec<(usize, CheckReply)>),
-    /// A raw call.
-    Raw(oneshot::Sender<Result<Vec<i64>, StoreError>>),
-    /// A `SCRIPT LOAD` sent after NOSCRIPT; the call sent again after it gets the answer.
-    Load,
-}
-
-/// A call written and not yet answered.
-struct Pending {
-    waiter: Waiter,
-    items: usize,
-    deadline: Instant,
-    /// The command, kept to send once more after NOSCRIPT.
-    cmd: Vec<u8>,
-    /// Whether it was sent again after NOSCRIPT (it is not sent a third time).
-    resent: bool,
-}
 
 /// A node's task: its connection, the calls written on it and not yet answered, and the requests
 /// waiting for one of the [`MAX_IN_FLIGHT`] slots.
@@ -438,35 +413,4 @@ impl Node {
             fail(p.waiter, &e);
         }
     }
-}
-
-fn fail(waiter: Waiter, e: &StoreError) {
-    match waiter {
-        Waiter::Checks(checks) => {
-            for (_, reply) in checks {
-                let _ = reply.send(Err(e.clone()));
-            }
-        }
-        Waiter::Raw(reply) => {
-            let _ = reply.send(Err(e.clone()));
-        }
-        Waiter::Load => {}
-    }
-}
-
-/// Writes `bytes` whole: at once when the socket takes them (the usual case, no timer), else within
-/// `timeout` (a write cut short leaves half a command on the socket: the caller drops it).
-async fn write(io: &mut Box<dyn Io>, bytes: &[u8], timeout: Duration) -> Result<(), StoreError> {
-    let mut written = pin!(async {
-        io.write_all(bytes).await?;
-        io.flush().await
-    });
-    let result = match futures::poll!(written.as_mut()) {
-        Poll::Ready(r) => r,
-        Poll::Pending => match tokio::time::timeout(timeout.max(Duration::from_millis(100)), written).await {
-            Ok(r) => r,
-            Err(_) => return Err(StoreError::Timeout(timeout)),
-        },
-    };
-    result.map_err(|e| StoreError::Connection(e.to_string()))
 }
