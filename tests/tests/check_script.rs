@@ -1,5 +1,5 @@
 //! check.lua called directly on a real redis-server, with the arguments the agent builds
-//! (redis-store's call.rs): items of different rules in one call each read their own rule's
+//! (redis/'s call.rs): items of different rules in one call each read their own rule's
 //! parameters, and a malformed call gets an error and counts nothing.
 
 use floodgate_redis::CHECK_LUA;

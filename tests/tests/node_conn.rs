@@ -1,4 +1,4 @@
-//! The check path's own connection to a Redis node (redis-store's `store/node/`): the URL's database and a
+//! The check path's own connection to a Redis node (redis/'s `store/node/`): the URL's database and a
 //! Unix socket are honoured, replies it cannot use are store errors (the fail mode answers, nothing
 //! panics), a Redis 5 gets AUTH without the user name, a Redis that accepts and refuses (maxclients)
 //! is a failed connect, and a node that comes back is used again.
