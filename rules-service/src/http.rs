@@ -33,23 +33,28 @@ pub fn tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
+/// Why certificates or the client's TLS could not be set up: the message names the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TlsSetupError(pub String);
+
 /// PEM certificates from a file, for a root store.
-pub fn pem_certs(pem: &[u8]) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+pub fn pem_certs(pem: &[u8]) -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, TlsSetupError> {
     use rustls::pki_types::pem::PemObject;
     let certs: Vec<_> = rustls::pki_types::CertificateDer::pem_slice_iter(pem)
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("not PEM certificates: {e}"))?;
+        .map_err(|e| TlsSetupError(format!("not PEM certificates: {e}")))?;
     if certs.is_empty() {
-        return Err("no certificate in the PEM file".into());
+        return Err(TlsSetupError("no certificate in the PEM file".into()));
     }
     Ok(certs)
 }
 
 /// Sets the roots the client trusts: the system's, plus the PEM certificates of `ca` (a private
 /// CA). Call before the first request; later calls change nothing.
-pub fn configure(ca: Option<&std::path::Path>) -> Result<(), String> {
+pub fn configure(ca: Option<&std::path::Path>) -> Result<(), TlsSetupError> {
     let built = build(ca);
-    let ok = built.as_ref().map(|_| ()).map_err(Clone::clone);
+    let ok = built.as_ref().map(|_| ()).map_err(|e| TlsSetupError(e.clone()));
     let _ = CLIENT.set(built);
     ok
 }

@@ -65,8 +65,18 @@ fn unit_seconds(unit: &str) -> Option<u64> {
     })
 }
 
+/// Why an envoyproxy/ratelimit configuration file cannot be mapped onto rules: the message names
+/// the descriptor and what could not be mapped.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UnmappableConfig(pub String);
+
 /// Parses one envoyproxy/ratelimit configuration file into rules (not yet a validated set).
-pub fn rules_from_yaml(text: &str) -> Result<Vec<Rule>, String> {
+pub fn rules_from_yaml(text: &str) -> Result<Vec<Rule>, UnmappableConfig> {
+    parse(text).map_err(UnmappableConfig)
+}
+
+fn parse(text: &str) -> Result<Vec<Rule>, String> {
     let file: File = serde_yaml::from_str(text).map_err(|e| format!("envoy ratelimit config: {e}"))?;
     let domain = match file.domain {
         Some(d) if !d.is_empty() => d,
@@ -445,11 +455,12 @@ descriptors:
             ("  - a\n", "envoy ratelimit config"),
             ("  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1, unit_multiplier: 307445734561825861}\n", "over a year"),
         ] {
-            let err = rules_from_yaml(&format!("{base}{body}")).unwrap_err();
+            let err = rules_from_yaml(&format!("{base}{body}")).unwrap_err().to_string();
             assert!(err.contains(needle), "{err:?} should mention {needle:?}");
         }
         assert!(rules_from_yaml("descriptors: []\n")
             .unwrap_err()
+            .to_string()
             .contains("domain"));
     }
 }

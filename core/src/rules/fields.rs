@@ -109,7 +109,7 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
         }
     };
     if let Err(e) = rule.check() {
-        errors.insert("rule".into(), e);
+        errors.insert("rule".into(), e.to_string());
         return Err(errors);
     }
     Ok(rule)
@@ -124,7 +124,7 @@ fn check_match(v: &Value, errors: &mut FieldErrors) -> Result<(), String> {
             "endpoint" => match v.as_str() {
                 Some(p) => {
                     if let Err(e) = validate_endpoint_pattern(p) {
-                        errors.insert("match.endpoint".into(), e);
+                        errors.insert("match.endpoint".into(), e.to_string());
                     }
                 }
                 None => {

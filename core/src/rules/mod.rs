@@ -10,6 +10,6 @@ mod model;
 pub use fail_list::fail_mode_list;
 pub use matching::items_for;
 pub use model::{
-    validate_endpoint_pattern, Algorithm, Dimension, EnvoyEntry, EnvoyMatch, Execution, FailMode, Match,
-    Mode, Rule, RuleError, RuleSet, EXAMPLE_RULES, MAX_ENVOY_DEPTH,
+    validate_endpoint_pattern, Algorithm, Dimension, EnvoyEntry, EnvoyMatch, Execution, FailMode,
+    InvalidRule, Match, Mode, Rule, RuleError, RuleSet, EXAMPLE_RULES, MAX_ENVOY_DEPTH,
 };

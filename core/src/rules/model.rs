@@ -314,24 +314,32 @@ impl Rule {
     }
 
     /// Checks the rule alone (the rules service validates each PUT with it).
-    pub fn check(&self) -> Result<(), String> {
-        self.validate()
+    pub fn check(&self) -> Result<(), InvalidRule> {
+        self.validate().map_err(InvalidRule)
     }
 }
 
+/// Why a rule, or one of its fields, is refused: the message names the rule and the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidRule(pub String);
+
 /// An endpoint pattern: exact (`/login`), a glob whose `*` matches one path segment (`/users/*/posts`),
 /// or ending in `/*` … any `*` at the very end matches the rest (`/api/*`).
-pub fn validate_endpoint_pattern(p: &str) -> Result<(), String> {
+pub fn validate_endpoint_pattern(p: &str) -> Result<(), InvalidRule> {
     if p.is_empty() || !p.starts_with('/') {
-        return Err(format!("endpoint pattern {p:?} must start with '/'"));
+        return Err(InvalidRule(format!("endpoint pattern {p:?} must start with '/'")));
     }
     if p.len() > 256 {
-        return Err(format!("endpoint pattern is {} bytes, over 256", p.len()));
+        return Err(InvalidRule(format!(
+            "endpoint pattern is {} bytes, over 256",
+            p.len()
+        )));
     }
     if let Some(bad) = p.split('/').find(|seg| seg.contains('*') && *seg != "*") {
-        return Err(format!(
+        return Err(InvalidRule(format!(
             "endpoint pattern {p:?}: '*' must be a whole segment, not part of {bad:?}"
-        ));
+        )));
     }
     Ok(())
 }
@@ -454,7 +462,7 @@ impl RuleSet {
         })?;
         let yaml = matches!(path.extension().and_then(|e| e.to_str()), Some("yaml" | "yml"));
         if yaml {
-            let rules = super::envoy_config::rules_from_yaml(&text).map_err(RuleError::Parse)?;
+            let rules = super::envoy_config::rules_from_yaml(&text).map_err(|e| RuleError::Parse(e.0))?;
             return Self::new(rules);
         }
         Self::parse(&text)
