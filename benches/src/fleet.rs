@@ -1,5 +1,6 @@
-//! Fleet-scale figures (issue 3): Redis commands per 1,000 checks batched vs sync, over-admission with
-//! N agents on one key, agent memory per batched key, and Redis memory per tracked pair.
+//! Fleet-scale figures (BENCHMARKS.md, "fleet scale"): Redis commands per 1,000 checks batched vs
+//! sync, over-admission with N agents on one key, agent memory per batched key, and Redis memory per
+//! tracked pair.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -348,7 +349,8 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
             used_memory(&redis)? - before,
         );
     }
-    // The layout before this issue: one hash {w, c, p} per (client, rule) with a TTL.
+    // The baseline: the per-pair layout the bucket hashes replaced, one hash {w, c, p} per (client,
+    // rule) with a TTL.
     let bytes = write_directly(keys, |pipe, k| {
         let key = format!("fg:{{user:{k}}}:bench");
         pipe.cmd("HSET")

@@ -1,4 +1,5 @@
-//! Issue 6's figures.
+//! The gateway Layer's figures, and the agent path with metrics and events on vs off (BENCHMARKS.md,
+//! "the gateway Layer, and metrics and events on the agent path").
 //!
 //! - `middleware`: an axum handler served bare and the same handler behind the SDK's tower Layer
 //!   (asking a real agent on its embedded store), both on loopback TCP in this process, driven in

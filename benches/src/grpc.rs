@@ -1,6 +1,7 @@
-//! Issue 12's figure: Envoy's ShouldRateLimit over gRPC against the agent's own protocol (the Rust
-//! SDK over the Unix socket) in the same run, on the same agent: p50/p99, checks/s and agent CPU per
-//! check at each concurrency level (requests in flight on one HTTP/2 channel, or on one SDK client).
+//! Envoy's ShouldRateLimit over gRPC against the agent's own protocol (the Rust SDK over the Unix
+//! socket) in the same run, on the same agent: p50/p99, checks/s and agent CPU per check at each
+//! concurrency level (requests in flight on one HTTP/2 channel, or on one SDK client). BENCHMARKS.md,
+//! "Envoy's ShouldRateLimit over gRPC vs the frames protocol", has the figures.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -4,8 +4,8 @@
 //! script cache, every key checked twice, so a cache-hit scenario's keys are all cached), zeroes the counts (`callgrind_control -z`), drives `n` checks,
 //! and dumps the counts (`callgrind_control -d`): startup, warm-up and shutdown are left out, and
 //! what is counted is `n` checks' worth. Per function, the self (exclusive) counts say where a
-//! check's instructions go; functions are grouped by crate into the categories the issue asks about
-//! (redis-rs, tokio's timers, tasks and I/O, allocation, formatting, the agent's own code).
+//! check's instructions go; functions are grouped by crate into categories (redis-rs, tokio's
+//! timers, tasks and I/O, allocation, formatting, the agent's own code).
 //!
 //! What callgrind does not count: the kernel's side of every syscall (a socket read or write, an
 //! epoll wait), which the /proc CPU figures of the other benchmarks include. The background loops
@@ -46,8 +46,8 @@ pub struct Scenario {
     pub keys: usize,
 }
 
-/// The scenarios issue 14 asks for: in-memory (one in flight and pipelined), Redis sync at 16 and 64
-/// in flight, and a rejection answered from the cache.
+/// The scenarios (BENCHMARKS.md, "Instructions per check (callgrind)"): in-memory (one in flight and
+/// pipelined), Redis sync at 16 and 64 in flight, and a rejection answered from the cache.
 pub const SCENARIOS: &[Scenario] = &[
     Scenario {
         name: "memory, 16 clients × 1",

@@ -11,15 +11,15 @@
 //! - `open`: the open loop (blocking threads, intended-time latency).
 //! - `echo`: the bare Unix-socket server used as the baseline.
 //! - `targets`: connections to the echo server, an agent, and bare EVALSHA.
-//! - `propagation`: issue 5's figure (PUT → every agent enforcing).
-//! - `fleet`: issue 3's figures (commands per check batched vs sync, over-admission with N agents,
+//! - `propagation`: a rule change's time to every agent (PUT → every agent enforcing).
+//! - `fleet`: fleet scale (commands per check batched vs sync, over-admission with N agents,
 //!   memory per key).
-//! - `gateway`: issue 6's figures (the tower Layer's added latency over a bare axum handler; the agent
-//!   path with metrics and events on vs off).
-//! - `grpc`: issue 12's figure (Envoy's ShouldRateLimit over gRPC vs the frames protocol).
+//! - `gateway`: the tower Layer's added latency over a bare axum handler; the agent path with
+//!   metrics and events on vs off.
+//! - `grpc`: Envoy's ShouldRateLimit over gRPC vs the frames protocol.
 //! - `sdk`: the Rust SDK against a running agent (the Python and Node SDK benchmarks' baseline).
-//! - `instructions`: issue 14's instructions per check under callgrind, and where they go.
-//! - `versus`: issue 14's side by side: the agent's sync path vs rate-limiter-flexible vs bare EVALSHA.
+//! - `instructions`: instructions per check under callgrind, and where they go.
+//! - `versus`: side by side: the agent's sync path vs rate-limiter-flexible vs bare EVALSHA.
 //! - `core_path`: the default command's closed and open loops over the echo, EVALSHA and agents.
 //! - `overload`: one agent's closed-loop capacity, then an open loop at multiples of it (shedding).
 //! - `report`: percentiles, the table, the JSON.

@@ -1,5 +1,6 @@
-//! Issue 5's figure: the time from a `PUT /v1/rules/{id}` to every agent enforcing the new rule set,
-//! over many changes, with the long-poll watch and without it (poll only).
+//! Rule propagation (BENCHMARKS.md, "rule propagation"): the time from a `PUT /v1/rules/{id}` to
+//! every agent enforcing the new rule set, over many changes, with the long-poll watch and without
+//! it (poll only).
 
 use std::time::{Duration, Instant};
 

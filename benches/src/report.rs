@@ -105,7 +105,7 @@ pub struct Table {
     runs: usize,
 }
 
-/// A same-run ratio the targets are stated in.
+/// A ratio to a same-run baseline: the form the performance targets are stated in.
 #[derive(Debug, Clone, Serialize)]
 pub struct Ratio {
     clients: usize,

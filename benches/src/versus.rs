@@ -1,4 +1,5 @@
-//! Issue 14's side by side on one redis-server: the agent's sync path (frames over its socket, one
+//! Side by side on one redis-server (BENCHMARKS.md, "Side by side: the agent's sync path vs
+//! rate-limiter-flexible vs bare EVALSHA"): the agent's sync path (frames over its socket, one
 //! check per client in flight), rate-limiter-flexible (`RateLimiterRedis` over ioredis, Node, the
 //! SDK benchmark's `rlf.js`) and a bare EVALSHA of the check script, at each level of in-flight
 //! calls: checks/s, p50/p99, and the CPU per check of the agent process and of the Node process.

@@ -1,6 +1,6 @@
 /**
  * What the Express and Fastify middleware share, mirroring the Rust tower Layer
- * (`sdk/src/middleware.rs`): the request's attributes (endpoint, tier, user, API key, client IP),
+ * (`sdk/src/middleware/`): the request's attributes (endpoint, tier, user, API key, client IP),
  * values made wire-safe, the client IP through trusted proxies only, and the headers and 429 body
  * of a decision.
  */

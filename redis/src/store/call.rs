@@ -79,9 +79,9 @@ impl Args for Vec<u8> {
 
 /// The arguments after `EVALSHA`: the script's hash, the key count, the items' state keys (one
 /// reused `String`), then nine arguments each (check.lua's ARGV). A layout with each rule's parameters
-/// once per call was measured and not kept (BENCHMARKS.md, issue 14, item 4): fewer Redis
-/// instructions per item in a many-item call, more in a one-item call, the common one on a fleet's
-/// agents.
+/// once per call was measured and not kept (BENCHMARKS.md, "Redis's instructions per check-script
+/// call: script shapes tried"): fewer Redis instructions per item in a many-item call, more in a
+/// one-item call, the common one on a fleet's agents.
 fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
     out.text(script_hash);
     out.num(items.len() as u64);

@@ -3,7 +3,7 @@
 //! or a Sentinel-named master), writes the EVALSHA as RESP straight from the checks, reads the
 //! replies in order and answers each check from its five integers per item. There is no second task
 //! (redis-rs's multiplexer), no packing of a command twice and no general reply parser between a
-//! check and its answer (BENCHMARKS.md, issue 14).
+//! check and its answer (BENCHMARKS.md, "The check path's own connection per node").
 //!
 //! What it owns, and how it behaves:
 //! - connecting (TCP, TLS for `rediss://` with the `--redis-ca` roots or the system's, a Unix socket),

@@ -1,5 +1,5 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
-(``sdk/src/middleware.rs``): headers, 429s, trusted proxies, wire-safe values."""
+(``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values."""
 
 from __future__ import annotations
 
