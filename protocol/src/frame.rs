@@ -76,6 +76,7 @@ impl Item {
     }
 
     /// Checks the item against the protocol's limits.
+    #[inline]
     pub fn validate(&self) -> Result<(), InvalidValue> {
         validate_text("key", &self.key, MAX_KEY)?;
         validate_rule_id(&self.rule_id)?;
@@ -236,36 +237,67 @@ pub struct ErrorBody {
     pub message: String,
 }
 
+/// Whether a key or attribute may be sent: 1 to `max` bytes, no brace, no control character. The
+/// check is the hot path's (every item of every check); which limit broke is worked out apart.
+#[inline]
 fn validate_text(field: &'static str, value: &str, max: usize) -> Result<(), InvalidValue> {
+    let ok = !value.is_empty()
+        && value.len() <= max
+        && !value.chars().any(|c| c == '{' || c == '}' || c.is_control());
+    if ok {
+        Ok(())
+    } else {
+        Err(text_error(field, value, max))
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn text_error(field: &'static str, value: &str, max: usize) -> InvalidValue {
     if value.is_empty() {
-        return Err(InvalidValue::Empty { field });
+        return InvalidValue::Empty { field };
     }
     if value.len() > max {
-        return Err(InvalidValue::TooLong {
+        return InvalidValue::TooLong {
             field,
             len: value.len(),
             max,
-        });
+        };
     }
-    if let Some(found) = value.chars().find(|c| *c == '{' || *c == '}' || c.is_control()) {
-        return Err(InvalidValue::Forbidden { field, found });
-    }
-    Ok(())
+    let found = value
+        .chars()
+        .find(|c| *c == '{' || *c == '}' || c.is_control())
+        .unwrap_or_default();
+    InvalidValue::Forbidden { field, found }
 }
 
 /// Checks a rule id: 1 to 128 bytes of ASCII letters, digits and `_ - . :`.
+#[inline]
 pub fn validate_rule_id(rule_id: &str) -> Result<(), InvalidValue> {
-    if rule_id.is_empty() || rule_id.len() > MAX_RULE_ID {
-        return Err(InvalidValue::RuleIdLength { len: rule_id.len() });
+    let ok = !rule_id.is_empty()
+        && rule_id.len() <= MAX_RULE_ID
+        && rule_id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.' | b':'));
+    if ok {
+        Ok(())
+    } else {
+        Err(rule_id_error(rule_id))
     }
-    if let Some(found) = rule_id
+}
+
+#[cold]
+#[inline(never)]
+fn rule_id_error(rule_id: &str) -> InvalidValue {
+    if rule_id.is_empty() || rule_id.len() > MAX_RULE_ID {
+        return InvalidValue::RuleIdLength { len: rule_id.len() };
+    }
+    let found = rule_id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | ':')))
-    {
-        return Err(InvalidValue::RuleIdChar {
-            rule_id: rule_id.to_string(),
-            found,
-        });
+        .unwrap_or_default();
+    InvalidValue::RuleIdChar {
+        rule_id: rule_id.to_string(),
+        found,
     }
-    Ok(())
 }
