@@ -2,10 +2,10 @@
 
 use crate::fail_modes::{ClosedRule, FailModeList, ListedDimension};
 use crate::frame::{
-    Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, Source, Verdict,
+    Attributes, Body, Check, Decision, ErrorBody, Frame, Item, ItemDecision, ItemMode, Source, Verdict,
 };
 use crate::limits::{kind, HEADER, LEN_PREFIX, MAX_FRAME, MAX_ITEMS, MAX_MESSAGE, MIN_VERSION, VERSION};
-use crate::{DecodeError, EncodeError, ErrorCode};
+use crate::{DecodeError, EncodeError, ErrorCode, InvalidValue};
 
 /// Bytes of one encoded [`Verdict`].
 pub const VERDICT_LEN: usize = 2 + 4 * 8;
@@ -14,6 +14,8 @@ const FLAG_ALLOWED: u8 = 0b01;
 const FLAG_LOG_ONLY: u8 = 0b10;
 const FORM_ITEMS: u8 = 0;
 const FORM_ATTRIBUTES: u8 = 1;
+const FORM_ITEMS_MODES: u8 = 2;
+const FORM_ATTRIBUTES_MODE: u8 = 3;
 const LIST_TRUNCATED: u8 = 0b01;
 
 impl Frame {
@@ -89,20 +91,33 @@ impl Frame {
             } => out.extend_from_slice(&[*min_version, *max_version]),
             Body::HelloOk { version } => out.push(*version),
             Body::Check(Check::Items(items)) => {
-                out.push(FORM_ITEMS);
+                // Every item consuming: version 1's form, which every agent reads.
+                let modes = items.iter().any(|i| i.mode != ItemMode::Consume);
+                out.push(if modes { FORM_ITEMS_MODES } else { FORM_ITEMS });
                 out.push(items.len() as u8);
                 for item in items {
                     put_str16(out, &item.key);
                     put_str8(out, &item.rule_id);
                     out.extend_from_slice(&item.cost.to_be_bytes());
+                    if modes {
+                        out.push(item.mode.to_u8());
+                    }
                 }
             }
             Body::Check(Check::Attributes(a)) => {
-                out.push(FORM_ATTRIBUTES);
+                let modes = a.mode != ItemMode::Consume;
+                out.push(if modes {
+                    FORM_ATTRIBUTES_MODE
+                } else {
+                    FORM_ATTRIBUTES
+                });
                 for (_, value) in a.fields() {
                     put_str16(out, value.as_deref().unwrap_or(""));
                 }
                 out.extend_from_slice(&a.cost.to_be_bytes());
+                if modes {
+                    out.push(a.mode.to_u8());
+                }
             }
             Body::Decision(d) => {
                 put_verdict(out, &d.combined);
@@ -222,18 +237,28 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
         kind::HELLO_OK => Body::HelloOk { version: r.u8()? },
         kind::CHECK => {
             let check = match r.u8()? {
-                FORM_ITEMS => {
+                form @ (FORM_ITEMS | FORM_ITEMS_MODES) => {
                     let n = r.u8()? as usize;
                     let mut items = Vec::with_capacity(n.min(MAX_ITEMS));
                     for _ in 0..n {
                         let key = r.str16()?;
                         let rule_id = r.str8()?;
                         let cost = r.u32()?;
-                        items.push(Item { key, rule_id, cost });
+                        let mode = if form == FORM_ITEMS_MODES {
+                            r.mode()?
+                        } else {
+                            ItemMode::Consume
+                        };
+                        items.push(Item {
+                            key,
+                            rule_id,
+                            cost,
+                            mode,
+                        });
                     }
                     Check::Items(items)
                 }
-                FORM_ATTRIBUTES => {
+                form @ (FORM_ATTRIBUTES | FORM_ATTRIBUTES_MODE) => {
                     let mut a = Attributes::default();
                     for slot in [
                         &mut a.endpoint,
@@ -246,6 +271,9 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
                         *slot = (!v.is_empty()).then_some(v);
                     }
                     a.cost = r.u32()?;
+                    if form == FORM_ATTRIBUTES_MODE {
+                        a.mode = r.mode()?;
+                    }
                     Check::Attributes(a)
                 }
                 form => return Err(Problem::Malformed(format!("unknown check form {form}"))),
@@ -318,8 +346,9 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
 
 struct Reader<'a> {
     buf: &'a [u8],
-    /// Text that was not UTF-8: noted, and refused only once the whole body has parsed (a body
-    /// that does not parse is malformed, which closes the connection; bad text only refuses the item).
+    /// Text that was not UTF-8, or an item mode this peer does not know: noted, and refused only
+    /// once the whole body has parsed (a body that does not parse is malformed, which closes the
+    /// connection; a refused value only refuses the check).
     bad_text: Option<String>,
 }
 
@@ -379,6 +408,17 @@ impl<'a> Reader<'a> {
     fn str16<S: for<'s> From<&'s str> + Default>(&mut self) -> Result<S, Problem> {
         let n = self.u16()? as usize;
         self.string(n)
+    }
+
+    /// An item mode; one this peer does not know refuses the check (error 5) once the body has
+    /// parsed, as bad text does.
+    fn mode(&mut self) -> Result<ItemMode, Problem> {
+        let b = self.u8()?;
+        Ok(ItemMode::from_u8(b).unwrap_or_else(|| {
+            self.bad_text
+                .get_or_insert_with(|| InvalidValue::UnknownMode(b).to_string());
+            ItemMode::Consume
+        }))
     }
 
     fn verdict(&mut self) -> Result<Verdict, Problem> {

@@ -145,9 +145,12 @@ pub enum InvalidValue {
         /// The character.
         found: char,
     },
-    /// A cost of 0.
+    /// A cost of 0 on an item that is not a peek.
     #[error("cost must be at least 1")]
     ZeroCost,
+    /// An item mode this peer does not know.
+    #[error("unknown item mode {0}")]
+    UnknownMode(u8),
     /// A check with no items, or more than [`crate::MAX_ITEMS`].
     #[error("a check carries 1 to {max} items, not {count}", max = crate::MAX_ITEMS)]
     ItemCount {

@@ -54,6 +54,48 @@ pub enum Check {
     Attributes(Attributes),
 }
 
+/// What an item does with its cost (protocol version 2; version 1 knows only `Consume`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ItemMode {
+    /// Takes the cost if the check passes (all or nothing with the check's other consume items).
+    #[default]
+    Consume,
+    /// Changes nothing: says whether the cost would pass, and what is left now.
+    Peek,
+    /// Always takes the cost, even past the limit (a debt later checks wait out); never a rejection.
+    Charge,
+}
+
+impl ItemMode {
+    /// The byte on the wire.
+    pub fn to_u8(self) -> u8 {
+        match self {
+            ItemMode::Consume => 0,
+            ItemMode::Peek => 1,
+            ItemMode::Charge => 2,
+        }
+    }
+
+    /// The mode for a wire byte.
+    pub fn from_u8(b: u8) -> Option<Self> {
+        Some(match b {
+            0 => ItemMode::Consume,
+            1 => ItemMode::Peek,
+            2 => ItemMode::Charge,
+            _ => return None,
+        })
+    }
+
+    /// Lower-case name, as in logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ItemMode::Consume => "consume",
+            ItemMode::Peek => "peek",
+            ItemMode::Charge => "charge",
+        }
+    }
+}
+
 /// One `(key, ruleId, cost)` item of a check.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Item {
@@ -61,17 +103,36 @@ pub struct Item {
     pub key: CompactString,
     /// The rule to check the key against.
     pub rule_id: CompactString,
-    /// How many units this request consumes (at least 1).
+    /// How many units this request consumes (at least 1; a peek may ask about 0).
     pub cost: u32,
+    /// What the item does with its cost.
+    pub mode: ItemMode,
 }
 
 impl Item {
-    /// An item; validated when encoded or by [`Item::validate`].
+    /// An item that consumes its cost; validated when encoded or by [`Item::validate`].
     pub fn new(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32) -> Self {
         Item {
             key: key.into(),
             rule_id: rule_id.into(),
             cost,
+            mode: ItemMode::Consume,
+        }
+    }
+
+    /// An item that asks whether `cost` would pass, changing nothing.
+    pub fn peek(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32) -> Self {
+        Item {
+            mode: ItemMode::Peek,
+            ..Item::new(key, rule_id, cost)
+        }
+    }
+
+    /// An item that takes `cost` whatever the limit says (a cost known after the response).
+    pub fn charge(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32) -> Self {
+        Item {
+            mode: ItemMode::Charge,
+            ..Item::new(key, rule_id, cost)
         }
     }
 
@@ -80,7 +141,7 @@ impl Item {
     pub fn validate(&self) -> Result<(), InvalidValue> {
         validate_text("key", &self.key, MAX_KEY)?;
         validate_rule_id(&self.rule_id)?;
-        if self.cost == 0 {
+        if self.cost == 0 && self.mode != ItemMode::Peek {
             return Err(InvalidValue::ZeroCost);
         }
         Ok(())
@@ -100,8 +161,10 @@ pub struct Attributes {
     pub api_key: Option<String>,
     /// The client IP address.
     pub ip: Option<String>,
-    /// How many units this request consumes (at least 1).
+    /// How many units this request consumes (at least 1; a peek may ask about 0).
     pub cost: u32,
+    /// What every matched rule's item does with the cost.
+    pub mode: ItemMode,
 }
 
 impl Attributes {
@@ -112,7 +175,7 @@ impl Attributes {
                 validate_text(name, v, MAX_ATTRIBUTE)?;
             }
         }
-        if self.cost == 0 {
+        if self.cost == 0 && self.mode != ItemMode::Peek {
             return Err(InvalidValue::ZeroCost);
         }
         Ok(())

@@ -33,6 +33,6 @@ pub use error::{DecodeError, EncodeError, ErrorCode, InvalidValue};
 pub use fail_modes::{endpoint_matches, ClosedRule, FailModeList, ListedDimension, LIST_HEAD};
 pub use frame::{
     validate_rule_id, Attributes, Body, Check, CompactString, Decision, ErrorBody, Frame, Item, ItemDecision,
-    Source, Verdict,
+    ItemMode, Source, Verdict,
 };
 pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, MIN_VERSION, VERSION};

@@ -6,7 +6,7 @@
 
 use floodgate_protocol::{
     decode, Attributes, Body, Check, ClosedRule, Decision, DecodeError, ErrorBody, ErrorCode, FailModeList,
-    Frame, Item, ItemDecision, ListedDimension, Source, Verdict, MAX_FRAME,
+    Frame, Item, ItemDecision, ItemMode, ListedDimension, Source, Verdict, MAX_FRAME,
 };
 use proptest::prelude::*;
 
@@ -42,7 +42,10 @@ fn verdict() -> impl Strategy<Value = Verdict> {
 }
 
 fn body() -> impl Strategy<Value = Body> {
-    let item = (text(256), rule_id(), 1u32..).prop_map(|(k, r, c)| Item::new(k, r, c));
+    let item = (text(256), rule_id(), 1u32.., 0u8..3).prop_map(|(k, r, c, m)| Item {
+        mode: ItemMode::from_u8(m).unwrap(),
+        ..Item::new(k, r, c)
+    });
     let attr = || proptest::option::of(text(256));
     prop_oneof![
         (any::<u8>(), any::<u8>()).prop_map(|(min_version, max_version)| Body::Hello {
@@ -51,14 +54,15 @@ fn body() -> impl Strategy<Value = Body> {
         }),
         any::<u8>().prop_map(|version| Body::HelloOk { version }),
         proptest::collection::vec(item, 1..=16).prop_map(|items| Body::Check(Check::Items(items))),
-        (attr(), attr(), attr(), attr(), attr(), 1u32..).prop_map(
-            |(endpoint, tier, user, api_key, ip, cost)| Body::Check(Check::Attributes(Attributes {
+        (attr(), attr(), attr(), attr(), attr(), 1u32.., 0u8..3).prop_map(
+            |(endpoint, tier, user, api_key, ip, cost, m)| Body::Check(Check::Attributes(Attributes {
                 endpoint,
                 tier,
                 user,
                 api_key,
                 ip,
-                cost
+                cost,
+                mode: ItemMode::from_u8(m).unwrap(),
             }))
         ),
         (

@@ -3,7 +3,7 @@
 
 use floodgate_protocol::{
     decode, Attributes, Body, Check, ClosedRule, Decision, ErrorBody, ErrorCode, FailModeList, Frame, Item,
-    ItemDecision, ListedDimension, Source, Verdict,
+    ItemDecision, ItemMode, ListedDimension, Source, Verdict,
 };
 
 const DOC: &str = include_str!("../PROTOCOL.md");
@@ -86,6 +86,7 @@ fn frames() -> Vec<(&'static str, Frame)> {
                     api_key: Some("abc".into()),
                     ip: None,
                     cost: 2,
+                    mode: ItemMode::Consume,
                 })),
             ),
         ),
@@ -145,6 +146,29 @@ fn frames() -> Vec<(&'static str, Frame)> {
         ),
         ("hello_ok_v2", Frame::new(0, Body::HelloOk { version: 2 })),
         ("fail_modes", Frame::new(11, Body::FailModes)),
+        (
+            "check_modes",
+            Frame::new(
+                12,
+                Body::Check(Check::Items(vec![
+                    Item::peek("user:123", "tokens", 0),
+                    Item::charge("user:123", "llm", 1500),
+                ])),
+            ),
+        ),
+        (
+            "check_attributes_charge",
+            Frame::new(
+                13,
+                Body::Check(Check::Attributes(Attributes {
+                    endpoint: Some("/v1/chat".into()),
+                    api_key: Some("abc".into()),
+                    cost: 900,
+                    mode: ItemMode::Charge,
+                    ..Default::default()
+                })),
+            ),
+        ),
         (
             "fail_mode_list",
             Frame::new(

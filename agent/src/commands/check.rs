@@ -91,6 +91,7 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
                 api_key: cli.api_key.clone(),
                 ip: cli.ip.clone(),
                 cost: cli.cost,
+                mode: Default::default(),
             };
             client.check_request(a).await
         }

@@ -54,6 +54,7 @@ mod tests {
             api_key: Some("abc".into()),
             ip: Some("203.0.113.5".into()),
             cost: 1,
+            mode: Default::default(),
         }
     }
 

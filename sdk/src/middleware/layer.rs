@@ -200,6 +200,7 @@ impl Config {
             api_key: read(&self.api_key),
             ip: ip.map(wire_safe),
             cost,
+            mode: Default::default(),
         };
         (attributes, fail)
     }
