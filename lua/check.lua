@@ -19,6 +19,10 @@
 --            locally while Redis was away; a token bucket may go below zero, a debt refilled first).
 --          mode 3 take back: remove the cost from the target window (a check consumed it here but
 --            was rejected on another shard); a token bucket gets the tokens back.
+--          mode 4 peek: the verdict for the cost, nothing written, never blocks the group.
+--          mode 5 charge: the cost counted whatever the verdict (a sliding window past its limit,
+--            a token bucket below zero); answers the state after, always allowed; never blocks the
+--            group and is never undone by it.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
 --          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
 --          client's count in the target window afterwards, as flush.lua answers, from which the agent
@@ -65,7 +69,20 @@ for i = 1, #KEYS do
   if algorithm ~= '1' and algorithm ~= '2' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
-  if mode == '2' or mode == '3' then
+  if mode == '4' or mode == '5' then
+    local burst = tonumber(ARGV[a + 4])
+    if algorithm == '1' then
+      local f = sliding_window_peek
+      if mode == '5' then f = sliding_window_charge end
+      out[n + 1], out[n + 3], out[n + 4], out[n + 5] = f(KEYS[i], field, now, limit, window, cost)
+      out[n + 2] = limit
+    else
+      local f = token_bucket_peek
+      if mode == '5' then f = token_bucket_charge end
+      local v = f(KEYS[i], now, limit, window, burst, cost)
+      out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
+    end
+  elseif mode == '2' or mode == '3' then
     local ok, applied, count = pcall(adjust, KEYS[i], algorithm, mode, field, now, limit, window,
       tonumber(ARGV[a + 4]), cost, tonumber(ARGV[a + 7]))
     if ok then

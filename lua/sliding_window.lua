@@ -103,3 +103,50 @@ local function sliding_window_adjust(prefix, field, now, window, units, target)
   sliding_window_add(prefix, field, target, window, units, was)
   return units, was + units
 end
+
+-- A peek: what `cost` would do now, changing nothing (core/src/algo/sliding_window.rs
+-- `sliding_window_peek`): allowed (1 | 0), remaining now (before any cost), reset_at_ms when the
+-- counts weighing now are gone, retry_after_ms on a denial.
+local function sliding_window_peek(prefix, field, now, limit, window, cost)
+  local idx = math.floor(now / window)
+  local cur, prev = sliding_window_counts(prefix, field, idx)
+  local start = idx * window
+  local estimate = prev * (1 - (now - start) / window) + cur
+  local remaining = math.floor(limit - estimate)
+  if remaining < 0 then remaining = 0 end
+  local reset
+  if cur > 0 then reset = start + 2 * window elseif prev > 0 then reset = start + window else reset = now end
+  if estimate + cost <= limit then
+    return 1, remaining, reset, 0
+  end
+  local retry
+  if cost > limit then
+    retry = window
+  elseif cur + cost <= limit then
+    local frac = 1 - (limit - cur - cost) / prev
+    retry = math.ceil(start + frac * window - now)
+  else
+    local frac = 1 - (limit - cost) / cur
+    if frac < 0 then frac = 0 end
+    retry = math.ceil(start + window + frac * window - now)
+  end
+  if retry < 1 then retry = 1 end
+  return 0, remaining, reset, retry
+end
+
+-- A charge: `cost` counted whatever the limit says (`sliding_window_charge`): always allowed, the
+-- state after it (remaining floored at 0, reset at the end of the window after this one).
+local function sliding_window_charge(prefix, field, now, limit, window, cost)
+  local idx = math.floor(now / window)
+  local key = prefix .. ':' .. idx
+  local cur = redis.call('HINCRBY', key, field, cost)
+  if cur == cost then
+    redis.call('PEXPIREAT', key, (idx + 2) * window)
+  end
+  local prev = tonumber(redis.call('HGET', prefix .. ':' .. (idx - 1), field)) or 0
+  local start = idx * window
+  local estimate = prev * (1 - (now - start) / window) + cur
+  local remaining = math.floor(limit - estimate)
+  if remaining < 0 then remaining = 0 end
+  return 1, remaining, start + 2 * window, 0
+end

@@ -61,3 +61,27 @@ local function token_bucket_give_back(key, now, limit, window, burst, units)
   redis.call('HSET', key, 't', tokens, 'ts', now)
   redis.call('PEXPIREAT', key, now + math.ceil((burst - tokens) / rate) + 1)
 end
+
+-- A peek: what `cost` would do now, changing nothing (core/src/algo/token_bucket.rs
+-- `token_bucket_peek`): the verdict with the tokens now as remaining.
+local function token_bucket_peek(key, now, limit, window, burst, cost)
+  local verdict = token_bucket(key, now, limit, window, burst, cost)
+  if verdict[1] == 0 then
+    return verdict
+  end
+  local rate = limit / window
+  local tokens = token_bucket_tokens(key, now, rate, burst)
+  return { 1, burst, math.floor(tokens), now + math.ceil((burst - tokens) / rate), 0 }
+end
+
+-- A charge: `cost` taken whatever is left (`token_bucket_charge`); the bucket may go below zero, a
+-- debt refilled before anything else passes. Always allowed; remaining floored at 0.
+local function token_bucket_charge(key, now, limit, window, burst, cost)
+  local _, commit = token_bucket(key, now, limit, window, burst, cost)
+  commit()
+  local rate = limit / window
+  local after = token_bucket_tokens(key, now, rate, burst)
+  local remaining = math.floor(after)
+  if remaining < 0 then remaining = 0 end
+  return { 1, burst, remaining, now + math.ceil((burst - after) / rate), 0 }
+end

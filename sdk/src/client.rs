@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
+use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item, ItemMode};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
@@ -97,6 +97,19 @@ impl Client {
         self.check(vec![Item::new(key, rule_id, cost)]).await
     }
 
+    /// Whether `cost` would pass for `key` under `rule_id`, and what is left now, changing nothing
+    /// (protocol version 2; a cost of 0 only reads the figures).
+    pub async fn peek(&self, key: &str, rule_id: &str, cost: u32) -> Result<Decision, Error> {
+        self.check(vec![Item::peek(key, rule_id, cost)]).await
+    }
+
+    /// Takes `cost` for `key` under `rule_id` whatever the limit says (a cost known after the
+    /// response: tokens, bytes); later checks wait out any debt. Never a rejection (protocol
+    /// version 2).
+    pub async fn charge(&self, key: &str, rule_id: &str, cost: u32) -> Result<Decision, Error> {
+        self.check(vec![Item::charge(key, rule_id, cost)]).await
+    }
+
     /// Several items at once: allowed only if every item is.
     pub async fn check(&self, items: Vec<Item>) -> Result<Decision, Error> {
         self.check_with(Check::Items(items), CallOptions::default()).await
@@ -114,6 +127,15 @@ impl Client {
     /// check the agent listed as fail-closed (denied, with that rule's limit); [`ClientConfig::fail`].
     pub async fn check_with(&self, check: Check, options: CallOptions) -> Result<Decision, Error> {
         let timeout = options.timeout.unwrap_or(self.shared.config.timeout);
+        if self.shared.connected.load(Ordering::Acquire)
+            && self.shared.version.load(Ordering::Relaxed) < 2
+            && has_modes(&check)
+        {
+            // A version-1 agent cannot parse a peek or a charge: it would close the connection.
+            return Err(Error::Invalid(
+                "the agent speaks protocol version 1: it cannot peek or charge (update the agent)".into(),
+            ));
+        }
         let id = self.shared.next_id();
         let frame = Frame::new(id, Body::Check(check));
         let bytes = frame.to_bytes().map_err(|e| Error::Invalid(e.to_string()))?;
@@ -247,6 +269,14 @@ impl Client {
             retry_ms,
             now_ms,
         )
+    }
+}
+
+/// Whether a check has an item that does not simply consume (protocol version 2).
+fn has_modes(check: &Check) -> bool {
+    match check {
+        Check::Items(items) => items.iter().any(|i| i.mode != ItemMode::Consume),
+        Check::Attributes(a) => a.mode != ItemMode::Consume,
     }
 }
 

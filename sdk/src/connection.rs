@@ -30,6 +30,7 @@ pub(crate) async fn run(shared: Weak<Shared>, mut rx: mpsc::Receiver<Vec<u8>>, r
                 let Some(s) = shared.upgrade() else { return };
                 s.link_up(&path);
                 s.connects.fetch_add(1, Ordering::Relaxed);
+                s.version.store(version, Ordering::Relaxed);
                 s.connected.store(true, Ordering::Release);
                 drop(s);
                 if let Some(r) = ready.take() {

@@ -58,5 +58,5 @@ pub use client::{Client, ClientStats, Health};
 pub use config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;
-pub use floodgate_protocol::{Attributes, Item, ItemDecision, Source};
+pub use floodgate_protocol::{Attributes, Item, ItemDecision, ItemMode, Source};
 pub use socket::{default_socket_path, user_socket, DEFAULT_SOCKET, SOCKET_ENV};

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     pub(crate) config: ClientConfig,
     pub(crate) pending: Mutex<HashMap<u32, oneshot::Sender<Reply>>>,
     pub(crate) connected: AtomicBool,
+    /// The protocol version of the live connection (0 before the first).
+    pub(crate) version: AtomicU8,
     pub(crate) connects: AtomicU64,
     pub(crate) unavailable: AtomicU64,
     pub(crate) timeouts: AtomicU64,
@@ -67,6 +69,7 @@ impl Shared {
             config,
             pending: Mutex::new(HashMap::new()),
             connected: AtomicBool::new(false),
+            version: AtomicU8::new(0),
             connects: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),

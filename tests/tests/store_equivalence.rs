@@ -29,6 +29,24 @@ fn sequence() -> Vec<Vec<Item>> {
     seq
 }
 
+/// Peeks, charges past the limit and consumes after them, alone and mixed in one check.
+fn sequence_with_modes() -> Vec<Vec<Item>> {
+    let mut seq = Vec::new();
+    for i in 0..30u32 {
+        let key = format!("user:m{}", i % 2);
+        let item = match i % 6 {
+            0 => vec![Item::new(&key, "sw", 2), Item::peek(&key, "tb", 0)],
+            1 => vec![Item::charge(&key, "sw", 3 + i % 4), Item::charge(&key, "tb", 2)],
+            2 => vec![Item::peek(&key, "sw", 1), Item::peek(&key, "tb", 2)],
+            3 => vec![Item::new(&key, "tb", 1), Item::peek(&key, "sw", 0)],
+            4 => vec![Item::charge(&key, "dry", 1), Item::new(&key, "sw", 1)],
+            _ => vec![Item::peek(&key, "sw", 3)],
+        };
+        seq.push(item);
+    }
+    seq
+}
+
 type Figures = (bool, u64, u64, u64, u64);
 
 fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
@@ -43,10 +61,10 @@ fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
 
 /// Runs the sequence against both agents step by step (one step to one, the same step to the other),
 /// so that both read their clocks a few ms apart at every step.
-async fn run_both(a: &Agent, b: &Agent) -> Vec<(Vec<Figures>, Vec<Figures>)> {
+async fn run_both(a: &Agent, b: &Agent, sequence: Vec<Vec<Item>>) -> Vec<(Vec<Figures>, Vec<Figures>)> {
     let (ca, cb) = (patient_client(a.socket()).await, patient_client(b.socket()).await);
     let mut out = Vec::new();
-    for items in sequence() {
+    for items in sequence {
         let x = ca.check(items.clone()).await.unwrap();
         let y = cb.check(items).await.unwrap();
         assert!(x.from_agent_answer() && y.from_agent_answer());
@@ -68,7 +86,8 @@ async fn memory_and_redis_agree() {
         .start()
         .await;
     let embedded = Agent::builder().rules(RULES).start().await;
-    let steps = run_both(&on_redis, &embedded).await;
+    let mut steps = run_both(&on_redis, &embedded, sequence()).await;
+    steps.extend(run_both(&on_redis, &embedded, sequence_with_modes()).await);
     let mut denials = 0;
     for (n, (x, y)) in steps.iter().enumerate() {
         assert_eq!(x.len(), y.len());

@@ -4,8 +4,8 @@
 mod sliding_window;
 mod token_bucket;
 
-pub use sliding_window::{sliding_window, WindowState};
-pub use token_bucket::{token_bucket, BucketState};
+pub use sliding_window::{sliding_window, sliding_window_charge, sliding_window_peek, WindowState};
+pub use token_bucket::{token_bucket, token_bucket_charge, token_bucket_peek, BucketState};
 
 /// The outcome of one item, before it is turned into a wire verdict.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

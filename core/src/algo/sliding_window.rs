@@ -83,6 +83,85 @@ pub fn sliding_window(
     (outcome, next, expire_at)
 }
 
+/// What `cost` would do now, changing nothing (a peek), mirroring `lua/sliding_window.lua`'s
+/// `sliding_window_peek`: allowed if it would pass; `remaining` is what is left now, before any cost;
+/// `reset_at_ms` when the counts weighing now are gone; on a denial, when `cost` could pass.
+pub fn sliding_window_peek(
+    state: Option<WindowState>,
+    limit: u64,
+    window_ms: u64,
+    cost: u64,
+    now_ms: u64,
+) -> Outcome {
+    let (o, _, _) = sliding_window(state, limit, window_ms, cost, now_ms);
+    if !o.allowed {
+        // A denial already reports what is left now and when the counts are gone.
+        return o;
+    }
+    let idx = now_ms / window_ms;
+    let (cur, prev) = counts(state, idx);
+    let start = idx * window_ms;
+    let estimate = prev as f64 * (1.0 - (now_ms as f64 - start as f64) / window_ms as f64) + cur as f64;
+    let reset_at_ms = if cur > 0 {
+        start + 2 * window_ms
+    } else if prev > 0 {
+        start + window_ms
+    } else {
+        now_ms
+    };
+    Outcome {
+        allowed: true,
+        limit,
+        remaining: to_u64((limit as f64 - estimate).floor()),
+        reset_at_ms,
+        retry_after_ms: 0,
+    }
+}
+
+/// Counts `cost` whatever the limit says (a charge), mirroring `sliding_window_charge`: the state
+/// after it, always allowed, `remaining` floored at 0. Returns the outcome, the state to store and
+/// when it expires.
+pub fn sliding_window_charge(
+    state: Option<WindowState>,
+    limit: u64,
+    window_ms: u64,
+    cost: u64,
+    now_ms: u64,
+) -> (Outcome, WindowState, u64) {
+    let idx = now_ms / window_ms;
+    let (cur, prev) = counts(state, idx);
+    let start = idx * window_ms;
+    let cur = cur + cost;
+    let estimate = prev as f64 * (1.0 - (now_ms as f64 - start as f64) / window_ms as f64) + cur as f64;
+    let expire_at = start + 2 * window_ms;
+    let outcome = Outcome {
+        allowed: true,
+        limit,
+        remaining: to_u64((limit as f64 - estimate).floor()),
+        reset_at_ms: expire_at,
+        retry_after_ms: 0,
+    };
+    (
+        outcome,
+        WindowState {
+            window: idx,
+            cur,
+            prev,
+        },
+        expire_at,
+    )
+}
+
+/// The current and previous windows' counts at window `idx`.
+fn counts(state: Option<WindowState>, idx: u64) -> (u64, u64) {
+    match state {
+        None => (0, 0),
+        Some(s) if s.window == idx => (s.cur, s.prev),
+        Some(s) if s.window + 1 == idx => (0, s.cur),
+        Some(_) => (0, 0),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -59,6 +59,71 @@ pub fn token_bucket(
     )
 }
 
+/// What `cost` would do now, changing nothing (a peek), mirroring `lua/token_bucket.lua`'s
+/// `token_bucket_peek`: allowed if it would pass; `remaining` is the tokens now; `reset_at_ms` when
+/// the bucket is full; on a denial, when `cost` could pass.
+pub fn token_bucket_peek(
+    state: Option<BucketState>,
+    limit: u64,
+    window_ms: u64,
+    burst: u64,
+    cost: u64,
+    now_ms: u64,
+) -> Outcome {
+    let (o, _, _) = token_bucket(state, limit, window_ms, burst, cost, now_ms);
+    if !o.allowed {
+        return o;
+    }
+    let rate = limit as f64 / window_ms as f64;
+    let tokens = tokens_at(state, rate, burst as f64, now_ms);
+    Outcome {
+        allowed: true,
+        limit: burst,
+        remaining: to_u64(tokens.floor()),
+        reset_at_ms: now_ms.saturating_add(to_u64(((burst as f64 - tokens) / rate).ceil())),
+        retry_after_ms: 0,
+    }
+}
+
+/// Takes `cost` whatever is left (a charge), mirroring `token_bucket_charge`: the bucket may go
+/// below zero, a debt refilled before anything else passes. Always allowed; `remaining` floored at 0.
+pub fn token_bucket_charge(
+    state: Option<BucketState>,
+    limit: u64,
+    window_ms: u64,
+    burst: u64,
+    cost: u64,
+    now_ms: u64,
+) -> (Outcome, BucketState, u64) {
+    let rate = limit as f64 / window_ms as f64;
+    let tokens = tokens_at(state, rate, burst as f64, now_ms) - cost as f64;
+    let reset = now_ms.saturating_add(to_u64(((burst as f64 - tokens) / rate).ceil()));
+    let outcome = Outcome {
+        allowed: true,
+        limit: burst,
+        remaining: to_u64(tokens.floor()),
+        reset_at_ms: reset,
+        retry_after_ms: 0,
+    };
+    (
+        outcome,
+        BucketState {
+            tokens,
+            ts_ms: now_ms,
+        },
+        reset.saturating_add(1),
+    )
+}
+
+/// The tokens in the bucket at `now_ms`.
+fn tokens_at(state: Option<BucketState>, rate: f64, burst: f64, now_ms: u64) -> f64 {
+    match state {
+        None => burst,
+        Some(s) if now_ms > s.ts_ms => (s.tokens + (now_ms - s.ts_ms) as f64 * rate).min(burst),
+        Some(s) => s.tokens,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

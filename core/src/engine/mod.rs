@@ -15,7 +15,7 @@ use crate::cache::RejectionCache;
 use crate::guard::Guard;
 use crate::rules::{items_for, Algorithm, Execution, Rule, RuleSet};
 use crate::shared_store::SharedStore;
-use crate::store::{Clock, MemoryStore, Planned};
+use crate::store::{Clock, ItemMode, MemoryStore, Planned};
 
 mod shared_path;
 
@@ -357,6 +357,7 @@ impl Engine {
                         rule: rule.clone(),
                         key: item.key,
                         cost: u64::from(item.cost),
+                        mode: item.mode,
                     }),
                     None => Err(ErrorBody {
                         code: ErrorCode::UnknownRule,
@@ -370,6 +371,7 @@ impl Engine {
                     rule,
                     key: key.into(),
                     cost: u64::from(a.cost),
+                    mode: a.mode,
                 })
                 .collect(),
         };
@@ -473,12 +475,31 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
         })
         .collect();
     let enforced = || items.iter().filter(|i| !i.verdict.log_only);
-    let denied = enforced()
-        .filter(|i| !i.verdict.allowed)
+    // What decides the check: its consume items; a check without any, its peeks (a charge is never
+    // a rejection).
+    let consumes = plan.iter().any(|p| p.mode == ItemMode::Consume);
+    let gates = |mode: ItemMode| match mode {
+        ItemMode::Consume => true,
+        ItemMode::Peek => !consumes,
+        ItemMode::Charge => false,
+    };
+    let denied = items
+        .iter()
+        .zip(plan)
+        .filter(|(i, p)| !i.verdict.log_only && !i.verdict.allowed && gates(p.mode))
+        .map(|(i, _)| i)
         .max_by_key(|i| i.verdict.retry_after_ms);
-    let binding = denied
-        .or_else(|| enforced().min_by_key(|i| (i.verdict.remaining, i.verdict.limit)))
-        .map(|i| i.verdict);
+    let binding = denied.map(|i| i.verdict).or_else(|| {
+        // Allowed: the tightest enforced item's figures (a denied peek beside consume items
+        // included, as what it would cost), the check itself allowed.
+        enforced()
+            .min_by_key(|i| (i.verdict.remaining, i.verdict.limit))
+            .map(|i| Verdict {
+                allowed: true,
+                retry_after_ms: 0,
+                ..i.verdict
+            })
+    });
     let combined = match binding {
         Some(v) => v,
         // Only log-mode items: allowed, with the figures of the tightest of them, marked log-only.

@@ -15,7 +15,7 @@ use crate::batch::Denial;
 use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
 use crate::rules::{Algorithm, FailMode, Rule};
 use crate::shared_store::{Adjust, Route, SharedStore};
-use crate::store::{Planned, StoreError};
+use crate::store::{ItemMode, Planned, StoreError};
 
 impl Engine {
     /// Whether this item runs batched now: by its rule, or because its key is hot (only where
@@ -60,6 +60,9 @@ impl Engine {
         plan: Vec<Planned>,
         received: Instant,
     ) -> Answer {
+        if plan.iter().any(|p| p.mode != ItemMode::Consume) {
+            return self.check_with_modes(r, plan, received);
+        }
         let now = self.clock.now_ms();
         if let Some(d) = self.cached(&plan, now) {
             return Answer::Ready(Ok(d));
@@ -147,6 +150,92 @@ impl Engine {
                 code: ErrorCode::Internal,
                 message: format!("check task failed: {e}"),
             })
+        }))
+    }
+
+    /// A check with peek or charge items: its consume items take the usual path (cache, batching,
+    /// groups, all or nothing across them), beside them its peeks and charges go to their shards
+    /// directly (one call per call group, never answered from the cache or counted locally: a peek
+    /// must see the shared state, and a charge must land there); a group whose breaker is open, or
+    /// whose call fails, answers them by their rules' fail modes (a charge is then not counted).
+    fn check_with_modes(
+        self: &Arc<Self>,
+        r: &Arc<dyn SharedStore>,
+        plan: Vec<Planned>,
+        received: Instant,
+    ) -> Answer {
+        let (consume, direct): (Vec<usize>, Vec<usize>) =
+            (0..plan.len()).partition(|&i| plan[i].mode == ItemMode::Consume);
+        let consumed = (!consume.is_empty())
+            .then(|| self.check_shared(r, consume.iter().map(|&i| plan[i].clone()).collect(), received));
+        let mut groups: Vec<(Route, Vec<usize>)> = Vec::new();
+        for &i in &direct {
+            let route = r.route(&plan[i].key);
+            match groups.iter_mut().find(|(g, _)| g.call == route.call) {
+                Some((_, items)) => items.push(i),
+                None => groups.push((route, vec![i])),
+            }
+        }
+        let (r, this) = (r.clone(), self.clone());
+        Answer::Pending(Box::pin(async move {
+            let mut out: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
+            let calls = groups.iter().map(|(route, items)| {
+                let open = this
+                    .guard
+                    .as_ref()
+                    .is_some_and(|g| g.breaker(route.shard).snapshot().state != BreakerState::Closed);
+                let items: Vec<Planned> = items.iter().map(|&i| plan[i].clone()).collect();
+                let r = r.clone();
+                async move {
+                    if open {
+                        return Err(StoreError::Connection("the shard's breaker is open".into()));
+                    }
+                    r.check(items, received).await
+                }
+            });
+            let direct_results = futures::future::join_all(calls);
+            let consumed = async {
+                match consumed {
+                    Some(Answer::Ready(d)) => Some(d),
+                    Some(Answer::Pending(f)) => Some(f.await),
+                    None => None,
+                }
+            };
+            let (direct_results, consumed) = futures::join!(direct_results, consumed);
+            let now = this.clock.now_ms();
+            for ((_, items), result) in groups.iter().zip(direct_results) {
+                match result {
+                    Ok(outcomes) => {
+                        for (&i, o) in items.iter().zip(outcomes) {
+                            out[i] = Some((o, Source::Redis));
+                        }
+                    }
+                    Err(e) => {
+                        this.note_store_error(&e);
+                        for &i in items {
+                            out[i] = Some((
+                                fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS),
+                                Source::Fallback,
+                            ));
+                        }
+                    }
+                }
+            }
+            if let Some(d) = consumed {
+                let d = d?;
+                for (&i, item) in consume.iter().zip(d.items) {
+                    let v = item.verdict;
+                    let o = Outcome {
+                        allowed: v.allowed,
+                        limit: v.limit,
+                        remaining: v.remaining,
+                        reset_at_ms: v.reset_at_ms,
+                        retry_after_ms: v.retry_after_ms,
+                    };
+                    out[i] = Some((o, v.source));
+                }
+            }
+            Ok(finish(&plan, out))
         }))
     }
 

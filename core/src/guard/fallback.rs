@@ -147,6 +147,7 @@ impl Fallback {
                 rule: self.scaled(&p.rule, n),
                 key: p.key.clone(),
                 cost: p.cost,
+                mode: p.mode,
             })
             .collect();
         let outcomes = self.store.check(&local);
@@ -256,6 +257,7 @@ mod tests {
                 rule: rule.clone(),
                 key: format!("user:{i}").into(),
                 cost: 1,
+                mode: Default::default(),
             }];
             assert!(f.check(&item, 1, &[true])[0].allowed);
         }
@@ -280,6 +282,7 @@ mod tests {
                 rule: rules.get("r").unwrap().clone(),
                 key: "user:1".into(),
                 cost: 1,
+                mode: Default::default(),
             }]
         };
         let admitted = (0..100)

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use super::Planned;
+use super::{ItemMode, Planned};
 use crate::algo::{self, BucketState, Outcome, WindowState};
 use crate::rules::Algorithm;
 
@@ -71,7 +71,8 @@ impl MemoryStore {
         }
     }
 
-    /// Checks the items at once: costs are committed only if every enforced item passes.
+    /// Checks the items at once: consumed costs are committed only if every enforced consume item
+    /// passes; a charge is always committed, a peek never.
     pub fn check(&self, items: &[Planned]) -> Vec<Outcome> {
         let now = self.clock.now_ms();
         if let [item] = items {
@@ -82,14 +83,14 @@ impl MemoryStore {
                 std::collections::hash_map::Entry::Occupied(mut e) => {
                     let prior = Some(*e.get()).filter(|e| e.expires_at_ms > now).map(|e| e.state);
                     let (outcome, entry) = decide(item, prior, now);
-                    if outcome.allowed {
+                    if commits(item, &outcome, true) {
                         *e.get_mut() = entry;
                     }
                     outcome
                 }
                 std::collections::hash_map::Entry::Vacant(e) => {
                     let (outcome, entry) = decide(item, None, now);
-                    if outcome.allowed {
+                    if commits(item, &outcome, true) {
                         e.insert(entry);
                     }
                     outcome
@@ -105,7 +106,7 @@ impl MemoryStore {
             order.iter().map(|&i| (i, lock(&self.shards[i]))).collect();
 
         let mut outcomes = Vec::with_capacity(items.len());
-        let mut commits = Vec::with_capacity(items.len());
+        let mut writes = Vec::with_capacity(items.len());
         let mut all_ok = true;
         for (n, item) in items.iter().enumerate() {
             // `guards` is in `order`'s order, so the shard's position in `order` is its guard.
@@ -116,16 +117,16 @@ impl MemoryStore {
                 .filter(|e| e.expires_at_ms > now)
                 .map(|e| e.state);
             let (outcome, entry) = decide(item, prior, now);
-            if !outcome.allowed && item.rule.enforced() {
+            if item.mode == ItemMode::Consume && !outcome.allowed && item.rule.enforced() {
                 all_ok = false;
             }
-            if outcome.allowed {
-                commits.push((g, n, entry));
+            if item.mode != ItemMode::Peek && outcome.allowed {
+                writes.push((g, n, entry));
             }
             outcomes.push(outcome);
         }
-        if all_ok {
-            for (g, n, entry) in commits {
+        for (g, n, entry) in writes {
+            if commits(&items[n], &outcomes[n], all_ok) {
                 // Each item has a key `String` of its own, used once: taken, not cloned.
                 guards[g].1.insert(std::mem::take(&mut keys[n]), entry);
             }
@@ -157,7 +158,17 @@ impl MemoryStore {
     }
 }
 
-/// One item's outcome from its prior state, and the entry that commits it.
+/// Whether an item's entry is written: a charge always, a peek never, a consume when it passed and
+/// so did every enforced consume item of its check (`all_ok`).
+fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
+    match item.mode {
+        ItemMode::Consume => outcome.allowed && all_ok,
+        ItemMode::Peek => false,
+        ItemMode::Charge => true,
+    }
+}
+
+/// One item's outcome from its prior state, and the entry that commits it (by the item's mode).
 fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
     let rule = &item.rule;
     match rule.algorithm {
@@ -166,8 +177,15 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
                 Some(State::Window(s)) => Some(s),
                 _ => None,
             };
-            let (o, next, exp) =
-                algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
+            let (limit, window) = (rule.limit.get(), rule.window_ms());
+            let (o, next, exp) = match item.mode {
+                ItemMode::Consume => algo::sliding_window(prior, limit, window, item.cost, now),
+                ItemMode::Charge => algo::sliding_window_charge(prior, limit, window, item.cost, now),
+                ItemMode::Peek => {
+                    let o = algo::sliding_window_peek(prior, limit, window, item.cost, now);
+                    (o, prior.unwrap_or_default(), now)
+                }
+            };
             let entry = Entry {
                 state: State::Window(next),
                 expires_at_ms: exp,
@@ -179,14 +197,15 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
                 Some(State::Bucket(s)) => Some(s),
                 _ => None,
             };
-            let (o, next, exp) = algo::token_bucket(
-                prior,
-                rule.limit.get(),
-                rule.window_ms(),
-                rule.burst(),
-                item.cost,
-                now,
-            );
+            let (limit, window, burst) = (rule.limit.get(), rule.window_ms(), rule.burst());
+            let (o, next, exp) = match item.mode {
+                ItemMode::Consume => algo::token_bucket(prior, limit, window, burst, item.cost, now),
+                ItemMode::Charge => algo::token_bucket_charge(prior, limit, window, burst, item.cost, now),
+                ItemMode::Peek => {
+                    let o = algo::token_bucket_peek(prior, limit, window, burst, item.cost, now);
+                    (o, prior.unwrap_or_default(), now)
+                }
+            };
             let entry = Entry {
                 state: State::Bucket(next),
                 expires_at_ms: exp,
@@ -225,6 +244,7 @@ mod tests {
             rule: rules.get(rule).unwrap().clone(),
             key: key.into(),
             cost,
+            mode: Default::default(),
         }
     }
 

@@ -14,6 +14,7 @@ pub use self::layout::Layout;
 pub use self::memory::{Clock, MemoryStore};
 
 use floodgate_protocol::CompactString;
+pub use floodgate_protocol::ItemMode;
 
 use crate::rules::Rule;
 
@@ -25,8 +26,10 @@ pub struct Planned {
     /// The client key, e.g. `user:123` (validated: no braces; inline up to 24 bytes, so the store's
     /// copies of it cost no allocation).
     pub key: CompactString,
-    /// Units to consume.
+    /// Units to consume (or, by `mode`, to peek at or to charge).
     pub cost: u64,
+    /// What the item does with its cost.
+    pub mode: ItemMode,
 }
 
 /// Why a store could not answer, classified so that fail-open/closed decides on a kind, not a string.

@@ -5,13 +5,13 @@
 
 use floodgate_core::algo::Outcome;
 use floodgate_core::rules::{Algorithm, Rule};
-use floodgate_core::store::{Layout, Planned};
+use floodgate_core::store::{ItemMode, Layout, Planned};
 use redis::Cmd;
 
 use super::resp;
 
 /// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
-/// take back into window `target`); `last` closes a check (all or nothing up to it).
+/// take back into window `target`, 4 peek, 5 charge); `last` closes a check (all or nothing up to it).
 pub(super) struct CallItem<'a> {
     pub(super) rule: &'a Rule,
     pub(super) key: &'a str,
@@ -30,7 +30,12 @@ pub(super) fn check_items<'a>(checks: impl IntoIterator<Item = &'a [Planned]>) -
                 rule: &p.rule,
                 key: &p.key,
                 cost: p.cost,
-                mode: if p.rule.enforced() { 1 } else { 0 },
+                mode: match p.mode {
+                    ItemMode::Consume if p.rule.enforced() => 1,
+                    ItemMode::Consume => 0,
+                    ItemMode::Peek => 4,
+                    ItemMode::Charge => 5,
+                },
                 target: 0,
                 last: i + 1 == check.len(),
             });
