@@ -228,26 +228,50 @@ async fn unknown_domains_pass_and_bad_requests_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    // Asked to give units back, or to look without consuming: that descriptor is answered OK
-    // uncounted, the request's others are still decided.
+    // Asked to give units back (no concurrency rules yet): answered OK uncounted. A hits_addend of
+    // 0 reads the real limit and remaining without counting. The request's others are decided.
     let mut negative = descriptor(&[("remote_address", "1.2.3.4")]);
     negative.is_negative_hits = true;
-    let mut look = descriptor(&[("remote_address", "1.2.3.4")]);
-    look.hits_addend = Some(UInt64Value { value: 0 });
+    let look = || {
+        let mut d = descriptor(&[("remote_address", "1.2.3.4")]);
+        d.hits_addend = Some(UInt64Value { value: 0 });
+        d
+    };
     let counted = descriptor(&[("api_key", "n")]);
     let r = client
-        .should_rate_limit(request("edge", vec![negative, look, counted]))
+        .should_rate_limit(request("edge", vec![negative, look(), counted]))
         .await
         .unwrap();
     assert_eq!(r.overall_code, Code::Ok as i32);
-    assert!(r.statuses[0].current_limit.is_none() && r.statuses[1].current_limit.is_none());
-    assert_eq!(r.statuses[2].limit_remaining, 9);
-    let again = request("edge", vec![descriptor(&[("remote_address", "1.2.3.4")])]);
+    assert!(r.statuses[0].current_limit.is_none());
     assert_eq!(
-        client.should_rate_limit(again).await.unwrap().statuses[0].limit_remaining,
+        r.statuses[1].current_limit.as_ref().map(|l| l.requests_per_unit),
+        Some(3)
+    );
+    assert_eq!(r.statuses[1].limit_remaining, 3, "a look: the real remaining");
+    assert_eq!(r.statuses[2].limit_remaining, 9);
+    let again = || request("edge", vec![descriptor(&[("remote_address", "1.2.3.4")])]);
+    assert_eq!(
+        client.should_rate_limit(again()).await.unwrap().statuses[0].limit_remaining,
         2,
         "neither took a unit of 1.2.3.4's 3"
     );
+    client.should_rate_limit(again()).await.unwrap();
+    client.should_rate_limit(again()).await.unwrap();
+    let over = client.should_rate_limit(again()).await.unwrap();
+    assert_eq!(over.overall_code, Code::OverLimit as i32);
+    assert_eq!(
+        over.statuses[0].limit_remaining, 0,
+        "OVER_LIMIT carries remaining 0"
+    );
+    // At the limit a look is still OK (nothing past it); the key's counts are what the three
+    // admitted made them.
+    let r = client
+        .should_rate_limit(request("edge", vec![look()]))
+        .await
+        .unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32, "{r:?}");
+    assert_eq!(r.statuses[0].limit_remaining, 0);
     let many = request(
         "edge",
         (0..65)

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
-use floodgate_protocol::{Check, Decision, ErrorCode, Item, MAX_ITEMS};
+use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, MAX_ITEMS};
 use tonic::{Request, Response, Status};
 
 use super::proto::{
@@ -78,10 +78,10 @@ impl EnvoyService {
                 slots.push(Slot::Unlimited);
                 continue;
             }
-            // Asked to give units back, or to look without consuming: neither exists here, so the
-            // descriptor is answered OK without being counted (counted in the metrics), and the
-            // request's other descriptors are still decided.
-            if d.is_negative_hits || d.hits_addend.is_some_and(|h| h.value == 0) {
+            // Asked to give units back: concurrency rules are not built, so the descriptor is
+            // answered OK without being counted (counted in the metrics), and the request's other
+            // descriptors are still decided.
+            if d.is_negative_hits {
                 floodgate_core::metrics::grpc_request("uncounted_descriptor");
                 slots.push(Slot::NoRule);
                 continue;
@@ -93,11 +93,22 @@ impl EnvoyService {
             };
             let cost = u32::try_from(cost).unwrap_or(u32::MAX);
             let key = descriptor_key(&d.entries);
+            // A hits_addend of 0 reads the descriptor's limit and remaining without counting (a
+            // peek of cost 0: OVER_LIMIT only once the key is past its limit), as
+            // envoyproxy/ratelimit answers it.
+            let mode = if cost == 0 {
+                ItemMode::Peek
+            } else {
+                ItemMode::Consume
+            };
             // The same counter twice in one request is one item with the costs added (the wire
-            // refuses a duplicate item; both descriptors get its verdict).
+            // refuses a duplicate item; both descriptors get its verdict); it consumes if either does.
             match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
                 Some(i) => {
                     items[i].cost = items[i].cost.saturating_add(cost);
+                    if mode == ItemMode::Consume {
+                        items[i].mode = ItemMode::Consume;
+                    }
                     slots.push(Slot::Item(i));
                 }
                 None if items.len() == MAX_ITEMS => {
@@ -106,7 +117,10 @@ impl EnvoyService {
                     )))
                 }
                 None => {
-                    items.push(Item::new(key, rule.id.clone(), cost));
+                    items.push(Item {
+                        mode,
+                        ..Item::new(key, rule.id.clone(), cost)
+                    });
                     slots.push(Slot::Item(items.len() - 1));
                 }
             }
@@ -152,7 +166,7 @@ impl EnvoyService {
         rules: &floodgate_core::rules::RuleSet,
     ) -> RateLimitResponse {
         let now = Clock::System.now_ms();
-        let statuses = slots
+        let statuses: Vec<DescriptorStatus> = slots
             .iter()
             .map(|slot| {
                 let item = match slot {
@@ -173,7 +187,12 @@ impl EnvoyService {
                         requests_per_unit: u32::try_from(v.limit).unwrap_or(u32::MAX),
                         unit: unit(window_ms) as i32,
                     }),
-                    limit_remaining: u32::try_from(v.remaining).unwrap_or(u32::MAX),
+                    // Over the limit is nothing left, whatever a larger cost would have found.
+                    limit_remaining: if over {
+                        0
+                    } else {
+                        u32::try_from(v.remaining).unwrap_or(u32::MAX)
+                    },
                     // Over the limit: when this request could pass; else when the key is full again.
                     duration_until_reset: Some(Duration::from_ms(if over {
                         v.retry_after_ms
@@ -183,7 +202,9 @@ impl EnvoyService {
                 }
             })
             .collect();
-        let allowed = d.combined.allowed;
+        // Envoy's overall code is OVER_LIMIT when any descriptor is: a hits_addend-0 descriptor past
+        // its limit too, though a peek does not decide the check's consume items.
+        let allowed = d.combined.allowed && statuses.iter().all(|s| s.code != Code::OverLimit as i32);
         let mut headers = Vec::new();
         if self.headers != GrpcHeaders::None {
             let c = &d.combined;

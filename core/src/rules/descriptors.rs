@@ -19,6 +19,9 @@ struct Node {
     /// `(key, prefix)` children of values ending in `*`, the longest prefix first (the most specific
     /// wins, whatever order the rules come in: a file's or the rules service's, sorted by id).
     prefixed: Vec<(String, String, Node)>,
+    /// `(key, pattern)` children of values with a `*` before their end (`ba*b`: each `*` any run of
+    /// characters, as envoyproxy/ratelimit reads them), in rule order, after the prefixes.
+    globbed: Vec<(String, String, Node)>,
     /// `key` → child for entries without a value (any value, each counted apart).
     any: HashMap<String, Node>,
     /// The rule whose limit applies when a descriptor's last entry lands here.
@@ -27,7 +30,7 @@ struct Node {
 
 impl Node {
     fn has_children(&self) -> bool {
-        !(self.exact.is_empty() && self.prefixed.is_empty() && self.any.is_empty())
+        !(self.exact.is_empty() && self.prefixed.is_empty() && self.globbed.is_empty() && self.any.is_empty())
     }
 
     fn child(&self, key: &str, value: &str) -> Option<&Node> {
@@ -38,6 +41,12 @@ impl Node {
                 self.prefixed
                     .iter()
                     .find(|(k, prefix, _)| k == key && value.starts_with(prefix.as_str()))
+                    .map(|(_, _, n)| n)
+            })
+            .or_else(|| {
+                self.globbed
+                    .iter()
+                    .find(|(k, pattern, _)| k == key && glob(pattern, value))
                     .map(|(_, _, n)| n)
             })
             .or_else(|| self.any.get(key))
@@ -51,6 +60,15 @@ impl DescriptorIndex {
         for e in &path.descriptors {
             node = match e.value.as_deref() {
                 None => node.any.entry(e.key.clone()).or_default(),
+                Some(v) if v.strip_suffix('*').unwrap_or(v).contains('*') => {
+                    match node.globbed.iter().position(|(k, p, _)| *k == e.key && p == v) {
+                        Some(i) => &mut node.globbed[i].2,
+                        None => {
+                            node.globbed.push((e.key.clone(), v.to_string(), Node::default()));
+                            &mut node.globbed.last_mut().expect("just pushed").2
+                        }
+                    }
+                }
                 Some(v) if v.ends_with('*') => {
                     let prefix = &v[..v.len() - 1];
                     match node
@@ -108,5 +126,42 @@ impl DescriptorIndex {
             node = next;
         }
         None
+    }
+}
+
+/// Whether `value` matches `pattern`, each `*` in it any run of characters (none included).
+fn glob(pattern: &str, value: &str) -> bool {
+    let mut parts = pattern.split('*');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = value.strip_prefix(first) else {
+        return false;
+    };
+    let parts: Vec<&str> = parts.collect();
+    let Some((last, middle)) = parts.split_last() else {
+        return rest.is_empty();
+    };
+    for part in middle {
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.len() >= last.len() && rest.ends_with(last)
+}
+
+#[cfg(test)]
+mod glob_tests {
+    use super::glob;
+
+    #[test]
+    fn stars_match_any_run_of_characters() {
+        assert!(glob("ba*b", "barab"));
+        assert!(glob("ba*b", "bab"));
+        assert!(!glob("ba*b", "ba"));
+        assert!(!glob("ba*b", "barabx"));
+        assert!(glob("a*b*c", "axxbyyc"));
+        assert!(!glob("a*b*c", "axxcyyb"));
+        assert!(glob("*x", "yyx"));
+        assert!(glob("a**b", "ab"));
     }
 }

@@ -383,7 +383,9 @@ descriptors:
         assert_eq!(limit(&set, &[("wild", "foo1")]), Some((20, 60)));
         assert_eq!(limit(&set, &[("wild", "foo2")]), Some((20, 60)));
         assert_eq!(limit(&set, &[("wild", "bar")]), None);
-        assert_eq!(limit(&set, &[("midWildcard", "barab")]), None);
+        // A '*' inside a value is a wildcard, as envoyproxy/ratelimit reads it since 2026.
+        assert_eq!(limit(&set, &[("midWildcard", "barab")]), Some((20, 60)));
+        assert_eq!(limit(&set, &[("midWildcard", "barabx")]), None);
     }
 
     #[test]
@@ -453,6 +455,7 @@ descriptors:
                 "share_threshold",
             ),
             ("  - a\n", "envoy ratelimit config"),
+
             ("  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 1, unit_multiplier: 307445734561825861}\n", "over a year"),
         ] {
             let err = rules_from_yaml(&format!("{base}{body}")).unwrap_err().to_string();
