@@ -23,6 +23,7 @@ export { DEFAULT_SOCKET, defaultSocketPath } from "./socket-path";
 export { fromAgent } from "./decision";
 export type { Decision, Degraded, Origin } from "./decision";
 export {
+  checkVersion,
   decodeFrame,
   encodeFrame,
   validateCheck,
@@ -38,7 +39,18 @@ export {
   MIN_VERSION,
   VERSION,
 } from "./protocol";
-export type { Attributes, Body, Check, DecodeResult, Frame, Item, ItemDecision, Source, Verdict } from "./protocol";
+export type {
+  Attributes,
+  Body,
+  Check,
+  DecodeResult,
+  Frame,
+  Item,
+  ItemDecision,
+  ItemMode,
+  Source,
+  Verdict,
+} from "./protocol";
 export { closing, endpointMatches, touches } from "./fail-modes";
 export type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 export {
