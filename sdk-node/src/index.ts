@@ -8,10 +8,11 @@
  * fail policy, open (allow) by default, closed where configured; the client reconnects in the
  * background.
  *
- * - {@link Client}: `allow`, `check`, `checkAttributes`, `health`. `new Client()` finds the agent
- *   with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else `/run/floodgate/floodgate.sock`, else
- *   `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every connection attempt, and warns through
- *   `console.warn` (at most once every 10 s) while it cannot reach it.
+ * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `health`. `new Client()`
+ *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
+ *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
+ *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
+ *   reach it.
  * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin.
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
