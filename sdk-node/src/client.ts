@@ -18,6 +18,7 @@ import { closing, type FailModeList } from "./fail-modes";
 import { describeError, Reachability, type Health } from "./health";
 import {
   attributeFields,
+  checkVersion,
   decodeFrame,
   encodeFrame,
   ErrorCode,
@@ -116,8 +117,9 @@ export interface ClientStats {
  */
 export class FloodgateError extends Error {
   /**
-   * `invalid`: the check breaks a protocol limit (found before sending); `agent`: the agent refused
-   * it (unknown rule, invalid item), with the wire `code`.
+   * `invalid`: the check breaks a protocol limit, or peeks or charges on a connection to an agent
+   * that speaks only protocol version 1 (found before sending); `agent`: the agent refused it
+   * (unknown rule, invalid item), with the wire `code`.
    */
   readonly kind: "invalid" | "agent";
   /** The agent's error code (4 unknown rule, 5 invalid item) when `kind` is `agent`. */
@@ -193,7 +195,8 @@ function resolveConfig(c: ClientConfig): Resolved {
  * when the agent is unreachable or late a call under one of the agent's fail-closed rules is
  * denied and any other answers by its fail policy, open (allow) by default, and the client
  * reconnects in the background with backoff and jitter. Calls reject only for checks no policy can
- * answer ({@link FloodgateError}: an invalid check, an unknown rule).
+ * answer ({@link FloodgateError}: an invalid check, an unknown rule, a peek or charge to an agent
+ * that speaks only protocol version 1).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -211,6 +214,8 @@ export class Client {
   private readonly pending = new Map<number, Pending>();
   private socket: net.Socket | null = null;
   private connected = false;
+  /** The version the connection's HelloOk chose; 0 while there is no connection. */
+  private version = 0;
   private closed = false;
   private nextId = 1;
   private rbuf: Buffer = Buffer.alloc(0);
@@ -286,12 +291,40 @@ export class Client {
     return this.send({ form: "items", items: [{ key, ruleId, cost }] }, options);
   }
 
-  /** Several items at once (1 to 16): allowed only if every enforced item is; a denial consumes nothing. */
+  /**
+   * Whether `cost` would pass now, changing nothing: `allowed`, `remaining` (what is left now,
+   * before any cost), `resetAtMs`, and on a denial `retryAfterMs` until it could pass. A cost of 0
+   * (the default) is allowed unless the key is already past its limit. Needs an agent that speaks
+   * protocol version 2: connected to one that speaks 1, it rejects ({@link FloodgateError},
+   * `invalid`). While the agent cannot answer, it is answered as any check is.
+   */
+  peek(key: string, ruleId: string, cost = 0, options?: CallOptions): Promise<Decision> {
+    return this.send({ form: "items", items: [{ key, ruleId, cost, mode: "peek" }] }, options);
+  }
+
+  /**
+   * Takes `cost` (at least 1) whatever the limit says, for a cost known only after the response
+   * (tokens, bytes): past the limit later checks wait the debt out. Never a rejection by the agent:
+   * the decision is the state after the charge. Needs an agent that speaks protocol version 2, as
+   * {@link peek} does.
+   */
+  charge(key: string, ruleId: string, cost: number, options?: CallOptions): Promise<Decision> {
+    return this.send({ form: "items", items: [{ key, ruleId, cost, mode: "charge" }] }, options);
+  }
+
+  /**
+   * Several items at once (1 to 16): allowed only if every enforced consume item is (in a check of
+   * peeks only, every enforced peek); a denial consumes nothing. Each item may peek or charge
+   * (`mode`), as {@link peek} and {@link charge} do.
+   */
   check(items: Item[], options?: CallOptions): Promise<Decision> {
     return this.send({ form: "items", items }, options);
   }
 
-  /** Request attributes for the agent to match against its rules (every matching rule is checked). */
+  /**
+   * Request attributes for the agent to match against its rules (every matching rule is checked);
+   * `mode` applies to every matched rule.
+   */
   checkAttributes(attributes: Attributes, options?: CallOptions): Promise<Decision> {
     return this.send({ form: "attributes", attributes }, options);
   }
@@ -337,6 +370,7 @@ export class Client {
     const s = this.socket;
     this.socket = null;
     this.connected = false;
+    this.version = 0;
     s?.destroy();
     this.failAll("unavailable");
     this.wake();
@@ -360,6 +394,18 @@ export class Client {
     } catch (e) {
       const message = e instanceof InvalidCheck ? e.message : String(e);
       return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));
+    }
+    // A version-1 agent cannot parse forms 2 and 3 and would close the connection, failing every
+    // call in flight: such a check is never sent to it. Without a connection it is answered as any
+    // check is (the agent may come back speaking 2).
+    if (this.connected && checkVersion(check) > this.version) {
+      return Promise.reject(
+        new FloodgateError(
+          "invalid",
+          `invalid check: peek and charge need protocol version 2, ` +
+            `and the agent speaks version ${this.version}`,
+        ),
+      );
     }
     const sock = this.socket;
     if (
@@ -494,6 +540,7 @@ export class Client {
           clearTimeout(timer);
           this.rbuf = this.rbuf.subarray(r.used);
           this.connected = true;
+          this.version = r.frame.body.version;
           upSince = performance.now();
           this.counts.connects++;
           this.reach.connected(path);
@@ -521,6 +568,7 @@ export class Client {
       const wasUp = this.connected;
       this.socket = null;
       this.connected = false;
+      this.version = 0;
       this.stopFailModes();
       this.rbuf = Buffer.alloc(0);
       this.failAll("unavailable");

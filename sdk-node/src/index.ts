@@ -8,10 +8,11 @@
  * fail policy, open (allow) by default, closed where configured; the client reconnects in the
  * background.
  *
- * - {@link Client}: `allow`, `check`, `checkAttributes`, `health`. `new Client()` finds the agent
- *   with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else `/run/floodgate/floodgate.sock`, else
- *   `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every connection attempt, and warns through
- *   `console.warn` (at most once every 10 s) while it cannot reach it.
+ * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `health`. `new Client()`
+ *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
+ *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
+ *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
+ *   reach it.
  * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin.
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
@@ -23,6 +24,7 @@ export { DEFAULT_SOCKET, defaultSocketPath } from "./socket-path";
 export { fromAgent } from "./decision";
 export type { Decision, Degraded, Origin } from "./decision";
 export {
+  checkVersion,
   decodeFrame,
   encodeFrame,
   validateCheck,
@@ -38,7 +40,18 @@ export {
   MIN_VERSION,
   VERSION,
 } from "./protocol";
-export type { Attributes, Body, Check, DecodeResult, Frame, Item, ItemDecision, Source, Verdict } from "./protocol";
+export type {
+  Attributes,
+  Body,
+  Check,
+  DecodeResult,
+  Frame,
+  Item,
+  ItemDecision,
+  ItemMode,
+  Source,
+  Verdict,
+} from "./protocol";
 export { closing, endpointMatches, touches } from "./fail-modes";
 export type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 export {

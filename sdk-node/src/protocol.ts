@@ -10,7 +10,7 @@
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 
-/** The highest protocol version this SDK speaks (2: the fail-mode list). */
+/** The highest protocol version this SDK speaks (2: the fail-mode list and item modes). */
 export const VERSION = 2;
 /** The lowest protocol version this SDK speaks. */
 export const MIN_VERSION = 1;
@@ -72,14 +72,33 @@ const DIMENSIONS: readonly ListedDimension[] = ["user", "apiKey", "ip", "descrip
 /** FailModeList flags bit 0: more rules than one frame holds. */
 const LIST_TRUNCATED = 0b01;
 
+/** Check forms: 0 and 1 in version 1; 2 and 3, the same with item modes, in version 2. */
+const FORM_ITEMS = 0;
+const FORM_ATTRIBUTES = 1;
+const FORM_ITEMS_MODES = 2;
+const FORM_ATTRIBUTES_MODE = 3;
+
+/**
+ * What an item does with its cost (protocol version 2; version 1 knows only `consume`):
+ *
+ * - `consume`: takes the cost if the check passes, all or nothing with the check's other consume items;
+ * - `peek`: changes nothing; says whether the cost would pass now and what is left now;
+ * - `charge`: always takes the cost, even past the limit (a debt later checks wait out); never denied.
+ */
+export type ItemMode = "consume" | "peek" | "charge";
+/** The modes by their wire byte. */
+const MODES: readonly ItemMode[] = ["consume", "peek", "charge"];
+
 /** One `(key, ruleId, cost)` item of a check. */
 export interface Item {
   /** The client key, e.g. `user:123` (1 to 256 bytes; no braces or control characters). */
   key: string;
   /** The rule to check the key against (1 to 128 bytes of `[A-Za-z0-9_.:-]`). */
   ruleId: string;
-  /** Units this request consumes (an integer, 1 to 2³²−1; default 1). */
+  /** Units this request consumes (an integer, 1 to 2³²−1; a peek may ask about 0; default 1). */
   cost?: number;
+  /** What the item does with its cost (default `consume`; the others need protocol version 2). */
+  mode?: ItemMode;
 }
 
 /** Request attributes for the agent to match against its rules; absent or `""` means absent. */
@@ -94,8 +113,10 @@ export interface Attributes {
   apiKey?: string | null;
   /** The client IP address. */
   ip?: string | null;
-  /** Units this request consumes (default 1). */
+  /** Units this request consumes (a peek may ask about 0; default 1). */
   cost?: number;
+  /** What every matched rule's item does with the cost (default `consume`; see {@link ItemMode}). */
+  mode?: ItemMode;
 }
 
 /** The figures of one decision, per item or combined. */
@@ -199,11 +220,34 @@ export function validateRuleId(ruleId: unknown): string | null {
   return null;
 }
 
-function validateCost(cost: unknown): string | null {
-  if (typeof cost !== "number" || !Number.isInteger(cost) || cost < 1 || cost > MAX_COST) {
-    return `cost must be an integer from 1 to ${MAX_COST}, not ${String(cost)}`;
+function validateMode(mode: unknown): string | null {
+  if (mode === undefined || MODES.includes(mode as ItemMode)) return null;
+  return `mode must be one of ${MODES.join(", ")}, not ${JSON.stringify(mode)}`;
+}
+
+/** A peek may ask about cost 0 (what is left now); every other mode takes at least 1. */
+function validateCost(cost: unknown, mode: ItemMode | undefined): string | null {
+  const min = mode === "peek" ? 0 : 1;
+  if (typeof cost !== "number" || !Number.isInteger(cost) || cost < min || cost > MAX_COST) {
+    const of = min === 0 ? "a peek's cost" : "cost";
+    return `${of} must be an integer from ${min} to ${MAX_COST}, not ${String(cost)}`;
   }
   return null;
+}
+
+/** Whether a check needs forms 2 or 3: some item does not consume. */
+function hasModes(check: Check): boolean {
+  if (check.form === "items") return check.items.some((i) => (i.mode ?? "consume") !== "consume");
+  return (check.attributes.mode ?? "consume") !== "consume";
+}
+
+/**
+ * The lowest protocol version that carries `check`: 2 when an item (or the attributes) peeks or
+ * charges, else 1. A version-1 agent cannot parse a version-2 check and closes the connection, so
+ * such a check is sent only on a connection whose HelloOk said 2.
+ */
+export function checkVersion(check: Check): 1 | 2 {
+  return hasModes(check) ? 2 : 1;
 }
 
 /** Why a check is refused by the protocol's limits, or null when it is valid. */
@@ -220,7 +264,8 @@ export function validateCheck(check: Check): string | null {
       const why =
         validateText("key", item.key, MAX_KEY) ??
         validateRuleId(item.ruleId) ??
-        validateCost(item.cost ?? 1);
+        validateMode(item.mode) ??
+        validateCost(item.cost ?? 1, item.mode);
       if (why) return why;
       if (seen) {
         const pair = `${item.ruleId}\u0000${item.key}`;
@@ -237,7 +282,7 @@ export function validateCheck(check: Check): string | null {
       if (why) return why;
     }
   }
-  return validateCost(a.cost ?? 1);
+  return validateMode(a.mode) ?? validateCost(a.cost ?? 1, a.mode);
 }
 
 /** The attributes with their names, in wire order. */
@@ -399,22 +444,27 @@ export function encodeFrame(frame: Frame): Buffer {
     case "helloOk":
       w.u8(body.version);
       break;
-    case "check":
+    case "check": {
+      // Every item consuming: version 1's forms 0 and 1, which every agent reads.
+      const modes = hasModes(body.check);
       if (body.check.form === "items") {
-        w.u8(0);
+        w.u8(modes ? FORM_ITEMS_MODES : FORM_ITEMS);
         w.u8(body.check.items.length);
         for (const item of body.check.items) {
           w.str16(item.key);
           w.str8(item.ruleId);
           w.u32(item.cost ?? 1);
+          if (modes) w.u8(MODES.indexOf(item.mode ?? "consume"));
         }
       } else {
         const a = body.check.attributes;
-        w.u8(1);
+        w.u8(modes ? FORM_ATTRIBUTES_MODE : FORM_ATTRIBUTES);
         for (const [, value] of attributeFields(a)) w.str16(value ?? "");
         w.u32(a.cost ?? 1);
+        if (modes) w.u8(MODES.indexOf(a.mode ?? "consume"));
       }
       break;
+    }
     case "decision":
       putVerdict(w, body.combined);
       w.u8(body.items.length);
@@ -465,7 +515,11 @@ const utf8 = new TextDecoder("utf-8", { fatal: true });
 
 class Reader {
   pos: number;
-  /** Text that was not UTF-8: refused once the whole body has parsed (like the Rust decoder). */
+  /**
+   * Text that was not UTF-8, or an item mode this peer does not know: refused once the whole body
+   * has parsed, like the Rust decoder (a body that does not parse is malformed, which closes the
+   * connection; a refused value only refuses the check).
+   */
   badText: string | null = null;
   constructor(
     private readonly buf: Buffer,
@@ -518,6 +572,14 @@ class Reader {
   str8(): string {
     return this.string(this.u8());
   }
+  /** An item mode; one this peer does not know refuses the check (error 5), as bad text does. */
+  mode(): ItemMode {
+    const b = this.u8();
+    const mode = MODES[b];
+    if (mode !== undefined) return mode;
+    this.badText ??= `unknown item mode ${b}`;
+    return "consume";
+  }
   str16(): string {
     return this.string(this.u16());
   }
@@ -547,19 +609,24 @@ function decodeBody(kind: number, r: Reader): Body {
       return { kind: "helloOk", version: r.u8() };
     case Kind.Check: {
       const form = r.u8();
-      if (form === 0) {
+      if (form === FORM_ITEMS || form === FORM_ITEMS_MODES) {
         const n = r.u8();
         const items: Item[] = [];
-        for (let i = 0; i < n; i++) items.push({ key: r.str16(), ruleId: r.str8(), cost: r.u32() });
+        for (let i = 0; i < n; i++) {
+          const item: Item = { key: r.str16(), ruleId: r.str8(), cost: r.u32() };
+          if (form === FORM_ITEMS_MODES) item.mode = r.mode();
+          items.push(item);
+        }
         return { kind: "check", check: { form: "items", items } };
       }
-      if (form === 1) {
+      if (form === FORM_ATTRIBUTES || form === FORM_ATTRIBUTES_MODE) {
         const v = () => {
           const s = r.str16();
           return s === "" ? undefined : s;
         };
         const attributes: Attributes = { endpoint: v(), tier: v(), user: v(), apiKey: v(), ip: v() };
         attributes.cost = r.u32();
+        if (form === FORM_ATTRIBUTES_MODE) attributes.mode = r.mode();
         return { kind: "check", check: { form: "attributes", attributes } };
       }
       throw new Malformed(`unknown check form ${form}`);

@@ -1,7 +1,7 @@
 /**
  * The client against a real `floodgate agent` process, on its embedded store and on a redis-server
- * of the test's own: figures, all-or-nothing, log mode, attributes, a pipelined burst on one
- * connection, the agent stopped (SIGSTOP) and killed and restarted.
+ * of the test's own: figures, all-or-nothing, log mode, attributes, peek and charge, a pipelined
+ * burst on one connection, the agent stopped (SIGSTOP) and killed and restarted.
  */
 
 import assert from "node:assert/strict";
@@ -36,6 +36,13 @@ match = { endpoint = "/items-only" }
 limit = 1
 windowSeconds = 60
 mode = "log"
+
+[[rules]]
+id = "t-five"
+dimension = "user"
+match = { endpoint = "/items-only" }
+limit = 5
+windowSeconds = 60
 
 [[rules]]
 id = "t-big"
@@ -160,6 +167,22 @@ function suite(store: "embedded" | "redis"): void {
       assert.equal(second.logOnly, true);
       assert.equal(second.items[0].verdict.logOnly, true);
       assert.equal(second.items[0].verdict.allowed, false, "the item would have been denied");
+    });
+
+    it("a peek changes nothing; a charge commits past the limit, and a consume is then denied", async () => {
+      const key = `user:${unique()}`;
+      for (let i = 0; i < 3; i++) assert.ok((await client.allow(key, "t-five", 1, PATIENT)).allowed);
+      for (let i = 0; i < 2; i++) {
+        const p = await client.peek(key, "t-five", 0, PATIENT);
+        assert.deepEqual([p.allowed, p.limit, p.remaining, p.retryAfterMs], [true, 5, 2, undefined], `peek ${i + 1}`);
+        assert.deepEqual(p.origin, { kind: "agent", source });
+      }
+      // 3 + 10 is past the limit of 5: taken all the same, and never a rejection.
+      const c = await client.charge(key, "t-five", 10, PATIENT);
+      assert.deepEqual([c.allowed, c.limit, c.remaining, c.retryAfterMs], [true, 5, 0, undefined]);
+      const d = await client.allow(key, "t-five", 1, PATIENT);
+      assert.equal(d.allowed, false);
+      assert.ok(d.retryAfterMs !== undefined && d.retryAfterMs > 0, `retry ${d.retryAfterMs}`);
     });
 
     it("an unknown rule rejects with the agent's code 4; an invalid item never leaves the process", async () => {

@@ -2,7 +2,8 @@
  * The client against a fake agent that answers out of order, in fragments, with garbage, oversize
  * frames, unknown kinds, bad text and error codes: the client never crashes, never rejects for the
  * agent's trouble, and answers each call by its fail policy without waiting out its timeout; and
- * how it asks for, keeps and applies the agent's fail-closed rules (protocol version 2).
+ * how it asks for, keeps and applies the agent's fail-closed rules, and sends peeks and charges
+ * only to an agent that speaks protocol version 2.
  */
 
 import assert from "node:assert/strict";
@@ -509,5 +510,122 @@ describe("the agent's fail-closed rules (fake agent)", () => {
     await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
     assert.equal((await client.checkAttributes(loginCheck)).allowed, false, "the listed rule still denies");
     assert.deepEqual((await client.allow("user:1", "past-the-list")).origin, { kind: "failOpen", reason: "unavailable" });
+  });
+});
+
+describe("peek and charge (fake agent)", () => {
+  const clients: Client[] = [];
+  const fakes: FakeAgent[] = [];
+  after(async () => {
+    for (const c of clients) c.close();
+    for (const f of fakes) await f.close();
+  });
+
+  async function setup(helloVersion: number) {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = helloVersion;
+    fake.onCheck = (f, sock) => sock.write(decisionFrame(f.requestId, 3));
+    const client = await Client.connect(fake.path, { timeoutMs: LONG });
+    clients.push(client);
+    assert.ok(client.isConnected());
+    return { fake, client };
+  }
+
+  /** The body of each Check the fake read, in hex (the request ids differ from run to run). */
+  const checkBodies = (fake: FakeAgent) =>
+    fake.receivedBytes.filter((b) => b[5] === 0x03).map((b) => b.subarray(10).toString("hex"));
+
+  it("a version-2 agent gets peeks and charges as form 2 (items) and 3 (attributes)", async () => {
+    const { fake, client } = await setup(2);
+    const answers = [
+      await client.peek("user:1", "rule"),
+      await client.charge("user:1", "rule", 1500),
+      await client.check([
+        { key: "user:1", ruleId: "rule" },
+        { key: "user:1", ruleId: "tok", cost: 2, mode: "peek" },
+      ]),
+      await client.checkAttributes({ user: "1", cost: 900, mode: "charge" }),
+      await client.allow("user:1", "rule"),
+    ];
+    assert.ok(answers.every((d) => d.origin.kind === "agent" && d.remaining === 3));
+    const key = "0006" + Buffer.from("user:1").toString("hex");
+    const rule = "04" + Buffer.from("rule").toString("hex");
+    assert.deepEqual(checkBodies(fake), [
+      // form 2, one item: key, rule id, cost 0, mode 1 (peek)
+      `0201${key}${rule}0000000001`,
+      // cost 1500, mode 2 (charge)
+      `0201${key}${rule}000005dc02`,
+      // a consume item carries mode 0 beside a peek
+      `0202${key}${rule}0000000100${key}03${Buffer.from("tok").toString("hex")}0000000201`,
+      // form 3: endpoint "", tier "", user "1", api key "", ip "", cost 900, mode 2 (charge)
+      "03" + "0000" + "0000" + "000131" + "0000" + "0000" + "00000384" + "02",
+      // every item consuming: form 0, as to a version-1 agent
+      `0001${key}${rule}00000001`,
+    ]);
+    // Check frames carry version byte 1 whatever their form (the version that introduced the kind).
+    assert.ok(fake.receivedBytes.filter((b) => b[5] === 0x03).every((b) => b[4] === 1));
+  });
+
+  it("a version-1 agent never gets one: the call rejects, saying so, and the connection stays", async () => {
+    const { fake, client } = await setup(1);
+    const said = (e: unknown) => {
+      assert.ok(e instanceof FloodgateError);
+      assert.equal(e.kind, "invalid");
+      assert.match(e.message, /peek and charge need protocol version 2, and the agent speaks version 1/);
+      return true;
+    };
+    await assert.rejects(client.peek("user:1", "rule"), said);
+    await assert.rejects(client.charge("user:1", "rule", 10), said);
+    await assert.rejects(client.check([{ key: "user:1", ruleId: "rule", mode: "peek" }]), said);
+    await assert.rejects(client.checkAttributes({ user: "1", mode: "charge" }), said);
+    // Consume checks still go, as forms 0 and 1; a check in flight is not failed by a refused one.
+    const inFlight = client.allow("user:1", "rule", 1);
+    await assert.rejects(client.peek("user:1", "rule"), said);
+    assert.equal((await inFlight).origin.kind, "agent");
+    assert.equal((await client.check([{ key: "user:1", ruleId: "rule", mode: "consume" }])).origin.kind, "agent");
+    assert.deepEqual(
+      fake.received.map((f) => f.body.kind),
+      ["hello", "check", "check"],
+    );
+    assert.deepEqual(
+      checkBodies(fake).map((b) => b.slice(0, 2)),
+      ["00", "00"],
+    );
+    assert.equal(fake.connections, 1);
+    assert.ok(client.isConnected());
+  });
+
+  it("an invalid peek or charge rejects before the version matters; without an agent they answer by policy", async () => {
+    const { fake, client } = await setup(1);
+    await assert.rejects(client.charge("user:1", "rule", 0), /cost must be an integer from 1/);
+    await assert.rejects(client.peek("user:1", "rule", -1), /a peek's cost must be an integer from 0/);
+    // No connection: a peek and a charge are decided as any check is (the agent may return speaking 2).
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    assert.deepEqual((await client.peek("user:1", "rule")).origin, { kind: "failOpen", reason: "unavailable" });
+    const closed = await client.charge("user:1", "rule", 10, { fail: "closed" });
+    assert.deepEqual([closed.allowed, closed.origin], [false, { kind: "failClosed", reason: "unavailable" }]);
+  });
+
+  it("while a version-2 agent is away, a peek under its fail-closed rule is denied like any check", async () => {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = 2;
+    fake.failModeList = {
+      rulesVersion: 1,
+      truncated: false,
+      rules: [{ ruleId: "tokens", dimension: "user", endpoint: "", tier: "", limit: 50 }],
+    };
+    const client = await Client.connect(fake.path, { timeoutMs: LONG });
+    clients.push(client);
+    await eventually("the list", 5_000, () => client.health().rulesVersion === 1);
+    fake.goAway();
+    await eventually("the client to see the agent gone", 5_000, () => !client.isConnected());
+    const peek = await client.peek("user:1", "tokens");
+    assert.deepEqual([peek.allowed, peek.origin.kind, peek.limit], [false, "failClosed", 50]);
+    const charge = await client.charge("user:1", "tokens", 10);
+    assert.deepEqual([charge.allowed, charge.origin.kind], [false, "failClosed"]);
+    assert.equal((await client.peek("user:1", "other")).origin.kind, "failOpen");
   });
 });

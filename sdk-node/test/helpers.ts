@@ -335,6 +335,8 @@ export class FakeAgent {
   failModeList: FailModeList | null = null;
   /** Every frame it read, in order, across connections. */
   readonly received: Frame[] = [];
+  /** The bytes of each frame in {@link received}, length prefix included. */
+  readonly receivedBytes: Buffer[] = [];
   /** When each connection was accepted (performance.now()). */
   readonly acceptedAt: number[] = [];
   private server: net.Server;
@@ -365,6 +367,7 @@ export class FakeAgent {
       for (;;) {
         const r = decodeFrame(buf);
         if (!r.ok) return;
+        this.receivedBytes.push(Buffer.from(buf.subarray(0, r.used)));
         buf = buf.subarray(r.used);
         const f = r.frame;
         this.received.push(f);

@@ -5,7 +5,16 @@ import * as fs from "node:fs";
 import * as path from "node:path";
 import { describe, it } from "node:test";
 
-import { decodeFrame, encodeFrame, InvalidCheck, MAX_FRAME, type Frame, type Verdict } from "../src/index";
+import {
+  checkVersion,
+  decodeFrame,
+  encodeFrame,
+  InvalidCheck,
+  MAX_FRAME,
+  type Check,
+  type Frame,
+  type Verdict,
+} from "../src/index";
 import { REPO } from "./helpers";
 
 /** The vectors as PROTOCOL.md shows them: `<!-- vector: name -->` then a ```hex block. */
@@ -85,6 +94,37 @@ const EXPECTED: Record<string, Frame> = {
   hello_v2: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 2 } },
   hello_ok_v2: { requestId: 0, body: { kind: "helloOk", version: 2 } },
   fail_modes: { requestId: 11, body: { kind: "failModes" } },
+  check_modes: {
+    requestId: 12,
+    body: {
+      kind: "check",
+      check: {
+        form: "items",
+        items: [
+          { key: "user:123", ruleId: "tokens", cost: 0, mode: "peek" },
+          { key: "user:123", ruleId: "llm", cost: 1500, mode: "charge" },
+        ],
+      },
+    },
+  },
+  check_attributes_charge: {
+    requestId: 13,
+    body: {
+      kind: "check",
+      check: {
+        form: "attributes",
+        attributes: {
+          endpoint: "/v1/chat",
+          tier: undefined,
+          user: undefined,
+          apiKey: "abc",
+          ip: undefined,
+          cost: 900,
+          mode: "charge",
+        },
+      },
+    },
+  },
   fail_mode_list: {
     requestId: 11,
     body: {
@@ -251,6 +291,106 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
       else if (r.type === "rejected") assert.ok(r.frameLen <= b.length);
       else if (r.type === "fatal") assert.ok(r.code === 1 || r.code === 2);
     }
+  });
+});
+
+describe("item modes (version 2)", () => {
+  const frame = (requestId: number, check: Check): Frame => ({ requestId, body: { kind: "check", check } });
+  const pong = Buffer.from("00000006010700000003", "hex");
+
+  it("a check whose items all consume is version 1's form 0 or 1, byte for byte", () => {
+    const vectors = vectorsFromDoc();
+    const one: Check = { form: "items", items: [{ key: "user:123", ruleId: "api", cost: 1, mode: "consume" }] };
+    const attributes: Check = {
+      form: "attributes",
+      attributes: { endpoint: "/search", tier: "free", apiKey: "abc", cost: 2, mode: "consume" },
+    };
+    assert.equal(encodeFrame(frame(7, one)).toString("hex"), vectors.get("check_one_item")!.toString("hex"));
+    assert.equal(encodeFrame(frame(9, attributes)).toString("hex"), vectors.get("check_attributes")!.toString("hex"));
+    assert.deepEqual([checkVersion(one), checkVersion(attributes)], [1, 1]);
+  });
+
+  it("one item that is not consume makes the whole check form 2, consume items carrying byte 0", () => {
+    const check: Check = {
+      form: "items",
+      items: [
+        { key: "user:1", ruleId: "api", cost: 1 },
+        { key: "user:1", ruleId: "tokens", cost: 0, mode: "peek" },
+      ],
+    };
+    assert.equal(checkVersion(check), 2);
+    const b = encodeFrame(frame(5, check));
+    assert.equal(b[10], 2, "form 2");
+    // header 10, form, count, then item 1: key 2+6, rule id 1+3, cost 4, mode.
+    assert.equal(b[10 + 2 + 8 + 4 + 4], 0, "the consume item's mode byte");
+    assert.equal(b[b.length - 1], 1, "the peek item's mode byte");
+    const r = decodeFrame(b);
+    assert.ok(r.ok && r.frame.body.kind === "check" && r.frame.body.check.form === "items");
+    assert.deepEqual(
+      r.frame.body.check.items.map((i) => i.mode),
+      ["consume", "peek"],
+    );
+    const attributes: Check = { form: "attributes", attributes: { user: "u", cost: 0, mode: "peek" } };
+    assert.equal(checkVersion(attributes), 2);
+    assert.equal(encodeFrame(frame(6, attributes))[10], 3, "form 3");
+  });
+
+  it("a peek may have cost 0; consume and charge need at least 1, encoded or decoded", () => {
+    const items = (mode: "consume" | "peek" | "charge", cost: number): Frame =>
+      frame(1, { form: "items", items: [{ key: "k", ruleId: "r", cost, mode }] });
+    const attrs = (mode: "consume" | "peek" | "charge", cost: number): Frame =>
+      frame(1, { form: "attributes", attributes: { user: "u", cost, mode } });
+    const absent = { endpoint: undefined, tier: undefined, apiKey: undefined, ip: undefined };
+    for (const [f, back] of [
+      [items("peek", 0), items("peek", 0)],
+      [attrs("peek", 0), frame(1, { form: "attributes", attributes: { ...absent, user: "u", cost: 0, mode: "peek" } })],
+    ]) {
+      const r = decodeFrame(encodeFrame(f));
+      assert.ok(r.ok, JSON.stringify(r));
+      assert.deepEqual(r.frame, back);
+    }
+    for (const f of [items("consume", 0), items("charge", 0), attrs("consume", 0), attrs("charge", 0)]) {
+      assert.throws(() => encodeFrame(f), /cost must be an integer from 1/);
+    }
+    assert.throws(() => encodeFrame(items("peek", -1)), /a peek's cost must be an integer from 0/);
+    // The same refusals when decoding: the page's charge of 1500 made 0 is refused (error 5) and
+    // skippable; its peek of cost 0 is the vector itself.
+    const chargeZero = Buffer.from(vectorsFromDoc().get("check_modes")!);
+    chargeZero.writeUInt32BE(0, chargeZero.length - 5);
+    const r = decodeFrame(Buffer.concat([chargeZero, pong]));
+    assert.ok(!r.ok && r.type === "rejected", JSON.stringify(r));
+    assert.deepEqual([r.code, r.requestId, r.frameLen], [5, 12, chargeZero.length]);
+  });
+
+  it("an unknown mode byte refuses the check (error 5) and leaves the stream in sync", () => {
+    const vectors = vectorsFromDoc();
+    const items = Buffer.from(vectors.get("check_modes")!);
+    items[33] = 3; // the first item's mode: peek (1) becomes 3
+    const attributes = Buffer.from(vectors.get("check_attributes_charge")!);
+    attributes[attributes.length - 1] = 0xff;
+    for (const [b, id, mode] of [
+      [items, 12, 3],
+      [attributes, 13, 255],
+    ] as const) {
+      const r = decodeFrame(Buffer.concat([b, pong]));
+      assert.ok(!r.ok && r.type === "rejected", JSON.stringify(r));
+      assert.deepEqual([r.code, r.requestId, r.frameLen], [5, id, b.length]);
+      assert.equal(r.reason, `unknown item mode ${mode}`);
+      const next = decodeFrame(Buffer.concat([b, pong]).subarray(r.frameLen));
+      assert.ok(next.ok && next.frame.body.kind === "pong");
+    }
+    // A mode byte on a version-1 form is not read: the body is a byte too long, which is fatal.
+    const form0 = Buffer.concat([vectors.get("check_one_item")!, Buffer.from([1])]);
+    form0.writeUInt32BE(form0.length - 4, 0);
+    const f = decodeFrame(form0);
+    assert.ok(!f.ok && f.type === "fatal" && f.code === 1);
+  });
+
+  it("encoding refuses a mode it does not know", () => {
+    const bad = { key: "k", ruleId: "r", mode: "Peek" } as unknown as { key: string; ruleId: string };
+    assert.throws(() => encodeFrame(frame(1, { form: "items", items: [bad] })), /mode must be one of consume, peek, charge/);
+    const attributes = { user: "u", mode: 1 } as unknown as { user: string };
+    assert.throws(() => encodeFrame(frame(1, { form: "attributes", attributes })), InvalidCheck);
   });
 });
 
