@@ -230,7 +230,11 @@ impl Client {
             return Decision::degraded(false, why, retry, now).under_rule(&rule, limit);
         }
         let policy = fail.unwrap_or(self.shared.config.fail);
-        if let (FailPolicy::Open, Some(limit)) = (policy, self.shared.config.fallback_limit) {
+        // The per-process limit counts what passes: a peek takes nothing and a charge is owed
+        // whatever it says, so only consuming checks go through it.
+        if let (FailPolicy::Open, Some(limit), false) =
+            (policy, self.shared.config.fallback_limit, has_modes(check))
+        {
             let (key, cost) = local_key(check);
             return self.local_limit(limit, &key, cost, why, now);
         }
