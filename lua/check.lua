@@ -21,8 +21,8 @@
 --            was rejected on another shard); a token bucket gets the tokens back.
 --          mode 4 peek: the verdict for the cost, nothing written, never blocks the group.
 --          mode 5 charge: the cost counted whatever the verdict (a sliding window past its limit,
---            a token bucket below zero); answers the state after, always allowed; never blocks the
---            group and is never undone by it.
+--            a token bucket below zero); answers the state after, allowed whether still within the
+--            limit; never blocks the group and is never undone by it.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
 --          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
 --          client's count in the target window afterwards, as flush.lua answers, from which the agent

@@ -134,8 +134,9 @@ local function sliding_window_peek(prefix, field, now, limit, window, cost)
   return 0, remaining, reset, retry
 end
 
--- A charge: `cost` counted whatever the limit says (`sliding_window_charge`): always allowed, the
--- state after it (remaining floored at 0, reset at the end of the window after this one).
+-- A charge: `cost` counted whatever the limit says (`sliding_window_charge`): the state after it,
+-- allowed (1 | 0) whether the key is still within its limit (committed either way), remaining
+-- floored at 0, reset at the end of the window after this one.
 local function sliding_window_charge(prefix, field, now, limit, window, cost)
   local idx = math.floor(now / window)
   local key = prefix .. ':' .. idx
@@ -148,5 +149,11 @@ local function sliding_window_charge(prefix, field, now, limit, window, cost)
   local estimate = prev * (1 - (now - start) / window) + cur
   local remaining = math.floor(limit - estimate)
   if remaining < 0 then remaining = 0 end
-  return 1, remaining, start + 2 * window, 0
+  if estimate <= limit then
+    return 1, remaining, start + 2 * window, 0
+  end
+  -- Past the limit: when one unit could pass again.
+  local _, _, _, retry = sliding_window_peek(prefix, field, now, limit, window, 1)
+  if retry < 1 then retry = 1 end
+  return 0, remaining, start + 2 * window, retry
 end

@@ -75,7 +75,8 @@ local function token_bucket_peek(key, now, limit, window, burst, cost)
 end
 
 -- A charge: `cost` taken whatever is left (`token_bucket_charge`); the bucket may go below zero, a
--- debt refilled before anything else passes. Always allowed; remaining floored at 0.
+-- debt refilled before anything else passes. Allowed (1 | 0) whether the bucket is still not in
+-- debt (committed either way); remaining floored at 0.
 local function token_bucket_charge(key, now, limit, window, burst, cost)
   local _, commit = token_bucket(key, now, limit, window, burst, cost)
   commit()
@@ -83,5 +84,12 @@ local function token_bucket_charge(key, now, limit, window, burst, cost)
   local after = token_bucket_tokens(key, now, rate, burst)
   local remaining = math.floor(after)
   if remaining < 0 then remaining = 0 end
-  return { 1, burst, remaining, now + math.ceil((burst - after) / rate), 0 }
+  local reset = now + math.ceil((burst - after) / rate)
+  if after >= 0 then
+    return { 1, burst, remaining, reset, 0 }
+  end
+  -- In debt: when one unit could pass again.
+  local retry = math.ceil((1 - after) / rate)
+  if retry < 1 then retry = 1 end
+  return { 0, burst, remaining, reset, retry }
 end

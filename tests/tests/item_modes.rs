@@ -32,6 +32,11 @@ async fn peek_charge_and_debt(client: &Client, rule: &str, key: &str) {
     assert!(c.allowed, "{rule}: a charge is never a rejection: {c:?}");
     assert_eq!(c.remaining, 0);
     assert_eq!(c.retry_after_ms, None);
+    let v = c.items[0].verdict;
+    assert!(
+        !v.allowed && v.retry_after_ms > 0,
+        "{rule}: the charge's own verdict says past the limit: {v:?}"
+    );
     let d = client.check(vec![Item::new(key, rule, 1)]).await.unwrap();
     assert!(!d.allowed, "{rule}: the debt is waited out: {d:?}");
     assert!(
@@ -66,6 +71,9 @@ async fn combinations(client: &Client) {
         .await
         .unwrap();
     assert!(!d.allowed);
+    // A charge within the limit says so.
+    let c = client.charge("user:c3", "sw", 1).await.unwrap();
+    assert!(c.items[0].verdict.allowed && c.remaining == 4, "{c:?}");
     // A denied consume beside a charge: nothing consumed, the charge counted.
     let d = client
         .check(vec![

@@ -119,7 +119,8 @@ pub fn sliding_window_peek(
 }
 
 /// Counts `cost` whatever the limit says (a charge), mirroring `sliding_window_charge`: the state
-/// after it, always allowed, `remaining` floored at 0. Returns the outcome, the state to store and
+/// after it, `allowed` whether the key is still within its limit (a charge is committed either way
+/// and never decides a check), `remaining` floored at 0. Returns the outcome, the state to store and
 /// when it expires.
 pub fn sliding_window_charge(
     state: Option<WindowState>,
@@ -134,22 +135,28 @@ pub fn sliding_window_charge(
     let cur = cur + cost;
     let estimate = prev as f64 * (1.0 - (now_ms as f64 - start as f64) / window_ms as f64) + cur as f64;
     let expire_at = start + 2 * window_ms;
+    let next = WindowState {
+        window: idx,
+        cur,
+        prev,
+    };
+    let within = estimate <= limit as f64;
+    // Past the limit: when one unit could pass again.
+    let retry_after_ms = if within {
+        0
+    } else {
+        sliding_window_peek(Some(next), limit, window_ms, 1, now_ms)
+            .retry_after_ms
+            .max(1)
+    };
     let outcome = Outcome {
-        allowed: true,
+        allowed: within,
         limit,
         remaining: to_u64((limit as f64 - estimate).floor()),
         reset_at_ms: expire_at,
-        retry_after_ms: 0,
+        retry_after_ms,
     };
-    (
-        outcome,
-        WindowState {
-            window: idx,
-            cur,
-            prev,
-        },
-        expire_at,
-    )
+    (outcome, next, expire_at)
 }
 
 /// The current and previous windows' counts at window `idx`.

@@ -86,7 +86,8 @@ pub fn token_bucket_peek(
 }
 
 /// Takes `cost` whatever is left (a charge), mirroring `token_bucket_charge`: the bucket may go
-/// below zero, a debt refilled before anything else passes. Always allowed; `remaining` floored at 0.
+/// below zero, a debt refilled before anything else passes. `allowed` says whether the bucket is
+/// still not in debt (a charge is committed either way); `remaining` floored at 0.
 pub fn token_bucket_charge(
     state: Option<BucketState>,
     limit: u64,
@@ -98,12 +99,18 @@ pub fn token_bucket_charge(
     let rate = limit as f64 / window_ms as f64;
     let tokens = tokens_at(state, rate, burst as f64, now_ms) - cost as f64;
     let reset = now_ms.saturating_add(to_u64(((burst as f64 - tokens) / rate).ceil()));
+    let within = tokens >= 0.0;
     let outcome = Outcome {
-        allowed: true,
+        allowed: within,
         limit: burst,
         remaining: to_u64(tokens.floor()),
         reset_at_ms: reset,
-        retry_after_ms: 0,
+        // In debt: when one unit could pass again.
+        retry_after_ms: if within {
+            0
+        } else {
+            to_u64(((1.0 - tokens) / rate).ceil()).max(1)
+        },
     };
     (
         outcome,

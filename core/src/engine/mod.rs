@@ -275,7 +275,8 @@ impl Engine {
         let logged: Vec<(usize, Arc<Rule>, CompactString)> = plan
             .iter()
             .enumerate()
-            .filter(|(_, p)| events || !p.rule.enforced())
+            // A charge is never a rejection: not evented, not a would-be rejection of the dry run.
+            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode != ItemMode::Charge)
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
         let answer = match &self.store {

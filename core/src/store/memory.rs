@@ -120,7 +120,7 @@ impl MemoryStore {
             if item.mode == ItemMode::Consume && !outcome.allowed && item.rule.enforced() {
                 all_ok = false;
             }
-            if item.mode != ItemMode::Peek && outcome.allowed {
+            if commits(item, &outcome, true) {
                 writes.push((g, n, entry));
             }
             outcomes.push(outcome);
