@@ -501,3 +501,59 @@ async fn import_envoy_writes_rules_through_the_api() {
         "{listed}"
     );
 }
+
+/// Envoy Gateway's token recipe: the request phase sends cost 0 (read the quota), the response
+/// phase (`apply_on_stream_done`) sends the tokens the response used. With `overLimit = "charge"`
+/// the report is counted even past the limit and the next request is refused until the debt is
+/// waited out; without it, a report past the limit would count nothing (the tokens free).
+async fn token_recipe(redis: Option<&str>) {
+    const RULES: &str = r#"{"rules":[
+      {"id":"tokens","dimension":"descriptor","limit":1000,"windowSeconds":3600,"overLimit":"charge",
+       "envoy":{"domain":"llm","descriptors":[{"key":"user"}]}},
+      {"id":"plain","dimension":"descriptor","limit":1000,"windowSeconds":3600,
+       "envoy":{"domain":"llm","descriptors":[{"key":"team"}]}}
+    ]}"#;
+    let mut b = Agent::builder().rules(RULES).arg("--grpc").arg("127.0.0.1:0");
+    if let Some(url) = redis {
+        b = b.redis(url);
+    }
+    let agent = b.start().await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+    let phase = |key: &str, value: &str, cost: u64| {
+        let mut d = descriptor(&[(key, value)]);
+        d.hits_addend = Some(UInt64Value { value: cost });
+        request("llm", vec![d])
+    };
+    for (key, charged) in [("user", true), ("team", false)] {
+        let r = client.should_rate_limit(phase(key, "u1", 0)).await.unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32, "{key}: request phase");
+        assert_eq!(r.statuses[0].limit_remaining, 1000, "{key}: the quota, read");
+        let r = client.should_rate_limit(phase(key, "u1", 1500)).await.unwrap();
+        assert_eq!(r.statuses[0].code, Code::OverLimit as i32, "{key}: the report passes the limit");
+        let r = client.should_rate_limit(phase(key, "u1", 0)).await.unwrap();
+        if charged {
+            assert_eq!(r.overall_code, Code::OverLimit as i32, "the debt refuses the next request");
+            assert_eq!(r.statuses[0].limit_remaining, 0);
+        } else {
+            assert_eq!(r.overall_code, Code::Ok as i32, "without overLimit the report counted nothing");
+            assert_eq!(r.statuses[0].limit_remaining, 1000);
+        }
+    }
+    // Within the limit a charged report is OK and counted.
+    client.should_rate_limit(phase("user", "u2", 0)).await.unwrap();
+    let r = client.should_rate_limit(phase("user", "u2", 400)).await.unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(r.statuses[0].limit_remaining, 600);
+}
+
+#[tokio::test]
+async fn envoy_gateway_token_recipe_embedded() {
+    token_recipe(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateway_token_recipe_on_redis() {
+    let redis = RedisServer::start();
+    token_recipe(Some(&redis.url())).await;
+}

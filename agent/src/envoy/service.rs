@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
+use floodgate_core::rules::OverLimit;
 use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, MAX_ITEMS};
 use tonic::{Request, Response, Status};
 
@@ -96,18 +97,21 @@ impl EnvoyService {
             // A hits_addend of 0 reads the descriptor's limit and remaining without counting (a
             // peek of cost 0: OVER_LIMIT only once the key is past its limit), as
             // envoyproxy/ratelimit answers it.
-            let mode = if cost == 0 {
-                ItemMode::Peek
-            } else {
-                ItemMode::Consume
+            // A rule with overLimit = "charge" counts every request, past the limit too (as
+            // envoyproxy/ratelimit does), so a response-phase report of a cost known afterwards
+            // (`apply_on_stream_done`) is counted whatever it comes to.
+            let mode = match (cost, rule.over_limit) {
+                (0, _) => ItemMode::Peek,
+                (_, OverLimit::Charge) => ItemMode::Charge,
+                (_, OverLimit::Deny) => ItemMode::Consume,
             };
             // The same counter twice in one request is one item with the costs added (the wire
-            // refuses a duplicate item; both descriptors get its verdict); it consumes if either does.
+            // refuses a duplicate item; both descriptors get its verdict); it counts if either does.
             match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
                 Some(i) => {
                     items[i].cost = items[i].cost.saturating_add(cost);
-                    if mode == ItemMode::Consume {
-                        items[i].mode = ItemMode::Consume;
+                    if mode != ItemMode::Peek {
+                        items[i].mode = mode;
                     }
                     slots.push(Slot::Item(i));
                 }

@@ -10,7 +10,7 @@ use super::model::{validate_endpoint_pattern, Rule};
 /// Field name → what is wrong with it.
 pub type FieldErrors = BTreeMap<String, String>;
 
-const FIELDS: [&str; 13] = [
+const FIELDS: [&str; 14] = [
     "id",
     "dimension",
     "match",
@@ -20,6 +20,7 @@ const FIELDS: [&str; 13] = [
     "algorithm",
     "mode",
     "failMode",
+    "overLimit",
     "execution",
     "flushIntervalMs",
     "perEndpoint",
@@ -74,6 +75,7 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
             "algorithm" => one_of(v, &["sliding_window", "token_bucket"]),
             "mode" => one_of(v, &["enforce", "log"]),
             "failMode" => one_of(v, &["open", "closed"]),
+            "overLimit" => one_of(v, &["deny", "charge"]),
             "execution" => one_of(v, &["sync", "batched", "auto"]),
             "flushIntervalMs" => integer(v, 1, 60_000),
             "perEndpoint" => v

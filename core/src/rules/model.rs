@@ -70,6 +70,19 @@ pub enum FailMode {
     Closed,
 }
 
+/// What an Envoy request past a rule's limit does to its counter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OverLimit {
+    /// Counts nothing (the default): a rejected request consumes nothing.
+    #[default]
+    Deny,
+    /// Counts it anyway, as envoyproxy/ratelimit does: over the gRPC path each descriptor's cost is
+    /// charged (answered OVER_LIMIT once past the limit), so `apply_on_stream_done` reports of a
+    /// cost known after the response are counted even past the limit.
+    Charge,
+}
+
 /// Where a rule's counting happens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -208,6 +221,9 @@ pub struct Rule {
     /// What to do when the store is unavailable.
     #[serde(default)]
     pub fail_mode: FailMode,
+    /// What an Envoy request past the limit does to the counter (gRPC path only).
+    #[serde(default, skip_serializing_if = "is_deny")]
+    pub over_limit: OverLimit,
     /// Where counting happens.
     #[serde(default)]
     pub execution: Execution,
@@ -227,6 +243,10 @@ pub struct Rule {
     /// When the rules service last wrote the rule (Unix ms; 0 for a rules file).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub updated_at: u64,
+}
+
+fn is_deny(o: &OverLimit) -> bool {
+    *o == OverLimit::Deny
 }
 
 fn is_zero(x: &u64) -> bool {
