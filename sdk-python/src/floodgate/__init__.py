@@ -29,7 +29,7 @@ from .client import Client
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
 from .errors import AgentError, FloodgateError, InvalidCheck
 from .health import Health
-from .protocol import Attributes, Item, ItemDecision, Source, Verdict, wire_safe
+from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
 __version__ = "0.1.0"
@@ -51,6 +51,7 @@ __all__ = [
     "Attributes",
     "Item",
     "ItemDecision",
+    "ItemMode",
     "Source",
     "Verdict",
     "wire_safe",
