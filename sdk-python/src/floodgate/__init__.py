@@ -27,7 +27,7 @@ Example::
 from .aio import AsyncClient
 from .client import Client
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
-from .errors import AgentError, FloodgateError, InvalidCheck
+from .errors import AgentError, FloodgateError, InvalidCheck, UnsupportedByAgent
 from .health import Health
 from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
@@ -48,6 +48,7 @@ __all__ = [
     "AgentError",
     "FloodgateError",
     "InvalidCheck",
+    "UnsupportedByAgent",
     "Attributes",
     "Item",
     "ItemDecision",

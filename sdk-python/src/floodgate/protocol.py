@@ -890,6 +890,7 @@ __all__: Sequence[str] = [
     "check_items_frame",
     "check_attributes_frame",
     "check_version",
+    "item_mode",
     "fail_modes_frame",
     "wire_safe",
     "fnv1a64",
