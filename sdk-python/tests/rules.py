@@ -87,3 +87,23 @@ def window_reset_ms(at_ms: int, window_s: int = WINDOW_S) -> int:
     the current one (PROTOCOL.md, Decision)."""
     w = window_s * 1000
     return (at_ms // w + 2) * w
+
+# Item modes. A bucket of 5 refilled at 5 per minute (one unit per 12 s): its figures move only 12 s
+# after a test's consume, where a one-minute sliding window's move when a test straddles a minute
+# boundary. The sliding window therefore gets the hour-long window, as above.
+MODE_RULES = f"""
+[[rules]]
+id = "tb-5-per-min"
+dimension = "user"
+match = {{ endpoint = "/modes-tb" }}
+limit = 5
+windowSeconds = 60
+algorithm = "token_bucket"
+
+[[rules]]
+id = "sw-5"
+dimension = "user"
+match = {{ endpoint = "/modes-sw" }}
+limit = 5
+windowSeconds = {WINDOW_S}
+"""

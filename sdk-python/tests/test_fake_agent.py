@@ -4,7 +4,9 @@ refused handshake, and valid answers one byte at a time. Each call still returns
 fail policy where the answer is unusable), within its timeout, and the client recovers: it
 reconnects after a broken stream, or keeps the connection after a frame it could skip. Version 2:
 an agent that answers HelloOk 1 is never asked for the fail-mode list, a refreshed list replaces the
-old one whole and is kept once the agent is gone, and a truncated list is used and warned about once."""
+old one whole and is kept once the agent is gone, and a truncated list is used and warned about once;
+peek and charge go out as forms 2 and 3 to a version-2 agent only (a version-1 agent's client raises
+instead of sending them), and answer by the fail policy like any check when the agent cannot."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Callable, List, Optional, Union
 import pytest
 from conftest import eventually
 
-from floodgate import AgentError, AsyncClient, Client, Decision, Degraded, Origin
+from floodgate import AgentError, AsyncClient, Client, Decision, Degraded, InvalidCheck, Origin, UnsupportedByAgent
 from floodgate import fail_modes as fm
 from floodgate import protocol as p
 
@@ -44,7 +46,8 @@ class FakeAgent:
     """A Unix-socket server that answers Hello with ``hello`` and each Check with what
     ``respond(connection_number, request_id)`` gives: bytes, a list of chunks sent one by one, or
     None (no answer); the n-th FailModes (from 1, over all connections) with what
-    ``fail_modes(n, request_id)`` gives. ``kinds`` lists the kind of every frame received, in order."""
+    ``fail_modes(n, request_id)`` gives. ``kinds`` lists the kind of every frame received, in order;
+    ``checks`` the bytes of every Check frame."""
 
     def __init__(
         self,
@@ -58,6 +61,7 @@ class FakeAgent:
         self.fail_modes = fail_modes
         self.asks = 0
         self.kinds: List[int] = []
+        self.checks: List[bytes] = []
         self.connections = 0
         self.server = socket.socket(socket.AF_UNIX)
         self.server.bind(self.path)
@@ -88,6 +92,8 @@ class FakeAgent:
                     r = p.decode(buf)
                     if not isinstance(r, p.Decoded):
                         break
+                    if isinstance(r.frame.body, p.Check):
+                        self.checks.append(bytes(buf[: r.used]))
                     del buf[: r.used]
                     f = r.frame
                     self.kinds.append(buf_kind(f.body))
@@ -197,6 +203,12 @@ class Either:
         if self.kind == "sync":
             return self.sync.check_attributes(**kw)  # type: ignore[arg-type]
         return self._run(self.aio.check_attributes(**kw))  # type: ignore[arg-type]
+
+    def call(self, method: str, *args: object, **kw: object) -> Decision:
+        """Any call by its name: ``peek``, ``charge``, ``check``..."""
+        if self.kind == "sync":
+            return getattr(self.sync, method)(*args, **kw)
+        return self._run(getattr(self.aio, method)(*args, **kw))
 
     def timed(self, **kw: object) -> "tuple[Decision, float]":
         t = time.monotonic()
@@ -471,6 +483,102 @@ def test_a_truncated_list_is_used_and_warned_about_once(
         d = c.allow("k", "b")
         assert not d.allowed and d.limit == 4
         assert c.allow("k", "past-the-prefix").allowed, "rules past the list answer by the policy"
+    finally:
+        c.close()
+        fake.close()
+
+
+# --- version 2: item modes ----------------------------------------------------------------------------
+
+# A call, and the check it must put on the wire.
+MODE_CALLS = [
+    (("peek", "user:1", "tokens"), {}, p.Check(items=[p.Item.peek("user:1", "tokens", 0)])),
+    (("peek", "user:1", "tokens", 7), {}, p.Check(items=[p.Item.peek("user:1", "tokens", 7)])),
+    (("charge", "user:1", "llm", 1500), {}, p.Check(items=[p.Item.charge("user:1", "llm", 1500)])),
+    (
+        ("check", [("user:1", "api", 1), ("user:1", "llm", 2, "charge")]),
+        {},
+        p.Check(items=[p.Item("user:1", "api", 1), p.Item.charge("user:1", "llm", 2)]),
+    ),
+    (
+        ("check_attributes",),
+        {"endpoint": "/v1/chat", "api_key": "abc", "cost": 900, "mode": p.ItemMode.CHARGE},
+        p.Check(attributes=p.Attributes(endpoint="/v1/chat", api_key="abc", cost=900, mode=p.ItemMode.CHARGE)),
+    ),
+]
+
+
+def test_peek_and_charge_go_out_as_forms_2_and_3(kind: str) -> None:
+    fake = FakeAgent(lambda conn, rid: decision(rid), hello=HELLO_OK_2)
+    c = Either(kind, fake.path, timeout=2.0)
+    try:
+        for (method, *args), kw, want in MODE_CALLS:
+            d = c.call(method, *args, **kw)
+            assert d.from_agent and d.remaining == 9, (method, d)
+            sent = fake.checks[-1]
+            # The bytes this SDK's encoder makes for that check, under the id the client chose...
+            rid = int.from_bytes(sent[6:10], "big")
+            assert sent == p.encode(p.Frame(rid, want)), (method, sent.hex(" "))
+            # ...which are form 2 (items with modes) or 3 (attributes with a mode), version byte 1.
+            assert sent[4:6] == b"\x01\x03" and sent[10] == (2 if want.items else 3), sent.hex(" ")
+            assert p.decode(sent) == p.Decoded(p.Frame(rid, want), len(sent))
+        # A check whose items all consume is still version 1's form 0.
+        assert c.allow("user:1", "api").from_agent and fake.checks[-1][10] == 0
+        assert c.call("check", [("user:1", "api", 1, "consume")]).from_agent and fake.checks[-1][10] == 0
+        assert fake.connections == 1 and c.stats().unavailable == 0
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_a_version_1_agent_is_never_sent_a_peek_or_charge(kind: str) -> None:
+    fake = FakeAgent(lambda conn, rid: decision(rid))  # answers HelloOk 1
+    c = Either(kind, fake.path, timeout=2.0)
+    try:
+        assert c.allow().from_agent
+        for (method, *args), kw, _ in MODE_CALLS:
+            # Raised whatever the call's fail policy: no policy can make the agent read the check.
+            for fail in (None, "open", "closed"):
+                with pytest.raises(UnsupportedByAgent) as e:
+                    c.call(method, *args, fail=fail, **kw)
+                assert isinstance(e.value, InvalidCheck)
+                assert (e.value.needed, e.value.agent_version) == (2, 1)
+                assert "speaks version 1" in str(e.value) and fake.path in str(e.value), str(e.value)
+        assert len(fake.checks) == 1, "nothing but the first allow was sent"
+        # The connection is kept, and consuming checks go on as before.
+        assert c.allow().from_agent and c.call("check", [("k", "r", 2, 0)]).from_agent
+        assert fake.connections == 1 and c.stats().connects == 1
+        # Once the agent is gone, they answer by the fail policy as any check does.
+        fake.close()
+        eventually("the client sees the agent gone", lambda: not c.connected())
+        d = c.call("peek", "k", "r")
+        assert d.allowed and d.origin is Origin.FAIL_OPEN and d.degraded is Degraded.UNAVAILABLE
+        d = c.call("charge", "k", "r", 5, fail="closed")
+        assert not d.allowed and d.origin is Origin.FAIL_CLOSED
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_peek_and_charge_answer_by_policy_when_the_agent_cannot(kind: str) -> None:
+    # A version-2 agent that never answers a check, and lists "b" as failing closed.
+    fake = FakeAgent(lambda conn, rid: None, hello=HELLO_OK_2,
+                     fail_modes=lambda n, rid: listing(rid, 5, closed("b", 4)))
+    c = Either(kind, fake.path, timeout=0.05)
+    try:
+        eventually("the list is learnt", lambda: c.health().rules_version == 5)
+        # 1. A per-call policy decides alone.
+        assert c.call("peek", "k", "b", fail="open").allowed
+        d = c.call("charge", "k", "other", 3, fail="closed")
+        assert not d.allowed and d.origin is Origin.FAIL_CLOSED and d.degraded is Degraded.TIMEOUT
+        # 2. Else a listed fail-closed rule denies, whatever the item's mode.
+        for method, args in (("peek", ("k", "b")), ("charge", ("k", "b", 3))):
+            d = c.call(method, *args)
+            assert not d.allowed and d.limit == 4 and d.items[0].rule_id == "b", (method, d)
+        # 3. Else the client's policy (open).
+        d = c.call("charge", "k", "other", 3)
+        assert d.allowed and d.origin is Origin.FAIL_OPEN and d.degraded is Degraded.TIMEOUT
+        assert all(check[10] == 2 for check in fake.checks), "each was sent, as form 2"
     finally:
         c.close()
         fake.close()

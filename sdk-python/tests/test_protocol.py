@@ -1,7 +1,8 @@
 """The wire format: PROTOCOL.md's hex vectors both ways, the decoding rules, the limits a check is
 validated against before anything is sent, the wire_safe hash PROTOCOL.md documents, a decoder
-that never raises on any input, and version 2's fail-mode list: the page's endpoint pattern table and
-which checks a listed rule closes."""
+that never raises on any input, and version 2's fail-mode list (the page's endpoint pattern table and
+which checks a listed rule closes) and item modes (forms 2 and 3 only when an item does not consume,
+cost 0 only for a peek, an unknown mode refusing only its check)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from floodgate.protocol import (
     HelloOk,
     Item,
     ItemDecision,
+    ItemMode,
     ListedDimension,
     Ping,
     Pong,
@@ -67,6 +69,10 @@ FRAMES = {
     "hello_v2": Frame(0, Hello(1, 2)),
     "hello_ok_v2": Frame(0, HelloOk(2)),
     "fail_modes": Frame(11, FailModes()),
+    "check_modes": Frame(12, Check(items=[Item.peek("user:123", "tokens", 0), Item.charge("user:123", "llm", 1500)])),
+    "check_attributes_charge": Frame(
+        13, Check(attributes=Attributes(endpoint="/v1/chat", api_key="abc", cost=900, mode=ItemMode.CHARGE))
+    ),
     "fail_mode_list": Frame(
         11,
         FailModeList(
@@ -111,6 +117,15 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
     assert p.HELLO_FRAME == vector("hello_v2")
     assert p.fail_modes_frame(11) == vector("fail_modes")
+    modes = vector("check_modes")
+    assert p.check_items_frame(12, [("user:123", "tokens", 0, "peek"), ("user:123", "llm", 1500, 2)]) == modes
+    charge = Attributes("/v1/chat", None, None, "abc", None, 900, ItemMode.CHARGE)
+    assert p.check_attributes_frame(13, charge) == vector("check_attributes_charge")
+    # One item, the fast path of peek and charge: form 2 whenever the item does not consume.
+    one = p.check_one_frame(12, "user:123", "llm", 1500, ItemMode.CHARGE)
+    assert one == p.check_items_frame(12, [Item.charge("user:123", "llm", 1500)])
+    assert one[10:12] == b"\x02\x01" and one[-1] == ItemMode.CHARGE
+    assert p.check_one_frame(7, "user:123", "api", 1, ItemMode.CONSUME) == vector("check_one_item")
     status, value, used = p.decode_reply(vector("decision_denied"), 0)
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
@@ -350,3 +365,80 @@ def test_attributes_touch_a_listed_rule_the_agent_would_match() -> None:
     listed = FailModeList(7, False, [staff, everywhere, LOGIN])
     assert listed.closing(attributes(endpoint="/login", ip="1")) is everywhere
     assert FailModeList().closing(attributes(endpoint="/login", ip="1")) is None
+
+
+# --- version 2: item modes ----------------------------------------------------------------------------
+
+
+def test_forms_2_and_3_only_when_an_item_does_not_consume() -> None:
+    # Consume given explicitly, as an ItemMode, its value or its name: version 1's forms, byte for byte.
+    for mode in (ItemMode.CONSUME, 0, "consume"):
+        assert p.check_items_frame(8, [("user:123", "api", 1, mode), Item("ip:203.0.113.5", "login", 3)]) == vector(
+            "check_two_items"
+        )
+        a = Attributes(endpoint="/search", tier="free", api_key="abc", cost=2, mode=mode)  # type: ignore[arg-type]
+        assert p.check_attributes_frame(9, a) == vector("check_attributes")
+        assert p.check_one_frame(7, "user:123", "api", 1, mode) == vector("check_one_item")  # type: ignore[arg-type]
+    # One item that does not consume makes the whole check form 2, every item with its mode.
+    mixed = p.check_items_frame(1, [("a", "r", 1), Item.peek("b", "r")])
+    assert mixed[10:12] == b"\x02\x02"
+    both = Check(items=[Item("a", "r", 1), Item("b", "r", 0, ItemMode.PEEK)])
+    assert p.decode(mixed) == Decoded(Frame(1, both), len(mixed))
+    # What a connection must have said in its HelloOk to be sent each.
+    assert p.check_version(vector("check_modes")) == p.check_version(vector("check_attributes_charge")) == 2
+    for name in ("check_one_item", "check_two_items", "check_attributes"):
+        assert p.check_version(vector(name)) == 1
+
+
+def test_a_peek_may_have_cost_0_the_other_modes_need_1() -> None:
+    p.check_items_frame(1, [Item.peek("k", "r", 0)])
+    p.check_one_frame(1, "k", "r", 0, ItemMode.PEEK)
+    p.check_attributes_frame(1, Attributes(user="u", cost=0, mode=ItemMode.PEEK))
+    for mode in (ItemMode.CONSUME, ItemMode.CHARGE):
+        with pytest.raises(InvalidCheck, match="cost must be an int from 1"):
+            p.check_items_frame(1, [("k", "r", 0, mode)])
+        with pytest.raises(InvalidCheck):
+            p.check_one_frame(1, "k", "r", 0, mode)
+        with pytest.raises(InvalidCheck):
+            p.check_attributes_frame(1, Attributes(user="u", cost=0, mode=mode))
+    with pytest.raises(InvalidCheck, match="a peek's cost"):
+        p.check_items_frame(1, [Item.peek("k", "r", -1)])
+    # The largest cost is the same for every mode.
+    p.check_items_frame(1, [Item.peek("k", "r", 2**32 - 1), Item.charge("k", "s", 2**32 - 1)])
+    # A decoded check is held to the same rules: a charge of 0 refuses the check, a peek of 0 does not.
+    peek0 = _frame(0x03, 4, b"\x02\x01\x00\x01k\x01r\x00\x00\x00\x00\x01")
+    assert p.decode(peek0) == Decoded(Frame(4, Check(items=[Item.peek("k", "r", 0)])), len(peek0))
+    charge0 = _frame(0x03, 4, b"\x02\x01\x00\x01k\x01r\x00\x00\x00\x00\x02")
+    r = p.decode(charge0)
+    assert isinstance(r, Rejected) and (r.code, r.request_id, r.frame_len) == (ErrorCode.INVALID_ITEM, 4, len(charge0))
+    assert "cost" in r.reason
+
+
+@pytest.mark.parametrize("mode", [3, 255, -1, True, "Peek", "borrow", None, 1.0])
+def test_an_unknown_mode_is_refused_before_sending(mode: object) -> None:
+    with pytest.raises(InvalidCheck, match="item mode"):
+        p.check_items_frame(1, [("k", "r", 1, mode)])
+    with pytest.raises(InvalidCheck, match="item mode"):
+        p.check_one_frame(1, "k", "r", 1, mode)  # type: ignore[arg-type]
+    with pytest.raises(InvalidCheck, match="item mode"):
+        p.check_attributes_frame(1, Attributes(user="u", mode=mode))  # type: ignore[arg-type]
+
+
+def test_an_unknown_mode_on_the_wire_refuses_only_its_check() -> None:
+    # The body parses: refused as invalid (error 5) for its request id, like text that is not UTF-8;
+    # the next frame starts right after it.
+    modes = bytearray(vector("check_modes"))
+    modes[-1] = 3
+    charge = bytearray(vector("check_attributes_charge"))
+    charge[-1] = 0xFF
+    for bad, rid in ((bytes(modes), 12), (bytes(charge), 13)):
+        r = p.decode(bad + vector("ping"))
+        assert r == Rejected(ErrorCode.INVALID_ITEM, rid, f"unknown item mode {bad[-1]}", len(bad))
+        assert p.decode(bad + vector("ping"), r.frame_len) == Decoded(FRAMES["ping"], len(vector("ping")))
+    # Form 2 or 3 without its mode byte, or an unknown form: the body does not parse.
+    for cut in (vector("check_modes")[:-1], vector("check_attributes_charge")[:-1]):
+        body = cut[10:]
+        r = p.decode(_frame(0x03, 1, body))
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, r
+    r = p.decode(_frame(0x03, 1, b"\x04" + vector("check_modes")[11:]))
+    assert isinstance(r, Fatal) and "unknown check form 4" in r.reason

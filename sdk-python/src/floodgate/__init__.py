@@ -27,9 +27,9 @@ Example::
 from .aio import AsyncClient
 from .client import Client
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
-from .errors import AgentError, FloodgateError, InvalidCheck
+from .errors import AgentError, FloodgateError, InvalidCheck, UnsupportedByAgent
 from .health import Health
-from .protocol import Attributes, Item, ItemDecision, Source, Verdict, wire_safe
+from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
 __version__ = "0.1.0"
@@ -48,9 +48,11 @@ __all__ = [
     "AgentError",
     "FloodgateError",
     "InvalidCheck",
+    "UnsupportedByAgent",
     "Attributes",
     "Item",
     "ItemDecision",
+    "ItemMode",
     "Source",
     "Verdict",
     "wire_safe",

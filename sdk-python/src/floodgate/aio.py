@@ -4,7 +4,8 @@ Every call returns within its timeout (10 ms by default), whatever the agent doe
 is unreachable, late or confused the call answers by its fail policy (open by default, closed per
 client or per call, or the agent's fail-closed rules) and the client reconnects in the background
 with backoff and jitter. Only a
-check the caller got wrong raises (:class:`~floodgate.InvalidCheck` before sending,
+check the caller got wrong raises (:class:`~floodgate.InvalidCheck` before sending, among them
+:class:`~floodgate.UnsupportedByAgent` for a peek or charge to a version-1 agent;
 :class:`~floodgate.AgentError` for an unknown rule).
 
 Example::
@@ -37,12 +38,17 @@ from .decision import (
     FailPolicy,
     Subject,
 )
+from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
 from .socket_path import default_socket_path
 
 # Past this many bytes waiting in the socket's send buffer (an agent that stopped reading), calls
 # answer by their policy instead of queueing more.
 _MAX_WRITE_BUFFER = 1 << 20
+_PEEK = p.ItemMode.PEEK
+_CHARGE = p.ItemMode.CHARGE
+_Mode = Union[p.ItemMode, int, str]
+"""An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
 
 
 class _HandshakeError(Exception):
@@ -259,24 +265,59 @@ class AsyncClient:
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
-        """One ``(key, rule_id, cost)`` item."""
+        """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
         return await self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
 
+    async def peek(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int = 0,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Whether ``cost`` would pass now, changing nothing: ``remaining`` is what is left now, and
+        a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
+        limit. Needs an agent speaking protocol version 2 (:class:`~floodgate.UnsupportedByAgent`
+        otherwise); when the agent cannot answer, the fail policy decides as for any check."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
+        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2)
+
+    async def charge(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Takes ``cost`` whatever the limit says, for a cost known only after the response (tokens,
+        bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
+        the decision is the state after it (``remaining`` floored at 0). Needs an agent speaking
+        protocol version 2, as :meth:`peek` does."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
+        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2)
+
     async def check(
         self,
-        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int]]],
+        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int], Tuple[str, str, int, _Mode]]],
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
         """Up to 16 items at once: allowed only if every enforced item is; a denial consumes
-        nothing. Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost])`` tuples."""
+        nothing. Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples;
+        peek and charge items (see :meth:`peek`, :meth:`charge`) need an agent speaking version 2."""
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        return await self._call(rid, data, timeout, fail, items)
+        return await self._call(rid, data, timeout, fail, items, p.check_version(data))
 
     async def check_attributes(
         self,
@@ -287,13 +328,15 @@ class AsyncClient:
         ip: Optional[str] = None,
         cost: int = 1,
         *,
+        mode: _Mode = p.ItemMode.CONSUME,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
         """Request attributes (``None`` = absent) for the agent to match against its rules; every
-        matching rule is checked, all or nothing."""
+        matching rule is checked, all or nothing. ``mode`` is what every matched rule does with
+        ``cost`` (peek and charge need version 2)."""
         return await self.check_request(
-            p.Attributes(endpoint, tier, user, api_key, ip, cost), timeout=timeout, fail=fail
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode)), timeout=timeout, fail=fail
         )
 
     async def check_request(
@@ -306,7 +349,7 @@ class AsyncClient:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        return await self._call(rid, data, timeout, fail, attributes)
+        return await self._call(rid, data, timeout, fail, attributes, p.check_version(data))
 
     def _next_id(self) -> int:
         while True:
@@ -321,7 +364,10 @@ class AsyncClient:
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
         subject: Subject,
+        need: int = 1,
     ) -> Decision:
+        """Sends a check and waits for its answer. ``need``: the protocol version the connection
+        must speak to be sent it (:func:`~floodgate.protocol.check_version`)."""
         core = self._core
         policy = core.policy(fail)
         loop = self._ensure_started()
@@ -347,6 +393,9 @@ class AsyncClient:
             or conn.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER
         ):
             return core.degraded(policy, Degraded.UNAVAILABLE, subject)
+        if need > conn.version:
+            # A version-1 agent cannot parse the check and would close the connection.
+            raise UnsupportedByAgent(need, conn.version, self.path)
         fut = loop.create_future()
         if not pending and not self._out:
             # Nothing in flight: write now (a lone caller pays no extra loop iteration).

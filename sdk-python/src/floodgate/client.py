@@ -10,6 +10,9 @@ Example::
 
     client = Client()  # $FLOODGATE_SOCKET, else the agent's default socket: see default_socket_path
     d = client.allow("user:123", "api-per-user")
+    if client.peek("user:123", "llm-tokens").allowed:  # not yet out of tokens
+        ...  # call the model; then take what it used, even past the limit:
+        client.charge("user:123", "llm-tokens", used)
 """
 
 from __future__ import annotations
@@ -37,10 +40,15 @@ from .decision import (
     FailPolicy,
     Subject,
 )
+from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
 from .socket_path import default_socket_path
 
 _MAX_OUT = 1 << 20
+_PEEK = p.ItemMode.PEEK
+_CHARGE = p.ItemMode.CHARGE
+_Mode = Union[p.ItemMode, int, str]
+"""An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
 
 
 class _Waiter:
@@ -112,6 +120,9 @@ class Client:
         self._pending: Dict[int, _Waiter] = {}
         self._ids = itertools.count(1)
         self._sock: Optional[socket.socket] = None
+        # The version the connection's HelloOk chose (set with _sock, under _lock): a check that
+        # needs more is refused before it is written.
+        self._version = 1
         self._out: List[bytes] = []
         self._out_len = 0
         self._stop = threading.Event()
@@ -193,23 +204,59 @@ class Client:
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
-        """One ``(key, rule_id, cost)`` item."""
+        """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
         return self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
 
-    def check(
+    def peek(
         self,
-        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int]]],
+        key: str,
+        rule_id: str,
+        cost: int = 0,
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
-        """Up to 16 items at once: allowed only if every enforced item is; a denial consumes nothing."""
+        """Whether ``cost`` would pass now, changing nothing: ``remaining`` is what is left now, and
+        a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
+        limit. Needs an agent speaking protocol version 2 (:class:`~floodgate.UnsupportedByAgent`
+        otherwise); when the agent cannot answer, the fail policy decides as for any check."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
+        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2)
+
+    def charge(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Takes ``cost`` whatever the limit says, for a cost known only after the response (tokens,
+        bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
+        the decision is the state after it (``remaining`` floored at 0). Needs an agent speaking
+        protocol version 2, as :meth:`peek` does."""
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
+        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2)
+
+    def check(
+        self,
+        items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int], Tuple[str, str, int, _Mode]]],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Up to 16 items at once: allowed only if every enforced item is; a denial consumes nothing.
+        Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples; peek and
+        charge items (see :meth:`peek`, :meth:`charge`) need an agent speaking version 2."""
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        return self._call(rid, data, timeout, fail, items)
+        return self._call(rid, data, timeout, fail, items, p.check_version(data))
 
     def check_attributes(
         self,
@@ -220,11 +267,15 @@ class Client:
         ip: Optional[str] = None,
         cost: int = 1,
         *,
+        mode: _Mode = p.ItemMode.CONSUME,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
-        """Request attributes (``None`` = absent) for the agent to match against its rules."""
-        return self.check_request(p.Attributes(endpoint, tier, user, api_key, ip, cost), timeout=timeout, fail=fail)
+        """Request attributes (``None`` = absent) for the agent to match against its rules; ``mode``
+        is what every matched rule does with ``cost`` (peek and charge need version 2)."""
+        return self.check_request(
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode)), timeout=timeout, fail=fail
+        )
 
     def check_request(
         self,
@@ -236,7 +287,7 @@ class Client:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        return self._call(rid, data, timeout, fail, attributes)
+        return self._call(rid, data, timeout, fail, attributes, p.check_version(data))
 
     def _next_id(self) -> int:
         while True:
@@ -251,7 +302,10 @@ class Client:
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
         subject: Subject,
+        need: int = 1,
     ) -> Decision:
+        """Sends a check and waits for its answer. ``need``: the protocol version the connection
+        must speak to be sent it (:func:`~floodgate.protocol.check_version`)."""
         if self._forked:
             self._restart_after_fork()
         core = self._core
@@ -262,7 +316,12 @@ class Client:
         w = _Waiter()
         pending[rid] = w
         core.note_in_flight(len(pending))
-        if not self._send(data):
+        try:
+            sent = self._send(data, need)
+        except UnsupportedByAgent:
+            pending.pop(rid, None)
+            raise
+        if not sent:
             pending.pop(rid, None)
             return core.degraded(policy, Degraded.UNAVAILABLE, subject)
         w.lock.acquire(True, max(self._config.timeout if timeout is None else timeout, 0.0))
@@ -270,13 +329,17 @@ class Client:
         reply = w.reply
         return core.result(TIMEOUT if reply is None else reply, policy, subject)
 
-    def _send(self, data: bytes) -> bool:
+    def _send(self, data: bytes, need: int = 1) -> bool:
         """Writes a frame now if the socket takes it, else queues it for the I/O thread. False when
-        there is no connection or the queue is full (an agent that stopped reading)."""
+        there is no connection or the queue is full (an agent that stopped reading). Raises
+        :class:`~floodgate.UnsupportedByAgent` when the connection's version is below ``need``:
+        checked under the lock, so against the very connection the frame would go to."""
         with self._lock:
             sock = self._sock
             if sock is None or self._out_len > _MAX_OUT:
                 return False
+            if need > self._version:
+                raise UnsupportedByAgent(need, self._version, self.path)
             if self._out:
                 self._out.append(data)
                 self._out_len += len(data)
@@ -316,6 +379,7 @@ class Client:
                 up_since = time.monotonic()
                 with self._lock:
                     self._sock = sock
+                    self._version = version
                 self._core.connected()
                 self._reach.connected(self.path)
                 self._ready.set()

@@ -15,7 +15,23 @@ class FloodgateError(Exception):
 
 class InvalidCheck(FloodgateError, ValueError):
     """The check breaks a protocol limit (empty or over-long key, a brace or control character,
-    cost 0, a bad rule id, no items or more than 16). Raised before anything is sent."""
+    cost 0 outside a peek, a bad rule id, an unknown item mode, no items or more than 16). Raised
+    before anything is sent."""
+
+
+class UnsupportedByAgent(InvalidCheck):
+    """The check needs a newer protocol version than the connected agent speaks: an item that peeks
+    or charges needs version 2, and an agent whose HelloOk said 1 cannot parse such a check (it
+    would close the connection). Raised before anything is sent; a check the agent cannot answer
+    for other reasons (away, late) answers by its fail policy instead, as any check does."""
+
+    def __init__(self, needed: int, agent_version: int, path: str) -> None:
+        super().__init__(
+            f"peek and charge items need protocol version {needed}, and the agent at {path} speaks"
+            f" version {agent_version}: upgrade the agent, or consume instead"
+        )
+        self.needed = needed
+        self.agent_version = agent_version
 
 
 class AgentError(FloodgateError):

@@ -18,7 +18,7 @@ from .errors import InvalidCheck
 from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
 VERSION = 2
-"""The highest protocol version this module speaks (2: the fail-mode list)."""
+"""The highest protocol version this module speaks (2: the fail-mode list and item modes)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -50,6 +50,18 @@ class Kind(enum.IntEnum):
     """Client to agent (version 2): which rules fail closed."""
     FAIL_MODE_LIST = 0x09
     """Agent to client (version 2): the rules that fail closed."""
+
+
+class ItemMode(enum.IntEnum):
+    """What an item does with its cost (version 2; a version-1 agent knows only ``CONSUME``)."""
+
+    CONSUME = 0
+    """Takes the cost if the check passes, all or nothing with the check's other consume items."""
+    PEEK = 1
+    """Changes nothing: says whether the cost would pass now and what is left (a cost of 0 may be
+    asked about)."""
+    CHARGE = 2
+    """Always takes the cost, even past the limit (a debt later checks wait out); never denied."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -85,6 +97,10 @@ FLAG_ALLOWED = 0x01
 FLAG_LOG_ONLY = 0x02
 FORM_ITEMS = 0
 FORM_ATTRIBUTES = 1
+FORM_ITEMS_MODES = 2
+"""Items each followed by its mode (version 2)."""
+FORM_ATTRIBUTES_MODE = 3
+"""Attributes followed by one mode (version 2)."""
 LIST_TRUNCATED = 0x01
 
 
@@ -92,11 +108,24 @@ LIST_TRUNCATED = 0x01
 
 
 class Item(NamedTuple):
-    """One ``(key, rule_id, cost)`` item of a check."""
+    """One ``(key, rule_id, cost, mode)`` item of a check; it consumes its cost unless its mode
+    says otherwise."""
 
     key: str
     rule_id: str
     cost: int = 1
+    mode: ItemMode = ItemMode.CONSUME
+
+    @classmethod
+    def peek(cls, key: str, rule_id: str, cost: int = 0) -> "Item":
+        """An item that asks whether ``cost`` would pass, changing nothing (version 2)."""
+        return cls(key, rule_id, cost, ItemMode.PEEK)
+
+    @classmethod
+    def charge(cls, key: str, rule_id: str, cost: int) -> "Item":
+        """An item that takes ``cost`` whatever the limit says: a cost known after the response
+        (version 2)."""
+        return cls(key, rule_id, cost, ItemMode.CHARGE)
 
 
 @dataclass
@@ -109,6 +138,8 @@ class Attributes:
     api_key: Optional[str] = None
     ip: Optional[str] = None
     cost: int = 1
+    mode: ItemMode = ItemMode.CONSUME
+    """What every rule the attributes match does with the cost (version 2 unless ``CONSUME``)."""
 
     def fields(self) -> List[Tuple[str, Optional[str]]]:
         """The attributes with their names, in wire order."""
@@ -134,7 +165,8 @@ class HelloOk:
 
 @dataclass
 class Check:
-    """A check: ``items`` (form 0) or ``attributes`` (form 1), exactly one of them."""
+    """A check: ``items`` (form 0, or 2 when an item does not consume) or ``attributes`` (form 1,
+    or 3), exactly one of them."""
 
     items: Optional[List[Item]] = None
     attributes: Optional[Attributes] = None
@@ -267,10 +299,34 @@ def validate_rule_id(rule_id: object) -> bytes:
     return rule_id.encode("ascii")
 
 
-def _cost(cost: object) -> int:
-    if not isinstance(cost, int) or not 1 <= cost <= MAX_COST:
-        raise InvalidCheck(f"cost must be an int from 1 to {MAX_COST}, not {cost!r}")
+# Module constants, not ItemMode.X: an enum member looked up on its class costs ~60 ns a time in
+# CPython 3.11, and allow's fast path looks up two.
+_CONSUME = ItemMode.CONSUME
+_PEEK = ItemMode.PEEK
+
+
+def _cost(cost: object, mode: int = 0) -> int:
+    # A peek may ask about 0 units (is the key already past its limit?); taking 0 is no request.
+    low = 0 if mode == _PEEK else 1
+    if not isinstance(cost, int) or not low <= cost <= MAX_COST:
+        what = "a peek's cost" if low == 0 else "cost"
+        raise InvalidCheck(f"{what} must be an int from {low} to {MAX_COST}, not {cost!r}")
     return cost
+
+
+_MODE_NAMES = {m.name.lower(): m for m in ItemMode}
+
+
+def item_mode(mode: object) -> ItemMode:
+    """``mode`` as an :class:`ItemMode`: one already, its value (0 to 2) or its lower-case name
+    (``"peek"``); raises :class:`InvalidCheck` for anything else."""
+    if isinstance(mode, ItemMode):
+        return mode
+    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 2:
+        return ItemMode(mode)
+    if isinstance(mode, str) and mode in _MODE_NAMES:
+        return _MODE_NAMES[mode]
+    raise InvalidCheck(f"an item mode is consume, peek or charge (0 to 2), not {mode!r}")
 
 
 # Encoded (validated) rule ids: most services name a handful of rules.
@@ -309,35 +365,47 @@ def _frame(kind: int, request_id: int, body: bytes, version: int = 1) -> bytes:
 
 
 def items_body(items: Iterable[object]) -> bytes:
-    """The body of a form-0 Check (validated): ``items`` are :class:`Item` or ``(key, rule_id[, cost])``."""
+    """The body of an items Check (validated): ``items`` are :class:`Item` or ``(key, rule_id[,
+    cost[, mode]])``. Form 0 when every item consumes (what every agent reads), else form 2."""
     parts = []
+    modes = []
     n = 0
     key: Any
     rule_id: Any
     cost: Any
+    mode: Any
     for it in items:
         n += 1
         if n > MAX_ITEMS:
             break
         try:
-            if len(it) == 2:  # type: ignore[arg-type]
+            size = len(it)  # type: ignore[arg-type]
+            if size == 2:
                 key, rule_id = it  # type: ignore[misc]
-                cost = 1
-            else:
+                cost, mode = 1, ItemMode.CONSUME
+            elif size == 3:
                 key, rule_id, cost = it  # type: ignore[misc]
+                mode = ItemMode.CONSUME
+            else:
+                key, rule_id, cost, mode = it  # type: ignore[misc]
         except (TypeError, ValueError):
-            raise InvalidCheck(f"an item is (key, rule_id[, cost]), not {it!r}") from None
+            raise InvalidCheck(f"an item is (key, rule_id[, cost[, mode]]), not {it!r}") from None
         k = _text("key", key, MAX_KEY)
         r = _rule_bytes(rule_id)
-        parts.append(b"".join((_STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(_cost(cost)))))
+        m = item_mode(mode)
+        parts.append(b"".join((_STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(_cost(cost, m)))))
+        modes.append(m)
     if not 1 <= n <= MAX_ITEMS:
         raise InvalidCheck(f"a check carries 1 to {MAX_ITEMS} items, not {n if n <= MAX_ITEMS else 'more'}")
+    if any(modes):
+        return b"".join((bytes((FORM_ITEMS_MODES, n)), *(part + bytes((m,)) for part, m in zip(parts, modes))))
     return b"".join((_PREFIX_ITEMS, bytes((n,)), *parts))
 
 
 def attributes_body(a: Attributes) -> bytes:
-    """The body of a form-1 Check (validated)."""
-    parts = [b"\x01"]
+    """The body of an attributes Check (validated): form 1 when its mode is consume, else form 3."""
+    mode = item_mode(a.mode)
+    parts = [bytes((FORM_ATTRIBUTES_MODE if mode else FORM_ATTRIBUTES,))]
     for name, value in a.fields():
         if value is None:
             parts.append(b"\x00\x00")
@@ -345,7 +413,9 @@ def attributes_body(a: Attributes) -> bytes:
             b = _text(name, value, MAX_ATTRIBUTE)
             parts.append(_STR16.pack(len(b)))
             parts.append(b)
-    parts.append(_U32.pack(_cost(a.cost)))
+    parts.append(_U32.pack(_cost(a.cost, mode)))
+    if mode:
+        parts.append(bytes((mode,)))
     return b"".join(parts)
 
 
@@ -417,20 +487,37 @@ def check_items_frame(request_id: int, items: Iterable[object]) -> bytes:
     return _frame(Kind.CHECK, request_id, items_body(items))
 
 
-def check_one_frame(request_id: int, key: str, rule_id: str, cost: int = 1) -> bytes:
-    """A Check frame for one item (validated; raises :class:`InvalidCheck`): ``allow``'s fast path."""
+def check_one_frame(
+    request_id: int, key: str, rule_id: str, cost: int = 1, mode: ItemMode = ItemMode.CONSUME
+) -> bytes:
+    """A Check frame for one item (validated; raises :class:`InvalidCheck`): the fast path of
+    ``allow``, ``peek`` and ``charge`` (form 0 to consume, else form 2)."""
+    if mode is not _CONSUME:
+        mode = item_mode(mode)
     k = _text("key", key, MAX_KEY)
     r = _rule_bytes(rule_id)
-    c = _cost(cost)
+    c = _cost(cost, mode)
+    if not mode:
+        return b"".join(
+            (_HDR.pack(15 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
+             _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c))
+        )
     return b"".join(
-        (_HDR.pack(15 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
-         _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c))
+        (_HDR.pack(16 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x02\x01",
+         _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c), bytes((mode,)))
     )
 
 
 def check_attributes_frame(request_id: int, attributes: Attributes) -> bytes:
     """A Check frame for request attributes (validated; raises :class:`InvalidCheck`)."""
     return _frame(Kind.CHECK, request_id, attributes_body(attributes))
+
+
+def check_version(frame: bytes) -> int:
+    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 2
+    for forms 2 and 3 (an item that does not consume), else 1. A version-1 agent cannot parse them
+    and closes the connection, so a client sends them only on a connection whose HelloOk said 2."""
+    return 2 if frame[LEN_PREFIX + HEADER] >= FORM_ITEMS_MODES else 1
 
 
 HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
@@ -513,6 +600,16 @@ class _Reader:
     def str16(self) -> str:
         return self.text(self.u16())
 
+    def mode(self) -> ItemMode:
+        """An item mode. One this peer does not know refuses the check (error 5) once the body has
+        parsed, as bad text does: the frame is well delimited, only the check is wrong."""
+        b = self.u8()
+        if b > ItemMode.CHARGE:
+            if self.bad_text is None:
+                self.bad_text = f"unknown item mode {b}"
+            return ItemMode.CONSUME
+        return ItemMode(b)
+
     def verdict(self) -> Verdict:
         v = _verdict(self.buf, self.pos, self.end)
         self.pos += VERDICT_LEN
@@ -543,17 +640,21 @@ def _body(kind: int, r: _Reader) -> Body:
         return Hello(r.u8(), r.u8())
     if kind == Kind.CHECK:
         form = r.u8()
-        if form == FORM_ITEMS:
+        if form == FORM_ITEMS or form == FORM_ITEMS_MODES:
             n = r.u8()
             check_items: List[Item] = []
             for _ in range(n):
                 key = r.str16()
                 rule_id = r.str8()
-                check_items.append(Item(key, rule_id, r.u32()))
+                cost = r.u32()
+                mode = r.mode() if form == FORM_ITEMS_MODES else ItemMode.CONSUME
+                check_items.append(Item(key, rule_id, cost, mode))
             return Check(items=check_items)
-        if form == FORM_ATTRIBUTES:
+        if form == FORM_ATTRIBUTES or form == FORM_ATTRIBUTES_MODE:
             v = [r.str16() or None for _ in range(5)]
-            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost=r.u32()))
+            cost = r.u32()
+            mode = r.mode() if form == FORM_ATTRIBUTES_MODE else ItemMode.CONSUME
+            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost, mode))
         raise _Malformed(f"unknown check form {form}")
     if kind == Kind.FAIL_MODE_LIST:
         return _fail_mode_list(r)
@@ -763,6 +864,7 @@ __all__: Sequence[str] = [
     "Kind",
     "ErrorCode",
     "Source",
+    "ItemMode",
     "Item",
     "Attributes",
     "Hello",
@@ -787,6 +889,8 @@ __all__: Sequence[str] = [
     "decode",
     "check_items_frame",
     "check_attributes_frame",
+    "check_version",
+    "item_mode",
     "fail_modes_frame",
     "wire_safe",
     "fnv1a64",
