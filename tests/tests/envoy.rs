@@ -530,13 +530,25 @@ async fn token_recipe(redis: Option<&str>) {
         assert_eq!(r.overall_code, Code::Ok as i32, "{key}: request phase");
         assert_eq!(r.statuses[0].limit_remaining, 1000, "{key}: the quota, read");
         let r = client.should_rate_limit(phase(key, "u1", 1500)).await.unwrap();
-        assert_eq!(r.statuses[0].code, Code::OverLimit as i32, "{key}: the report passes the limit");
+        assert_eq!(
+            r.statuses[0].code,
+            Code::OverLimit as i32,
+            "{key}: the report passes the limit"
+        );
         let r = client.should_rate_limit(phase(key, "u1", 0)).await.unwrap();
         if charged {
-            assert_eq!(r.overall_code, Code::OverLimit as i32, "the debt refuses the next request");
+            assert_eq!(
+                r.overall_code,
+                Code::OverLimit as i32,
+                "the debt refuses the next request"
+            );
             assert_eq!(r.statuses[0].limit_remaining, 0);
         } else {
-            assert_eq!(r.overall_code, Code::Ok as i32, "without overLimit the report counted nothing");
+            assert_eq!(
+                r.overall_code,
+                Code::Ok as i32,
+                "without overLimit the report counted nothing"
+            );
             assert_eq!(r.statuses[0].limit_remaining, 1000);
         }
     }

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
 use floodgate_core::rules::OverLimit;
+use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
 use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, MAX_ITEMS};
 use tonic::{Request, Response, Status};
 
