@@ -219,3 +219,79 @@ async fn ietf_headers_peer_address_from_axum_and_fail_open() {
     assert_eq!(status, 200);
     assert!(header(&r, "x-ratelimit-limit").is_none());
 }
+
+/// A cost known only after the response (LLM tokens): the request is let through unless its rule is
+/// already past the limit, and the response's header is charged afterwards, past the limit too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_header_is_charged_after_the_response() {
+    const CHAT: &str = r#"
+[[rules]]
+id = "tokens"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 1000
+windowSeconds = 3600
+"#;
+    let agent = Agent::builder().rules(CHAT).start().await;
+    let client = patient_client(agent.socket()).await;
+    let app = Router::new()
+        .route(
+            "/v1/chat",
+            post(|req: Request<Body>| async move {
+                let used = req.headers().get("x-want").cloned();
+                let mut r = Response::new(Body::from("answer"));
+                if let Some(v) = used {
+                    r.headers_mut().insert("x-llm-tokens", v);
+                }
+                r
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(client.clone())
+                .user_header("x-user")
+                .charge_header("/v1/chat", http::HeaderName::from_static("x-llm-tokens")),
+        );
+    let chat = |user: &str, tokens: Option<&str>| {
+        let mut h = vec![("x-user", user)];
+        if let Some(t) = tokens {
+            h.push(("x-want", t));
+        }
+        req("POST", "/v1/chat", "203.0.113.1:5", &h)
+    };
+    let remaining = |user: &'static str| {
+        let client = client.clone();
+        async move {
+            client
+                .peek(&format!("user:{user}"), "tokens", 0)
+                .await
+                .unwrap()
+                .remaining
+        }
+    };
+    let (status, r) = send(&app, chat("alice", Some("1500"))).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        num(&r, "x-ratelimit-remaining"),
+        1000,
+        "the request phase only reads"
+    );
+    floodgate_tests::eventually("the charge lands", std::time::Duration::from_secs(10), || async {
+        (remaining("alice").await == 0).then_some(())
+    })
+    .await;
+    let (status, r) = send(&app, chat("alice", None)).await;
+    assert_eq!(status, 429, "the debt refuses the next request");
+    assert!(header(&r, "retry-after").is_some());
+
+    let (status, _) = send(&app, chat("bob", Some("400"))).await;
+    assert_eq!(status, 200);
+    floodgate_tests::eventually("the charge lands", std::time::Duration::from_secs(10), || async {
+        (remaining("bob").await == 600).then_some(())
+    })
+    .await;
+    // No header, or not a number: nothing charged.
+    send(&app, chat("bob", None)).await;
+    send(&app, chat("bob", Some("lots"))).await;
+    let (_, r) = send(&app, chat("bob", None)).await;
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 600);
+}

@@ -10,7 +10,9 @@ use super::extractors::{
     client_ip, default_endpoint, header_extractor, route_name, wire_safe, Cidr, CidrError, Extractor,
 };
 use super::service::RateLimit;
-use crate::{Attributes, Client, FailPolicy};
+use http::HeaderName;
+
+use crate::{Attributes, Client, FailPolicy, ItemMode};
 
 /// What the Layer and its services share.
 pub(super) struct Config {
@@ -23,6 +25,8 @@ pub(super) struct Config {
     trusted: Vec<Cidr>,
     costs: HashMap<String, u32>,
     fails: HashMap<String, FailPolicy>,
+    /// Endpoint → the response header that says what a request to it cost (charged afterwards).
+    charges: HashMap<String, HeaderName>,
     pub(super) ietf: bool,
 }
 
@@ -48,6 +52,7 @@ impl RateLimitLayer {
                 trusted: Vec::new(),
                 costs: HashMap::new(),
                 fails: HashMap::new(),
+                charges: HashMap::new(),
                 ietf: false,
             }),
         }
@@ -68,6 +73,7 @@ impl RateLimitLayer {
                     trusted: c.trusted.clone(),
                     costs: c.costs.clone(),
                     fails: c.fails.clone(),
+                    charges: c.charges.clone(),
                     ietf: c.ietf,
                 };
                 f(&mut copy);
@@ -152,6 +158,17 @@ impl RateLimitLayer {
         })
     }
 
+    /// A request to `endpoint` costs what its response's `header` says (LLM tokens, bytes), known
+    /// only afterwards: the request is let through unless a rule of it is already past its limit (a
+    /// peek of cost 0), and the header's value (a positive integer) is then charged, counted even
+    /// past the limit, without delaying the response. Needs an agent of protocol version 2.
+    pub fn charge_header(self, endpoint: &str, header: HeaderName) -> Self {
+        let endpoint = route_name(endpoint);
+        self.edit(|c| {
+            c.charges.insert(endpoint, header);
+        })
+    }
+
     /// Also sets the IETF draft's `RateLimit-Policy` and `RateLimit` headers.
     pub fn ietf_headers(self, on: bool) -> Self {
         self.edit(|c| c.ietf = on)
@@ -167,8 +184,9 @@ impl<S> tower_layer::Layer<S> for RateLimitLayer {
 }
 
 impl Config {
-    /// What a request is checked as, and its route's fail policy if one was set.
-    pub(super) fn attributes(&self, p: &Parts) -> (Attributes, Option<FailPolicy>) {
+    /// What a request is checked as, its route's fail policy if one was set, and the response header
+    /// its cost is charged from if its route has one (the check is then a peek of cost 0).
+    pub(super) fn attributes(&self, p: &Parts) -> (Attributes, Option<FailPolicy>, Option<HeaderName>) {
         let endpoint = (self.endpoint)(p);
         let cost = endpoint
             .as_deref()
@@ -176,6 +194,7 @@ impl Config {
             .copied()
             .unwrap_or(1);
         let fail = endpoint.as_deref().and_then(|e| self.fails.get(e)).copied();
+        let charge = endpoint.as_deref().and_then(|e| self.charges.get(e)).cloned();
         let ip = match &self.ip {
             Some(f) => f(p),
             None => {
@@ -199,10 +218,14 @@ impl Config {
             user: read(&self.user),
             api_key: read(&self.api_key),
             ip: ip.map(wire_safe),
-            cost,
-            mode: Default::default(),
+            cost: if charge.is_some() { 0 } else { cost },
+            mode: if charge.is_some() {
+                ItemMode::Peek
+            } else {
+                ItemMode::Consume
+            },
         };
-        (attributes, fail)
+        (attributes, fail, charge)
     }
 }
 

@@ -66,7 +66,9 @@ where
         let config = self.config.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let (attributes, fail) = config.attributes(&parts);
+            let (attributes, fail, charge) = config.attributes(&parts);
+            // Charged after the response, with the request's attributes.
+            let charge = charge.map(|h| (h, attributes.clone()));
             let req = Request::from_parts(parts, body);
             let options = CallOptions {
                 fail,
@@ -89,7 +91,11 @@ where
             };
             let headers = rate_limit_headers(&decision, config.ietf, now_ms());
             let mut response = if decision.allowed {
-                inner.call(req).await?
+                let response = inner.call(req).await?;
+                if let Some((header, attributes)) = charge {
+                    charge_after(&config.client, &response, &header, attributes);
+                }
+                response
             } else {
                 let secs = retry_after_seconds(&decision);
                 let mut r = Response::new(RB::from(format!(
@@ -109,4 +115,57 @@ where
             Ok(response)
         })
     }
+}
+
+static CHARGE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Charges what the response's `header` says the request cost, off the response's path (a task of
+/// its own, bounded by the client's timeout). No header, or not a positive integer: nothing.
+fn charge_after<RB>(
+    client: &crate::Client,
+    response: &Response<RB>,
+    header: &http::HeaderName,
+    attributes: crate::Attributes,
+) {
+    let Some(value) = response.headers().get(header) else {
+        return;
+    };
+    let cost = match value
+        .to_str()
+        .ok()
+        .map(str::trim)
+        .and_then(|v| v.parse::<u32>().ok())
+    {
+        Some(0) => return,
+        Some(n) => n,
+        None => {
+            warn_rarely(
+                &CHARGE_FAILED,
+                "floodgate: a response's cost header is not a whole number of units; nothing charged",
+                &format!("{header}: {value:?}"),
+            );
+            return;
+        }
+    };
+    let check = floodgate_protocol::Check::Attributes(crate::Attributes {
+        cost,
+        mode: crate::ItemMode::Charge,
+        ..attributes
+    });
+    let client = client.clone();
+    tokio::spawn(async move {
+        match client.check_with(check, CallOptions::default()).await {
+            Ok(d) if d.from_agent_answer() => {}
+            Ok(d) => warn_rarely(
+                &CHARGE_FAILED,
+                "floodgate: the agent could not take a response's charge; it is not counted",
+                &format!("{:?}", d.origin),
+            ),
+            Err(e) => warn_rarely(
+                &CHARGE_FAILED,
+                "floodgate: a response's charge failed; it is not counted",
+                &e,
+            ),
+        }
+    });
 }
