@@ -56,6 +56,9 @@ local n = 0
 local commits = {}
 -- Admitted sliding-window items of the current group, to undo if the group fails.
 local undo_keys, undo_fields, undo_costs, undo_was, undos = {}, {}, {}, {}, 0
+-- Where the current group's admitted items put their remaining, and their costs: if the group
+-- fails they took nothing, and say so (remaining + cost).
+local admitted_at, admitted_cost, admitted = {}, {}, 0
 local all_ok = true
 
 for i = 1, #KEYS do
@@ -94,6 +97,8 @@ for i = 1, #KEYS do
     local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry
     if ok == 1 then
+      admitted = admitted + 1
+      admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
       undos = undos + 1
       undo_keys[undos], undo_fields[undos], undo_costs[undos], undo_was[undos] = key, field, cost, was
     elseif mode == '1' then
@@ -103,6 +108,8 @@ for i = 1, #KEYS do
     local verdict, commit = token_bucket(KEYS[i], now, limit, window, tonumber(ARGV[a + 4]), cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = verdict[1], verdict[2], verdict[3], verdict[4], verdict[5]
     if verdict[1] == 1 then
+      admitted = admitted + 1
+      admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
       commits[#commits + 1] = commit
     elseif mode == '1' then
       all_ok = false
@@ -114,8 +121,13 @@ for i = 1, #KEYS do
       for _, commit in ipairs(commits) do commit() end
     else
       for u = 1, undos do sliding_window_undo(undo_keys[u], undo_fields[u], undo_costs[u], undo_was[u]) end
+      for u = 1, admitted do
+        local at = admitted_at[u]
+        out[at] = math.min(out[at] + admitted_cost[u], out[at - 1])
+      end
     end
     commits = {}
+    admitted = 0
     undos = 0
     all_ok = true
   end

@@ -9,7 +9,7 @@ use std::time::Instant;
 use floodgate_protocol::{Decision, ErrorBody, ErrorCode, Source};
 
 use super::Store;
-use super::{finish, unseen, Answer, Engine, FAIL_CLOSED_RETRY_MS};
+use super::{finish, Answer, Engine, FAIL_CLOSED_RETRY_MS};
 use crate::algo::Outcome;
 use crate::batch::Denial;
 use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
@@ -64,8 +64,15 @@ impl Engine {
             return self.check_with_modes(r, plan, received);
         }
         let now = self.clock.now_ms();
-        if let Some(d) = self.cached(&plan, now) {
-            return Answer::Ready(Ok(d));
+        if let Some(looked) = self.cached(&plan, now) {
+            if plan.len() == 1 {
+                let out = looked
+                    .into_iter()
+                    .map(|o| o.map(|o| (o, Source::Cache)))
+                    .collect();
+                return Answer::Ready(Ok(finish(&plan, out)));
+            }
+            return self.cached_with_others(r, plan, looked, received);
         }
         let mut out: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
         let n = self.live_agents();
@@ -363,6 +370,13 @@ impl Engine {
             if !committed.is_empty() {
                 self.take_back(r, &plan, &committed, &out);
             }
+            // Taken back or undone: those items took nothing, and say so (a failed group's own
+            // items already do, from the script).
+            for i in committed.into_iter().chain(taken.iter().map(|&(i, _)| i)) {
+                if let Some((o, _)) = &mut out[i] {
+                    o.remaining = (o.remaining + plan[i].cost).min(o.limit);
+                }
+            }
         }
         self.undo_if_denied(&plan, &out, &taken);
         let now = self.clock.now_ms();
@@ -412,26 +426,65 @@ impl Engine {
         });
     }
 
-    /// A check with an enforced item whose rejection is cached is rejected at once, consuming nothing.
-    fn cached(&self, plan: &[Planned], now: u64) -> Option<Decision> {
+    /// The cached rejections of a check's enforced items, if any has one: the check is then rejected,
+    /// consuming nothing.
+    fn cached(&self, plan: &[Planned], now: u64) -> Option<Vec<Option<Outcome>>> {
         let looked: Vec<Option<Outcome>> = plan
             .iter()
             .map(|p| {
-                p.rule
-                    .enforced()
+                (p.rule.enforced() && p.mode == ItemMode::Consume)
                     .then(|| self.cache.get(&p.rule, &p.key, p.cost, now))
                     .flatten()
             })
             .collect();
-        if looked.iter().all(Option::is_none) {
-            return None;
-        }
-        let out = plan
+        looked.iter().any(Option::is_some).then_some(looked)
+    }
+
+    /// A check rejected by a cached rejection whose other items must still say what they hold: they
+    /// are peeked at (one read of their shards, nothing counted) and the cached items keep the
+    /// cache's verdict.
+    fn cached_with_others(
+        self: &Arc<Self>,
+        r: &Arc<dyn SharedStore>,
+        plan: Vec<Planned>,
+        looked: Vec<Option<Outcome>>,
+        received: Instant,
+    ) -> Answer {
+        let peeks: Vec<Planned> = plan
             .iter()
-            .zip(looked)
-            .map(|(p, o)| Some((o.unwrap_or_else(|| unseen(&p.rule, now)), Source::Cache)))
+            .map(|p| Planned {
+                mode: ItemMode::Peek,
+                ..p.clone()
+            })
             .collect();
-        Some(finish(plan, out))
+        let answer = self.check_with_modes(r, peeks, received);
+        Answer::Pending(Box::pin(async move {
+            let read = match answer {
+                Answer::Ready(d) => d,
+                Answer::Pending(f) => f.await,
+            }?;
+            let out = read
+                .items
+                .into_iter()
+                .zip(looked)
+                .map(|(item, cached)| match cached {
+                    Some(o) => Some((o, Source::Cache)),
+                    None => {
+                        let v = item.verdict;
+                        let o = Outcome {
+                            // Not consumed: the check was rejected.
+                            allowed: v.allowed,
+                            limit: v.limit,
+                            remaining: v.remaining,
+                            reset_at_ms: v.reset_at_ms,
+                            retry_after_ms: v.retry_after_ms,
+                        };
+                        Some((o, v.source))
+                    }
+                })
+                .collect();
+            Ok(finish(&plan, out))
+        }))
     }
 
     /// A check's store call that failed (or was shed): counted, its kind's metric, and a log line

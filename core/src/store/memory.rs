@@ -125,6 +125,14 @@ impl MemoryStore {
             }
             outcomes.push(outcome);
         }
+        if !all_ok {
+            // Rejected: the consume items that would have passed took nothing, and say so.
+            for (item, o) in items.iter().zip(&mut outcomes) {
+                if item.mode == ItemMode::Consume && o.allowed {
+                    o.remaining = (o.remaining + item.cost).min(o.limit);
+                }
+            }
+        }
         for (g, n, entry) in writes {
             if commits(&items[n], &outcomes[n], all_ok) {
                 // Each item has a key `String` of its own, used once: taken, not cloned.
