@@ -79,7 +79,10 @@ export interface ClientConfig {
    * calls answer by their fail policy at once (default 1 MiB).
    */
   maxBufferedBytes?: number;
-  /** A per-process limit fail-open calls enforce while the agent is away (default off). */
+  /**
+   * A per-process limit fail-open calls enforce while the agent is away (default off); peeks and
+   * charges pass it by (they consume nothing here).
+   */
   fallbackLimit?: LocalLimit | null;
   /**
    * Where warnings go: an unreachable agent (at most one line every 10 s), its return, unreadable
@@ -471,7 +474,9 @@ export class Client {
       policy = this.config.fail;
     }
     const limit = this.config.fallbackLimit;
-    if (policy === "open" && limit) {
+    // The per-process limit counts what passes: a peek takes nothing and a charge is owed whatever
+    // it says, so only consuming checks go through it (as in the Rust SDK).
+    if (policy === "open" && limit && checkVersion(check) === 1) {
       const [key, cost] = localKey(check);
       return this.localLimit(limit, key, cost, why, now);
     }

@@ -6,7 +6,8 @@
  * headers. When the agent cannot answer, the route's `failFor` policy decides if it has one; else a
  * fail-closed rule of the agent's that the request falls under denies it (429 with that rule's
  * limit in the headers); else the client's fail policy decides (open by default: the request passes
- * without headers).
+ * without headers). At a `chargeHeaders` endpoint the request is a peek of cost 0, and the cost the
+ * response reports in its header is charged once the response is finished (`res.on("finish")`).
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
@@ -131,6 +132,8 @@ export function floodgateExpress(client: Client, options: RateLimitOptions = {})
           // A header value Node refuses (a rule id no agent sends): the request passes unlimited
           // rather than crash the process from an unhandled rejection.
         }
+        const charge = outcome.charge;
+        if (go && charge) limiter.chargeWhenDone(res, charge, () => res.getHeader(charge.header));
         if (go) next();
       },
       () => next(),

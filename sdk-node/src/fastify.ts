@@ -5,7 +5,9 @@
  * the client's fail policy). Fastify routes before `onRequest` hooks run, so the endpoint is the
  * matched route (`/items/:id`) for every request that matched one, whatever spelling its router
  * took there (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and
- * the path for the others (answered 404 by Fastify).
+ * the path for the others (answered 404 by Fastify). At a `chargeHeaders` endpoint the request is a
+ * peek of cost 0, and the cost the reply reports in its header is charged once the response is
+ * finished (the raw response's `finish`, which also runs Fastify's `onResponse` hooks).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -13,7 +15,7 @@
  * ```
  */
 
-import type { IncomingMessage } from "node:http";
+import type { IncomingMessage, ServerResponse } from "node:http";
 
 import type { Client } from "./client";
 import { Limiter, stripQuery, type RateLimitOptions, type RequestView } from "./http";
@@ -34,6 +36,10 @@ export interface FastifyLikeReply {
   header(name: string, value: string): unknown;
   code(status: number): unknown;
   send(payload?: unknown): unknown;
+  /** A header's value as the route set it (read at a `chargeHeaders` endpoint). */
+  getHeader?(name: string): unknown;
+  /** The Node response (its `finish` is when a `chargeHeaders` endpoint's cost is charged). */
+  raw?: ServerResponse;
 }
 
 /** An `onRequest` hook. */
@@ -74,6 +80,16 @@ export function floodgateFastifyHook(client: Client, options: RateLimitOptions =
   return async (request, reply) => {
     const outcome = await limiter.decide(fastifyView(request));
     for (const [name, value] of outcome.headers) reply.header(name, value);
+    const charge = outcome.charge;
+    if (charge && !outcome.reject && reply.raw) {
+      // The raw response's `finish` is what runs Fastify's own onResponse hooks; listening to it
+      // here serves the per-route hook as well as the plugin. reply.getHeader reads what the route
+      // set with reply.header (Fastify writes those with writeHead, which the raw response keeps not).
+      const raw = reply.raw;
+      limiter.chargeWhenDone(raw, charge, () =>
+        typeof reply.getHeader === "function" ? reply.getHeader(charge.header) : raw.getHeader(charge.header),
+      );
+    }
     if (!outcome.reject) return undefined;
     reply.header("Retry-After", String(outcome.reject.retryAfter));
     reply.header("Content-Type", "application/json");

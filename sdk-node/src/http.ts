@@ -8,7 +8,7 @@
 import * as net from "node:net";
 
 import type { Client, FailPolicy } from "./client";
-import type { Decision } from "./decision";
+import { fromAgent, type Decision } from "./decision";
 import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
 
 // ---------------------------------------------------------------------------------------------
@@ -320,6 +320,14 @@ export interface RateLimitOptions {
   /** What a request to an endpoint (as the endpoint extractor gives it) costs; 1 elsewhere. */
   costs?: Readonly<Record<string, number>>;
   /**
+   * Endpoints (keyed as `costs`) whose cost is known only after the response (LLM tokens, bytes),
+   * and the response header the handler reports it in: `{ "/v1/chat": "x-llm-tokens" }`. A request
+   * there is checked with a peek of cost 0 (denied only while a matching rule is past its limit);
+   * once its response is finished, the header's value (an integer 1 to 2³²−1) is charged to the
+   * same rules. An endpoint may not be in both `costs` and `chargeHeaders` (throws at start).
+   */
+  chargeHeaders?: Readonly<Record<string, string>>;
+  /**
    * What a request to an endpoint (keyed as `costs`) answers when the agent cannot: `open` or
    * `closed`, deciding alone, over the agent's fail-closed rules and the client's fail policy.
    * Elsewhere: denied if a fail-closed rule of the agent's applies, else the client's fail policy.
@@ -339,7 +347,49 @@ export interface LimitOutcome {
   reject?: { retryAfter: number; body: string };
   /** The decision, when the check returned one. */
   decision?: Decision;
+  /** For an allowed request to a `chargeHeaders` endpoint: what to charge once the response is done. */
+  charge?: PendingCharge;
 }
+
+/** @internal A charge to make after the response: the request's attributes and the header to read. */
+export interface PendingCharge {
+  /** The response header that reports the cost, in lower case. */
+  header: string;
+  /** The request's attributes, as the request-phase peek sent them (the charge sets cost and mode). */
+  attributes: Attributes;
+  /** The endpoint's `failFor`, if any. */
+  fail?: FailPolicy;
+}
+
+/** The most a check may cost: the wire's u32. */
+const MAX_COST = 0xffff_ffff;
+
+/**
+ * The cost a response reports in its charge header, as Node or the framework holds it (a string, a
+ * number, or a list of lines): the integer (1 to 2³²−1, decimal digits only around optional
+ * spaces), 0 for nothing to charge (no header, or 0), or undefined for a value that is none of
+ * these (empty, not a number, a fraction, past 2³²−1, several lines).
+ */
+export function reportedCost(value: unknown): number | undefined {
+  if (value === undefined || value === null) return 0;
+  if (Array.isArray(value)) return value.length === 1 ? reportedCost(value[0]) : undefined;
+  let n: number;
+  if (typeof value === "number") n = value;
+  else if (typeof value === "string" && /^\s*[0-9]+\s*$/.test(value)) n = Number(value);
+  else return undefined;
+  return Number.isInteger(n) && n >= 0 && n <= MAX_COST ? n : undefined;
+}
+
+/** The events of a response the charge waits for (Node's `ServerResponse` has them). */
+export interface Finishing {
+  once(event: "finish" | "close", listener: () => void): unknown;
+}
+
+/** A header name as HTTP writes it (RFC 9110 token). */
+const TOKEN = /^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/;
+
+/** Warnings of one kind at most once a minute: one bad handler must not flood the log. */
+const WARN_EVERY_MS = 60_000;
 
 /** A header's first line, trimmed, if it is visible ASCII and not empty (as the Rust Layer reads it). */
 export function firstHeader(req: RequestView, name: string): string | undefined {
@@ -376,9 +426,13 @@ export class Limiter {
   private readonly trusted: Cidr[];
   private readonly costs = new Map<string, number>();
   private readonly failFor = new Map<string, FailPolicy>();
+  /** Endpoint → the response header that reports its cost (`chargeHeaders`, names in lower case). */
+  private readonly chargeHeaders = new Map<string, string>();
   private readonly ietf: boolean;
   private readonly logger: { warn(message: string): void } | null;
   private lastCheckFailed = -Infinity;
+  /** When each kind of charge warning was last given. */
+  private readonly lastWarned = new Map<string, number>();
   private noPeerSaid = false;
 
   constructor(
@@ -402,6 +456,20 @@ export class Limiter {
       }
       this.failFor.set(routeName(e), f);
     }
+    // Throws on a header name HTTP cannot carry, or an endpoint with a fixed cost as well: the
+    // request phase of a charged endpoint costs nothing, so its `costs` entry would be ignored.
+    for (const [e, h] of Object.entries(o.chargeHeaders ?? {})) {
+      if (typeof h !== "string" || !TOKEN.test(h)) {
+        throw new Error(`chargeHeaders[${JSON.stringify(e)}] must be a header name, not ${JSON.stringify(h)}`);
+      }
+      const endpoint = routeName(e);
+      if (this.costs.has(endpoint)) {
+        throw new Error(
+          `${JSON.stringify(e)} is in both costs and chargeHeaders: a charged endpoint costs what its response reports`,
+        );
+      }
+      this.chargeHeaders.set(endpoint, h.toLowerCase());
+    }
     this.ietf = o.ietfHeaders ?? false;
     this.logger = o.logger === undefined ? console : o.logger;
   }
@@ -411,10 +479,14 @@ export class Limiter {
     return this.prepare(req).attributes;
   }
 
-  /** The request's attributes, and the fail policy its endpoint is given (`failFor`), if any. */
-  private prepare(req: RequestView): { attributes: Attributes; fail?: FailPolicy } {
+  /**
+   * The request's attributes (a peek of cost 0 at a `chargeHeaders` endpoint), the fail policy its
+   * endpoint is given (`failFor`), if any, and the header that will report its cost, if any.
+   */
+  private prepare(req: RequestView): { attributes: Attributes; fail?: FailPolicy; chargeHeader?: string } {
     const endpoint = this.endpoint(req) || undefined;
-    const cost = (endpoint !== undefined && this.costs.get(endpoint)) || 1;
+    const chargeHeader = endpoint !== undefined ? this.chargeHeaders.get(endpoint) : undefined;
+    const cost = chargeHeader !== undefined ? 0 : (endpoint !== undefined && this.costs.get(endpoint)) || 1;
     const fail = endpoint !== undefined ? this.failFor.get(endpoint) : undefined;
     let ip: string | undefined | null;
     if (this.ip) ip = this.ip(req);
@@ -437,15 +509,18 @@ export class Limiter {
       ip: ip ? wireSafe(ip) : undefined,
       cost,
     };
-    return { attributes, fail };
+    if (chargeHeader !== undefined) attributes.mode = "peek";
+    return { attributes, fail, chargeHeader };
   }
 
   /** Asks the agent and says what to do: never rejects (a failed check lets the request pass). */
   async decide(req: RequestView): Promise<LimitOutcome> {
     let decision: Decision;
+    let charge: PendingCharge | undefined;
     try {
-      const { attributes, fail } = this.prepare(req);
+      const { attributes, fail, chargeHeader } = this.prepare(req);
       decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
+      if (chargeHeader !== undefined) charge = { header: chargeHeader, attributes, fail };
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
       // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).
@@ -457,8 +532,83 @@ export class Limiter {
       return { headers: [] };
     }
     const headers = rateLimitHeaders(decision, this.ietf);
-    if (decision.allowed) return { headers, decision };
+    if (decision.allowed) return charge ? { headers, decision, charge } : { headers, decision };
     const secs = retryAfterSeconds(decision);
     return { headers, decision, reject: { retryAfter: secs, body: rejectionBody(secs) } };
+  }
+
+  /**
+   * Charges what the response reports once it is finished (`finish`), or once its connection
+   * closed before that (`close`; the header is read as the handler left it). `read` gives the
+   * header's value as the framework holds it. Never delays the response, never throws.
+   */
+  chargeWhenDone(res: Finishing, pending: PendingCharge, read: () => unknown): void {
+    let done = false;
+    const settle = () => {
+      if (done) return;
+      done = true;
+      try {
+        this.charge(pending, read());
+      } catch (e) {
+        this.warnEvery("charge", `floodgate: the charge failed: ${(e as Error)?.message ?? e}`);
+      }
+    };
+    res.once("finish", settle);
+    res.once("close", settle);
+  }
+
+  /** Charges `value` (the header's, as read) to the request's rules; nothing for 0 or a bad value. */
+  private charge(pending: PendingCharge, value: unknown): void {
+    const cost = reportedCost(value);
+    const endpoint = pending.attributes.endpoint ?? "";
+    if (cost === undefined) {
+      const shown = (Array.isArray(value) ? JSON.stringify(value) : String(value)).slice(0, 64);
+      this.warnEvery(
+        "value",
+        `floodgate: ${pending.header} on ${endpoint} is ${JSON.stringify(shown)}, not an integer ` +
+          `0 to ${MAX_COST}; nothing charged (at most one such warning a minute)`,
+      );
+      return;
+    }
+    if (cost === 0) return;
+    const lost = (why: string) =>
+      this.warnEvery(
+        "charge",
+        `floodgate: the charge of ${cost} on ${endpoint} ${why} (at most one such warning a minute)`,
+      );
+    this.client
+      .checkAttributes({ ...pending.attributes, cost, mode: "charge" }, pending.fail ? { fail: pending.fail } : undefined)
+      .then(
+        (d) => {
+          if (fromAgent(d)) {
+            // The agent answers a charge by the rule's fail mode while its store is away, uncounted.
+            if (d.items.some((i) => i.verdict.source === "fallback")) lost("was not counted: the agent's store is away");
+            return;
+          }
+          const reason = "reason" in d.origin ? d.origin.reason : "unavailable";
+          lost(
+            reason === "timeout"
+              ? "was not confirmed within the client's timeout; the agent may not have counted it"
+              : "was not counted: the agent is unreachable",
+          );
+        },
+        (e: unknown) => lost(`was not counted: ${(e as Error)?.message ?? e}`),
+      );
+  }
+
+  /**
+   * Warns at most once a minute for each kind. A logger that throws is ignored: the charge runs in
+   * the response's events and its promise, where a throw would crash the app.
+   */
+  private warnEvery(kind: string, message: string): void {
+    if (!this.logger) return;
+    const now = Date.now();
+    if (now - (this.lastWarned.get(kind) ?? -Infinity) < WARN_EVERY_MS) return;
+    this.lastWarned.set(kind, now);
+    try {
+      this.logger.warn(message);
+    } catch {
+      // nothing else to tell
+    }
   }
 }

@@ -377,6 +377,12 @@ describe("client with no agent at all", () => {
       const closed = await client.allow("user:3", "rule", 1, { fail: "closed" });
       assert.deepEqual(closed.origin, { kind: "failClosed", reason: "unavailable" });
       assert.equal(client.stats().localDenied, 1);
+      // Peeks and charges consume nothing here: answered by the policy, the bucket untouched.
+      const charged = await client.charge("user:2", "rule", 5);
+      const peeked = await client.peek("user:2", "rule", 0);
+      assert.deepEqual([charged.origin, peeked.origin], [{ kind: "failOpen", reason: "unavailable" }, { kind: "failOpen", reason: "unavailable" }]);
+      assert.equal((await client.allow("user:2", "rule")).allowed, true, "user:2 still has its second token");
+      assert.equal(client.stats().localDenied, 1);
     } finally {
       client.close();
     }

@@ -1,11 +1,16 @@
 /** What both middlewares share: wire-safe values, trusted proxies, headers, Retry-After, routes. */
 
 import assert from "node:assert/strict";
+import * as os from "node:os";
 import { describe, it } from "node:test";
 
+import { reportedCost } from "../src/http";
 import {
   Cidr,
+  Client,
   clientIp,
+  floodgateExpress,
+  floodgateFastifyHook,
   fnv1a64Hex,
   rateLimitHeaders,
   retryAfterSeconds,
@@ -162,5 +167,33 @@ describe("headers and Retry-After", () => {
     assert.equal(routeName("/items/{id}/parts/{*rest}"), "/items/:id/parts/*rest");
     assert.equal(routeName("/plain/:id"), "/plain/:id");
     assert.equal(routeName("/users{/:id}"), "/users/:id");
+  });
+});
+
+describe("chargeHeaders", () => {
+  it("reads a cost of 1 to 2^32-1 from the header; 0 or none is nothing, anything else is bad", () => {
+    assert.equal(reportedCost("1500"), 1500);
+    assert.equal(reportedCost(" 42 "), 42);
+    assert.equal(reportedCost(400), 400, "reply.header(name, 400) keeps the number");
+    assert.equal(reportedCost(["7"]), 7, "one line");
+    assert.equal(reportedCost("4294967295"), 4294967295);
+    for (const none of [undefined, null, "0", 0, "000"]) assert.equal(reportedCost(none), 0, String(none));
+    for (const bad of ["", " ", "lots", "1e3", "-5", "+5", "1.5", "0x10", "4294967296", 1.5, -1, 2 ** 32, NaN, ["1", "2"], {}]) {
+      assert.equal(reportedCost(bad), undefined, JSON.stringify(bad));
+    }
+  });
+
+  it("takes header names only, and no endpoint that also has a fixed cost, at start", () => {
+    const client = new Client(`${os.tmpdir()}/fg-node-nobody-${process.pid}.sock`, { logger: null });
+    try {
+      assert.throws(() => floodgateExpress(client, { chargeHeaders: { "/v1/chat": "x llm tokens" } }), /must be a header name/);
+      assert.throws(
+        () => floodgateFastifyHook(client, { costs: { "/v1/{id}": 5 }, chargeHeaders: { "/v1/:id": "x-llm-tokens" } }),
+        /in both costs and chargeHeaders/,
+      );
+      floodgateExpress(client, { costs: { "/search": 5 }, chargeHeaders: { "/v1/chat": "X-LLM-Tokens" } });
+    } finally {
+      client.close();
+    }
   });
 });

@@ -3,7 +3,8 @@
  * binding rule's headers, then a 429 with Retry-After and the JSON body; the matched route as the
  * endpoint, else the path as the framework's router matches it; log-mode rules never block or show;
  * identity headers and X-Forwarded-For believed only when configured (whatever the framework's own
- * proxy setting); odd header values limited under their hash; the fail policy when the agent is away.
+ * proxy setting); odd header values limited under their hash; the fail policy when the agent is away;
+ * costs reported in a response header (`chargeHeaders`) charged after the response.
  */
 
 import assert from "node:assert/strict";
@@ -15,7 +16,7 @@ import express from "express";
 import Fastify, { type FastifyInstance } from "fastify";
 
 import { Client, floodgateExpress, floodgateFastify, floodgateFastifyHook } from "../src/index";
-import { Agent, RedisServer, tempDir, unique } from "./helpers";
+import { Agent, eventually, FakeAgent, RedisServer, tempDir, unique } from "./helpers";
 
 const RULES = `
 # Per user and per endpoint: 2 a minute on /api/*.
@@ -51,6 +52,14 @@ dimension = "user"
 match = { endpoint = "/login" }
 limit = 3
 windowSeconds = 60
+
+# 1000 LLM tokens an hour per user on /v1/chat, charged after the response (chargeHeaders).
+[[rules]]
+id = "mw-chat"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 1000
+windowSeconds = 3600
 
 # Two requests a minute per client IP on /peer.
 [[rules]]
@@ -88,6 +97,78 @@ function limits(a: Answer): [string | null, string | null, string | null] {
 
 /** Distinct client addresses for the X-Forwarded-For scenario, in every run of it. */
 let nextClient = 1;
+
+/** Where the middlewares under test report the cost of a /v1/chat response. */
+const CHARGE_HEADERS = { "/v1/chat": "x-llm-tokens" };
+
+/**
+ * The chargeHeaders scenario both frameworks must pass: /v1/chat's handler reports the cost given
+ * in the request's `x-tokens` header (none without it) in `x-llm-tokens`; `warnings` is what the
+ * middleware logged.
+ */
+function chargeScenario(name: string, base: () => string, handled: () => number, client: () => Client, warnings: string[]): void {
+  describe(`${name}: costs charged after the response`, () => {
+    const left = async (user: string) => (await client().peek(`user:${user}`, "mw-chat", 0)).remaining;
+
+    it("a response reporting 1500 of 1000 passes, and the debt denies the next request", async () => {
+      const user = `ivy-${unique()}`;
+      const before = handled();
+      const first = await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "1500" });
+      assert.equal(first.status, 200, first.body);
+      assert.equal(first.headers.get("x-llm-tokens"), "1500");
+      assert.equal(handled(), before + 1);
+      assert.deepEqual(limits(first).slice(0, 2), ["1000", "1000"], "the request-phase peek's figures");
+      // The charge is made after the response, not before it: wait for it to land.
+      await eventually("the charge of 1500 to land", 10_000, async () => {
+        const p = await client().peek(`user:${user}`, "mw-chat", 0);
+        return !p.allowed;
+      });
+      const second = await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "1" });
+      assert.equal(second.status, 429, second.body);
+      assert.equal(handled(), before + 1, "the handler did not run");
+      const retryAfter = second.headers.get("retry-after");
+      assert.match(retryAfter ?? "", /^[1-9][0-9]*$/);
+      // A window of an hour: 500 over the limit is waited out within two windows at the most.
+      assert.ok(Number(retryAfter) <= 7200, `retry after ${retryAfter}`);
+      assert.equal(second.body, `{"error":"rate_limited","retryAfter":${retryAfter}}`);
+      assert.deepEqual(limits(second).slice(0, 2), ["1000", "0"]);
+    });
+
+    it("a response reporting 400 leaves 600; a response without the header charges nothing", async () => {
+      const user = `jack-${unique()}`;
+      const plain = await get(base(), "/v1/chat", { "x-user": user });
+      assert.equal(plain.status, 200);
+      assert.equal(plain.headers.get("x-llm-tokens"), null);
+      const reported = await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "400" });
+      assert.equal(reported.status, 200);
+      // The first response's finish came before this request was handled: had it charged
+      // anything, this peek would show it, and the wait below would end short of 600.
+      assert.deepEqual(limits(reported).slice(0, 2), ["1000", "1000"]);
+      const remaining = await eventually("the charge of 400 to land", 10_000, async () => {
+        const r = await left(user);
+        return r < 1000 && { r };
+      });
+      assert.equal(remaining.r, 600);
+      const after = await get(base(), "/v1/chat", { "x-user": user });
+      assert.equal(after.status, 200);
+      assert.deepEqual(limits(after).slice(0, 2), ["1000", "600"]);
+    });
+
+    it("a value that is not a cost charges nothing, warned about once a minute", async () => {
+      const user = `kate-${unique()}`;
+      const said = () => warnings.filter((w) => w.includes("x-llm-tokens on /v1/chat")).length;
+      assert.equal((await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "lots" })).status, 200);
+      await eventually("the warning", 10_000, () => said() === 1);
+      assert.match(warnings.find((w) => w.includes("x-llm-tokens on /v1/chat"))!, /"lots", not an integer 0 to 4294967295; nothing charged/);
+      assert.equal((await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "4294967296" })).status, 200);
+      // A good value after them: once it has landed, both bad ones were read (and charged nothing).
+      assert.equal((await get(base(), "/v1/chat", { "x-user": user, "x-tokens": "5" })).status, 200);
+      await eventually("the charge of 5 to land", 10_000, async () => (await left(user)) < 1000);
+      assert.equal(await left(user), 995);
+      assert.equal(said(), 1, "the second bad value within the minute is not warned about");
+    });
+  });
+}
 
 /** The scenario both frameworks must pass, on a server at `base` with the routes below. */
 function scenario(name: string, base: () => string, handled: () => number): void {
@@ -180,6 +261,8 @@ function middleware(store: "embedded" | "redis"): void {
     let fastifyBase = "";
     let expressHandled = 0;
     let fastifyHandled = 0;
+    const expressWarnings: string[] = [];
+    const fastifyWarnings: string[] = [];
 
     before(async () => {
       if (store === "redis") redis = await RedisServer.start();
@@ -187,7 +270,12 @@ function middleware(store: "embedded" | "redis"): void {
       client = await Client.connect(agent.socket, { timeoutMs: 5_000 }); // figures, not latency, on a loaded box
 
       const app = express();
-      const limit = floodgateExpress(client, { userHeader: "x-user", trustProxies: ["127.0.0.1", "::1"] });
+      const limit = floodgateExpress(client, {
+        userHeader: "x-user",
+        trustProxies: ["127.0.0.1", "::1"],
+        chargeHeaders: CHARGE_HEADERS,
+        logger: { warn: (m) => expressWarnings.push(m) },
+      });
       const noIdentity = floodgateExpress(client, { trustProxies: ["127.0.0.1", "::1"] });
       const ok = (_req: express.Request, res: express.Response) => {
         expressHandled++;
@@ -197,6 +285,12 @@ function middleware(store: "embedded" | "redis"): void {
       app.get("/api/untrusted/:id", noIdentity, ok);
       app.get("/open", limit, ok);
       app.get("/ip", limit, ok);
+      app.get("/v1/chat", limit, (req, res) => {
+        expressHandled++;
+        const tokens = req.headers["x-tokens"];
+        if (typeof tokens === "string") res.setHeader("x-llm-tokens", tokens);
+        res.json({ ok: true });
+      });
       expressServer = await new Promise<Server>((r) => {
         const s = app.listen(0, "127.0.0.1", () => r(s));
       });
@@ -204,7 +298,13 @@ function middleware(store: "embedded" | "redis"): void {
 
       fastify = Fastify();
       await fastify.register(async (scope) => {
-        await scope.register(floodgateFastify, { client, userHeader: "x-user", trustProxies: ["127.0.0.1", "::1"] });
+        await scope.register(floodgateFastify, {
+          client,
+          userHeader: "x-user",
+          trustProxies: ["127.0.0.1", "::1"],
+          chargeHeaders: CHARGE_HEADERS,
+          logger: { warn: (m) => fastifyWarnings.push(m) },
+        });
         const ok = async () => {
           fastifyHandled++;
           return { ok: true };
@@ -212,6 +312,13 @@ function middleware(store: "embedded" | "redis"): void {
         scope.get("/api/items/:id", ok);
         scope.get("/open", ok);
         scope.get("/ip", ok);
+        scope.get("/v1/chat", async (request, reply) => {
+          fastifyHandled++;
+          const tokens = request.headers["x-tokens"];
+          // A number as routes often set one (reply.header keeps it a number until it is written).
+          if (typeof tokens === "string") reply.header("x-llm-tokens", /^[0-9]+$/.test(tokens) ? Number(tokens) : tokens);
+          return { ok: true };
+        });
       });
       fastify.get(
         "/api/untrusted/:id",
@@ -235,6 +342,8 @@ function middleware(store: "embedded" | "redis"): void {
 
     scenario("Express", () => expressBase, () => expressHandled);
     scenario("Fastify", () => fastifyBase, () => fastifyHandled);
+    chargeScenario("Express", () => expressBase, () => expressHandled, () => client, expressWarnings);
+    chargeScenario("Fastify", () => fastifyBase, () => fastifyHandled, () => client, fastifyWarnings);
 
     describe("endpoints and peers as the frameworks route and see them", () => {
       const servers: Server[] = [];
@@ -396,6 +505,54 @@ describe("middleware when the agent is away", () => {
       await new Promise((r) => server.close(r));
       open.close();
       closed.close();
+    }
+  });
+
+  /** An Express app whose /v1/chat reports a cost of 1500, limited through `client`; its base URL. */
+  async function chatApp(client: Client, warnings: string[], servers: Server[]): Promise<string> {
+    const app = express();
+    const limit = floodgateExpress(client, { chargeHeaders: CHARGE_HEADERS, logger: { warn: (m) => warnings.push(m) } });
+    app.get("/v1/chat", limit, (_req, res) => {
+      res.setHeader("x-llm-tokens", "1500");
+      res.send("answered");
+    });
+    return listen(app, servers);
+  }
+
+  it("chargeHeaders: the response is not held for a charge the agent cannot take, which is warned about", async () => {
+    const client = await Client.connect(`${tempDir()}/nobody.sock`, { logger: null });
+    const warnings: string[] = [];
+    const servers: Server[] = [];
+    try {
+      const base = await chatApp(client, warnings, servers);
+      const a = await get(base, "/v1/chat");
+      assert.deepEqual([a.status, a.body, ...limits(a)], [200, "answered", null, null, null], "fail open");
+      const w = await eventually("the warning", 10_000, () => warnings.find((m) => m.includes("charge of 1500")));
+      assert.equal(w, "floodgate: the charge of 1500 on /v1/chat was not counted: the agent is unreachable (at most one such warning a minute)");
+    } finally {
+      for (const s of servers) await new Promise((r) => s.close(r));
+      client.close();
+    }
+  });
+
+  it("chargeHeaders: a version-1 agent is sent neither the peek nor the charge; the request passes, warned", async () => {
+    const fake = await FakeAgent.start(); // answers HelloOk with version 1
+    const client = await Client.connect(fake.path, { logger: null });
+    const warnings: string[] = [];
+    const servers: Server[] = [];
+    try {
+      assert.ok(client.isConnected());
+      const base = await chatApp(client, warnings, servers);
+      const a = await get(base, "/v1/chat");
+      assert.deepEqual([a.status, a.body, ...limits(a)], [200, "answered", null, null, null]);
+      const w = await eventually("the warning", 10_000, () => warnings.find((m) => m.includes("version 1")));
+      assert.match(w, /the check failed; the request passes: .*peek and charge need protocol version 2/);
+      assert.equal(fake.received.filter((f) => f.body.kind === "check").length, 0);
+      assert.ok(client.isConnected(), "the connection is kept");
+    } finally {
+      for (const s of servers) await new Promise((r) => s.close(r));
+      client.close();
+      await fake.close();
     }
   });
 });
