@@ -131,7 +131,7 @@ class FloodgateDjangoMiddleware:
         """What the request is checked as."""
         return self._check(request)[0]
 
-    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy)
+    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
         return request_check(
             self.settings,
             request,
@@ -144,7 +144,7 @@ class FloodgateDjangoMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         s = self.settings
         try:
-            attributes, fail = self._check(request)
+            attributes, fail, _charge = self._check(request)
             decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)

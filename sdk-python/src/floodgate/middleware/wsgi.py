@@ -121,7 +121,7 @@ class FloodgateWSGIMiddleware:
         """What the request is checked as."""
         return self._check(environ)[0]
 
-    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy)
+    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
         return request_check(
             self.settings,
             environ,
@@ -134,7 +134,7 @@ class FloodgateWSGIMiddleware:
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         s = self.settings
         try:
-            attributes, fail = self._check(environ)
+            attributes, fail, _charge = self._check(environ)
             decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
