@@ -513,3 +513,12 @@ def charge_failed(e: BaseException) -> None:
     version 1 (:class:`~floodgate.UnsupportedByAgent`); the response was sent all the same."""
     CHARGE_LOST.warn("floodgate: a response's charge failed; it is not counted (said at most once a minute): %s", e)
 
+
+def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional[float]) -> None:
+    """Charges ``cost`` with a request's attributes through the threaded ``client``, waiting at most
+    ``timeout`` (the client's when ``None``). Never raises: a charge the agent cannot take is logged
+    at most once a minute."""
+    try:
+        charge_taken(client.check_request(charge_attributes(attributes, cost), timeout=timeout, fail="open"))
+    except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
+        charge_failed(e)
