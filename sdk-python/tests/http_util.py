@@ -7,10 +7,10 @@ import http.client
 import socket
 import threading
 import time
-from typing import Any, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from conftest import eventually
+from conftest import eventually, unique
 
 
 class Response:
@@ -167,3 +167,52 @@ def fail_closed_after_kill(port: int, agent: Any, client: Any) -> None:
     assert r.status == 200 and "x-ratelimit-limit" not in r.headers, "the fail-open rule passes"
     r = request(port, "POST", "/login", [("X-Variant", "fail-for")])
     assert r.status == 200 and "x-ratelimit-limit" not in r.headers, "fail_for decides alone"
+
+
+# MIDDLEWARE_RULES and a budget of tokens an LLM route's responses report, charged afterwards.
+CHARGE_RULES = (
+    MIDDLEWARE_RULES
+    + """
+[[rules]]
+id = "tokens"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 1000
+windowSeconds = 3600
+"""
+)
+CHARGE_HEADERS = {"/v1/chat": "x-llm-tokens"}
+
+
+def charged_after_response(port: int, remaining: Callable[[str], int]) -> None:
+    """What every middleware does with ``charge_headers=CHARGE_HEADERS`` and ``CHARGE_RULES``, serving
+    at ``port`` an app whose ``POST /v1/chat`` answers with ``X-LLM-Tokens`` set to the request's
+    ``X-Want`` (none without it), and whose ``/api/hello`` answers 200; users come in ``X-User-Id``.
+    ``remaining(user)`` reads the user's tokens left (a peek of the rule ``tokens``)."""
+
+    def chat(user: str, want: Optional[str] = None) -> Response:
+        headers = [("X-User-Id", user)] + ([("X-Want", want)] if want is not None else [])
+        return request(port, "POST", "/v1/chat", headers)
+
+    alice, bob = unique("alice"), unique("bob")
+    r = chat(alice, "1500")
+    assert r.status == 200 and r.headers.get("x-llm-tokens") == "1500", r
+    assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (1000, 1000), "the request phase peeks"
+    # Charged once the response is out, past the limit: a debt of 500 that the next request waits out.
+    eventually("alice's 1500 tokens are charged", lambda: remaining(alice) == 0)
+    check_429(chat(alice), limit=1000)
+
+    r = chat(bob, "400")
+    assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1000), r
+    eventually("bob's 400 tokens are charged", lambda: remaining(bob) == 600)
+    # No header, an empty one, 0, not a whole number, past a u32: nothing charged.
+    for want in (None, "", "0", "lots", "-5", "1.5", "4294967296"):
+        r = chat(bob, want)
+        assert (r.status, r.num("x-ratelimit-remaining")) == (200, 600), (want, r)
+    # Had any of those been charged (after its response, as these are), bob would end below 500.
+    assert chat(bob, "100").status == 200
+    eventually("bob's 100 tokens are charged", lambda: remaining(bob) == 500)
+    assert chat(bob).num("x-ratelimit-remaining") == 500
+    # Other routes consume as before.
+    r = request(port, "GET", "/api/hello", [("X-User-Id", bob)])
+    assert (r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (200, 6, 5), r

@@ -3,21 +3,28 @@ headers on every response a rule applied to, costs by matched route, 429 with Re
 JSON body, log mode invisible, odd values hashed as PROTOCOL.md says, X-Forwarded-For believed only
 from trusted proxies (also when uvicorn's proxy headers read it first), IETF headers, a handler's
 error as a 500 with the headers, a plain ASGI app checked as the path it routes on, fail open and
-closed without an agent, and a fail-closed rule (or a route's fail_for) once the agent is killed."""
+closed without an agent, a fail-closed rule (or a route's fail_for) once the agent is killed, and a
+cost a streamed response reports charged after it (a charge no agent takes is logged, the response
+stands)."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import tempfile
 
-from conftest import unique
-from fastapi import APIRouter, FastAPI
-from fastapi.responses import JSONResponse, PlainTextResponse
+import pytest
+from conftest import eventually, unique
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from http_util import (
+    CHARGE_HEADERS,
+    CHARGE_RULES,
     MAX_RESET_S,
     MIDDLEWARE_RULES,
     UvicornServer,
+    charged_after_response,
     check_429,
     fail_closed_after_kill,
     now_s,
@@ -27,8 +34,8 @@ from rules import FAIL_MODE_RULES
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from floodgate import AsyncClient
-from floodgate.middleware import FloodgateMiddleware
+from floodgate import AsyncClient, Client
+from floodgate.middleware import FloodgateMiddleware, _common
 from floodgate.middleware.asgi import scope_header
 
 
@@ -324,3 +331,91 @@ def test_asgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # n
         fail_closed_after_kill(server.port, agent, client)
     finally:
         server.close()
+
+
+def chat_app(**options: object) -> FastAPI:
+    """An LLM route that streams its answer in parts and reports its tokens (the request's X-Want) in
+    X-LLM-Tokens, and an ordinary route."""
+    app = FastAPI()
+
+    @app.post("/v1/chat")
+    async def chat(request: Request) -> StreamingResponse:
+        want = request.headers.get("x-want")
+
+        async def parts():  # noqa: ANN202
+            for part in (b"an ", b"answer"):
+                yield part
+
+        return StreamingResponse(parts(), headers={"x-llm-tokens": want} if want is not None else {})
+
+    @app.get("/api/hello")
+    async def hello() -> str:
+        return "hello"
+
+    app.add_middleware(FloodgateMiddleware, **options)
+    return app
+
+
+def test_asgi_charges_what_the_response_reports_after_it(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    app = chat_app(socket=agent.socket, timeout=2.0, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    server = UvicornServer(app)
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
+        assert (r.status, r.body) == (200, b"an answer"), "the streamed body is whole"
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        reader.close()
+
+
+@pytest.fixture
+def charge_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
+    """The ``floodgate`` logger's warnings, with the once-a-minute charge warnings not yet said."""
+    monkeypatch.setattr(_common.CHARGE_LOST, "_last", -1)
+    monkeypatch.setattr(_common.CHECK_FAILED, "_last", -1)
+    caplog.set_level(logging.WARNING, logger="floodgate")
+    return caplog
+
+
+def test_asgi_a_charge_no_agent_takes_is_logged_and_the_response_stands(charge_log) -> None:  # noqa: ANN001
+    nobody = os.path.join(tempfile.mkdtemp(), "nobody.sock")
+    server = UvicornServer(chat_app(socket=nobody, user_header="x-user-id", charge_headers=CHARGE_HEADERS))
+    try:
+        for _ in range(3):
+            r = request(server.port, "POST", "/v1/chat", [("X-User-Id", "u"), ("X-Want", "1500")])
+            assert (r.status, r.body) == (200, b"an answer") and "x-ratelimit-limit" not in r.headers, r
+
+        def said() -> list:
+            text = "could not take a response's charge"
+            return [m.getMessage() for m in charge_log.records if text in m.getMessage()]
+
+        eventually("the lost charge is logged", said)
+        assert said() == [
+            "floodgate: the agent could not take a response's charge (unavailable); it is not counted"
+            " (said at most once a minute)"
+        ], "once a minute, not once a request"
+    finally:
+        server.close()
+
+
+def test_asgi_charge_routes_pass_unchecked_by_a_version_1_agent(charge_log) -> None:  # noqa: ANN001
+    from test_fake_agent import FakeAgent, decision
+
+    fake = FakeAgent(lambda conn, rid: decision(rid))  # answers HelloOk 1
+    app = chat_app(socket=fake.path, timeout=2.0, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    server = UvicornServer(app)
+    try:
+        for _ in range(2):
+            r = request(server.port, "POST", "/v1/chat", [("X-User-Id", "u"), ("X-Want", "1500")])
+            assert (r.status, r.body) == (200, b"an answer") and "x-ratelimit-limit" not in r.headers, r
+        said = [m.getMessage() for m in charge_log.records if "speaks version 1" in m.getMessage()]
+        assert len(said) == 1 and "the request passes" in said[0], said
+        assert fake.checks == [], "a version-1 agent is sent neither the peek nor the charge"
+        # Other routes are checked as before.
+        r = request(server.port, "GET", "/api/hello", [("X-User-Id", "u")])
+        assert r.status == 200 and r.num("x-ratelimit-limit") == 10 and len(fake.checks) == 1
+    finally:
+        server.close()
+        fake.close()

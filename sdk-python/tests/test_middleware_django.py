@@ -2,7 +2,8 @@
 under wsgiref, its ASGI handler under uvicorn), asking a real agent: the endpoint is Django's
 resolved route, a 200 with headers, then a 429 with Retry-After and the JSON body; under uvicorn's
 proxy headers, X-Forwarded-For does not choose the IP key; a fail-closed rule (or a route's
-fail_for) once the agent is killed."""
+fail_for) once the agent is killed; a cost the response reports charged when the server closes the
+response, under both handlers."""
 
 from __future__ import annotations
 
@@ -12,8 +13,19 @@ from conftest import unique
 from django.conf import settings
 from django.http import HttpResponse
 from django.urls import path
-from http_util import MIDDLEWARE_RULES, UvicornServer, WsgiServer, check_429, fail_closed_after_kill, request
+from http_util import (
+    CHARGE_RULES,
+    MIDDLEWARE_RULES,
+    UvicornServer,
+    WsgiServer,
+    charged_after_response,
+    check_429,
+    fail_closed_after_kill,
+    request,
+)
 from rules import FAIL_MODE_RULES
+
+from floodgate import Client
 
 
 def item(request, pk):  # noqa: ANN001, ANN201
@@ -24,10 +36,20 @@ def hello(request):  # noqa: ANN001, ANN201
     return HttpResponse("hello")
 
 
+def chat(request):  # noqa: ANN001, ANN201
+    """An LLM route, its tokens (the request's X-Want) in X-LLM-Tokens."""
+    response = HttpResponse(b"an answer")
+    want = request.headers.get("x-want")
+    if want is not None:
+        response["X-LLM-Tokens"] = want
+    return response
+
+
 urlpatterns = [
     path("api/items/<int:pk>", item),
     path("api/hello", hello),
     path("login", hello),
+    path("v1/chat", chat),
 ]
 
 
@@ -125,3 +147,26 @@ def test_django_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  #
         fail_closed_after_kill(server.port, agent, fg_django._clients[agent.socket])
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_charges_what_the_response_reports_after_it(make_agent, handler: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    # The route in Django's spelling; the agent's (/v1/chat) works too.
+    configure(agent, charge_headers={"v1/chat": "X-LLM-Tokens"})
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
+        assert (r.status, r.body) == (200, b"an answer")
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        reader.close()

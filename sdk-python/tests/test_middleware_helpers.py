@@ -1,15 +1,18 @@
 """The middleware's shared rules, as the Rust Layer's unit tests state them: X-Forwarded-For believed
 only from trusted proxies, IPv4-mapped addresses, routes without braces, Retry-After rounding, the
-binding rule's headers, wire-safe attribute values; and what only the Python servers need: a client
-address the server took from X-Forwarded-For, the WSGI path as apps route on it."""
+binding rule's headers, wire-safe attribute values, the cost a response reports and when it is
+charged; and what only the Python servers need: a client address the server took from
+X-Forwarded-For, the WSGI path as apps route on it."""
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+import logging
 
 import pytest
 
-from floodgate import Decision, FailPolicy, ItemDecision, Origin, Source, Verdict
+from floodgate import Attributes, Decision, FailPolicy, ItemDecision, ItemMode, Origin, Source, Verdict
 from floodgate.middleware import (
     Cidr,
     build_attributes,
@@ -23,7 +26,8 @@ from floodgate.middleware import (
     route_name,
     server_took_forwarded_for,
 )
-from floodgate.middleware._common import Settings
+from floodgate.middleware import FloodgateMiddleware, _common
+from floodgate.middleware._common import Settings, reported_cost, request_check
 from floodgate.middleware.django import django_route_name
 from floodgate.middleware.wsgi import default_endpoint as wsgi_endpoint
 
@@ -190,3 +194,98 @@ def test_fail_for_is_keyed_as_costs_and_checked_up_front() -> None:
         Settings(fail_for={"/login": "Closed"})
     with pytest.raises(ValueError):
         Settings(fail="shut")
+
+
+def test_a_reported_cost_is_a_whole_number_that_fits_a_u32(caplog, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(_common.BAD_CHARGE, "_last", -1)
+    caplog.set_level(logging.WARNING, logger="floodgate")
+    good = {"1500": 1500, b"400": 400, " 7\t": 7, "0042": 42, "4294967295": 2**32 - 1}
+    for raw, want in good.items():
+        assert reported_cost("x-llm-tokens", raw) == want, raw
+    # Nothing reported: nothing charged, nothing said.
+    for raw in (None, "", b"  ", "0", "000"):
+        assert reported_cost("x-llm-tokens", raw) is None, raw
+    assert not caplog.records
+    # A bad value: nothing charged, said once a minute (naming the header and the value).
+    for raw in ("lots", "-5", "+5", "1.5", "1e3", "4294967296", "9" * 5000, "\u0661", b"1\x002"):
+        assert reported_cost("x-llm-tokens", raw) is None, raw
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "x-llm-tokens" in said[0] and "'lots'" in said[0], said
+
+
+def test_charge_headers_make_the_check_a_peek_of_cost_0() -> None:
+    s = Settings(costs={"/search": 5}, charge_headers={"/v1/chat/{model}": "X-LLM-Tokens"})
+    assert s.charge_headers == {"/v1/chat/:model": "x-llm-tokens"}, "keyed as costs, the name lower-case"
+
+    def check(endpoint: str):  # noqa: ANN202
+        return request_check(
+            s,
+            endpoint,
+            header=lambda r, n: None,
+            default_endpoint=lambda r: r,
+            peer=lambda r: ("203.0.113.5", [], False),
+            no_peer="",
+        )
+
+    a, _, charge = check("/v1/chat/:model")
+    assert (a.endpoint, a.ip, a.cost, a.mode) == ("/v1/chat/:model", "203.0.113.5", 0, ItemMode.PEEK)
+    assert charge == "x-llm-tokens"
+    a, _, charge = check("/search")
+    assert (a.cost, a.mode, charge) == (5, ItemMode.CONSUME, None), "other routes are unchanged"
+    with pytest.raises(ValueError, match="costs and in charge_headers"):
+        Settings(costs={"/v1/chat": 2}, charge_headers={"/v1/chat": "x-llm-tokens"})
+    for bad in ("", "x llm", "x-tokens:", 5):
+        with pytest.raises(ValueError, match="not a header name"):
+            Settings(charge_headers={"/v1/chat": bad})
+
+
+class Recorder:
+    """An AsyncClient stand-in for the ASGI middleware: answers every check allowed, recording the
+    checks among the messages sent to the server."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    async def check_request(self, attributes: Attributes, **kw: object) -> Decision:
+        self.events.append(("check", attributes.mode, attributes.cost, kw.get("fail")))
+        return Decision(True, 0, 0, 0, None, Origin.AGENT)
+
+
+def test_asgi_charges_after_the_last_body_part_is_sent() -> None:
+    events: list = []
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"X-LLM-Tokens", b"12")]})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        events.append("app sends its last part")
+        await send({"type": "http.response.body", "body": b"b"})
+        events.append("app returns")
+
+    async def send(message) -> None:  # noqa: ANN001
+        events.append((message["type"], message.get("more_body", False)))
+
+    mw = FloodgateMiddleware(app, client=Recorder(events), charge_headers={"/v1/chat": "x-llm-tokens"})
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat", "headers": [], "client": ("203.0.113.5", 1)}
+    asyncio.run(mw(scope, None, send))
+    assert events == [
+        ("check", ItemMode.PEEK, 0, None),
+        ("http.response.start", False),
+        ("http.response.body", True),
+        "app sends its last part",
+        ("http.response.body", False),
+        ("check", ItemMode.CHARGE, 12, "open"),
+        "app returns",
+    ]
+
+    # An app that stops without a last part (the client went away) still did the work: charged once.
+    async def cut_short(scope, receive, send) -> None:  # noqa: ANN001
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"x-llm-tokens", b"5")]})
+        await send({"type": "http.response.body", "body": b"a", "more_body": True})
+        raise OSError("gone")
+
+    events.clear()
+    mw = FloodgateMiddleware(cut_short, client=Recorder(events), charge_headers={"/v1/chat": "x-llm-tokens"})
+    with pytest.raises(OSError):
+        asyncio.run(mw(scope, None, send))
+    checks = [e for e in events if e[0] == "check"]
+    assert checks == [("check", ItemMode.PEEK, 0, None), ("check", ItemMode.CHARGE, 5, "open")]

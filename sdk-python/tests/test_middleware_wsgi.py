@@ -1,20 +1,35 @@
 """The WSGI middleware in front of a plain WSGI app served by wsgiref over real HTTP, asking a real
 agent: a 200 with the limiter's headers, then a 429 with Retry-After and the JSON body; costs by
 path, the path as the app routes on it, identity only from the configured header, X-Forwarded-For
-only through a trusted proxy, log mode invisible, fail open and closed without an agent, and a
-fail-closed rule (or a route's fail_for) once the agent is killed."""
+only through a trusted proxy, log mode invisible, fail open and closed without an agent, a
+fail-closed rule (or a route's fail_for) once the agent is killed, and a cost the response reports
+charged when the server closes the response (a charge no agent takes is logged, the response
+stands)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 
-from conftest import unique
-from http_util import MAX_RESET_S, MIDDLEWARE_RULES, WsgiServer, check_429, fail_closed_after_kill, now_s, request
+import pytest
+from conftest import eventually, unique
+from http_util import (
+    CHARGE_HEADERS,
+    CHARGE_RULES,
+    MAX_RESET_S,
+    MIDDLEWARE_RULES,
+    WsgiServer,
+    charged_after_response,
+    check_429,
+    fail_closed_after_kill,
+    now_s,
+    request,
+)
 from rules import FAIL_MODE_RULES
 
 from floodgate import Client
-from floodgate.middleware import FloodgateWSGIMiddleware
+from floodgate.middleware import FloodgateWSGIMiddleware, _common
 
 
 def app(environ, start_response):  # noqa: ANN001, ANN201
@@ -117,3 +132,57 @@ def test_wsgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # n
     finally:
         server.close()
         client.close()
+
+
+def chat_app(environ, start_response):  # noqa: ANN001, ANN201
+    """An LLM route whose answer is a generator (start_response called on the first part) reporting
+    its tokens (the request's X-Want) in X-LLM-Tokens, and ``app`` elsewhere."""
+    if environ["PATH_INFO"] != "/v1/chat":
+        return app(environ, start_response)
+    want = environ.get("HTTP_X_WANT")
+
+    def parts():  # noqa: ANN202
+        headers = [("Content-Type", "text/plain"), ("Content-Length", "9")]
+        start_response("200 OK", headers + ([("X-LLM-Tokens", want)] if want is not None else []))
+        yield b"an "
+        yield b"answer"
+
+    return parts()
+
+
+def test_wsgi_charges_what_the_response_reports_after_it(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    server = WsgiServer(
+        FloodgateWSGIMiddleware(chat_app, client=client, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    )
+    try:
+        r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
+        assert (r.status, r.body) == (200, b"an answer")
+        charged_after_response(server.port, lambda user: client.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        client.close()
+
+
+def test_wsgi_a_charge_no_agent_takes_is_logged_and_the_response_stands(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_common.CHARGE_LOST, "_last", -1)
+    caplog.set_level(logging.WARNING, logger="floodgate")
+    nobody = os.path.join(tempfile.mkdtemp(), "nobody.sock")
+    server = WsgiServer(
+        FloodgateWSGIMiddleware(chat_app, socket=nobody, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    )
+    try:
+        for _ in range(3):
+            r = request(server.port, "POST", "/v1/chat", [("X-User-Id", "u"), ("X-Want", "1500")])
+            assert (r.status, r.body) == (200, b"an answer") and "x-ratelimit-limit" not in r.headers, r
+
+        def said() -> list:
+            return [m.getMessage() for m in caplog.records if "could not take a response's charge" in m.getMessage()]
+
+        eventually("the lost charge is logged", said)
+        assert len(said()) == 1, "once a minute, not once a request"
+    finally:
+        server.close()

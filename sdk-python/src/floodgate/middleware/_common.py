@@ -1,17 +1,20 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
-(``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values."""
+(``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values, costs charged after the
+response."""
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import json
 import logging
+import re
 import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..decision import Decision, FailPolicy
-from ..protocol import _RULE_ID, Attributes, wire_safe
+from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
 
@@ -196,6 +199,27 @@ def normalise_costs(costs: Optional[Mapping[str, int]]) -> Dict[str, int]:
     return {route_name(k): max(int(v), 1) for k, v in (costs or {}).items()}
 
 
+# An HTTP header name (RFC 9110 token).
+_TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+
+
+def normalise_charge_headers(
+    charge_headers: Optional[Mapping[str, str]], costs: Mapping[str, int]
+) -> Dict[str, str]:
+    """``charge_headers`` keyed as ``costs`` is (``costs`` already normalised), each header name
+    lower-case. A name that is not a header name, or a route that also has a cost (its check is a
+    peek of cost 0, so the cost would be ignored), raises ``ValueError`` here, not on a request."""
+    out: Dict[str, str] = {}
+    for route, header in (charge_headers or {}).items():
+        if not isinstance(header, str) or not _TOKEN.fullmatch(header):
+            raise ValueError(f"charge_headers[{route!r}]: {header!r} is not a header name")
+        key = route_name(route)
+        if key in costs:
+            raise ValueError(f"{route!r} is in costs and in charge_headers: give it one or the other")
+        out[key] = header.lower()
+    return out
+
+
 def normalise_fail_for(fail_for: Optional[Mapping[str, Union[str, FailPolicy]]]) -> Dict[str, FailPolicy]:
     """``fail_for`` keyed as ``costs`` is, each policy checked (a misspelt one raises ``ValueError``
     here, not on a request)."""
@@ -297,6 +321,8 @@ class Once:
 
 
 CHECK_FAILED = RareWarning()
+BAD_CHARGE = RareWarning()
+CHARGE_LOST = RareWarning()
 NO_PEER = Once()
 SERVER_FORWARDED = Once()
 
@@ -325,6 +351,7 @@ class Settings:
         timeout: Optional[float] = None,
         fail: Union[str, FailPolicy, None] = None,
         fail_for: Optional[Mapping[str, Union[str, FailPolicy]]] = None,
+        charge_headers: Optional[Mapping[str, str]] = None,
     ) -> None:
         for name, f, h in (("tier", tier, tier_header), ("user", user, user_header), ("api_key", api_key, api_key_header)):
             if f is not None and h is not None:
@@ -343,6 +370,7 @@ class Settings:
         self.timeout = timeout
         self.fail = None if fail is None else FailPolicy(fail)
         self.fail_for = normalise_fail_for(fail_for)
+        self.charge_headers = normalise_charge_headers(charge_headers, self.costs)
 
     def fail_policy(self, endpoint: Optional[str]) -> Optional[FailPolicy]:
         """The per-call fail policy of a request to ``endpoint``: its route's in ``fail_for``, else
@@ -362,7 +390,8 @@ def request_attributes(
     peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
 ) -> Attributes:
-    """What a request is checked as: :func:`request_check` without the fail policy."""
+    """What a request is checked as: :func:`request_check` without the fail policy and the charge
+    header."""
     return request_check(
         s, request, header=header, default_endpoint=default_endpoint, peer=peer, no_peer=no_peer
     )[0]
@@ -376,13 +405,15 @@ def request_check(
     default_endpoint: Callable[[Any], Optional[str]],
     peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
-) -> Tuple[Attributes, Optional[FailPolicy]]:
-    """What a request is checked as, for every framework, and its per-call fail policy
-    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by):
-    ``header(request, name)`` reads a header (lower-case name), ``default_endpoint(request)`` names
-    the route, ``peer(request)`` gives the peer address, the ``X-Forwarded-For`` values and whether
-    the server took that address from the header itself (:func:`server_took_forwarded_for`);
-    ``no_peer`` is said once when there is no peer."""
+) -> Tuple[Attributes, Optional[FailPolicy], Optional[str]]:
+    """What a request is checked as, for every framework, its per-call fail policy
+    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by) and the response
+    header its cost is charged from (its route's in ``charge_headers``; the check is then a peek of
+    cost 0, and :func:`charge_attributes` is what to charge afterwards): ``header(request, name)``
+    reads a header (lower-case name), ``default_endpoint(request)`` names the route,
+    ``peer(request)`` gives the peer address, the ``X-Forwarded-For`` values and whether the server
+    took that address from the header itself (:func:`server_took_forwarded_for`); ``no_peer`` is said
+    once when there is no peer."""
 
     def value(f: Optional[Extractor], name: Optional[str]) -> Optional[str]:
         if f is not None:
@@ -424,4 +455,70 @@ def request_check(
         ip,
         s.costs,
     )
-    return attributes, s.fail_policy(endpoint)
+    charge = s.charge_headers.get(endpoint) if endpoint and s.charge_headers else None
+    if charge is not None:
+        # Only a rule already past its limit refuses the request; its cost is known afterwards.
+        attributes = dataclasses.replace(attributes, cost=0, mode=ItemMode.PEEK)
+    return attributes, s.fail_policy(endpoint), charge
+
+
+# A charge is a u32 on the wire (PROTOCOL.md, "Item modes").
+MAX_CHARGE = 2**32 - 1
+
+
+def reported_cost(header: str, raw: Union[bytes, str, None]) -> Optional[int]:
+    """The cost a response's ``header`` reports: a whole number from 1 to 4294967295 (ASCII digits,
+    surrounding spaces and tabs allowed). Absent, empty or 0: ``None``, nothing to charge. Anything
+    else (not a number, negative, too big): ``None`` too, logged at most once a minute, since it is
+    the app's bug and it would otherwise go uncounted unseen."""
+    if raw is None:
+        return None
+    text = raw.decode("latin-1") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    if not text.strip(" \t"):
+        return None
+    v = header_text(raw)
+    digits = v.lstrip("0") if v is not None and v.isascii() and v.isdigit() else None
+    if digits is not None and len(digits) <= 10 and int(digits or "0") <= MAX_CHARGE:
+        return int(digits) if digits else None
+    BAD_CHARGE.warn(
+        "floodgate: the response's %s header is not a whole number from 0 to %d (%.60r); nothing"
+        " charged (said at most once a minute)",
+        header,
+        MAX_CHARGE,
+        text,
+    )
+    return None
+
+
+def charge_attributes(attributes: Attributes, cost: int) -> Attributes:
+    """What a request whose response reported ``cost`` is charged as: its request-phase attributes
+    (a peek), charging ``cost`` to every rule they match."""
+    return dataclasses.replace(attributes, cost=cost, mode=ItemMode.CHARGE)
+
+
+def charge_taken(d: Decision) -> None:
+    """Logs (at most once a minute) a charge the agent did not take: the SDK answered for it (agent
+    away or late), so it is counted nowhere. A charge the agent took may say the key is now past its
+    limit: that is the debt, not an error."""
+    if not d.from_agent:
+        CHARGE_LOST.warn(
+            "floodgate: the agent could not take a response's charge (%s); it is not counted (said at"
+            " most once a minute)",
+            d.degraded.value if d.degraded is not None else d.origin.value,
+        )
+
+
+def charge_failed(e: BaseException) -> None:
+    """Logs (at most once a minute) a charge that raised, e.g. to an agent speaking only protocol
+    version 1 (:class:`~floodgate.UnsupportedByAgent`); the response was sent all the same."""
+    CHARGE_LOST.warn("floodgate: a response's charge failed; it is not counted (said at most once a minute): %s", e)
+
+
+def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional[float]) -> None:
+    """Charges ``cost`` with a request's attributes through the threaded ``client``, waiting at most
+    ``timeout`` (the client's when ``None``). Never raises: a charge the agent cannot take is logged
+    at most once a minute."""
+    try:
+        charge_taken(client.check_request(charge_attributes(attributes, cost), timeout=timeout, fail="open"))
+    except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
+        charge_failed(e)

@@ -23,6 +23,11 @@ server's log. An app whose 500 is its own (a Starlette handler for 500 or ``Exce
 ``debug``) keeps it as it was: Starlette sends it from outside every added middleware, so wrap the
 app instead (``app = FloodgateMiddleware(app, ...)``) to have the headers on it too.
 
+A route in ``charge_headers`` costs what its response says (LLM tokens, bytes): the request is a peek
+of cost 0, refused only by a rule already past its limit, and once the response's last body part is
+sent, the number in that response header is charged with the request's attributes, in the request's
+own task (bounded by the client's timeout), so the client has its response before the charge goes.
+
 Example::
 
     app = FastAPI()
@@ -42,10 +47,14 @@ from ._common import (
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
     Settings,
+    charge_attributes,
+    charge_failed,
+    charge_taken,
     header_text,
     rate_limit_headers,
     request_check,
     rejection_body,
+    reported_cost,
     retry_after_seconds,
     route_name,
     scope_took_forwarded_for,
@@ -177,7 +186,9 @@ class FloodgateMiddleware:
     are believed); ``costs`` (``{route: cost}``, 1 elsewhere); ``ietf_headers``; ``timeout`` and
     ``fail`` (per-call overrides of the client's: a ``fail`` given decides alone for every route,
     over the agent's fail-closed rules); ``fail_for`` (``{route: "open" | "closed"}``, keyed as
-    ``costs``: that route's per-call fail policy, over ``fail``). Other keyword arguments configure
+    ``costs``: that route's per-call fail policy, over ``fail``); ``charge_headers`` (``{route:
+    header}``, keyed as ``costs``: a request to that route is a peek of cost 0, and the number its
+    response's header reports is charged after the response). Other keyword arguments configure
     the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
     """
 
@@ -201,6 +212,7 @@ class FloodgateMiddleware:
         timeout: Optional[float] = None,
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
+        charge_headers: Optional[Dict[str, str]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -219,6 +231,7 @@ class FloodgateMiddleware:
             timeout=timeout,
             fail=fail,
             fail_for=fail_for,
+            charge_headers=charge_headers,
         )
         self._socket = socket
         self._client_config = client_config
@@ -246,7 +259,7 @@ class FloodgateMiddleware:
         """What the request is checked as."""
         return self._check(scope)[0]
 
-    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy)
+    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
         return request_check(
             self.settings,
             scope,
@@ -262,7 +275,7 @@ class FloodgateMiddleware:
             return
         s = self.settings
         try:
-            attributes, fail = self._check(scope)
+            attributes, fail, charge = self._check(scope)
             client = await self._get_client()
             decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
@@ -289,22 +302,42 @@ class FloodgateMiddleware:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        if not headers:
+        if not headers and charge is None:
             await self.app(scope, receive, send)
             return
 
         started = False
+        # What the response reported (charge routes): charged once its last body part is sent, or
+        # when the app returns without sending one (the work was done, whoever got the answer).
+        owed: Optional[int] = None
+
+        async def settle() -> None:
+            nonlocal owed
+            if owed is not None:
+                cost, owed = owed, None
+                try:
+                    charge_taken(
+                        await client.check_request(charge_attributes(attributes, cost), timeout=s.timeout, fail="open")
+                    )
+                except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
+                    charge_failed(e)
 
         async def send_with_headers(message: MutableMapping[str, Any]) -> None:
-            nonlocal started
-            if message.get("type") == "http.response.start":
+            nonlocal started, owed
+            kind = message.get("type")
+            if kind == "http.response.start":
                 started = True
-                message = dict(message)
-                kept: List[Tuple[bytes, bytes]] = [
-                    (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in _OURS
-                ]
-                message["headers"] = kept + headers
+                if charge is not None:
+                    owed = reported_cost(charge, _first_header(message.get("headers"), charge.encode()))
+                if headers:
+                    message = dict(message)
+                    kept: List[Tuple[bytes, bytes]] = [
+                        (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in _OURS
+                    ]
+                    message["headers"] = kept + headers
             await send(message)
+            if kind == "http.response.body" and not message.get("more_body", False):
+                await settle()
 
         try:
             await self.app(scope, receive, send_with_headers)
@@ -329,6 +362,16 @@ class FloodgateMiddleware:
                 except Exception:  # noqa: BLE001 - the client is gone; the app's error is the one to raise
                     pass
             raise
+        finally:
+            await settle()
+
+
+def _first_header(headers: Any, name: bytes) -> Optional[bytes]:
+    """The first value of a response header (``name`` lower-case) in an ASGI message's headers."""
+    for k, v in headers or ():
+        if bytes(k).lower() == name:
+            return bytes(v)
+    return None
 
 
 _ERROR_BODY = b"Internal Server Error"

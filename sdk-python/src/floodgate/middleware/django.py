@@ -10,11 +10,16 @@ Configure it in ``settings.py``::
         "trust_proxies": ["10.0.0.0/8"],
         "costs": {"/api/search": 5},
         "fail_for": {"login": "closed"},  # per route while the agent is away, keyed as costs
+        "charge_headers": {"v1/chat": "x-llm-tokens"},  # a cost the response reports, keyed as costs
     }
 
 Every key of ``FLOODGATE`` is a keyword of :class:`~floodgate.middleware.FloodgateWSGIMiddleware`;
 extractors (``endpoint``, ``tier``, ``user``, ``api_key``, ``ip``) take the Django request and may be
 given as dotted paths. It is a synchronous middleware (Django adapts it under ASGI).
+
+A route in ``charge_headers`` is charged what its response header reports when the server closes the
+response (Django's end of request: the WSGI server, or Django's ASGI handler once the body is sent),
+a blocking call bounded by the client's timeout after the client has the body.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from ..errors import FloodgateError
 from ._common import (
     CHECK_FAILED,
     Settings,
+    charge_now,
     header_text,
     rate_limit_headers,
+    reported_cost,
     request_check,
     rejection_body,
     retry_after_seconds,
@@ -113,10 +120,11 @@ class FloodgateDjangoMiddleware:
                 "timeout",
                 "fail",
                 "fail_for",
+                "charge_headers",
             )
             if k in conf
         }
-        for routes in ("costs", "fail_for"):
+        for routes in ("costs", "fail_for", "charge_headers"):
             if routes in options:
                 # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
                 options[routes] = {
@@ -131,7 +139,7 @@ class FloodgateDjangoMiddleware:
         """What the request is checked as."""
         return self._check(request)[0]
 
-    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy)
+    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
         return request_check(
             self.settings,
             request,
@@ -144,13 +152,17 @@ class FloodgateDjangoMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         s = self.settings
         try:
-            attributes, fail = self._check(request)
+            attributes, fail, charge = self._check(request)
             decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.get_response(request)
         if decision.allowed:
             response = self.get_response(request)
+            if charge is not None:
+                cost = reported_cost(charge, response.headers.get(charge))
+                if cost is not None:
+                    self._charge_on_close(response, attributes, cost)
         else:
             secs = retry_after_seconds(decision)
             response = HttpResponse(rejection_body(secs), status=429, content_type="application/json")
@@ -158,3 +170,22 @@ class FloodgateDjangoMiddleware:
         for name, value in rate_limit_headers(decision, s.ietf):
             response[name] = value
         return response
+
+    def _charge_on_close(self, response: HttpResponse, attributes: Any, cost: int) -> None:
+        """Charges ``cost`` when the server closes ``response`` (after its body is sent), after
+        Django's own ``close`` (which ends the request: files closed, ``request_finished`` sent)."""
+        close = response.close
+        timeout = self.settings.timeout
+        client = self.client
+
+        owed = [cost]
+
+        def close_then_charge() -> None:
+            try:
+                close()
+            finally:
+                # Once, however many times the response is closed.
+                if owed:
+                    charge_now(client, attributes, owed.pop(), timeout)
+
+        response.close = close_then_charge  # type: ignore[method-assign]

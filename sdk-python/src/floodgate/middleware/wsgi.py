@@ -7,6 +7,10 @@ WSGI apps route on it (``SCRIPT_NAME`` + ``PATH_INFO``, percent-decoded by the s
 ``endpoint`` (a callable taking the environ) says otherwise; the client IP is ``REMOTE_ADDR``, or the
 ``X-Forwarded-For`` entry a trusted proxy added.
 
+A route in ``charge_headers`` is charged what its response header reports when the server closes the
+response (PEP 3333's ``close()``, called once the body is written): a blocking call on the worker's
+thread, bounded by the client's timeout (10 ms by default), after the client has the body.
+
 Example::
 
     # The agent's default socket, or $FLOODGATE_SOCKET; socket="..." names another.
@@ -15,7 +19,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 from urllib.parse import quote
 
 from ..client import Client
@@ -25,8 +29,10 @@ from ._common import (
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
     Settings,
+    charge_now,
     header_text,
     rate_limit_headers,
+    reported_cost,
     request_check,
     rejection_body,
     retry_after_seconds,
@@ -96,6 +102,7 @@ class FloodgateWSGIMiddleware:
         timeout: Optional[float] = None,
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
+        charge_headers: Optional[Dict[str, str]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -114,6 +121,7 @@ class FloodgateWSGIMiddleware:
             timeout=timeout,
             fail=fail,
             fail_for=fail_for,
+            charge_headers=charge_headers,
         )
         self.client = client if client is not None else Client(socket, **client_config)
 
@@ -121,7 +129,7 @@ class FloodgateWSGIMiddleware:
         """What the request is checked as."""
         return self._check(environ)[0]
 
-    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy)
+    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
         return request_check(
             self.settings,
             environ,
@@ -134,7 +142,7 @@ class FloodgateWSGIMiddleware:
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         s = self.settings
         try:
-            attributes, fail = self._check(environ)
+            attributes, fail, charge = self._check(environ)
             decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
@@ -153,17 +161,57 @@ class FloodgateWSGIMiddleware:
                 ],
             )
             return [body]
-        if not headers:
+        if not headers and charge is None:
             return self.app(environ, start_response)
         ours = [(_title(n), v) for n, v in headers]
+        # What the response reported (charge routes); the last start_response call's (one with
+        # exc_info replaces the headers of the one before).
+        owed: List[Optional[int]] = [None]
 
         def start_with_headers(status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None) -> Any:
-            kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS]
+            if charge is not None:
+                value = next((v for k, v in response_headers if k.lower() == charge), None)
+                owed[0] = reported_cost(charge, value)
+            kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS] if ours else response_headers
             if exc_info is None:
                 return start_response(status, kept + ours)
             return start_response(status, kept + ours, exc_info)
 
-        return self.app(environ, start_with_headers)
+        body = self.app(environ, start_with_headers)
+        if charge is None:
+            return body
+
+        def settle() -> None:
+            cost, owed[0] = owed[0], None
+            if cost is not None:
+                charge_now(self.client, attributes, cost, s.timeout)
+
+        return ChargeOnClose(body, settle)
+
+
+class ChargeOnClose:
+    """A response body that charges when the server closes it (PEP 3333: after the body is written,
+    whether or not the client read it all), after the app's own ``close``."""
+
+    def __init__(self, body: Iterable[bytes], settle: Callable[[], None]) -> None:
+        self._body = body
+        self._settle = settle
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(self._body)
+
+    def __len__(self) -> int:
+        # The body's own length, where it has one: a server sets Content-Length from a one-part
+        # list (wsgiref does), so the client need not wait for the connection to close.
+        return len(self._body)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        try:
+            close = getattr(self._body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._settle()
 
 
 def _title(name: str) -> str:
