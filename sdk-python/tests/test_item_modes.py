@@ -87,3 +87,21 @@ def test_attribute_checks_peek_and_charge(calls, algorithm: str) -> None:  # noq
     assert d.allowed and d.remaining == 0 and [i.rule_id for i in d.items] == [RULES[algorithm][0]], d
     d = attributes(1)
     assert not d.allowed and d.retry_after_ms is not None and d.retry_after_ms > 0, d
+
+
+def test_peeks_and_charges_stay_out_of_the_fallback_limit(tmp_path):
+    """With the agent away and a per-process limit of 1, charges and peeks never take its token
+    (a consume still does, and the second is denied)."""
+    from floodgate import Client, ClientConfig, LocalLimit
+    from floodgate.protocol import Item, ItemMode
+
+    config = ClientConfig(fallback_limit=LocalLimit(limit=1, per=60.0), connect_timeout=0.05)
+    client = Client(str(tmp_path / "nobody.sock"), config)
+    try:
+        for _ in range(3):
+            assert client.charge("user:1", "r", 5).allowed
+            assert client.check([Item("user:1", "r", 0, ItemMode.PEEK)]).allowed
+        assert client.allow("user:1", "r", 1).allowed
+        assert not client.allow("user:1", "r", 1).allowed
+    finally:
+        client.close()

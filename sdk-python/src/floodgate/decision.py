@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from .errors import AgentError
 from .fail_modes import ClosedRule, FailModeList
-from .protocol import Attributes, Check, DecisionBody, ErrorBody, ErrorCode, ItemDecision, Source, Verdict
+from .protocol import Attributes, Check, DecisionBody, ErrorBody, ErrorCode, ItemDecision, ItemMode, Source, Verdict
 
 log = logging.getLogger("floodgate")
 
@@ -185,6 +185,13 @@ Subject = Union[Sequence[Any], Attributes]
 """What a call checks: its items (``(key, rule_id[, cost])``), or its attributes."""
 
 
+def consumes_only(subject: Subject) -> bool:
+    """Whether every item of what a call checks consumes (no peek, no charge)."""
+    if isinstance(subject, Attributes):
+        return subject.mode == ItemMode.CONSUME
+    return all(getattr(it, "mode", ItemMode.CONSUME) == ItemMode.CONSUME for it in subject)
+
+
 def local_key(subject: Subject) -> Tuple[str, int]:
     """The fallback limiter's key and cost for what a call checks."""
     if isinstance(subject, Attributes):
@@ -285,7 +292,9 @@ class Core:
         if rule is not None:
             return self._denied_by_rule(rule, why, now)
         limit = self.config.fallback_limit
-        if fail is FailPolicy.OPEN and limit is not None:
+        # The per-process limit counts what passes: a peek takes nothing and a charge is owed
+        # whatever it says, so only consuming checks go through it (as in the Rust SDK).
+        if fail is FailPolicy.OPEN and limit is not None and consumes_only(subject):
             key, cost = local_key(subject)
             return self._local_limit(limit, key, cost, why, now)
         retry = int(self.config.closed_retry_after * 1000)
