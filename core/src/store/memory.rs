@@ -178,6 +178,50 @@ fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
 
 /// One item's outcome from its prior state, and the entry that commits it (by the item's mode).
 fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
+    if item.mode != ItemMode::Consume {
+        return decide_mode(item, prior, now);
+    }
+    let rule = &item.rule;
+    match rule.algorithm {
+        Algorithm::SlidingWindow => {
+            let prior = match prior {
+                Some(State::Window(s)) => Some(s),
+                _ => None,
+            };
+            let (o, next, exp) =
+                algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
+            let entry = Entry {
+                state: State::Window(next),
+                expires_at_ms: exp,
+            };
+            (o, entry)
+        }
+        Algorithm::TokenBucket => {
+            let prior = match prior {
+                Some(State::Bucket(s)) => Some(s),
+                _ => None,
+            };
+            let (o, next, exp) = algo::token_bucket(
+                prior,
+                rule.limit.get(),
+                rule.window_ms(),
+                rule.burst(),
+                item.cost,
+                now,
+            );
+            let entry = Entry {
+                state: State::Bucket(next),
+                expires_at_ms: exp,
+            };
+            (o, entry)
+        }
+    }
+}
+
+/// [`decide`] for a peek or a charge: kept apart so that a consume, nearly every item, runs the
+/// code it ran before modes existed.
+#[inline(never)]
+fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
     let rule = &item.rule;
     match rule.algorithm {
         Algorithm::SlidingWindow => {
@@ -187,9 +231,8 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
             };
             let (limit, window) = (rule.limit.get(), rule.window_ms());
             let (o, next, exp) = match item.mode {
-                ItemMode::Consume => algo::sliding_window(prior, limit, window, item.cost, now),
                 ItemMode::Charge => algo::sliding_window_charge(prior, limit, window, item.cost, now),
-                ItemMode::Peek => {
+                _ => {
                     let o = algo::sliding_window_peek(prior, limit, window, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
@@ -207,9 +250,8 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
             };
             let (limit, window, burst) = (rule.limit.get(), rule.window_ms(), rule.burst());
             let (o, next, exp) = match item.mode {
-                ItemMode::Consume => algo::token_bucket(prior, limit, window, burst, item.cost, now),
                 ItemMode::Charge => algo::token_bucket_charge(prior, limit, window, burst, item.cost, now),
-                ItemMode::Peek => {
+                _ => {
                     let o = algo::token_bucket_peek(prior, limit, window, burst, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
