@@ -78,10 +78,14 @@ end
 -- debt refilled before anything else passes. Allowed (1 | 0) whether the bucket is still not in
 -- debt (committed either way); remaining floored at 0.
 local function token_bucket_charge(key, now, limit, window, burst, cost)
-  local _, commit = token_bucket(key, now, limit, window, burst, cost)
-  commit()
   local rate = limit / window
-  local after = token_bucket_tokens(key, now, rate, burst)
+  -- The debt stops where the bucket would take 100 years to refill (core/src/algo/token_bucket.rs
+  -- MAX_FILL_MS): the reset stays a time PEXPIREAT takes.
+  local floor = burst - 3153600000000 * rate
+  local after = token_bucket_tokens(key, now, rate, burst) - cost
+  if after < floor then after = floor end
+  redis.call('HSET', key, 't', after, 'ts', now)
+  redis.call('PEXPIREAT', key, now + math.ceil((burst - after) / rate) + 1)
   local remaining = math.floor(after)
   if remaining < 0 then remaining = 0 end
   local reset = now + math.ceil((burst - after) / rate)

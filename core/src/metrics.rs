@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use floodgate_protocol::{Decision, Source};
+use floodgate_protocol::{Check, Decision, ItemMode, Source};
 use metrics::{counter, histogram};
 
 use crate::rules::Rule;
@@ -92,6 +92,28 @@ static LATENCY: OnceLock<metrics::Histogram> = OnceLock::new();
 
 /// A check answered: one count per item, and its latency.
 pub fn check(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Duration) {
+    check_charged(result, took, None);
+}
+
+/// Which items of a check are charges, for [`check_charged`]: `None` when none is (nearly every
+/// check, and no allocation); an empty vector when every item is (an attribute check's mode).
+pub fn charges(check: &Check) -> Option<Vec<bool>> {
+    match check {
+        Check::Items(items) if items.iter().any(|i| i.mode == ItemMode::Charge) => {
+            Some(items.iter().map(|i| i.mode == ItemMode::Charge).collect())
+        }
+        Check::Attributes(a) if a.mode == ItemMode::Charge => Some(Vec::new()),
+        _ => None,
+    }
+}
+
+/// [`check`] of a check with charges: a charge is never a rejection, whatever its verdict says of
+/// the key past its limit, so it counts as allowed.
+pub fn check_charged(
+    result: &Result<Decision, floodgate_protocol::ErrorBody>,
+    took: Duration,
+    charges: Option<&[bool]>,
+) {
     if !on() {
         return;
     }
@@ -101,9 +123,10 @@ pub fn check(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Dur
     match result {
         Ok(d) => {
             let checks = CHECKS.get_or_init(Default::default);
-            for item in &d.items {
+            for (n, item) in d.items.iter().enumerate() {
                 let v = &item.verdict;
-                let decision = match (v.allowed, v.log_only) {
+                let charge = charges.is_some_and(|c| c.is_empty() || c.get(n) == Some(&true));
+                let decision = match (v.allowed || charge, v.log_only) {
                     (true, _) => 0,
                     (false, false) => 1,
                     (false, true) => 2,

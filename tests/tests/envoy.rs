@@ -579,6 +579,23 @@ async fn token_recipe(redis: Option<&str>) {
             assert_eq!(r.statuses[0].limit_remaining, 1000);
         }
     }
+    // A look past its limit refuses the request before anything is counted: the other descriptor
+    // (team u9, consuming 1) keeps its 1000.
+    let mut look = descriptor(&[("user", "u1")]);
+    look.hits_addend = Some(UInt64Value { value: 0 });
+    let mut take = descriptor(&[("team", "u9")]);
+    take.hits_addend = Some(UInt64Value { value: 1 });
+    let r = client
+        .should_rate_limit(request("llm", vec![look, take]))
+        .await
+        .unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "{r:?}");
+    assert_eq!(
+        r.statuses[1].limit_remaining, 1000,
+        "nothing counted on a refused request"
+    );
+    let r = client.should_rate_limit(phase("team", "u9", 0)).await.unwrap();
+    assert_eq!(r.statuses[0].limit_remaining, 1000);
     // Within the limit a charged report is OK and counted.
     client.should_rate_limit(phase("user", "u2", 0)).await.unwrap();
     let r = client.should_rate_limit(phase("user", "u2", 400)).await.unwrap();

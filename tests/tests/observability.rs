@@ -357,3 +357,58 @@ async fn fallback_over_admission_sums_exactly_across_agents() {
     }
     assert_eq!(over, (count - 40) as f64, "count {count}, written back {written}");
 }
+
+/// A charge past the limit is never a rejection: counted as allowed, and no rejection event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_past_the_limit_is_not_counted_as_a_rejection() {
+    let redis = RedisServer::start();
+    let agent = Agent::builder().redis(&redis.url()).rules(RULES).start().await;
+    let client = patient_client(agent.socket()).await;
+    let d = client.charge("user:c", "two", 5).await.unwrap();
+    assert!(
+        d.allowed && !d.items[0].verdict.allowed,
+        "past the limit, never a rejection: {d:?}"
+    );
+    let peek = client.peek("user:c", "two", 1).await.unwrap();
+    assert!(!peek.allowed, "a peek says so");
+    let admin = agent.admin_addr().await;
+    let (_, text) = http_get(admin, "/metrics").await;
+    assert_eq!(
+        value(
+            &text,
+            "floodgate_checks_total",
+            &["rule=\"two\"", "decision=\"allowed\""]
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        value(
+            &text,
+            "floodgate_checks_total",
+            &["rule=\"two\"", "decision=\"rejected\""]
+        ),
+        Some(1.0),
+        "only the peek's no: {text}"
+    );
+    // A real rejection after them: once its event is in the stream, theirs would be too.
+    for _ in 0..3 {
+        client.allow("user:r", "two", 1).await.unwrap();
+    }
+    let mut conn = redis.conn();
+    let events = floodgate_tests::eventually(
+        "the rejection's event",
+        std::time::Duration::from_secs(10),
+        || {
+            let e = floodgate_tests::rejection_events(&mut conn);
+            async move { (!e.is_empty()).then_some(e) }
+        },
+    )
+    .await;
+    assert!(
+        events
+            .iter()
+            .all(|e| e.get("key").map(String::as_str) == Some("user:r")),
+        "no rejection event for a charge or a peek: {events:?}"
+    );
+}

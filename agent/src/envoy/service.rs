@@ -138,11 +138,33 @@ impl EnvoyService {
             });
         }
         let start = Instant::now();
-        let result = match self.engine.check(Check::Items(items)) {
+        // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
+        // request, as envoyproxy/ratelimit answers it; the others must then count nothing: the looks
+        // go first, and if one is over, the whole request is answered as looks.
+        let peeks = items.iter().filter(|i| i.mode == ItemMode::Peek).count();
+        if peeks > 0 && peeks < items.len() {
+            let looks: Vec<Item> = items
+                .iter()
+                .filter(|i| i.mode == ItemMode::Peek)
+                .cloned()
+                .collect();
+            let looked = match self.engine.check(Check::Items(looks)) {
+                Answer::Ready(r) => r,
+                Answer::Pending(f) => f.await,
+            };
+            if looked.is_ok_and(|d| !d.combined.allowed) {
+                for item in &mut items {
+                    item.mode = ItemMode::Peek;
+                }
+            }
+        }
+        let check = Check::Items(items);
+        let charges = floodgate_core::metrics::charges(&check);
+        let result = match self.engine.check(check) {
             Answer::Ready(r) => r,
             Answer::Pending(f) => f.await,
         };
-        floodgate_core::metrics::check(&result, start.elapsed());
+        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges.as_deref());
         let decision = result.map_err(|e| {
             floodgate_core::metrics::grpc_request("error");
             match e.code {
@@ -229,7 +251,22 @@ impl EnvoyService {
             if !allowed {
                 headers.push(HeaderValue {
                     key: "retry-after".into(),
-                    value: retry_after_seconds(d.combined.retry_after_ms).to_string(),
+                    // The longest wait among the descriptors over the limit (the combined
+                    // verdict's, unless only a peek or a charge is over).
+                    value: retry_after_seconds(
+                        statuses
+                            .iter()
+                            .filter(|s| s.code == Code::OverLimit as i32)
+                            .filter_map(|s| s.duration_until_reset.as_ref())
+                            .map(|d| {
+                                u64::try_from(d.seconds).unwrap_or(0) * 1000
+                                    + u64::try_from(d.nanos).unwrap_or(0) / 1_000_000
+                            })
+                            .max()
+                            .unwrap_or(0)
+                            .max(d.combined.retry_after_ms),
+                    )
+                    .to_string(),
                 });
             }
         }

@@ -2,6 +2,10 @@
 
 use super::{to_u64, Outcome};
 
+/// The longest a bucket may take to refill (100 years, as `Rule::validate` bounds a bucket's fill):
+/// a charge's debt stops there. Mirrored in `lua/token_bucket.lua`.
+pub const MAX_FILL_MS: f64 = 100.0 * 31_536_000_000.0;
+
 /// A key's state: tokens in the bucket at `ts_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct BucketState {
@@ -97,7 +101,10 @@ pub fn token_bucket_charge(
     now_ms: u64,
 ) -> (Outcome, BucketState, u64) {
     let rate = limit as f64 / window_ms as f64;
-    let tokens = tokens_at(state, rate, burst as f64, now_ms) - cost as f64;
+    // The debt is capped where the bucket would take MAX_FILL_MS to refill: its reset and expiry
+    // stay times Redis can hold (PEXPIREAT refuses a number Lua prints in exponent form).
+    let floor = burst as f64 - MAX_FILL_MS * rate;
+    let tokens = (tokens_at(state, rate, burst as f64, now_ms) - cost as f64).max(floor);
     let reset = now_ms.saturating_add(to_u64(((burst as f64 - tokens) / rate).ceil()));
     let within = tokens >= 0.0;
     let outcome = Outcome {

@@ -275,8 +275,9 @@ impl Engine {
         let logged: Vec<(usize, Arc<Rule>, CompactString)> = plan
             .iter()
             .enumerate()
-            // A charge is never a rejection: not evented, not a would-be rejection of the dry run.
-            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode != ItemMode::Charge)
+            // A charge is never a rejection, a peek takes nothing: neither is evented nor a
+            // would-be rejection of the dry run.
+            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode == ItemMode::Consume)
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
         let answer = match &self.store {

@@ -184,20 +184,34 @@ impl Engine {
             }
         }
         let (r, this) = (r.clone(), self.clone());
-        Answer::Pending(Box::pin(async move {
+        // Spawned, not just awaited: a charge must land even if the caller's connection goes away.
+        let task = tokio::spawn(async move {
             let mut out: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
             let calls = groups.iter().map(|(route, items)| {
-                let open = this
+                // As every store call: its shard's breaker permits it (and hears how it went), and
+                // past capacity it is shed to the rules' fail modes.
+                let permit = this
                     .guard
                     .as_ref()
-                    .is_some_and(|g| g.breaker(route.shard).snapshot().state != BreakerState::Closed);
+                    .map(|g| g.breaker(route.shard).permit_traffic());
+                let shed = permit == Some(Permit::Call) && r.sheds(route, received);
                 let items: Vec<Planned> = items.iter().map(|&i| plan[i].clone()).collect();
-                let r = r.clone();
+                let (r, this, shard) = (r.clone(), this.clone(), route.shard);
                 async move {
-                    if open {
+                    if permit == Some(Permit::Refuse) {
                         return Err(StoreError::Connection("the shard's breaker is open".into()));
                     }
-                    r.check(items, received).await
+                    if shed {
+                        return Err(StoreError::Shed);
+                    }
+                    let result = r.check(items, received).await;
+                    if let (Some(guard), Some(permit)) = (&this.guard, permit) {
+                        let answered = !matches!(&result, Err(e) if !matches!(e, StoreError::Script(_)));
+                        if !matches!(&result, Err(StoreError::Shed)) {
+                            guard.breaker(shard).record(permit, answered, Instant::now());
+                        }
+                    }
+                    result
                 }
             });
             let direct_results = futures::future::join_all(calls);
@@ -243,6 +257,12 @@ impl Engine {
                 }
             }
             Ok(finish(&plan, out))
+        });
+        Answer::Pending(Box::pin(async move {
+            task.await.map_err(|e| ErrorBody {
+                code: ErrorCode::Internal,
+                message: format!("check task failed: {e}"),
+            })?
         }))
     }
 
@@ -440,9 +460,9 @@ impl Engine {
         looked.iter().any(Option::is_some).then_some(looked)
     }
 
-    /// A check rejected by a cached rejection whose other items must still say what they hold: they
-    /// are peeked at (one read of their shards, nothing counted) and the cached items keep the
-    /// cache's verdict.
+    /// A check rejected by a cached rejection whose other items must still say what they hold: those
+    /// are peeked at (one read of their shards, nothing counted, under their breakers), the cached
+    /// items keep the cache's verdict and cost the store nothing.
     fn cached_with_others(
         self: &Arc<Self>,
         r: &Arc<dyn SharedStore>,
@@ -450,11 +470,12 @@ impl Engine {
         looked: Vec<Option<Outcome>>,
         received: Instant,
     ) -> Answer {
-        let peeks: Vec<Planned> = plan
+        let others: Vec<usize> = (0..plan.len()).filter(|&i| looked[i].is_none()).collect();
+        let peeks: Vec<Planned> = others
             .iter()
-            .map(|p| Planned {
+            .map(|&i| Planned {
                 mode: ItemMode::Peek,
-                ..p.clone()
+                ..plan[i].clone()
             })
             .collect();
         let answer = self.check_with_modes(r, peeks, received);
@@ -463,26 +484,22 @@ impl Engine {
                 Answer::Ready(d) => d,
                 Answer::Pending(f) => f.await,
             }?;
-            let out = read
-                .items
+            let mut out: Vec<Option<(Outcome, Source)>> = looked
                 .into_iter()
-                .zip(looked)
-                .map(|(item, cached)| match cached {
-                    Some(o) => Some((o, Source::Cache)),
-                    None => {
-                        let v = item.verdict;
-                        let o = Outcome {
-                            // Not consumed: the check was rejected.
-                            allowed: v.allowed,
-                            limit: v.limit,
-                            remaining: v.remaining,
-                            reset_at_ms: v.reset_at_ms,
-                            retry_after_ms: v.retry_after_ms,
-                        };
-                        Some((o, v.source))
-                    }
-                })
+                .map(|o| o.map(|o| (o, Source::Cache)))
                 .collect();
+            for (&i, item) in others.iter().zip(read.items) {
+                let v = item.verdict;
+                // Not consumed: the check was rejected; this is what the item holds.
+                let o = Outcome {
+                    allowed: v.allowed,
+                    limit: v.limit,
+                    remaining: v.remaining,
+                    reset_at_ms: v.reset_at_ms,
+                    retry_after_ms: v.retry_after_ms,
+                };
+                out[i] = Some((o, v.source));
+            }
             Ok(finish(&plan, out))
         }))
     }

@@ -20,10 +20,12 @@ pub fn fail_mode_list(rules: &RuleSet) -> FailModeList {
         .filter(|r| r.fail_mode == FailMode::Closed && r.enforced())
     {
         let tier = rule.matches.tier.clone().unwrap_or_default();
+        // A tier no attribute can carry (over 256 bytes, or empty: an empty attribute is absent)
+        // never matches an attribute check: the rule is listed for the item checks that name it,
+        // and matches no attributes, as in the agent ("" on the list would mean every tier).
+        let unmatchable = tier.len() > MAX_ATTRIBUTE || rule.matches.tier.as_deref() == Some("");
         let dimension = match rule.dimension {
-            // A tier no attribute can carry never matches an attribute check: the rule is listed
-            // for the item checks that name it, and matches no attributes (as in the agent).
-            _ if tier.len() > MAX_ATTRIBUTE => ListedDimension::Descriptor,
+            _ if unmatchable => ListedDimension::Descriptor,
             Dimension::User => ListedDimension::User,
             Dimension::ApiKey => ListedDimension::ApiKey,
             Dimension::Ip => ListedDimension::Ip,
@@ -33,11 +35,7 @@ pub fn fail_mode_list(rules: &RuleSet) -> FailModeList {
             rule_id: rule.id.as_str().into(),
             dimension,
             endpoint: rule.matches.endpoint.clone().unwrap_or_default(),
-            tier: if tier.len() > MAX_ATTRIBUTE {
-                String::new()
-            } else {
-                tier
-            },
+            tier: if unmatchable { String::new() } else { tier },
             limit: rule.display_limit(),
         };
         size += entry.encoded_len();
@@ -81,6 +79,17 @@ mod tests {
         assert_eq!(list.rules[0].endpoint, "/eeeee");
         assert_eq!(list.rules[0].dimension, ListedDimension::Ip);
         assert_eq!(list.rules[0].limit, 5);
+    }
+
+    #[test]
+    fn an_empty_tier_matches_no_attributes_on_the_list_either() {
+        let set = RuleSet::parse(
+            "[[rules]]\nid = \"t\"\ndimension = \"ip\"\nlimit = 5\nwindowSeconds = 60\n\
+             failMode = \"closed\"\nmatch = { tier = \"\" }\n",
+        )
+        .unwrap();
+        let list = fail_mode_list(&set);
+        assert_eq!(list.rules[0].dimension, ListedDimension::Descriptor);
     }
 
     #[test]
