@@ -98,6 +98,10 @@ impl Engine {
             // Rejected (the batcher took nothing), or nothing left for Redis: answered locally.
             if denied || batched.len() == plan.len() {
                 if denied {
+                    // The batcher took nothing: its items that would have passed say so.
+                    for &(i, _) in &taken {
+                        took_nothing(&mut out[i], plan[i].cost);
+                    }
                     taken.clear();
                 }
                 return Answer::Ready(Ok(finish(&plan, out)));
@@ -136,7 +140,7 @@ impl Engine {
                 let rest: Vec<usize> = groups.iter().flat_map(|g| g.items.iter().copied()).collect();
                 let rest: Vec<(usize, bool)> = rest.into_iter().map(|i| (i, true)).collect();
                 self.degraded(&plan, &rest, guard, &mut out);
-                self.undo_if_denied(&plan, &out, &taken);
+                self.undo_if_denied(&plan, &mut out, &taken);
                 return Answer::Ready(Ok(finish(&plan, out)));
             }
         }
@@ -268,12 +272,18 @@ impl Engine {
 
     /// A check rejected after batched items were counted locally: they are taken back (exactly: they
     /// have not left the agent unless a flush ran in between, and then the next flush carries less).
-    fn undo_if_denied(&self, plan: &[Planned], out: &[Option<(Outcome, Source)>], taken: &[(usize, u64)]) {
+    fn undo_if_denied(
+        &self,
+        plan: &[Planned],
+        out: &mut [Option<(Outcome, Source)>],
+        taken: &[(usize, u64)],
+    ) {
         if taken.is_empty() || !denied(plan, out) {
             return;
         }
         for &(i, window) in taken {
             self.batcher.undo(&plan[i], window);
+            took_nothing(&mut out[i], plan[i].cost);
         }
     }
 
@@ -390,15 +400,13 @@ impl Engine {
             if !committed.is_empty() {
                 self.take_back(r, &plan, &committed, &out);
             }
-            // Taken back or undone: those items took nothing, and say so (a failed group's own
-            // items already do, from the script).
-            for i in committed.into_iter().chain(taken.iter().map(|&(i, _)| i)) {
-                if let Some((o, _)) = &mut out[i] {
-                    o.remaining = (o.remaining + plan[i].cost).min(o.limit);
-                }
+            // Taken back: those items took nothing, and say so (a failed group's own items already
+            // do, from the script; batched ones when they are undone below).
+            for i in committed {
+                took_nothing(&mut out[i], plan[i].cost);
             }
         }
-        self.undo_if_denied(&plan, &out, &taken);
+        self.undo_if_denied(&plan, &mut out, &taken);
         let now = self.clock.now_ms();
         for (p, o) in plan.iter().zip(&out) {
             if let Some((o, Source::Redis)) = o {
@@ -626,5 +634,15 @@ fn fail_outcome(rule: &Rule, now: u64, retry_ms: u64) -> Outcome {
             reset_at_ms: now + retry_ms,
             retry_after_ms: retry_ms,
         },
+    }
+}
+
+/// An item of a rejected check that would have passed: it took nothing, so its remaining is what it
+/// was before its cost (capped at the limit).
+fn took_nothing(out: &mut Option<(Outcome, Source)>, cost: u64) {
+    if let Some((o, _)) = out {
+        if o.allowed {
+            o.remaining = (o.remaining + cost).min(o.limit);
+        }
     }
 }
