@@ -75,6 +75,19 @@ async fn a_stale_socket_is_replaced_and_a_live_one_is_not_stolen() {
         third.log()
     );
 
+    // A build that fails after binding the socket (its TCP address is taken) leaves no socket.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = dir.path().join("fresh.sock");
+    let mut fifth = Agent::builder()
+        .socket(&fresh)
+        .arg("--listen-tcp")
+        .arg(&taken.local_addr().unwrap().to_string())
+        .spawn();
+    assert_ne!(fifth.wait_exit().await, Some(0));
+    assert!(fifth.log().contains("cannot listen on TCP"), "{}", fifth.log());
+    assert!(!fresh.exists(), "the failed build removed its socket file");
+
     // A path that is not a socket is never removed.
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("precious");

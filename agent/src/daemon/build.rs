@@ -76,10 +76,16 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };
     let socket = bind_socket(&config)?;
+    // A build that fails from here on leaves no socket file behind (the next start would replace
+    // it as stale, but a client would meanwhile find a socket nobody answers).
+    let mut bound = SocketFiles(vec![socket.0.clone()]);
     tracing::info!(store = %store.describe(), timeout_ms = config.redis_timeout_ms, "counter store");
     let ids: Vec<&str> = rules.iter().map(|r| r.id.as_str()).collect();
     tracing::info!(count = rules.len(), from = %rules_from, rules = %ids.join(", "), "rules loaded");
     let listeners = bind(&config, socket).await?;
+    if let Some((path, _)) = &listeners.grpc_unix {
+        bound.0.push(path.clone());
+    }
 
     let guard = match &store {
         Store::Shared(r) => Some(Arc::new(guard(&config, r.shard_count()))),
@@ -123,6 +129,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
     if let Some(refused) = refused_rules {
         engine.refuse_rules(refused);
     }
+    bound.0.clear();
     Ok(Built {
         config,
         engine,
@@ -215,4 +222,15 @@ async fn bind(config: &AgentConfig, socket: (PathBuf, UnixListener)) -> anyhow::
         grpc_unix,
         admin,
     })
+}
+
+/// Socket files bound by a build, removed if it fails (dropped before being cleared).
+struct SocketFiles(Vec<PathBuf>);
+
+impl Drop for SocketFiles {
+    fn drop(&mut self) {
+        for path in &self.0 {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
