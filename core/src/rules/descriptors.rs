@@ -105,8 +105,9 @@ impl DescriptorIndex {
     }
 
     /// The rule for a request descriptor: each entry steps to the child with its key and value,
-    /// else a `*`-prefix value that matches, else its key with any value; the rule of the node the
-    /// last entry lands on applies. A descriptor that stops short, or goes past the tree, has none.
+    /// else a `*`-prefix value that matches, else a value with a `*` inside that matches, else its
+    /// key with any value; the rule of the node the last entry lands on applies. A descriptor that
+    /// stops short, or goes past the tree, has none.
     pub fn lookup<'a>(
         &self,
         domain: &str,
