@@ -42,6 +42,26 @@ local function sliding_window_undo(key, field, cost, was)
   end
 end
 
+-- When `cost` could pass, in ms from `now` (at least 1), for counts `cur` and `prev` of the window
+-- that started at `start`: a consume's denial and a peek's share it.
+local function sliding_window_retry(start, now, limit, window, cost, cur, prev)
+  local retry
+  if cost > limit then
+    retry = window
+  elseif cur + cost <= limit then
+    -- Still this window: wait until the previous window's weight has decayed enough.
+    local frac = 1 - (limit - cur - cost) / prev
+    retry = math.ceil(start + frac * window - now)
+  else
+    -- Next window: the current count becomes the previous one and decays from there.
+    local frac = 1 - (limit - cost) / cur
+    if frac < 0 then frac = 0 end
+    retry = math.ceil(start + window + frac * window - now)
+  end
+  if retry < 1 then retry = 1 end
+  return retry
+end
+
 local function sliding_window(prefix, field, now, limit, window, cost)
   local idx = math.floor(now / window)
   local key = prefix .. ':' .. idx
@@ -61,20 +81,7 @@ local function sliding_window(prefix, field, now, limit, window, cost)
   end
   sliding_window_undo(key, field, cost, cur)
 
-  local retry
-  if cost > limit then
-    retry = window
-  elseif cur + cost <= limit then
-    -- Still this window: wait until the previous window's weight has decayed enough.
-    local frac = 1 - (limit - cur - cost) / prev
-    retry = math.ceil(start + frac * window - now)
-  else
-    -- Next window: the current count becomes the previous one and decays from there.
-    local frac = 1 - (limit - cost) / cur
-    if frac < 0 then frac = 0 end
-    retry = math.ceil(start + window + frac * window - now)
-  end
-  if retry < 1 then retry = 1 end
+  local retry = sliding_window_retry(start, now, limit, window, cost, cur, prev)
   local reset
   if cur > 0 then reset = expire_at elseif prev > 0 then reset = start + window else reset = now end
   local remaining = math.floor(limit - estimate)
@@ -119,19 +126,7 @@ local function sliding_window_peek(prefix, field, now, limit, window, cost)
   if estimate + cost <= limit then
     return 1, remaining, reset, 0
   end
-  local retry
-  if cost > limit then
-    retry = window
-  elseif cur + cost <= limit then
-    local frac = 1 - (limit - cur - cost) / prev
-    retry = math.ceil(start + frac * window - now)
-  else
-    local frac = 1 - (limit - cost) / cur
-    if frac < 0 then frac = 0 end
-    retry = math.ceil(start + window + frac * window - now)
-  end
-  if retry < 1 then retry = 1 end
-  return 0, remaining, reset, retry
+  return 0, remaining, reset, sliding_window_retry(start, now, limit, window, cost, cur, prev)
 end
 
 -- A charge: `cost` counted whatever the limit says (`sliding_window_charge`): the state after it,

@@ -26,12 +26,7 @@ pub fn sliding_window(
     now_ms: u64,
 ) -> (Outcome, WindowState, u64) {
     let idx = now_ms / window_ms;
-    let (cur, prev) = match state {
-        None => (0, 0),
-        Some(s) if s.window == idx => (s.cur, s.prev),
-        Some(s) if s.window + 1 == idx => (0, s.cur),
-        Some(_) => (0, 0),
-    };
+    let (cur, prev) = counts(state, idx);
     let (limit_f, window_f, cost_f, now_f) = (limit as f64, window_ms as f64, cost as f64, now_ms as f64);
     let (cur_f, prev_f) = (cur as f64, prev as f64);
     let start = idx * window_ms;

@@ -28,11 +28,7 @@ pub fn token_bucket(
     let rate = limit as f64 / window_ms as f64;
     let burst_f = burst as f64;
     let cost_f = cost as f64;
-    let mut tokens = match state {
-        None => burst_f,
-        Some(s) if now_ms > s.ts_ms => (s.tokens + (now_ms - s.ts_ms) as f64 * rate).min(burst_f),
-        Some(s) => s.tokens,
-    };
+    let mut tokens = tokens_at(state, rate, burst_f, now_ms);
     let allowed = tokens >= cost_f;
     let mut retry = 0;
     if allowed {

@@ -249,15 +249,7 @@ impl Engine {
             if let Some(d) = consumed {
                 let d = d?;
                 for (&i, item) in consume.iter().zip(d.items) {
-                    let v = item.verdict;
-                    let o = Outcome {
-                        allowed: v.allowed,
-                        limit: v.limit,
-                        remaining: v.remaining,
-                        reset_at_ms: v.reset_at_ms,
-                        retry_after_ms: v.retry_after_ms,
-                    };
-                    out[i] = Some((o, v.source));
+                    out[i] = Some(outcome_of(&item.verdict));
                 }
             }
             Ok(finish(&plan, out))
@@ -497,16 +489,8 @@ impl Engine {
                 .map(|o| o.map(|o| (o, Source::Cache)))
                 .collect();
             for (&i, item) in others.iter().zip(read.items) {
-                let v = item.verdict;
                 // Not consumed: the check was rejected; this is what the item holds.
-                let o = Outcome {
-                    allowed: v.allowed,
-                    limit: v.limit,
-                    remaining: v.remaining,
-                    reset_at_ms: v.reset_at_ms,
-                    retry_after_ms: v.retry_after_ms,
-                };
-                out[i] = Some((o, v.source));
+                out[i] = Some(outcome_of(&item.verdict));
             }
             Ok(finish(&plan, out))
         }))
@@ -645,4 +629,16 @@ fn took_nothing(out: &mut Option<(Outcome, Source)>, cost: u64) {
             o.remaining = (o.remaining + cost).min(o.limit);
         }
     }
+}
+
+/// A verdict of a sub-check, back as an item's outcome and source.
+fn outcome_of(v: &floodgate_protocol::Verdict) -> (Outcome, Source) {
+    let o = Outcome {
+        allowed: v.allowed,
+        limit: v.limit,
+        remaining: v.remaining,
+        reset_at_ms: v.reset_at_ms,
+        retry_after_ms: v.retry_after_ms,
+    };
+    (o, v.source)
 }

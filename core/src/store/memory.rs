@@ -184,10 +184,7 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
     let rule = &item.rule;
     match rule.algorithm {
         Algorithm::SlidingWindow => {
-            let prior = match prior {
-                Some(State::Window(s)) => Some(s),
-                _ => None,
-            };
+            let prior = window_state(prior);
             let (o, next, exp) =
                 algo::sliding_window(prior, rule.limit.get(), rule.window_ms(), item.cost, now);
             let entry = Entry {
@@ -197,10 +194,7 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
             (o, entry)
         }
         Algorithm::TokenBucket => {
-            let prior = match prior {
-                Some(State::Bucket(s)) => Some(s),
-                _ => None,
-            };
+            let prior = bucket_state(prior);
             let (o, next, exp) = algo::token_bucket(
                 prior,
                 rule.limit.get(),
@@ -225,10 +219,7 @@ fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entr
     let rule = &item.rule;
     match rule.algorithm {
         Algorithm::SlidingWindow => {
-            let prior = match prior {
-                Some(State::Window(s)) => Some(s),
-                _ => None,
-            };
+            let prior = window_state(prior);
             let (limit, window) = (rule.limit.get(), rule.window_ms());
             let (o, next, exp) = match item.mode {
                 ItemMode::Charge => algo::sliding_window_charge(prior, limit, window, item.cost, now),
@@ -244,10 +235,7 @@ fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entr
             (o, entry)
         }
         Algorithm::TokenBucket => {
-            let prior = match prior {
-                Some(State::Bucket(s)) => Some(s),
-                _ => None,
-            };
+            let prior = bucket_state(prior);
             let (limit, window, burst) = (rule.limit.get(), rule.window_ms(), rule.burst());
             let (o, next, exp) = match item.mode {
                 ItemMode::Charge => algo::token_bucket_charge(prior, limit, window, burst, item.cost, now),
@@ -262,6 +250,22 @@ fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entr
             };
             (o, entry)
         }
+    }
+}
+
+/// A sliding window's state, if the key holds one.
+fn window_state(prior: Option<State>) -> Option<WindowState> {
+    match prior {
+        Some(State::Window(s)) => Some(s),
+        _ => None,
+    }
+}
+
+/// A token bucket's state, if the key holds one.
+fn bucket_state(prior: Option<State>) -> Option<BucketState> {
+    match prior {
+        Some(State::Bucket(s)) => Some(s),
+        _ => None,
     }
 }
 
