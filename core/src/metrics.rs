@@ -92,28 +92,26 @@ static LATENCY: OnceLock<metrics::Histogram> = OnceLock::new();
 
 /// A check answered: one count per item, and its latency.
 pub fn check(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Duration) {
-    check_charged(result, took, None);
+    check_charged(result, took, 0);
 }
 
-/// Which items of a check are charges, for [`check_charged`]: `None` when none is (nearly every
-/// check, and no allocation); an empty vector when every item is (an attribute check's mode).
-pub fn charges(check: &Check) -> Option<Vec<bool>> {
+/// Which items of a check are charges, for [`check_charged`]: bit `i` for item `i` (a check has at
+/// most 16), every bit for an attribute check's charge; 0 for nearly every check.
+pub fn charges(check: &Check) -> u32 {
     match check {
-        Check::Items(items) if items.iter().any(|i| i.mode == ItemMode::Charge) => {
-            Some(items.iter().map(|i| i.mode == ItemMode::Charge).collect())
-        }
-        Check::Attributes(a) if a.mode == ItemMode::Charge => Some(Vec::new()),
-        _ => None,
+        Check::Items(items) => items
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.mode == ItemMode::Charge)
+            .fold(0, |mask, (n, _)| mask | 1 << (n % 32)),
+        Check::Attributes(a) if a.mode == ItemMode::Charge => u32::MAX,
+        Check::Attributes(_) => 0,
     }
 }
 
 /// [`check`] of a check with charges: a charge is never a rejection, whatever its verdict says of
 /// the key past its limit, so it counts as allowed.
-pub fn check_charged(
-    result: &Result<Decision, floodgate_protocol::ErrorBody>,
-    took: Duration,
-    charges: Option<&[bool]>,
-) {
+pub fn check_charged(result: &Result<Decision, floodgate_protocol::ErrorBody>, took: Duration, charges: u32) {
     if !on() {
         return;
     }
@@ -125,7 +123,7 @@ pub fn check_charged(
             let checks = CHECKS.get_or_init(Default::default);
             for (n, item) in d.items.iter().enumerate() {
                 let v = &item.verdict;
-                let charge = charges.is_some_and(|c| c.is_empty() || c.get(n) == Some(&true));
+                let charge = charges & 1 << (n % 32) != 0;
                 let decision = match (v.allowed || charge, v.log_only) {
                     (true, _) => 0,
                     (false, false) => 1,

@@ -164,7 +164,7 @@ impl EnvoyService {
             Answer::Ready(r) => r,
             Answer::Pending(f) => f.await,
         };
-        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges.as_deref());
+        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
         let decision = result.map_err(|e| {
             floodgate_core::metrics::grpc_request("error");
             match e.code {

@@ -219,8 +219,8 @@ type Pending = FuturesUnordered<InFlight>;
 struct InFlight {
     id: u32,
     start: Option<std::time::Instant>,
-    /// Which items are charges (never counted as rejections), when any is and metrics are on.
-    charges: Option<Vec<bool>>,
+    /// Which items are charges (never counted as rejections; `metrics::charges`).
+    charges: u32,
     answer: std::pin::Pin<
         Box<dyn std::future::Future<Output = Result<floodgate_protocol::Decision, ErrorBody>> + Send>,
     >,
@@ -235,7 +235,7 @@ impl std::future::Future for InFlight {
     ) -> std::task::Poll<Self::Output> {
         let result = std::task::ready!(self.answer.as_mut().poll(cx));
         if let Some(start) = self.start {
-            floodgate_core::metrics::check_charged(&result, start.elapsed(), self.charges.as_deref());
+            floodgate_core::metrics::check_charged(&result, start.elapsed(), self.charges);
         }
         std::task::Poll::Ready((self.id, result))
     }
@@ -305,11 +305,15 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
             // The check's time runs from its frame's read (one clock read per read, not per check):
             // the store's budget and the metric's duration both.
             let start = floodgate_core::metrics::on().then_some(received);
-            let charges = start.and_then(|_| floodgate_core::metrics::charges(&check));
+            let charges = if start.is_some() {
+                floodgate_core::metrics::charges(&check)
+            } else {
+                0
+            };
             match engine.check_received(check, received) {
                 Answer::Ready(result) => {
                     if let Some(start) = start {
-                        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges.as_deref());
+                        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
                     }
                     answer(out, id, result)
                 }
