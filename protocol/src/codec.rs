@@ -12,6 +12,9 @@ pub const VERDICT_LEN: usize = 2 + 4 * 8;
 
 const FLAG_ALLOWED: u8 = 0b01;
 const FLAG_LOG_ONLY: u8 = 0b10;
+const FLAG_HOLDS_LEASE: u8 = 0b100;
+/// In a mode byte (version 3): a `lease u64` follows.
+const MODE_LEASE: u8 = 0x80;
 const FORM_ITEMS: u8 = 0;
 const FORM_ATTRIBUTES: u8 = 1;
 const FORM_ITEMS_MODES: u8 = 2;
@@ -92,7 +95,9 @@ impl Frame {
             Body::HelloOk { version } => out.push(*version),
             Body::Check(Check::Items(items)) => {
                 // Every item consuming: version 1's form, which every agent reads.
-                let modes = items.iter().any(|i| i.mode != ItemMode::Consume);
+                let modes = items
+                    .iter()
+                    .any(|i| i.mode != ItemMode::Consume || i.lease.is_some());
                 out.push(if modes { FORM_ITEMS_MODES } else { FORM_ITEMS });
                 out.push(items.len() as u8);
                 for item in items {
@@ -100,12 +105,12 @@ impl Frame {
                     put_str8(out, &item.rule_id);
                     out.extend_from_slice(&item.cost.to_be_bytes());
                     if modes {
-                        out.push(item.mode.to_u8());
+                        put_mode(out, item.mode, item.lease);
                     }
                 }
             }
             Body::Check(Check::Attributes(a)) => {
-                let modes = a.mode != ItemMode::Consume;
+                let modes = a.mode != ItemMode::Consume || a.lease.is_some();
                 out.push(if modes {
                     FORM_ATTRIBUTES_MODE
                 } else {
@@ -116,7 +121,7 @@ impl Frame {
                 }
                 out.extend_from_slice(&a.cost.to_be_bytes());
                 if modes {
-                    out.push(a.mode.to_u8());
+                    put_mode(out, a.mode, a.lease);
                 }
             }
             Body::Decision(d) => {
@@ -244,16 +249,17 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
                         let key = r.str16()?;
                         let rule_id = r.str8()?;
                         let cost = r.u32()?;
-                        let mode = if form == FORM_ITEMS_MODES {
+                        let (mode, lease) = if form == FORM_ITEMS_MODES {
                             r.mode()?
                         } else {
-                            ItemMode::Consume
+                            (ItemMode::Consume, None)
                         };
                         items.push(Item {
                             key,
                             rule_id,
                             cost,
                             mode,
+                            lease,
                         });
                     }
                     Check::Items(items)
@@ -272,7 +278,7 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
                     }
                     a.cost = r.u32()?;
                     if form == FORM_ATTRIBUTES_MODE {
-                        a.mode = r.mode()?;
+                        (a.mode, a.lease) = r.mode()?;
                     }
                     Check::Attributes(a)
                 }
@@ -410,20 +416,26 @@ impl<'a> Reader<'a> {
         self.string(n)
     }
 
-    /// An item mode; one this peer does not know refuses the check (error 5) once the body has
-    /// parsed, as bad text does.
-    fn mode(&mut self) -> Result<ItemMode, Problem> {
+    /// An item mode and the lease that follows it when bit 7 is set; a mode this peer does not know
+    /// refuses the check (error 5) once the body has parsed, as bad text does.
+    fn mode(&mut self) -> Result<(ItemMode, Option<u64>), Problem> {
         let b = self.u8()?;
-        Ok(ItemMode::from_u8(b).unwrap_or_else(|| {
+        let mode = ItemMode::from_u8(b & !MODE_LEASE).unwrap_or_else(|| {
             self.bad_text
                 .get_or_insert_with(|| InvalidValue::UnknownMode(b).to_string());
             ItemMode::Consume
-        }))
+        });
+        let lease = if b & MODE_LEASE != 0 {
+            Some(self.u64()?)
+        } else {
+            None
+        };
+        Ok((mode, lease))
     }
 
     fn verdict(&mut self) -> Result<Verdict, Problem> {
         let flags = self.u8()?;
-        if flags & !(FLAG_ALLOWED | FLAG_LOG_ONLY) != 0 {
+        if flags & !(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE) != 0 {
             return Err(Problem::Malformed(format!("unknown verdict flags 0x{flags:02x}")));
         }
         let source = self.u8()?;
@@ -432,12 +444,23 @@ impl<'a> Reader<'a> {
         Ok(Verdict {
             allowed: flags & FLAG_ALLOWED != 0,
             log_only: flags & FLAG_LOG_ONLY != 0,
+            holds_lease: flags & FLAG_HOLDS_LEASE != 0,
             source,
             limit: self.u64()?,
             remaining: self.u64()?,
             reset_at_ms: self.u64()?,
             retry_after_ms: self.u64()?,
         })
+    }
+}
+
+fn put_mode(out: &mut Vec<u8>, mode: ItemMode, lease: Option<u64>) {
+    match lease {
+        Some(id) => {
+            out.push(mode.to_u8() | MODE_LEASE);
+            out.extend_from_slice(&id.to_be_bytes());
+        }
+        None => out.push(mode.to_u8()),
     }
 }
 
@@ -460,6 +483,9 @@ fn put_verdict(out: &mut Vec<u8>, v: &Verdict) {
     }
     if v.log_only {
         flags |= FLAG_LOG_ONLY;
+    }
+    if v.holds_lease {
+        flags |= FLAG_HOLDS_LEASE;
     }
     out.push(flags);
     out.push(v.source.to_u8());

@@ -64,6 +64,9 @@ pub enum ItemMode {
     Peek,
     /// Always takes the cost, even past the limit (a debt later checks wait out); never a rejection.
     Charge,
+    /// Gives units back to a concurrency rule (version 3): the item's lease, or without one up to
+    /// `cost` units of the key's leases; never a rejection.
+    Release,
 }
 
 impl ItemMode {
@@ -73,6 +76,7 @@ impl ItemMode {
             ItemMode::Consume => 0,
             ItemMode::Peek => 1,
             ItemMode::Charge => 2,
+            ItemMode::Release => 3,
         }
     }
 
@@ -82,6 +86,7 @@ impl ItemMode {
             0 => ItemMode::Consume,
             1 => ItemMode::Peek,
             2 => ItemMode::Charge,
+            3 => ItemMode::Release,
             _ => return None,
         })
     }
@@ -92,6 +97,7 @@ impl ItemMode {
             ItemMode::Consume => "consume",
             ItemMode::Peek => "peek",
             ItemMode::Charge => "charge",
+            ItemMode::Release => "release",
         }
     }
 }
@@ -107,6 +113,9 @@ pub struct Item {
     pub cost: u32,
     /// What the item does with its cost.
     pub mode: ItemMode,
+    /// The client's lease id (version 3): a concurrency rule's units taken under it are released by
+    /// it. Ignored by other rules.
+    pub lease: Option<u64>,
 }
 
 impl Item {
@@ -117,6 +126,7 @@ impl Item {
             rule_id: rule_id.into(),
             cost,
             mode: ItemMode::Consume,
+            lease: None,
         }
     }
 
@@ -132,6 +142,30 @@ impl Item {
     pub fn charge(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32) -> Self {
         Item {
             mode: ItemMode::Charge,
+            ..Item::new(key, rule_id, cost)
+        }
+    }
+
+    /// An item that takes `cost` units of a concurrency rule under `lease` (any other rule: consumes
+    /// `cost`); release them with [`Item::release`] and the same lease and cost.
+    pub fn acquire(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32, lease: u64) -> Self {
+        Item {
+            lease: Some(lease),
+            ..Item::new(key, rule_id, cost)
+        }
+    }
+
+    /// An item that gives back the units a concurrency rule holds under `lease` (`None`: up to `cost`
+    /// units of the key's leases, soonest to expire first).
+    pub fn release(
+        key: impl Into<CompactString>,
+        rule_id: impl Into<CompactString>,
+        cost: u32,
+        lease: Option<u64>,
+    ) -> Self {
+        Item {
+            mode: ItemMode::Release,
+            lease,
             ..Item::new(key, rule_id, cost)
         }
     }
@@ -165,6 +199,8 @@ pub struct Attributes {
     pub cost: u32,
     /// What every matched rule's item does with the cost.
     pub mode: ItemMode,
+    /// The client's lease id for every matched concurrency rule (version 3).
+    pub lease: Option<u64>,
 }
 
 impl Attributes {
@@ -261,6 +297,9 @@ pub struct Verdict {
     pub allowed: bool,
     /// The rule is in `log` mode: this verdict is reported, never enforced.
     pub log_only: bool,
+    /// A concurrency rule holds the item's lease (version 3): the client releases it when its
+    /// request ends, or it expires at `reset_at_ms`.
+    pub holds_lease: bool,
     /// Where the answer came from.
     pub source: Source,
     /// The rule's limit per window (or bucket capacity).

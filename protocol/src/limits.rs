@@ -1,7 +1,8 @@
 //! Protocol constants: the version, frame kinds and the size limits every peer enforces.
 
-/// The highest protocol version this crate speaks (2: the fail-mode list).
-pub const VERSION: u8 = 2;
+/// The highest protocol version this crate speaks (2: the fail-mode list and item modes; 3: leases
+/// and releases of concurrency rules).
+pub const VERSION: u8 = 3;
 
 /// The lowest protocol version this crate speaks.
 pub const MIN_VERSION: u8 = 1;

@@ -32,6 +32,7 @@ fn verdict() -> impl Strategy<Value = Verdict> {
             |(allowed, log_only, s, limit, remaining, reset_at_ms, retry_after_ms)| Verdict {
                 allowed,
                 log_only,
+                holds_lease: allowed && !log_only && remaining % 3 == 0,
                 source: Source::from_u8(s).unwrap(),
                 limit,
                 remaining,
@@ -42,10 +43,13 @@ fn verdict() -> impl Strategy<Value = Verdict> {
 }
 
 fn body() -> impl Strategy<Value = Body> {
-    let item = (text(256), rule_id(), 1u32.., 0u8..3).prop_map(|(k, r, c, m)| Item {
-        mode: ItemMode::from_u8(m).unwrap(),
-        ..Item::new(k, r, c)
-    });
+    let item = (text(256), rule_id(), 1u32.., 0u8..4, proptest::option::of(any::<u64>())).prop_map(
+        |(k, r, c, m, lease)| Item {
+            mode: ItemMode::from_u8(m).unwrap(),
+            lease,
+            ..Item::new(k, r, c)
+        },
+    );
     let attr = || proptest::option::of(text(256));
     prop_oneof![
         (any::<u8>(), any::<u8>()).prop_map(|(min_version, max_version)| Body::Hello {
@@ -54,17 +58,24 @@ fn body() -> impl Strategy<Value = Body> {
         }),
         any::<u8>().prop_map(|version| Body::HelloOk { version }),
         proptest::collection::vec(item, 1..=16).prop_map(|items| Body::Check(Check::Items(items))),
-        (attr(), attr(), attr(), attr(), attr(), 1u32.., 0u8..3).prop_map(
-            |(endpoint, tier, user, api_key, ip, cost, m)| Body::Check(Check::Attributes(Attributes {
+        (
+            (attr(), attr(), attr(), attr(), attr()),
+            1u32..,
+            0u8..4,
+            proptest::option::of(any::<u64>())
+        )
+            .prop_map(|((endpoint, tier, user, api_key, ip), cost, m, lease)| Body::Check(
+                Check::Attributes(Attributes {
                 endpoint,
                 tier,
                 user,
                 api_key,
                 ip,
-                cost,
-                mode: ItemMode::from_u8(m).unwrap(),
-            }))
-        ),
+                    cost,
+                    mode: ItemMode::from_u8(m).unwrap(),
+                    lease,
+                })
+            )),
         (
             verdict(),
             proptest::collection::vec((rule_id(), verdict()), 0..=16)

@@ -34,6 +34,7 @@ fn verdict(
     Verdict {
         allowed,
         log_only,
+        holds_lease: false,
         source,
         limit,
         remaining,
@@ -46,6 +47,10 @@ fn frames() -> Vec<(&'static str, Frame)> {
     let allowed = verdict(true, false, Source::Redis, 100, 99, 1_700_000_120_000, 0);
     let denied = verdict(false, false, Source::Cache, 5, 0, 1_700_000_060_000, 12_000);
     let dry = verdict(false, true, Source::Local, 600, 0, 1_700_000_030_000, 500);
+    let lease = Verdict {
+        holds_lease: true,
+        ..verdict(true, false, Source::Redis, 4, 2, 1_700_000_060_000, 0)
+    };
     vec![
         (
             "hello",
@@ -87,6 +92,7 @@ fn frames() -> Vec<(&'static str, Frame)> {
                     ip: None,
                     cost: 2,
                     mode: ItemMode::Consume,
+                    lease: None,
                 })),
             ),
         ),
@@ -170,6 +176,65 @@ fn frames() -> Vec<(&'static str, Frame)> {
             ),
         ),
         (
+            "hello_v3",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 3,
+                },
+            ),
+        ),
+        ("hello_ok_v3", Frame::new(0, Body::HelloOk { version: 3 })),
+        (
+            "check_acquire",
+            Frame::new(
+                14,
+                Body::Check(Check::Items(vec![Item::acquire(
+                    "apikey:abc",
+                    "gpu-slots",
+                    2,
+                    0x0123_4567_89ab_cdef,
+                )])),
+            ),
+        ),
+        (
+            "decision_lease",
+            Frame::new(
+                14,
+                Body::Decision(Decision {
+                    combined: lease,
+                    items: vec![ItemDecision {
+                        rule_id: "gpu-slots".into(),
+                        verdict: lease,
+                    }],
+                }),
+            ),
+        ),
+        (
+            "check_release",
+            Frame::new(
+                15,
+                Body::Check(Check::Items(vec![
+                    Item::release("apikey:abc", "gpu-slots", 2, Some(0x0123_4567_89ab_cdef)),
+                    Item::release("apikey:xyz", "gpu-slots", 1, None),
+                ])),
+            ),
+        ),
+        (
+            "check_attributes_lease",
+            Frame::new(
+                16,
+                Body::Check(Check::Attributes(Attributes {
+                    endpoint: Some("/v1/chat".into()),
+                    api_key: Some("abc".into()),
+                    cost: 1,
+                    lease: Some(42),
+                    ..Default::default()
+                })),
+            ),
+        ),
+        (
             "fail_mode_list",
             Frame::new(
                 11,
@@ -209,6 +274,11 @@ fn hex(bytes: &[u8]) -> String {
 
 #[test]
 fn every_vector_encodes_and_decodes_exactly() {
+    if std::env::var_os("PRINT_VECTORS").is_some() {
+        for (name, frame) in frames() {
+            println!("<!-- vector: {name} -->\n```hex\n{}\n```\n", hex(&frame.to_bytes().unwrap()));
+        }
+    }
     for (name, frame) in frames() {
         let bytes = vector(name);
         let encoded = frame.to_bytes().unwrap();
