@@ -1,7 +1,7 @@
 -- Floodgate check: one or more checks, each all or nothing, atomically, with Redis TIME as the clock.
 --
--- The agent runs this script as sliding_window.lua .. token_bucket.lua .. check.lua (one script, one
--- SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
+-- The agent runs this script as sliding_window.lua .. token_bucket.lua .. concurrency.lua .. check.lua
+-- (one script, one SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
 -- group per check: the agent may carry several concurrent checks for one shard in one call, which
 -- spreads the script's fixed cost); within a group every item is evaluated first, and costs are
 -- kept only if every enforced item passes, so a rejected check consumes nothing: a sliding window
@@ -9,11 +9,13 @@
 -- only once the check passed. Items of rules in log mode (mode 0) are reported but never block the
 -- others.
 --
--- KEYS[i]  the item's state: fg:{<tag>}:<rule>:<bucket> (sliding window: the prefix of its window
---          hashes, which share its hash tag) or fg:{<tag>}:<rule>:k:<client key> (token bucket). On a
---          Redis Cluster one call carries keys of one hash tag only.
--- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket), limit, window_ms, burst, cost,
---          mode, target window, field (the client key), last (1 = the item ends its group).
+-- KEYS[i]  the item's state: fg:{<tag>}:<rule>/<bucket> (sliding window: the prefix of its window
+--          hashes, which share its hash tag), fg:{<tag>}:<rule>/k/<client key> (token bucket) or
+--          fg:{<tag>}:<rule>/c/<client key> (concurrency: its leases). On a Redis Cluster one call
+--          carries keys of one hash tag only.
+-- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket | 3 concurrency), limit,
+--          window_ms (concurrency: the lease time), burst, cost, mode, target window (concurrency:
+--          the lease id), field (the client key), last (1 = the item ends its group).
 --          mode 1 enforce | 0 log: check and commit as above.
 --          mode 2 add: add the cost to the target window whatever the verdict (what agents admitted
 --            locally while Redis was away; a token bucket may go below zero, a debt refilled first).
@@ -23,6 +25,9 @@
 --          mode 5 charge: the cost counted whatever the verdict (a sliding window past its limit,
 --            a token bucket below zero); answers the state after, allowed whether still within the
 --            limit; never blocks the group and is never undone by it.
+--          Concurrency: modes 1 and 0 acquire the lease `target` (taken only if the group passes),
+--            4 peeks, 3 (take back) and 6 release the lease `target`, 7 releases `cost` units of
+--            whole leases by count; a release never blocks the group.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
 --          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
 --          client's count in the target window afterwards, as flush.lua answers, from which the agent
@@ -34,10 +39,16 @@
 -- One add (mode 2) or take-back (mode 3): the units applied and, for a sliding window's add, the
 -- target window's count after it.
 local function adjust(key, algorithm, mode, field, now, limit, window, burst, cost, target)
+  if algorithm == '3' then
+    -- A concurrency take-back frees the lease `target` (the string as sent: a 64-bit id is not a
+    -- Lua number); an add is never sent (leases held while the store was away stay the agent's).
+    if mode == '3' then concurrency_release(key, now, limit, cost, target) end
+    return cost, 0
+  end
   if algorithm == '1' then
     local units = cost
     if mode == '3' then units = -cost end
-    local applied, count = sliding_window_adjust(key, field, now, window, units, target)
+    local applied, count = sliding_window_adjust(key, field, now, window, units, tonumber(target))
     if mode == '3' then count = 0 end
     return applied, count
   elseif mode == '2' then
@@ -69,10 +80,30 @@ for i = 1, #KEYS do
   local cost = tonumber(ARGV[a + 5])
   local mode = ARGV[a + 6]
   local field = ARGV[a + 8]
-  if algorithm ~= '1' and algorithm ~= '2' then
+  if algorithm ~= '1' and algorithm ~= '2' and algorithm ~= '3' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
-  if mode == '4' or mode == '5' then
+  if algorithm == '3' and mode ~= '2' and mode ~= '3' then
+    local v
+    if mode == '6' or mode == '7' then
+      local id = false
+      if mode == '6' then id = ARGV[a + 7] end
+      v = concurrency_release(KEYS[i], now, limit, cost, id)
+    elseif mode == '4' or mode == '5' then
+      v = concurrency_peek(KEYS[i], now, limit, cost)
+    else
+      local commit
+      v, commit = concurrency_acquire(KEYS[i], now, limit, window, cost, ARGV[a + 7])
+      if v[1] == 1 then
+        admitted = admitted + 1
+        admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
+        commits[#commits + 1] = commit
+      elseif mode == '1' then
+        all_ok = false
+      end
+    end
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
+  elseif mode == '4' or mode == '5' then
     local burst = tonumber(ARGV[a + 4])
     if algorithm == '1' then
       local f = sliding_window_peek
@@ -87,7 +118,7 @@ for i = 1, #KEYS do
     end
   elseif mode == '2' or mode == '3' then
     local ok, applied, count = pcall(adjust, KEYS[i], algorithm, mode, field, now, limit, window,
-      tonumber(ARGV[a + 4]), cost, tonumber(ARGV[a + 7]))
+      tonumber(ARGV[a + 4]), cost, ARGV[a + 7])
     if ok then
       out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, count
     else

@@ -97,9 +97,10 @@ impl RejectionCache {
         Some(o)
     }
 
-    /// Caches a rejection of (rule, key) for `cost` at `now_ms` (local clock) until it could pass.
+    /// Caches a rejection of (rule, key) for `cost` at `now_ms` (local clock) until it could pass. A
+    /// concurrency rule's is not: a release may free its units at any moment.
     pub fn put(&self, rule: &Arc<Rule>, key: &str, cost: u64, outcome: Outcome, now_ms: u64) {
-        if self.cap == 0 || outcome.allowed || outcome.retry_after_ms == 0 {
+        if self.cap == 0 || outcome.allowed || outcome.retry_after_ms == 0 || rule.is_concurrency() {
             return;
         }
         let per_shard = self.cap.div_ceil(SHARDS).max(1);

@@ -84,6 +84,7 @@ impl Decision {
             verdict: floodgate_protocol::Verdict {
                 allowed: self.allowed,
                 log_only: false,
+                holds_lease: false,
                 source: Source::Fallback,
                 limit,
                 remaining: self.remaining,

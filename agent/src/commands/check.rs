@@ -92,6 +92,7 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
                 ip: cli.ip.clone(),
                 cost: cli.cost,
                 mode: Default::default(),
+                lease: None,
             };
             client.check_request(a).await
         }

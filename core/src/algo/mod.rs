@@ -1,9 +1,13 @@
 //! The limiting algorithms as pure functions of (state, now): the same maths as the Lua scripts in
 //! `lua/`, so the embedded store and Redis give the same answers.
 
+mod concurrency;
 mod sliding_window;
 mod token_bucket;
 
+pub use concurrency::{
+    concurrency_acquire, concurrency_peek, concurrency_release, HeldLease, LeaseSet, MAX_RETRY_MS,
+};
 pub use sliding_window::{sliding_window, sliding_window_charge, sliding_window_peek, WindowState};
 pub use token_bucket::{token_bucket, token_bucket_charge, token_bucket_peek, BucketState};
 

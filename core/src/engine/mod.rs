@@ -15,7 +15,7 @@ use crate::cache::RejectionCache;
 use crate::guard::Guard;
 use crate::rules::{items_for, Algorithm, Execution, Rule, RuleSet};
 use crate::shared_store::SharedStore;
-use crate::store::{Clock, ItemMode, MemoryStore, Planned};
+use crate::store::{Clock, ItemMode, Lease, MemoryStore, Planned};
 
 mod shared_path;
 
@@ -109,6 +109,10 @@ pub struct Engine {
     shed: AtomicU64,
     last_error_log_ms: AtomicU64,
     refused_rules: std::sync::Mutex<Option<RefusedRules>>,
+    /// Lease ids the agent picks (acquires that came without one): a per-process seed, mixed with
+    /// a sequence, so that no two agents' ids meet.
+    lease_seed: u64,
+    lease_seq: AtomicU64,
 }
 
 /// The newest rule set the agent was handed and refused (invalid as a whole); the set in force
@@ -153,6 +157,8 @@ impl Engine {
             shed: AtomicU64::new(0),
             last_error_log_ms: AtomicU64::new(0),
             refused_rules: Default::default(),
+            lease_seed: lease_seed(),
+            lease_seq: AtomicU64::new(0),
         })
     }
 
@@ -349,18 +355,47 @@ impl Engine {
         &self.dry_run
     }
 
+    /// What an item does to its rule: a concurrency rule's consume acquires under the client's lease
+    /// (or one the agent picks), its charge is a peek; another rule's release is a peek of 0.
+    fn item_mode(&self, rule: &Rule, mode: ItemMode, lease: Option<u64>, cost: u32) -> (ItemMode, Lease, u64) {
+        let cost = u64::from(cost);
+        if !rule.is_concurrency() {
+            return match mode {
+                ItemMode::Release => (ItemMode::Peek, Lease::None, 0),
+                _ => (mode, Lease::None, cost),
+            };
+        }
+        match (mode, lease) {
+            (ItemMode::Consume, Some(id)) => (mode, Lease::Client(id), cost),
+            (ItemMode::Consume, None) => (mode, Lease::Agent(self.agent_lease()), cost),
+            (ItemMode::Release, Some(id)) => (mode, Lease::Client(id), cost),
+            (ItemMode::Release, None) => (mode, Lease::None, cost),
+            (ItemMode::Peek | ItemMode::Charge, _) => (ItemMode::Peek, Lease::None, cost),
+        }
+    }
+
+    /// A lease id of the agent's own.
+    fn agent_lease(&self) -> u64 {
+        let n = self.lease_seq.fetch_add(1, Ordering::Relaxed);
+        splitmix64(self.lease_seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+    }
+
     fn plan(&self, check: Check) -> Result<Vec<Planned>, ErrorBody> {
         let rules = self.rules();
         let plan: Vec<Planned> = match check {
             Check::Items(items) => items
                 .into_iter()
                 .map(|item| match rules.get(&item.rule_id) {
-                    Some(rule) => Ok(Planned {
-                        rule: rule.clone(),
-                        key: item.key,
-                        cost: u64::from(item.cost),
-                        mode: item.mode,
-                    }),
+                    Some(rule) => {
+                        let (mode, lease, cost) = self.item_mode(rule, item.mode, item.lease, item.cost);
+                        Ok(Planned {
+                            rule: rule.clone(),
+                            key: item.key,
+                            cost,
+                            mode,
+                            lease,
+                        })
+                    }
                     None => Err(ErrorBody {
                         code: ErrorCode::UnknownRule,
                         message: format!("unknown rule {:?}", item.rule_id),
@@ -369,11 +404,15 @@ impl Engine {
                 .collect::<Result<_, _>>()?,
             Check::Attributes(a) => items_for(&rules, &a)
                 .into_iter()
-                .map(|(rule, key)| Planned {
-                    rule,
-                    key: key.into(),
-                    cost: u64::from(a.cost),
-                    mode: a.mode,
+                .map(|(rule, key)| {
+                    let (mode, lease, cost) = self.item_mode(&rule, a.mode, a.lease, a.cost);
+                    Planned {
+                        rule,
+                        key: key.into(),
+                        cost,
+                        mode,
+                        lease,
+                    }
                 })
                 .collect(),
         };
@@ -409,6 +448,22 @@ pub struct TakenBack {
     pub failed: AtomicU64,
 }
 
+/// A per-process seed for the agent's lease ids: the clock's nanoseconds and the process id.
+fn lease_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    splitmix64(nanos ^ (u64::from(std::process::id()) << 32))
+}
+
+/// SplitMix64's output function: spreads a sequence over all 64 bits.
+fn splitmix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
 /// An item a check did not look at because another item rejected it: its rule's plain figures.
 fn unseen(rule: &Rule, now: u64) -> Outcome {
     let limit = rule.display_limit();
@@ -436,6 +491,7 @@ fn no_rule() -> Verdict {
     Verdict {
         allowed: true,
         log_only: false,
+        holds_lease: false,
         source: Source::Local,
         limit: 0,
         remaining: 0,
@@ -468,6 +524,7 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
             verdict: Verdict {
                 allowed: o.allowed,
                 log_only: !p.rule.enforced(),
+                holds_lease: false,
                 source,
                 limit: o.limit,
                 remaining: o.remaining,
@@ -476,22 +533,33 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
             },
         })
         .collect();
-    let enforced = || items.iter().filter(|i| !i.verdict.log_only);
-    // What decides the check: its consume items; a check without any, its peeks (a charge is never
-    // a rejection).
+    // What decides the check: its consume items; a check without any, its peeks (a charge or a
+    // release is never a rejection).
     let consumes = plan.iter().any(|p| p.mode == ItemMode::Consume);
     let gates = |mode: ItemMode| match mode {
         ItemMode::Consume => true,
         ItemMode::Peek => !consumes,
-        ItemMode::Charge => false,
+        ItemMode::Charge | ItemMode::Release => false,
     };
     let denied = items
         .iter()
         .zip(plan)
         .filter(|(i, p)| !i.verdict.log_only && !i.verdict.allowed && gates(p.mode))
-        .map(|(i, _)| i)
-        .max_by_key(|i| i.verdict.retry_after_ms);
-    let binding = denied.map(|i| i.verdict).or_else(|| {
+        .map(|(i, _)| i.verdict)
+        .max_by_key(|v| v.retry_after_ms);
+    let mut items = items;
+    if denied.is_none() {
+        // The check passed: the client's leases its concurrency items acquired are held, and the
+        // client is told so (it releases them when its request ends).
+        for (i, p) in items.iter_mut().zip(plan) {
+            i.verdict.holds_lease = i.verdict.allowed
+                && p.mode == ItemMode::Consume
+                && matches!(p.lease, Lease::Client(_))
+                && i.verdict.source != Source::Cache;
+        }
+    }
+    let enforced = || items.iter().filter(|i| !i.verdict.log_only);
+    let binding = denied.or_else(|| {
         // Allowed: the tightest enforced item's figures (a denied peek beside consume items
         // included, as what it would cost), the check itself allowed.
         enforced()

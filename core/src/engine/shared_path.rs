@@ -164,8 +164,8 @@ impl Engine {
         }))
     }
 
-    /// A check with peek or charge items: its consume items take the usual path (cache, batching,
-    /// groups, all or nothing across them), beside them its peeks and charges go to their shards
+    /// A check with peek, charge or release items: its consume items take the usual path (cache,
+    /// batching, groups, all or nothing across them), beside them the others go to their shards
     /// directly (one call per call group, never answered from the cache or counted locally: a peek
     /// must see the shared state, and a charge must land there); a group whose breaker is open, or
     /// whose call fails, answers them by their rules' fail modes (a charge is then not counted).
@@ -229,19 +229,27 @@ impl Engine {
             let (direct_results, consumed) = futures::join!(direct_results, consumed);
             let now = this.clock.now_ms();
             for ((_, items), result) in groups.iter().zip(direct_results) {
+                // A release also frees what the agent holds for its rule from a time the store
+                // was away (answering it when the store cannot).
+                let released = |i: usize| {
+                    let p = &plan[i];
+                    let g = this.guard.as_ref().filter(|_| p.mode == ItemMode::Release)?;
+                    Some(g.fallback.release(p, this.live_agents()))
+                };
                 match result {
                     Ok(outcomes) => {
                         for (&i, o) in items.iter().zip(outcomes) {
+                            released(i);
                             out[i] = Some((o, Source::Redis));
                         }
                     }
                     Err(e) => {
                         this.note_store_error(&e);
                         for &i in items {
-                            out[i] = Some((
-                                fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS),
-                                Source::Fallback,
-                            ));
+                            let o = released(i).unwrap_or_else(|| {
+                                fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS)
+                            });
+                            out[i] = Some((o, Source::Fallback));
                         }
                     }
                 }
@@ -425,8 +433,12 @@ impl Engine {
             .filter_map(|&i| {
                 let (o, _) = out[i]?;
                 let p = &plan[i];
-                // An admitted sliding-window item's reset is the end of the window after its own.
-                let window = (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2);
+                // An admitted sliding-window item's reset is the end of the window after its own; a
+                // concurrency item's take-back frees its lease, named where the window goes.
+                let window = match p.lease.id() {
+                    Some(id) if p.rule.is_concurrency() => id,
+                    _ => (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2),
+                };
                 Some(LedgerEntry {
                     rule: p.rule.clone(),
                     key: p.key.clone(),

@@ -28,7 +28,8 @@ pub struct LedgerEntry {
     pub rule: Arc<Rule>,
     /// The client key.
     pub key: CompactString,
-    /// The window index (local clock) the units belong to.
+    /// The window index (local clock) the units belong to; for a concurrency rule's take-back, the
+    /// lease to free.
     pub window: u64,
     /// Units admitted.
     pub units: u64,
@@ -148,6 +149,7 @@ impl Fallback {
                 key: p.key.clone(),
                 cost: p.cost,
                 mode: p.mode,
+                lease: p.lease,
             })
             .collect();
         let outcomes = self.store.check(&local);
@@ -159,7 +161,9 @@ impl Fallback {
             let now = self.clock.now_ms();
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
             for ((p, o), rec) in items.iter().zip(&outcomes).zip(record) {
-                if !o.allowed || !rec {
+                // A concurrency rule's leases are the agent's own while the store is away: nothing
+                // of them is written back (Redis's leases run out by themselves).
+                if !o.allowed || !rec || p.rule.is_concurrency() {
                     continue;
                 }
                 let window = now / p.rule.window_ms();
@@ -194,6 +198,16 @@ impl Fallback {
             }
         }
         outcomes
+    }
+
+    /// Frees a concurrency item's lease (or units by count) among the leases held here while the
+    /// store was away, at limit / `n`: a release reaches them whether or not the store answered.
+    pub fn release(&self, item: &Planned, n: u64) -> Outcome {
+        let local = Planned {
+            rule: self.scaled(&item.rule, n),
+            ..item.clone()
+        };
+        self.store.check(std::slice::from_ref(&local))[0]
     }
 
     /// Takes up to `max` ledger entries that still count in Redis: those of the current window and of
@@ -258,6 +272,7 @@ mod tests {
                 key: format!("user:{i}").into(),
                 cost: 1,
                 mode: Default::default(),
+                lease: Default::default(),
             }];
             assert!(f.check(&item, 1, &[true])[0].allowed);
         }
@@ -283,6 +298,7 @@ mod tests {
                 key: "user:1".into(),
                 cost: 1,
                 mode: Default::default(),
+                lease: Default::default(),
             }]
         };
         let admitted = (0..100)

@@ -10,12 +10,13 @@ use super::model::{validate_endpoint_pattern, Rule};
 /// Field name → what is wrong with it.
 pub type FieldErrors = BTreeMap<String, String>;
 
-const FIELDS: [&str; 14] = [
+const FIELDS: [&str; 15] = [
     "id",
     "dimension",
     "match",
     "limit",
     "windowSeconds",
+    "leaseSeconds",
     "burst",
     "algorithm",
     "mode",
@@ -72,7 +73,11 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
                 Some(w) if (0.001..=31_536_000.0).contains(&w) => Ok(()),
                 _ => Err("must be a number of seconds from 0.001 to 31536000".into()),
             },
-            "algorithm" => one_of(v, &["sliding_window", "token_bucket"]),
+            "leaseSeconds" => match v.as_f64() {
+                Some(l) if (0.1..=super::model::MAX_LEASE_SECONDS).contains(&l) => Ok(()),
+                _ => Err("must be a number of seconds from 0.1 to 86400".into()),
+            },
+            "algorithm" => one_of(v, &["sliding_window", "token_bucket", "concurrency"]),
             "mode" => one_of(v, &["enforce", "log"]),
             "failMode" => one_of(v, &["open", "closed"]),
             "overLimit" => one_of(v, &["deny", "charge"]),
@@ -93,7 +98,11 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
             errors.insert(k.clone(), e);
         }
     }
+    let concurrency = obj.get("algorithm").and_then(Value::as_str) == Some("concurrency");
     for required in ["dimension", "limit", "windowSeconds"] {
+        if required == "windowSeconds" && concurrency {
+            continue;
+        }
         if !obj.contains_key(required) {
             errors.insert(required.into(), "is required".into());
         }
@@ -187,6 +196,18 @@ mod tests {
         let e = rule_from_body("a", b"{}").unwrap_err();
         assert_eq!(e.len(), 3, "dimension, limit, windowSeconds are required: {e:?}");
         assert!(rule_from_body("a", b"not json").unwrap_err().contains_key("body"));
+        let c = rule_from_body("c", br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","leaseSeconds":30}"#)
+            .unwrap();
+        assert_eq!(c.window_ms(), 30_000, "a concurrency rule's lease time, no window needed");
+        let e = rule_from_body(
+            "c",
+            br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","windowSeconds":1,"leaseSeconds":0}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains_key("leaseSeconds"), "{e:?}");
+        let e = rule_from_body("c", br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","windowSeconds":1}"#)
+            .unwrap_err();
+        assert!(e["rule"].contains("not windowSeconds"), "{e:?}");
         let e =
             rule_from_body("a", br#"{"id":"b","dimension":"ip","limit":1,"windowSeconds":1}"#).unwrap_err();
         assert!(e.contains_key("id"));

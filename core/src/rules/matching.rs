@@ -55,6 +55,7 @@ mod tests {
             ip: Some("203.0.113.5".into()),
             cost: 1,
             mode: Default::default(),
+            lease: None,
         }
     }
 

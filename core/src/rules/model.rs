@@ -46,6 +46,9 @@ pub enum Algorithm {
     SlidingWindow,
     /// Token bucket: bursts up to `burst`, refilled at `limit / window`.
     TokenBucket,
+    /// Units in flight: at most `limit` units held at once per key, each under a lease that its
+    /// holder releases, or that runs out after `leaseSeconds`.
+    Concurrency,
 }
 
 /// Whether a rule rejects or only reports.
@@ -207,8 +210,13 @@ pub struct Rule {
     pub matches: Match,
     /// Units per window (sliding window) or refill per window (token bucket).
     pub limit: NonZeroU64,
-    /// The window in seconds; fractions allowed down to one millisecond.
+    /// The window in seconds; fractions allowed down to one millisecond. Required, except for a
+    /// concurrency rule, which has none.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub window_seconds: f64,
+    /// How long a concurrency rule's lease lasts unless released, in seconds (default 60).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease_seconds: Option<f64>,
     /// Token-bucket capacity; defaults to `limit`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<NonZeroU64>,
@@ -253,10 +261,29 @@ fn is_zero(x: &u64) -> bool {
     *x == 0
 }
 
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
+}
+
+/// A concurrency rule's lease time when it names none.
+pub const DEFAULT_LEASE_SECONDS: f64 = 60.0;
+
+/// The longest lease a concurrency rule may have: a day.
+pub const MAX_LEASE_SECONDS: f64 = 86_400.0;
+
 impl Rule {
-    /// The window in milliseconds (at least 1).
+    /// The window in milliseconds (at least 1); a concurrency rule's lease time.
     pub fn window_ms(&self) -> u64 {
-        ((self.window_seconds * 1000.0).round() as u64).max(1)
+        let seconds = match self.algorithm {
+            Algorithm::Concurrency => self.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS),
+            _ => self.window_seconds,
+        };
+        ((seconds * 1000.0).round() as u64).max(1)
+    }
+
+    /// Whether the rule limits units in flight (leases) rather than a rate.
+    pub fn is_concurrency(&self) -> bool {
+        self.algorithm == Algorithm::Concurrency
     }
 
     /// The token-bucket capacity.
@@ -267,7 +294,7 @@ impl Rule {
     /// The limit a client is told (`X-RateLimit-Limit`): the window's limit, or the bucket's capacity.
     pub fn display_limit(&self) -> u64 {
         match self.algorithm {
-            Algorithm::SlidingWindow => self.limit.get(),
+            Algorithm::SlidingWindow | Algorithm::Concurrency => self.limit.get(),
             Algorithm::TokenBucket => self.burst(),
         }
     }
@@ -279,6 +306,18 @@ impl Rule {
 
     fn validate(&self) -> Result<(), String> {
         floodgate_protocol::validate_rule_id(&self.id).map_err(|e| e.to_string())?;
+        if self.is_concurrency() {
+            return self.validate_concurrency();
+        }
+        if self.lease_seconds.is_some() {
+            return Err(format!(
+                "rule {}: leaseSeconds is for algorithm \"concurrency\" only",
+                self.id
+            ));
+        }
+        if self.window_seconds == 0.0 {
+            return Err(format!("rule {}: windowSeconds is required", self.id));
+        }
         if !(self.window_seconds.is_finite() && self.window_seconds >= 0.001) {
             return Err(format!(
                 "rule {}: windowSeconds must be at least 0.001, not {}",
@@ -313,6 +352,45 @@ impl Rule {
                 ));
             }
         }
+        self.validate_common()
+    }
+
+    /// What a concurrency rule must hold: a lease time, no window, burst or batching.
+    fn validate_concurrency(&self) -> Result<(), String> {
+        let id = &self.id;
+        if self.window_seconds != 0.0 {
+            return Err(format!(
+                "rule {id}: a concurrency rule has leaseSeconds (how long a held unit lasts), not windowSeconds"
+            ));
+        }
+        if let Some(l) = self.lease_seconds {
+            if !(l.is_finite() && (0.1..=MAX_LEASE_SECONDS).contains(&l)) {
+                return Err(format!(
+                    "rule {id}: leaseSeconds must be from 0.1 to {MAX_LEASE_SECONDS}, not {l}"
+                ));
+            }
+        }
+        if self.burst.is_some() {
+            return Err(format!("rule {id}: a concurrency rule has no burst"));
+        }
+        if self.execution == Execution::Batched {
+            return Err(format!(
+                "rule {id}: a concurrency rule runs sync (its units are held, not counted): execution \"batched\" is refused"
+            ));
+        }
+        if self.over_limit == OverLimit::Charge {
+            return Err(format!(
+                "rule {id}: overLimit \"charge\" counts a rate; a concurrency rule holds units"
+            ));
+        }
+        if self.limit.get() > 1 << 32 {
+            return Err(format!("rule {id}: a concurrency limit is at most 2^32, not {}", self.limit));
+        }
+        self.validate_common()
+    }
+
+    /// What every rule must hold, whatever its algorithm.
+    fn validate_common(&self) -> Result<(), String> {
         if let Some(f) = self.flush_interval_ms {
             if f.get() > 60_000 {
                 return Err(format!("rule {}: flushIntervalMs {f} is over a minute", self.id));

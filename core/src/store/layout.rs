@@ -62,7 +62,8 @@ impl Layout {
 
     /// The key passed to the script for (rule, client key): for the sliding window the prefix of the
     /// window hashes (`fg:{7}:api/1543`, the script appends `:<window index>`), for the token bucket
-    /// the client's own hash (`fg:{7}:login/k/ip:1.2.3.4`). Rule ids cannot contain `/`, so names
+    /// the client's own hash (`fg:{7}:login/k/ip:1.2.3.4`), for a concurrency rule the client's
+    /// sorted set of leases (`fg:{7}:gpu/c/apikey:abc`). Rule ids cannot contain `/`, so names
     /// never collide.
     pub fn state_key(&self, rule: &Rule, key: &str) -> String {
         let mut out = String::new();
@@ -87,6 +88,10 @@ impl Layout {
             }
             Algorithm::TokenBucket => {
                 out.push_str("/k/");
+                out.push_str(key);
+            }
+            Algorithm::Concurrency => {
+                out.push_str("/c/");
                 out.push_str(key);
             }
         }

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::{ItemMode, Planned};
-use crate::algo::{self, BucketState, Outcome, WindowState};
+use crate::algo::{self, BucketState, LeaseSet, Outcome, WindowState};
 use crate::rules::Algorithm;
 
 /// 64 shards keep lock contention negligible with a handful of worker threads; a multi-item check
@@ -36,13 +36,15 @@ impl Clock {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum State {
     Window(WindowState),
     Bucket(BucketState),
+    /// A concurrency rule's leases (boxed: the other states stay small).
+    Leases(Box<LeaseSet>),
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Entry {
     state: State,
     expires_at_ms: u64,
@@ -81,7 +83,7 @@ impl MemoryStore {
             let mut shard = lock(&self.shards[shard_index(&key)]);
             return vec![match shard.entry(key) {
                 std::collections::hash_map::Entry::Occupied(mut e) => {
-                    let prior = Some(*e.get()).filter(|e| e.expires_at_ms > now).map(|e| e.state);
+                    let prior = Some(e.get()).filter(|e| e.expires_at_ms > now).map(|e| &e.state);
                     let (outcome, entry) = decide(item, prior, now);
                     if commits(item, &outcome, true) {
                         *e.get_mut() = entry;
@@ -115,7 +117,7 @@ impl MemoryStore {
                 .1
                 .get(&keys[n])
                 .filter(|e| e.expires_at_ms > now)
-                .map(|e| e.state);
+                .map(|e| &e.state);
             let (outcome, entry) = decide(item, prior, now);
             if item.mode == ItemMode::Consume && !outcome.allowed && item.rule.enforced() {
                 all_ok = false;
@@ -172,17 +174,18 @@ fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
     match item.mode {
         ItemMode::Consume => outcome.allowed && all_ok,
         ItemMode::Peek => false,
-        ItemMode::Charge => true,
+        ItemMode::Charge | ItemMode::Release => true,
     }
 }
 
 /// One item's outcome from its prior state, and the entry that commits it (by the item's mode).
-fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
+fn decide(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     if item.mode != ItemMode::Consume {
         return decide_mode(item, prior, now);
     }
     let rule = &item.rule;
     match rule.algorithm {
+        Algorithm::Concurrency => decide_leases(item, prior, now),
         Algorithm::SlidingWindow => {
             let prior = window_state(prior);
             let (o, next, exp) =
@@ -215,9 +218,10 @@ fn decide(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
 /// [`decide`] for a peek or a charge: kept apart so that a consume, nearly every item, runs the
 /// code it ran before modes existed.
 #[inline(never)]
-fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entry) {
+fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     let rule = &item.rule;
     match rule.algorithm {
+        Algorithm::Concurrency => decide_leases(item, prior, now),
         Algorithm::SlidingWindow => {
             let prior = window_state(prior);
             let (limit, window) = (rule.limit.get(), rule.window_ms());
@@ -253,18 +257,49 @@ fn decide_mode(item: &Planned, prior: Option<State>, now: u64) -> (Outcome, Entr
     }
 }
 
+/// A concurrency rule's item: an acquire (consume, under the item's lease), a peek or a release;
+/// the entry is the key's leases after it (written by `commits`).
+fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
+    let empty = LeaseSet::default();
+    let set = match prior {
+        Some(State::Leases(s)) => s,
+        _ => &empty,
+    };
+    let (limit, lease_ms) = (item.rule.limit.get(), item.rule.window_ms());
+    let (o, next) = match item.mode {
+        ItemMode::Consume => {
+            let id = item.lease.id().unwrap_or_default();
+            algo::concurrency_acquire(set, limit, lease_ms, id, item.cost, now)
+        }
+        ItemMode::Release => {
+            let mut next = set.clone();
+            let o = algo::concurrency_release(&mut next, limit, item.lease.id(), item.cost, now);
+            (o, next)
+        }
+        ItemMode::Peek | ItemMode::Charge => (
+            algo::concurrency_peek(set, limit, item.cost, now),
+            LeaseSet::default(),
+        ),
+    };
+    let entry = Entry {
+        expires_at_ms: next.last_expiry(now),
+        state: State::Leases(Box::new(next)),
+    };
+    (o, entry)
+}
+
 /// A sliding window's state, if the key holds one.
-fn window_state(prior: Option<State>) -> Option<WindowState> {
+fn window_state(prior: Option<&State>) -> Option<WindowState> {
     match prior {
-        Some(State::Window(s)) => Some(s),
+        Some(State::Window(s)) => Some(*s),
         _ => None,
     }
 }
 
 /// A token bucket's state, if the key holds one.
-fn bucket_state(prior: Option<State>) -> Option<BucketState> {
+fn bucket_state(prior: Option<&State>) -> Option<BucketState> {
     match prior {
-        Some(State::Bucket(s)) => Some(s),
+        Some(State::Bucket(s)) => Some(*s),
         _ => None,
     }
 }
@@ -299,6 +334,7 @@ mod tests {
             key: key.into(),
             cost,
             mode: Default::default(),
+            lease: Default::default(),
         }
     }
 

@@ -30,6 +30,32 @@ pub struct Planned {
     pub cost: u64,
     /// What the item does with its cost.
     pub mode: ItemMode,
+    /// A concurrency rule's lease: the one its units are held under (an acquire) or to free (a
+    /// release).
+    pub lease: Lease,
+}
+
+/// The lease of a concurrency rule's item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Lease {
+    /// None: a rate rule's item, a peek, or a release by count.
+    #[default]
+    None,
+    /// The client's: the decision tells it the lease is held, and it releases it.
+    Client(u64),
+    /// Picked by the agent for an acquire that came without one (Envoy, version-1 clients): freed by
+    /// a release by count, or when it runs out.
+    Agent(u64),
+}
+
+impl Lease {
+    /// The lease id, if any.
+    pub fn id(self) -> Option<u64> {
+        match self {
+            Lease::None => None,
+            Lease::Client(id) | Lease::Agent(id) => Some(id),
+        }
+    }
 }
 
 /// Why a store could not answer, classified so that fail-open/closed decides on a kind, not a string.

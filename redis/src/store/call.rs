@@ -11,7 +11,8 @@ use redis::Cmd;
 use super::resp;
 
 /// One item of a check-script call: what it counts, and how (`mode` 1 enforce, 0 log, 2 add and 3
-/// take back into window `target`, 4 peek, 5 charge); `last` closes a check (all or nothing up to it).
+/// take back into window `target`, 4 peek, 5 charge, 6 release lease `target`, 7 release by count);
+/// `last` closes a check (all or nothing up to it).
 pub(super) struct CallItem<'a> {
     pub(super) rule: &'a Rule,
     pub(super) key: &'a str,
@@ -35,8 +36,11 @@ pub(super) fn check_items<'a>(checks: impl IntoIterator<Item = &'a [Planned]>) -
                     ItemMode::Consume => 0,
                     ItemMode::Peek => 4,
                     ItemMode::Charge => 5,
+                    ItemMode::Release if p.lease.id().is_some() => 6,
+                    ItemMode::Release => 7,
                 },
-                target: 0,
+                // A concurrency item's lease goes where a write-back's window does.
+                target: p.lease.id().unwrap_or(0),
                 last: i + 1 == check.len(),
             });
         }
@@ -101,6 +105,7 @@ fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[
         let algorithm = match r.algorithm {
             Algorithm::SlidingWindow => 1,
             Algorithm::TokenBucket => 2,
+            Algorithm::Concurrency => 3,
         };
         out.num(algorithm);
         out.num(r.limit.get());

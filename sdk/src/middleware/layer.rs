@@ -224,6 +224,7 @@ impl Config {
             } else {
                 ItemMode::Consume
             },
+            lease: None,
         };
         (attributes, fail, charge)
     }
