@@ -39,7 +39,7 @@ pub const METRICS: &[(&str, &str)] = &[
     ("floodgate_events_dropped_total", "Rejection events dropped: queue full, or the stream write failed"),
     ("floodgate_connections_refused_total", "Connections refused because their listener held its cap, or their peer its share of it: unix, tcp, grpc past --max-connections or --max-connections-per-peer (a uid on the socket, an address on TCP and gRPC); admin, rules (the HTTP APIs) past --http-max-connections or the peer address's quarter of it"),
     ("floodgate_connections_closed_total", "Frames connections the agent closed, by reason: idle (nothing in flight for --idle-timeout-ms), frame_timeout (a frame not completed within --frame-timeout-ms), buffers (the read-buffer budget for frames still arriving was spent)"),
-    ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error; uncounted_descriptor counts descriptors answered OK uncounted (is_negative_hits)"),
+    ("floodgate_grpc_requests_total", "Envoy ShouldRateLimit requests, by code: ok, over_limit, unmatched (no descriptor had a rule), error"),
     ("floodgate_checks_shed_total", "Checks (their call groups toward one store shard) the agent answered by their rules' fail modes without asking the store, because its queue there already waited longer than a check's budget (the store timeout from the frame's read): load past capacity, not a Redis failure"),
     ("floodgate_script_errors_total", "Script calls and entries Redis answered with an error of the script itself (a key of another type, a number Redis refuses), by op: check (the check answered by its rules' fail modes; the shard's breaker stays closed, Redis being there), write_back and take_back (the entry dropped, never retried; the call's other entries applied)"),
     ("floodgate_over_admitted_total", "Units admitted over a rule's limit, learned when what agents admitted locally reaches Redis: source=flush for a batched rule's flush writes, source=fallback for the write-back after a fallback period; each write's units past the limit in the count Redis answers (writes apply one at a time, so this sums across agents without counting a unit twice; the previous window's weight not counted; sliding-window rules in enforce mode only)"),
@@ -269,7 +269,7 @@ pub fn connection_closed(reason: &'static str) {
 }
 
 /// A ShouldRateLimit answered: `code` is `ok`, `over_limit`, `unmatched` (no descriptor had a rule)
-/// or `error`; `uncounted_descriptor` counts a descriptor answered OK without being counted.
+/// or `error`.
 pub fn grpc_request(code: &'static str) {
     if !on() {
         return;
@@ -284,5 +284,5 @@ pub fn grpc_request(code: &'static str) {
     }
 }
 
-const GRPC_CODES: [&str; 5] = ["ok", "over_limit", "unmatched", "error", "uncounted_descriptor"];
-static GRPC: OnceLock<[metrics::Counter; 5]> = OnceLock::new();
+const GRPC_CODES: [&str; 4] = ["ok", "over_limit", "unmatched", "error"];
+static GRPC: OnceLock<[metrics::Counter; GRPC_CODES.len()]> = OnceLock::new();

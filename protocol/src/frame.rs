@@ -148,7 +148,12 @@ impl Item {
 
     /// An item that takes `cost` units of a concurrency rule under `lease` (any other rule: consumes
     /// `cost`); release them with [`Item::release`] and the same lease and cost.
-    pub fn acquire(key: impl Into<CompactString>, rule_id: impl Into<CompactString>, cost: u32, lease: u64) -> Self {
+    pub fn acquire(
+        key: impl Into<CompactString>,
+        rule_id: impl Into<CompactString>,
+        cost: u32,
+        lease: u64,
+    ) -> Self {
         Item {
             lease: Some(lease),
             ..Item::new(key, rule_id, cost)

@@ -43,13 +43,18 @@ fn verdict() -> impl Strategy<Value = Verdict> {
 }
 
 fn body() -> impl Strategy<Value = Body> {
-    let item = (text(256), rule_id(), 1u32.., 0u8..4, proptest::option::of(any::<u64>())).prop_map(
-        |(k, r, c, m, lease)| Item {
+    let item = (
+        text(256),
+        rule_id(),
+        1u32..,
+        0u8..4,
+        proptest::option::of(any::<u64>()),
+    )
+        .prop_map(|(k, r, c, m, lease)| Item {
             mode: ItemMode::from_u8(m).unwrap(),
             lease,
             ..Item::new(k, r, c)
-        },
-    );
+        });
     let attr = || proptest::option::of(text(256));
     prop_oneof![
         (any::<u8>(), any::<u8>()).prop_map(|(min_version, max_version)| Body::Hello {
@@ -64,18 +69,20 @@ fn body() -> impl Strategy<Value = Body> {
             0u8..4,
             proptest::option::of(any::<u64>())
         )
-            .prop_map(|((endpoint, tier, user, api_key, ip), cost, m, lease)| Body::Check(
-                Check::Attributes(Attributes {
-                endpoint,
-                tier,
-                user,
-                api_key,
-                ip,
-                    cost,
-                    mode: ItemMode::from_u8(m).unwrap(),
-                    lease,
-                })
-            )),
+            .prop_map(
+                |((endpoint, tier, user, api_key, ip), cost, m, lease)| Body::Check(Check::Attributes(
+                    Attributes {
+                        endpoint,
+                        tier,
+                        user,
+                        api_key,
+                        ip,
+                        cost,
+                        mode: ItemMode::from_u8(m).unwrap(),
+                        lease,
+                    }
+                ))
+            ),
         (
             verdict(),
             proptest::collection::vec((rule_id(), verdict()), 0..=16)

@@ -276,7 +276,10 @@ fn hex(bytes: &[u8]) -> String {
 fn every_vector_encodes_and_decodes_exactly() {
     if std::env::var_os("PRINT_VECTORS").is_some() {
         for (name, frame) in frames() {
-            println!("<!-- vector: {name} -->\n```hex\n{}\n```\n", hex(&frame.to_bytes().unwrap()));
+            println!(
+                "<!-- vector: {name} -->\n```hex\n{}\n```\n",
+                hex(&frame.to_bytes().unwrap())
+            );
         }
     }
     for (name, frame) in frames() {

@@ -110,6 +110,41 @@ impl Client {
         self.check(vec![Item::charge(key, rule_id, cost)]).await
     }
 
+    /// Acquires `cost` units of concurrency rule `rule_id` for `key` under a new lease (protocol
+    /// version 3): the decision, and the lease if the rule now holds it. Release it with
+    /// [`release`](Self::release) when the work ends; a lease not released runs out after the rule's
+    /// `leaseSeconds`. When the agent cannot answer, the decision is the fail policy's and there is
+    /// no lease.
+    pub async fn acquire(
+        &self,
+        key: &str,
+        rule_id: &str,
+        cost: u32,
+    ) -> Result<(Decision, Option<Lease>), Error> {
+        let id = self.shared.next_lease();
+        let d = self.check(vec![Item::acquire(key, rule_id, cost, id)]).await?;
+        let held = d.items.first().is_some_and(|i| i.verdict.holds_lease);
+        let lease = held.then(|| Lease {
+            key: key.to_string(),
+            rule_id: rule_id.to_string(),
+            cost,
+            id,
+        });
+        Ok((d, lease))
+    }
+
+    /// Gives a lease's units back (protocol version 3). While the agent cannot answer, the decision
+    /// is the fail policy's and the lease runs out by itself.
+    pub async fn release(&self, lease: &Lease) -> Result<Decision, Error> {
+        self.check(vec![Item::release(
+            lease.key.as_str(),
+            lease.rule_id.as_str(),
+            lease.cost,
+            Some(lease.id),
+        )])
+        .await
+    }
+
     /// Several items at once: allowed only if every item is.
     pub async fn check(&self, items: Vec<Item>) -> Result<Decision, Error> {
         self.check_with(Check::Items(items), CallOptions::default()).await
@@ -135,6 +170,12 @@ impl Client {
             return Err(Error::Invalid(
                 "the agent speaks protocol version 1: it cannot peek or charge (update the agent)".into(),
             ));
+        }
+        let version = self.shared.version.load(Ordering::Relaxed);
+        if self.shared.connected.load(Ordering::Acquire) && version < 3 && has_leases(&check) {
+            return Err(Error::Invalid(format!(
+                "the agent speaks protocol version {version}: it cannot hold leases (update the agent)"
+            )));
         }
         let id = self.shared.next_id();
         let frame = Frame::new(id, Body::Check(check));
@@ -282,6 +323,29 @@ fn has_modes(check: &Check) -> bool {
         Check::Items(items) => items.iter().any(|i| i.mode != ItemMode::Consume),
         Check::Attributes(a) => a.mode != ItemMode::Consume,
     }
+}
+
+/// Whether a check names a lease or releases (protocol version 3).
+fn has_leases(check: &Check) -> bool {
+    match check {
+        Check::Items(items) => items
+            .iter()
+            .any(|i| i.lease.is_some() || i.mode == ItemMode::Release),
+        Check::Attributes(a) => a.lease.is_some() || a.mode == ItemMode::Release,
+    }
+}
+
+/// A concurrency rule's lease the client holds: release it with [`Client::release`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The client key.
+    pub key: String,
+    /// The concurrency rule.
+    pub rule_id: String,
+    /// The units it holds.
+    pub cost: u32,
+    /// Its id, chosen by this client.
+    pub id: u64,
 }
 
 /// The local limiter's key and cost for a check.

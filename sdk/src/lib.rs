@@ -54,7 +54,7 @@ pub mod middleware;
 mod socket;
 mod state;
 
-pub use client::{Client, ClientStats, Health};
+pub use client::{Client, ClientStats, Health, Lease};
 pub use config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;

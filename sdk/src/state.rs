@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     /// The per-process fallback limit's buckets.
     pub(crate) local: Mutex<HashMap<String, (f64, Instant)>>,
     next_id: AtomicU32,
+    /// Lease ids: a sequence hashed under this process's random keys.
+    leases: (std::collections::hash_map::RandomState, AtomicU64),
     /// The agent's last fail-mode list, kept while the agent is away: the rules that deny then.
     fail_modes: Mutex<Option<Arc<FailModeList>>>,
 }
@@ -76,8 +78,16 @@ impl Shared {
             local_denied: AtomicU64::new(0),
             local: Mutex::new(HashMap::new()),
             next_id: AtomicU32::new(1),
+            leases: (Default::default(), AtomicU64::new(0)),
             fail_modes: Mutex::new(None),
         }
+    }
+
+    /// A new lease id: 64 bits no other client picks (SipHash of a sequence under random keys).
+    pub(crate) fn next_lease(&self) -> u64 {
+        use std::hash::BuildHasher;
+        let n = self.leases.1.fetch_add(1, Ordering::Relaxed);
+        self.leases.0.hash_one(n).max(1)
     }
 
     /// The socket to try now.

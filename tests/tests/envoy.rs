@@ -228,8 +228,9 @@ async fn unknown_domains_pass_and_bad_requests_are_refused() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
-    // Asked to give units back (no concurrency rules yet): answered OK uncounted. A hits_addend of
-    // 0 reads the real limit and remaining without counting. The request's others are decided.
+    // Asked to give units back on a rate rule: nothing is given back, the descriptor only looks, as
+    // a hits_addend of 0 reads the real limit and remaining without counting. The request's others
+    // are decided.
     let mut negative = descriptor(&[("remote_address", "1.2.3.4")]);
     negative.is_negative_hits = true;
     let look = || {
@@ -243,7 +244,7 @@ async fn unknown_domains_pass_and_bad_requests_are_refused() {
         .await
         .unwrap();
     assert_eq!(r.overall_code, Code::Ok as i32);
-    assert!(r.statuses[0].current_limit.is_none());
+    assert_eq!(r.statuses[0].limit_remaining, 3, "given back: nothing");
     assert_eq!(
         r.statuses[1].current_limit.as_ref().map(|l| l.requests_per_unit),
         Some(3)
@@ -601,6 +602,73 @@ async fn token_recipe(redis: Option<&str>) {
     let r = client.should_rate_limit(phase("user", "u2", 400)).await.unwrap();
     assert_eq!(r.overall_code, Code::Ok as i32);
     assert_eq!(r.statuses[0].limit_remaining, 600);
+}
+
+/// Envoy Gateway's concurrency recipe: the request phase takes one unit of a concurrency rule
+/// (hits_addend 1), the response phase (`apply_on_stream_done`) gives it back (`is_negative_hits`).
+/// At the limit requests are refused with a Retry-After of at most a second; each response frees
+/// a unit.
+async fn concurrency_recipe(redis: Option<&str>) {
+    const RULES: &str = r#"{"rules":[
+      {"id":"inflight","dimension":"descriptor","limit":2,"algorithm":"concurrency","leaseSeconds":300,
+       "envoy":{"domain":"llm","descriptors":[{"key":"user"}]}}
+    ]}"#;
+    let mut b = Agent::builder().rules(RULES).arg("--grpc").arg("127.0.0.1:0");
+    if let Some(url) = redis {
+        b = b.redis(url);
+    }
+    let agent = b.start().await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+    let start = || request("llm", vec![descriptor(&[("user", "u1")])]);
+    let done = || {
+        let mut d = descriptor(&[("user", "u1")]);
+        d.is_negative_hits = true;
+        d.hits_addend = Some(UInt64Value { value: 1 });
+        request("llm", vec![d])
+    };
+    for left in [1, 0] {
+        let r = client.should_rate_limit(start()).await.unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(r.statuses[0].limit_remaining, left);
+    }
+    let r = client.should_rate_limit(start()).await.unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32, "two in flight: {r:?}");
+    assert_eq!(header(&r, "retry-after"), Some("1"), "{r:?}");
+    let wait = r.statuses[0].duration_until_reset.as_ref().unwrap();
+    assert!(
+        wait.seconds == 0 || (wait.seconds == 1 && wait.nanos == 0),
+        "{wait:?}"
+    );
+    // One response ends: one request more passes, and no more.
+    let r = client.should_rate_limit(done()).await.unwrap();
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(r.statuses[0].limit_remaining, 1, "given back");
+    assert_eq!(
+        client.should_rate_limit(start()).await.unwrap().overall_code,
+        Code::Ok as i32
+    );
+    assert_eq!(
+        client.should_rate_limit(start()).await.unwrap().overall_code,
+        Code::OverLimit as i32
+    );
+    // Every response ends: all free (a give-back with nothing held gives nothing).
+    for _ in 0..3 {
+        client.should_rate_limit(done()).await.unwrap();
+    }
+    let r = client.should_rate_limit(start()).await.unwrap();
+    assert_eq!(r.statuses[0].limit_remaining, 1, "{r:?}");
+}
+
+#[tokio::test]
+async fn envoy_gateway_concurrency_recipe_embedded() {
+    concurrency_recipe(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envoy_gateway_concurrency_recipe_on_redis() {
+    let redis = RedisServer::start();
+    concurrency_recipe(Some(&redis.url())).await;
 }
 
 #[tokio::test]

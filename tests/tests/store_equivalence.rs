@@ -10,7 +10,8 @@ use floodgate_tests::{patient_client, Agent, RedisServer};
 const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":7,"windowSeconds":3600},
   {"id":"tb","dimension":"user","limit":6,"windowSeconds":3600,"burst":4,"algorithm":"token_bucket"},
-  {"id":"dry","dimension":"user","limit":2,"windowSeconds":3600,"mode":"log"}
+  {"id":"dry","dimension":"user","limit":2,"windowSeconds":3600,"mode":"log"},
+  {"id":"cc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":3600}
 ]}"#;
 
 fn sequence() -> Vec<Vec<Item>> {
@@ -54,6 +55,26 @@ fn sequence_with_modes() -> Vec<Vec<Item>> {
     seq
 }
 
+/// Leases: acquires past the limit, renewals, releases by lease and by count, peeks, and acquires
+/// all or nothing with a rate item.
+fn sequence_with_leases() -> Vec<Vec<Item>> {
+    let mut seq = Vec::new();
+    for i in 0..36u32 {
+        let key = format!("user:l{}", i % 2);
+        let lease = u64::from(i % 5) * 0x1_0000_0001;
+        let item = match i % 6 {
+            0 => vec![Item::acquire(&key, "cc", 1 + i % 3, lease)],
+            1 => vec![Item::acquire(&key, "cc", 2, lease), Item::new(&key, "sw", 1)],
+            2 => vec![Item::release(&key, "cc", 1 + i % 3, Some(lease))],
+            3 => vec![Item::peek(&key, "cc", 2), Item::new("user:l9", "cc", 1)],
+            4 => vec![Item::release(&key, "cc", 2, None)],
+            _ => vec![Item::acquire(&key, "cc", 1, u64::MAX - lease)],
+        };
+        seq.push(item);
+    }
+    seq
+}
+
 type Figures = (bool, u64, u64, u64, u64);
 
 fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
@@ -63,6 +84,8 @@ fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
             let v = i.verdict;
             (v.allowed, v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms)
         })
+        // Whether a lease is held is part of the answer too.
+        .chain(d.items.iter().map(|i| (i.verdict.holds_lease, 0, 0, 0, 0)))
         .collect()
 }
 
@@ -95,6 +118,7 @@ async fn memory_and_redis_agree() {
     let embedded = Agent::builder().rules(RULES).start().await;
     let mut steps = run_both(&on_redis, &embedded, sequence()).await;
     steps.extend(run_both(&on_redis, &embedded, sequence_with_modes()).await);
+    steps.extend(run_both(&on_redis, &embedded, sequence_with_leases()).await);
     let mut denials = 0;
     for (n, (x, y)) in steps.iter().enumerate() {
         assert_eq!(x.len(), y.len());

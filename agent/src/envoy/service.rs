@@ -79,14 +79,6 @@ impl EnvoyService {
                 slots.push(Slot::Unlimited);
                 continue;
             }
-            // Asked to give units back: concurrency rules are not built, so the descriptor is
-            // answered OK without being counted (counted in the metrics), and the request's other
-            // descriptors are still decided.
-            if d.is_negative_hits {
-                floodgate_core::metrics::grpc_request("uncounted_descriptor");
-                slots.push(Slot::NoRule);
-                continue;
-            }
             let cost = match d.hits_addend {
                 Some(h) => h.value,
                 // envoyproxy/ratelimit's rule: an unset (0) request hits_addend is 1.
@@ -100,14 +92,25 @@ impl EnvoyService {
             // A rule with overLimit = "charge" counts every request, past the limit too (as
             // envoyproxy/ratelimit does), so a response-phase report of a cost known afterwards
             // (`apply_on_stream_done`) is counted whatever it comes to.
-            let mode = match (cost, rule.over_limit) {
-                (0, _) => ItemMode::Peek,
-                (_, OverLimit::Charge) => ItemMode::Charge,
-                (_, OverLimit::Deny) => ItemMode::Consume,
+            // Asked to give units back (`is_negative_hits`, Envoy's concurrency recipe: the
+            // response phase of a request whose request phase acquired): a release by count of a
+            // concurrency rule; on a rate rule nothing is given back (a look, as a hits_addend of 0).
+            let (mode, cost) = match (cost, rule.over_limit) {
+                _ if d.is_negative_hits && rule.is_concurrency() => (ItemMode::Release, cost),
+                _ if d.is_negative_hits => (ItemMode::Peek, 0),
+                (0, _) => (ItemMode::Peek, 0),
+                (_, OverLimit::Charge) => (ItemMode::Charge, cost),
+                (_, OverLimit::Deny) => (ItemMode::Consume, cost),
             };
             // The same counter twice in one request is one item with the costs added (the wire
             // refuses a duplicate item; both descriptors get its verdict); it counts if either does.
             match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
+                // A release and a count of the same counter cannot be one item: refused.
+                Some(i) if (items[i].mode == ItemMode::Release) != (mode == ItemMode::Release) => {
+                    return Err(Status::invalid_argument(format!(
+                        "descriptor {key:?} both gives units back and takes them in one request"
+                    )))
+                }
                 Some(i) => {
                     items[i].cost = items[i].cost.saturating_add(cost);
                     if mode != ItemMode::Peek {
@@ -153,7 +156,8 @@ impl EnvoyService {
                 Answer::Pending(f) => f.await,
             };
             if looked.is_ok_and(|d| !d.combined.allowed) {
-                for item in &mut items {
+                // A release still gives its units back.
+                for item in items.iter_mut().filter(|i| i.mode != ItemMode::Release) {
                     item.mode = ItemMode::Peek;
                 }
             }

@@ -117,13 +117,7 @@ pub fn concurrency_acquire(
 
 /// Releases lease `id` of `cost` units, or without an id up to `cost` units of whole leases, the
 /// soonest to run out first. Always allowed; the figures after.
-pub fn concurrency_release(
-    set: &mut LeaseSet,
-    limit: u64,
-    id: Option<u64>,
-    cost: u64,
-    now: u64,
-) -> Outcome {
+pub fn concurrency_release(set: &mut LeaseSet, limit: u64, id: Option<u64>, cost: u64, now: u64) -> Outcome {
     set.expire(now);
     match id {
         Some(id) => {
@@ -164,7 +158,10 @@ mod tests {
         let (o, set2) = concurrency_acquire(&set, 3, 10_000, 2, 2, now + 5);
         assert!(!o.allowed, "2 + 2 > 3");
         assert_eq!(o.remaining, 1);
-        assert_eq!(o.retry_after_ms, MAX_RETRY_MS, "soonest expiry is 10 s away: capped");
+        assert_eq!(
+            o.retry_after_ms, MAX_RETRY_MS,
+            "soonest expiry is 10 s away: capped"
+        );
         assert_eq!(set2.held(now + 5), 2, "a denied acquire holds nothing");
         // The same lease again renews it and passes even at the limit.
         let (o, set) = concurrency_acquire(&set, 2, 10_000, 1, 2, now + 100);
@@ -177,7 +174,7 @@ mod tests {
         assert_eq!((o.remaining, o.reset_at_ms), (3, now + 200));
         // Expiry: a lease whose holder died frees itself.
         let (_, set) = concurrency_acquire(&set, 3, 10_000, 9, 3, now);
-        assert_eq!(concurrency_peek(&set, 3, 1, now + 9_999).allowed, false);
+        assert!(!concurrency_peek(&set, 3, 1, now + 9_999).allowed);
         let o = concurrency_peek(&set, 3, 1, now + 9_999);
         assert_eq!(o.retry_after_ms, 1);
         assert!(concurrency_peek(&set, 3, 3, now + 10_000).allowed);

@@ -357,7 +357,13 @@ impl Engine {
 
     /// What an item does to its rule: a concurrency rule's consume acquires under the client's lease
     /// (or one the agent picks), its charge is a peek; another rule's release is a peek of 0.
-    fn item_mode(&self, rule: &Rule, mode: ItemMode, lease: Option<u64>, cost: u32) -> (ItemMode, Lease, u64) {
+    fn item_mode(
+        &self,
+        rule: &Rule,
+        mode: ItemMode,
+        lease: Option<u64>,
+        cost: u32,
+    ) -> (ItemMode, Lease, u64) {
         let cost = u64::from(cost);
         if !rule.is_concurrency() {
             return match mode {
@@ -377,7 +383,10 @@ impl Engine {
     /// A lease id of the agent's own.
     fn agent_lease(&self) -> u64 {
         let n = self.lease_seq.fetch_add(1, Ordering::Relaxed);
-        splitmix64(self.lease_seed.wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)))
+        splitmix64(
+            self.lease_seed
+                .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+        )
     }
 
     fn plan(&self, check: Check) -> Result<Vec<Planned>, ErrorBody> {

@@ -246,9 +246,8 @@ impl Engine {
                     Err(e) => {
                         this.note_store_error(&e);
                         for &i in items {
-                            let o = released(i).unwrap_or_else(|| {
-                                fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS)
-                            });
+                            let o = released(i)
+                                .unwrap_or_else(|| fail_outcome(&plan[i].rule, now, FAIL_CLOSED_RETRY_MS));
                             out[i] = Some((o, Source::Fallback));
                         }
                     }

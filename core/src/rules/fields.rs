@@ -196,17 +196,27 @@ mod tests {
         let e = rule_from_body("a", b"{}").unwrap_err();
         assert_eq!(e.len(), 3, "dimension, limit, windowSeconds are required: {e:?}");
         assert!(rule_from_body("a", b"not json").unwrap_err().contains_key("body"));
-        let c = rule_from_body("c", br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","leaseSeconds":30}"#)
-            .unwrap();
-        assert_eq!(c.window_ms(), 30_000, "a concurrency rule's lease time, no window needed");
+        let c = rule_from_body(
+            "c",
+            br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","leaseSeconds":30}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.window_ms(),
+            30_000,
+            "a concurrency rule's lease time, no window needed"
+        );
         let e = rule_from_body(
             "c",
             br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","windowSeconds":1,"leaseSeconds":0}"#,
         )
         .unwrap_err();
         assert!(e.contains_key("leaseSeconds"), "{e:?}");
-        let e = rule_from_body("c", br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","windowSeconds":1}"#)
-            .unwrap_err();
+        let e = rule_from_body(
+            "c",
+            br#"{"dimension":"api_key","limit":4,"algorithm":"concurrency","windowSeconds":1}"#,
+        )
+        .unwrap_err();
         assert!(e["rule"].contains("not windowSeconds"), "{e:?}");
         let e =
             rule_from_body("a", br#"{"id":"b","dimension":"ip","limit":1,"windowSeconds":1}"#).unwrap_err();

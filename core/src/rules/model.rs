@@ -384,7 +384,10 @@ impl Rule {
             ));
         }
         if self.limit.get() > 1 << 32 {
-            return Err(format!("rule {id}: a concurrency limit is at most 2^32, not {}", self.limit));
+            return Err(format!(
+                "rule {id}: a concurrency limit is at most 2^32, not {}",
+                self.limit
+            ));
         }
         self.validate_common()
     }
