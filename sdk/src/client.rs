@@ -133,6 +133,15 @@ impl Client {
         Ok((d, lease))
     }
 
+    /// A lease for a request's attribute check when the agent can hold one (protocol version 3):
+    /// what the middleware sends with every request.
+    #[cfg(feature = "tower")]
+    pub(crate) fn lease_for_requests(&self) -> Option<u64> {
+        let v3 =
+            self.shared.connected.load(Ordering::Acquire) && self.shared.version.load(Ordering::Relaxed) >= 3;
+        v3.then(|| self.shared.next_lease())
+    }
+
     /// Gives a lease's units back (protocol version 3). While the agent cannot answer, the decision
     /// is the fail policy's and the lease runs out by itself.
     pub async fn release(&self, lease: &Lease) -> Result<Decision, Error> {

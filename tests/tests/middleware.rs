@@ -295,3 +295,142 @@ windowSeconds = 3600
     let (_, r) = send(&app, chat("bob", None)).await;
     assert_eq!(num(&r, "x-ratelimit-remaining"), 600);
 }
+
+const LLM: &str = r#"
+[[rules]]
+id = "inflight"
+dimension = "user"
+match = { endpoint = "/v1/*" }
+limit = 2
+algorithm = "concurrency"
+leaseSeconds = 300
+
+[[rules]]
+id = "tokens"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 1000
+windowSeconds = 3600
+"#;
+
+/// A concurrency rule's lease is held while the request runs and released when its response ends:
+/// a finished body, a body dropped half-way, a handler that panicked. A route charged after the
+/// response (here by a callback) holds it too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_is_held_until_the_response_ends() {
+    use futures::StreamExt;
+    let agent = Agent::builder().rules(LLM).start().await;
+    let client = patient_client(agent.socket()).await;
+    // Each request to /v1/stream gets its body from a channel the test feeds.
+    let (bodies_tx, bodies_rx) =
+        tokio::sync::mpsc::unbounded_channel::<tokio::sync::mpsc::UnboundedReceiver<&'static str>>();
+    let bodies_rx = std::sync::Arc::new(tokio::sync::Mutex::new(bodies_rx));
+    let app = Router::new()
+        .route(
+            "/v1/stream",
+            get(move || {
+                let bodies_rx = bodies_rx.clone();
+                async move {
+                    let rx = bodies_rx.lock().await.recv().await.unwrap();
+                    let chunks = futures::stream::unfold(rx, |mut rx| async move {
+                        let chunk = rx.recv().await?;
+                        Some((Ok::<_, std::io::Error>(chunk.to_string()), rx))
+                    });
+                    Body::from_stream(chunks)
+                }
+            }),
+        )
+        .route(
+            "/v1/panic",
+            get(|| async { panic!("handler failed") as &'static str }),
+        )
+        .route(
+            "/v1/chat",
+            post(|| async {
+                let mut r = Response::new(Body::from("answer"));
+                r.headers_mut()
+                    .insert("x-tokens", http::HeaderValue::from_static("300"));
+                r
+            }),
+        )
+        .layer(
+            RateLimitLayer::new(client.clone())
+                .user_header("x-user")
+                .charge_with("/v1/chat", |status, headers| {
+                    // The callback's own reading: the header, only on success.
+                    status
+                        .is_success()
+                        .then(|| headers.get("x-tokens")?.to_str().ok()?.parse().ok())?
+                }),
+        );
+    let held = || {
+        let client = client.clone();
+        async move { 2 - client.peek("user:u", "inflight", 0).await.unwrap().remaining }
+    };
+    let get_as = |path: &str| req("GET", path, "203.0.113.9:1", &[("x-user", "u")]);
+    // Two streams started: both leases held while their bodies run.
+    let (one_tx, one_rx) = tokio::sync::mpsc::unbounded_channel();
+    let (two_tx, two_rx) = tokio::sync::mpsc::unbounded_channel();
+    bodies_tx.send(one_rx).unwrap();
+    bodies_tx.send(two_rx).unwrap();
+    let (status, one) = send(&app, get_as("/v1/stream")).await;
+    assert_eq!(status, 200);
+    let (status, two) = send(&app, get_as("/v1/stream")).await;
+    assert_eq!(status, 200);
+    assert_eq!(held().await, 2);
+    let (status, r) = send(&app, get_as("/v1/stream")).await;
+    assert_eq!(status, 429, "two in flight");
+    assert_eq!(header(&r, "retry-after").as_deref(), Some("1"));
+    assert_eq!(num(&r, "x-ratelimit-limit"), 2);
+    // One body read to its end: its lease is released.
+    one_tx.send("part one, ").unwrap();
+    one_tx.send("the end").unwrap();
+    drop(one_tx);
+    let text = axum::body::to_bytes(one.into_body(), 1 << 20).await.unwrap();
+    assert_eq!(&text[..], b"part one, the end");
+    floodgate_tests::eventually(
+        "the finished body's lease is released",
+        std::time::Duration::from_secs(10),
+        || async { (held().await == 1).then_some(()) },
+    )
+    .await;
+    // The other dropped half-way (the client went away): released too.
+    two_tx.send("half").unwrap();
+    let mut body = two.into_body().into_data_stream();
+    assert_eq!(&body.next().await.unwrap().unwrap()[..], b"half");
+    assert_eq!(held().await, 1, "still streaming, still held");
+    drop(body);
+    floodgate_tests::eventually(
+        "the dropped body's lease is released",
+        std::time::Duration::from_secs(10),
+        || async { (held().await == 0).then_some(()) },
+    )
+    .await;
+    // A handler that panics: the lease goes with it.
+    let failed = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, get_as("/v1/panic")).await }
+    })
+    .await;
+    assert!(failed.is_err(), "the handler panicked");
+    floodgate_tests::eventually(
+        "the failed request's lease is released",
+        std::time::Duration::from_secs(10),
+        || async { (held().await == 0).then_some(()) },
+    )
+    .await;
+    // A charged route: the request phase peeks the tokens and holds a slot; the callback's cost is
+    // charged after, and the slot released.
+    let (status, r) = send(&app, req("POST", "/v1/chat", "203.0.113.9:1", &[("x-user", "u")])).await;
+    assert_eq!(status, 200);
+    drop(r);
+    floodgate_tests::eventually(
+        "charged and released",
+        std::time::Duration::from_secs(10),
+        || async {
+            let tokens = client.peek("user:u", "tokens", 0).await.unwrap().remaining;
+            (tokens == 700 && held().await == 0).then_some(())
+        },
+    )
+    .await;
+}

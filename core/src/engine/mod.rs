@@ -265,10 +265,51 @@ impl Engine {
     /// [`check`](Self::check) of a frame read at `received`: the store's budget runs from then, so
     /// time spent in the agent before the store is asked counts against it.
     pub fn check_received(self: &Arc<Self>, check: Check, received: std::time::Instant) -> Answer {
+        // The request phase of a request whose cost comes after its response: its rate rules peek,
+        // its concurrency rules acquire under its lease, and the peeks decide first.
+        let looks_first =
+            matches!(&check, Check::Attributes(a) if a.mode == ItemMode::Peek && a.lease.is_some());
         let plan = match self.plan(check) {
             Ok(plan) => plan,
             Err(e) => return Answer::Ready(Err(e)),
         };
+        if looks_first && plan.iter().any(|p| p.mode == ItemMode::Consume) {
+            return self.looks_first(plan, received);
+        }
+        self.answer_plan(plan, received)
+    }
+
+    /// A check of peeks and concurrency acquires (a form-3 peek with a lease): every item peeked
+    /// first; refused, the check is that answer and nothing is held; else it runs as planned. (A
+    /// quota spent between the two is a peek's usual race: the request's cost is charged after.)
+    fn looks_first(self: &Arc<Self>, plan: Vec<Planned>, received: std::time::Instant) -> Answer {
+        let looks: Vec<Planned> = plan
+            .iter()
+            .map(|p| Planned {
+                mode: ItemMode::Peek,
+                lease: Lease::None,
+                ..p.clone()
+            })
+            .collect();
+        let first = self.answer_plan(looks, received);
+        let this = self.clone();
+        Answer::Pending(Box::pin(async move {
+            let looked = match first {
+                Answer::Ready(r) => r,
+                Answer::Pending(f) => f.await,
+            }?;
+            if !looked.combined.allowed {
+                return Ok(looked);
+            }
+            match this.answer_plan(plan, received) {
+                Answer::Ready(r) => r,
+                Answer::Pending(f) => f.await,
+            }
+        }))
+    }
+
+    /// Decides a planned check.
+    fn answer_plan(self: &Arc<Self>, plan: Vec<Planned>, received: std::time::Instant) -> Answer {
         if plan.is_empty() {
             return Answer::Ready(Ok(Decision {
                 combined: no_rule(),
@@ -372,6 +413,9 @@ impl Engine {
             };
         }
         match (mode, lease) {
+            // A peek with a lease (the request phase of a cost known after the response) holds a
+            // unit of each concurrency rule it matches while the request runs.
+            (ItemMode::Peek, Some(id)) => (ItemMode::Consume, Lease::Client(id), cost.max(1)),
             (ItemMode::Consume, Some(id)) => (mode, Lease::Client(id), cost),
             (ItemMode::Consume, None) => (mode, Lease::Agent(self.agent_lease()), cost),
             (ItemMode::Release, Some(id)) => (mode, Lease::Client(id), cost),
@@ -396,7 +440,9 @@ impl Engine {
                 .into_iter()
                 .map(|item| match rules.get(&item.rule_id) {
                     Some(rule) => {
-                        let (mode, lease, cost) = self.item_mode(rule, item.mode, item.lease, item.cost);
+                        // An item's peek only looks, lease or not.
+                        let lease = item.lease.filter(|_| item.mode != ItemMode::Peek);
+                        let (mode, lease, cost) = self.item_mode(rule, item.mode, lease, item.cost);
                         Ok(Planned {
                             rule: rule.clone(),
                             key: item.key,

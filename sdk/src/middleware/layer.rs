@@ -25,9 +25,21 @@ pub(super) struct Config {
     trusted: Vec<Cidr>,
     costs: HashMap<String, u32>,
     fails: HashMap<String, FailPolicy>,
-    /// Endpoint → the response header that says what a request to it cost (charged afterwards).
-    charges: HashMap<String, HeaderName>,
+    /// Endpoint → what says what a request to it cost (charged afterwards).
+    charges: HashMap<String, ChargeFrom>,
     pub(super) ietf: bool,
+}
+
+/// A response's cost, from the response's status and headers.
+pub(super) type ChargeFn = Arc<dyn Fn(http::StatusCode, &http::HeaderMap) -> Option<u32> + Send + Sync>;
+
+/// Where a charge route's cost comes from.
+#[derive(Clone)]
+pub(super) enum ChargeFrom {
+    /// A response header's value.
+    Header(HeaderName),
+    /// The route's callback.
+    With(ChargeFn),
 }
 
 /// The Layer; cheap to clone.
@@ -165,7 +177,20 @@ impl RateLimitLayer {
     pub fn charge_header(self, endpoint: &str, header: HeaderName) -> Self {
         let endpoint = route_name(endpoint);
         self.edit(|c| {
-            c.charges.insert(endpoint, header);
+            c.charges.insert(endpoint, ChargeFrom::Header(header));
+        })
+    }
+
+    /// As [`charge_header`](Self::charge_header), the cost given by `f` from the response's status
+    /// and headers (`None`: nothing charged).
+    pub fn charge_with<F>(self, endpoint: &str, f: F) -> Self
+    where
+        F: Fn(http::StatusCode, &http::HeaderMap) -> Option<u32> + Send + Sync + 'static,
+    {
+        let endpoint = route_name(endpoint);
+        let f: ChargeFn = Arc::new(f);
+        self.edit(|c| {
+            c.charges.insert(endpoint, ChargeFrom::With(f));
         })
     }
 
@@ -186,7 +211,7 @@ impl<S> tower_layer::Layer<S> for RateLimitLayer {
 impl Config {
     /// What a request is checked as, its route's fail policy if one was set, and the response header
     /// its cost is charged from if its route has one (the check is then a peek of cost 0).
-    pub(super) fn attributes(&self, p: &Parts) -> (Attributes, Option<FailPolicy>, Option<HeaderName>) {
+    pub(super) fn attributes(&self, p: &Parts) -> (Attributes, Option<FailPolicy>, Option<ChargeFrom>) {
         let endpoint = (self.endpoint)(p);
         let cost = endpoint
             .as_deref()

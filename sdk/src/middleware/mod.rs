@@ -43,9 +43,11 @@
 mod extractors;
 mod headers;
 mod layer;
+mod lease;
 mod service;
 
 pub use extractors::{client_ip, route_name, wire_safe, Cidr, CidrError, Extractor, PeerAddr};
 pub use headers::{rate_limit_headers, retry_after_seconds};
 pub use layer::RateLimitLayer;
+pub use lease::Released;
 pub use service::RateLimit;

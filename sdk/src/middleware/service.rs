@@ -10,7 +10,8 @@ use http::header::{HeaderValue, RETRY_AFTER};
 use http::{Request, Response, StatusCode};
 
 use super::headers::{rate_limit_headers, retry_after_seconds};
-use super::layer::Config;
+use super::layer::{ChargeFrom, Config};
+use super::lease::{LeaseGuard, Released};
 use crate::CallOptions;
 
 /// The service the layer wraps around yours.
@@ -28,7 +29,7 @@ impl<S> RateLimit<S> {
 
 /// Logs at most one warning a minute per `last`, one per kind of warning (a bad request per request
 /// must not flood the log).
-fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn std::fmt::Display) {
+pub(super) fn warn_rarely(last: &std::sync::atomic::AtomicU64, message: &str, error: &dyn std::fmt::Display) {
     let now = now_ms() / 60_000;
     if last.swap(now, std::sync::atomic::Ordering::Relaxed) != now {
         tracing::warn!(error = %error, "{message}");
@@ -51,9 +52,9 @@ where
     B: Send + 'static,
     RB: From<String> + Send + 'static,
 {
-    type Response = Response<RB>;
+    type Response = Response<Released<RB>>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<RB>, S::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<Released<RB>>, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
         self.inner.poll_ready(cx)
@@ -66,7 +67,9 @@ where
         let config = self.config.clone();
         Box::pin(async move {
             let (parts, body) = req.into_parts();
-            let (attributes, fail, charge) = config.attributes(&parts);
+            let (mut attributes, fail, charge) = config.attributes(&parts);
+            // A lease for the concurrency rules the request may match (an agent of version 3).
+            attributes.lease = config.client.lease_for_requests();
             // Charged after the response, with the request's attributes.
             let charge = charge.map(|h| (h, attributes.clone()));
             let req = Request::from_parts(parts, body);
@@ -74,6 +77,7 @@ where
                 fail,
                 ..CallOptions::default()
             };
+            let held = attributes.clone();
             let check = floodgate_protocol::Check::Attributes(attributes);
             let decision = match config.client.check_with(check, options).await {
                 Ok(d) => d,
@@ -86,21 +90,36 @@ where
                         "floodgate: the check failed; the request passes",
                         &e,
                     );
-                    return inner.call(req).await;
+                    return Ok(inner.call(req).await?.map(Released::plain));
                 }
             };
+            // Held while the request runs, released when its response ends (or it fails).
+            let lease = decision
+                .items
+                .iter()
+                .any(|i| i.verdict.holds_lease)
+                .then(|| LeaseGuard {
+                    client: config.client.clone(),
+                    attributes: floodgate_protocol::Attributes {
+                        cost: held.cost.max(1),
+                        ..held
+                    },
+                });
             let headers = rate_limit_headers(&decision, config.ietf, now_ms());
             let mut response = if decision.allowed {
                 let response = inner.call(req).await?;
-                if let Some((header, attributes)) = charge {
-                    charge_after(&config.client, &response, &header, attributes);
+                if let Some((from, attributes)) = charge {
+                    charge_after(&config.client, &response, &from, attributes);
                 }
-                response
+                response.map(|body| match lease {
+                    Some(lease) => Released::holding(body, lease),
+                    None => Released::plain(body),
+                })
             } else {
                 let secs = retry_after_seconds(&decision);
-                let mut r = Response::new(RB::from(format!(
+                let mut r = Response::new(Released::plain(RB::from(format!(
                     "{{\"error\":\"rate_limited\",\"retryAfter\":{secs}}}"
-                )));
+                ))));
                 *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
                 r.headers_mut().insert(RETRY_AFTER, HeaderValue::from(secs));
                 r.headers_mut().insert(
@@ -119,37 +138,49 @@ where
 
 static CHARGE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Charges what the response's `header` says the request cost, off the response's path (a task of
-/// its own, bounded by the client's timeout). No header, or not a positive integer: nothing.
+/// Charges what the response says the request cost (its header's value, or the route's callback's
+/// answer), off the response's path (a task of its own, bounded by the client's timeout). No
+/// header, not a positive integer, or no answer: nothing.
 fn charge_after<RB>(
     client: &crate::Client,
     response: &Response<RB>,
-    header: &http::HeaderName,
+    from: &ChargeFrom,
     attributes: crate::Attributes,
 ) {
-    let Some(value) = response.headers().get(header) else {
-        return;
-    };
-    let cost = match value
-        .to_str()
-        .ok()
-        .map(str::trim)
-        .and_then(|v| v.parse::<u32>().ok())
-    {
-        Some(0) => return,
-        Some(n) => n,
-        None => {
-            warn_rarely(
-                &CHARGE_FAILED,
-                "floodgate: a response's cost header is not a whole number of units; nothing charged",
-                &format!("{header}: {value:?}"),
-            );
-            return;
+    let cost = match from {
+        ChargeFrom::Header(header) => {
+            let Some(value) = response.headers().get(header) else {
+                return;
+            };
+            match value
+                .to_str()
+                .ok()
+                .map(str::trim)
+                .and_then(|v| v.parse::<u32>().ok())
+            {
+                Some(n) => n,
+                None => {
+                    warn_rarely(
+                        &CHARGE_FAILED,
+                        "floodgate: a response's cost header is not a whole number of units; nothing charged",
+                        &format!("{header}: {value:?}"),
+                    );
+                    return;
+                }
+            }
         }
+        ChargeFrom::With(f) => match f(response.status(), response.headers()) {
+            Some(n) => n,
+            None => return,
+        },
     };
+    if cost == 0 {
+        return;
+    }
     let check = floodgate_protocol::Check::Attributes(crate::Attributes {
         cost,
         mode: crate::ItemMode::Charge,
+        lease: None,
         ..attributes
     });
     let client = client.clone();
