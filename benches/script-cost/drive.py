@@ -5,7 +5,10 @@ usage: drive.py PORT SCRIPT FORMAT ITEMS CALLS
 group, as the coalescer sends them), one sliding-window rule, 50 calls per pipeline. FORMAT is the
 script's argument layout: "specs" (nspecs, 4 per spec, 4 per item; since issue 14) or "flat" (9 per
 item, before). The same seed every time, so a second run repeats the first's keys (a warm state).
+With ALGO=concurrency (flat format only), each pipeline's calls alternate: an acquire of one unit of
+a concurrency rule under a lease for each of the call's clients, then the release of those leases.
 """
+import os
 import random
 import sys
 import zlib
@@ -35,7 +38,29 @@ def args_of(cs):
     return args
 
 
+def lease_call(cs, n, mode):
+    """An acquire (mode 1) or release (mode 6) of lease n for each client."""
+    keys = [f"fg:{{{zlib.crc32(c.encode()) % 1024}}}:slots/c/{c}" for c in cs]
+    args = []
+    for c in cs:
+        args += [3, 1000000, 3600000, 0, 1, mode, n, c, 1]
+    return keys, args
+
+
 rng = random.Random(7)
+if os.environ.get("ALGO") == "concurrency":
+    n = 0
+    for _ in range(calls // 50):
+        p = r.pipeline(transaction=False)
+        for _ in range(25):
+            cs = rng.sample(clients, k)
+            n += 1
+            for mode in (1, 6):
+                keys, args = lease_call(cs, n, mode)
+                p.evalsha(sha, len(keys), *keys, *args)
+        for res in p.execute():
+            assert res[0] == 1, res
+    sys.exit(0)
 for _ in range(calls // 50):
     p = r.pipeline(transaction=False)
     for _ in range(50):

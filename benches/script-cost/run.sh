@@ -7,6 +7,8 @@
 #
 #   benches/script-cost/run.sh            # the working tree's lua/
 #   benches/script-cost/run.sh c1132e8    # another revision's, to compare
+#   ALGO=concurrency benches/script-cost/run.sh   # acquire and release calls of a concurrency rule,
+#                                                 # alternating (instructions per call: their mean)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 REV="${1:-}"
@@ -16,8 +18,9 @@ work="$(mktemp -d)"
 vp=""
 # A failed run must not leave its redis-server under valgrind behind.
 trap '[ -n "$vp" ] && kill "$vp" 2>/dev/null; rm -rf "$work"' EXIT
-for f in sliding_window token_bucket check; do
-  if [ -n "$REV" ]; then git show "$REV:lua/$f.lua"; else cat "lua/$f.lua"; fi
+for f in sliding_window token_bucket concurrency check; do
+  # concurrency.lua is newer than some revisions worth comparing: left out where it is not.
+  if [ -n "$REV" ]; then git show "$REV:lua/$f.lua" 2>/dev/null || true; else cat "lua/$f.lua"; fi
 done > "$work/check.lua"
 fmt=flat
 grep -q nspecs "$work/check.lua" && fmt=specs
@@ -29,14 +32,14 @@ for k in $ITEMS; do
     redis-server --port "$port" --save '' --appendonly no --hz 1 --dynamic-hz no >"$work/valgrind.log" 2>&1 &
   vp=$!
   for _ in $(seq 1 150); do redis-cli -p "$port" PING >/dev/null 2>&1 && break; sleep 0.2; done
-  "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
+  ALGO="${ALGO:-sliding_window}" "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
   callgrind_control -z "$vp" >/dev/null 2>&1
-  "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
+  ALGO="${ALGO:-sliding_window}" "$venv/bin/python" benches/script-cost/drive.py "$port" "$work/check.lua" "$fmt" "$k" "$CALLS"
   callgrind_control -d "$vp" >/dev/null 2>&1
   redis-cli -p "$port" SHUTDOWN NOSAVE >/dev/null 2>&1 || true
   wait "$vp" 2>/dev/null || true
   vp=""
   total="$(grep -h '^summary:' "$work"/cg.*.1 | awk '{print $2}')"
   rm -f "$work"/cg.*
-  echo "${REV:-worktree} ($fmt) items/call=$k calls=$CALLS instructions/call=$((total / CALLS)) instructions/item=$((total / (CALLS * k)))"
+  echo "${REV:-worktree} ($fmt, ${ALGO:-sliding_window}) items/call=$k calls=$CALLS instructions/call=$((total / CALLS)) instructions/item=$((total / (CALLS * k)))"
 done

@@ -237,7 +237,7 @@ pub struct MemoryRow {
     bytes_per_key: f64,
 }
 
-fn used_memory(redis: &RedisServer) -> anyhow::Result<i64> {
+pub(crate) fn used_memory(redis: &RedisServer) -> anyhow::Result<i64> {
     let info: String = redis::cmd("INFO").arg("memory").query(&mut redis.conn())?;
     info.lines()
         .find_map(|l| l.strip_prefix("used_memory:"))
@@ -245,7 +245,7 @@ fn used_memory(redis: &RedisServer) -> anyhow::Result<i64> {
         .context("used_memory in INFO memory")
 }
 
-fn rss_bytes(pid: u32) -> anyhow::Result<i64> {
+pub(crate) fn rss_bytes(pid: u32) -> anyhow::Result<i64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let kb: i64 = status
         .lines()

@@ -32,6 +32,7 @@ mod fleet;
 mod gateway;
 mod grpc;
 mod instructions;
+mod leases;
 mod open;
 mod overload;
 mod propagation;
@@ -286,6 +287,25 @@ enum Command {
         #[arg(long, default_value = "target/bench/overload.json")]
         json: PathBuf,
     },
+    /// Concurrency rules: acquire+release against one sync check (same run, same agent), Redis
+    /// round trips and CPU per pair, memory per key holding leases in Redis and in the agent.
+    Leases {
+        /// Concurrent callers, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        clients: Vec<usize>,
+        /// Runs per level (the sides' order alternates).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Seconds measured per side, level and run (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Keys holding leases for the memory figures.
+        #[arg(long, default_value_t = 100_000)]
+        keys: usize,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/leases.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -455,6 +475,16 @@ fn main() -> anyhow::Result<()> {
                 keys,
                 agent_threads,
             ))?;
+            write_json(&json, &report)
+        }
+        Some(Command::Leases {
+            clients,
+            runs,
+            seconds,
+            keys,
+            json,
+        }) => {
+            let report = runtime.block_on(leases::run(&clients, seconds, runs, keys))?;
             write_json(&json, &report)
         }
         Some(Command::Memory { keys, json }) => {
