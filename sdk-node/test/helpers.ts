@@ -408,6 +408,7 @@ export function verdict(remaining: number, allowed = true): Verdict {
   return {
     allowed,
     logOnly: false,
+    holdsLease: false,
     source: "local",
     limit: 100,
     remaining,
