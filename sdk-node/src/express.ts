@@ -8,6 +8,10 @@
  * limit in the headers); else the client's fail policy decides (open by default: the request passes
  * without headers). At a `chargeHeaders` endpoint the request is a peek of cost 0, and the cost the
  * response reports in its header is charged once the response is finished (`res.on("finish")`).
+ * On an agent that speaks protocol version 3 every check carries a fresh lease; when a concurrency
+ * rule holds it, it is released (same attributes, cost and lease, mode release) once the response
+ * is finished or its connection closed, whichever first: after a normal answer, a handler's error,
+ * a streamed body, or a client that went away.
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
@@ -125,6 +129,8 @@ export function floodgateExpress(client: Client, options: RateLimitOptions = {})
     }
     limiter.decide(view).then(
       (outcome) => {
+        // First, whatever happens next: a held lease is given back when this response is done.
+        if (outcome.release) limiter.releaseWhenDone(res, outcome.release);
         let go = true;
         try {
           go = applyToNodeResponse(res, outcome);

@@ -7,7 +7,11 @@
  * took there (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and
  * the path for the others (answered 404 by Fastify). At a `chargeHeaders` endpoint the request is a
  * peek of cost 0, and the cost the reply reports in its header is charged once the response is
- * finished (the raw response's `finish`, which also runs Fastify's `onResponse` hooks).
+ * finished (the raw response's `finish`, which also runs Fastify's `onResponse` hooks). On an agent
+ * that speaks protocol version 3 every check carries a fresh lease; when a concurrency rule holds
+ * it, it is released once the raw response is finished or closed, whichever first (a thrown
+ * handler error is answered, and so finished, by Fastify; a client that went away closes it): once
+ * per request.
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -79,6 +83,9 @@ export function floodgateFastifyHook(client: Client, options: RateLimitOptions =
   const limiter = new Limiter(client, options);
   return async (request, reply) => {
     const outcome = await limiter.decide(fastifyView(request));
+    // The raw response's `finish` and `close` (its connection gone) end every request, whatever the
+    // route did (a thrown error is answered by Fastify): one listener, one release.
+    if (outcome.release && reply.raw) limiter.releaseWhenDone(reply.raw, outcome.release);
     for (const [name, value] of outcome.headers) reply.header(name, value);
     const charge = outcome.charge;
     if (charge && !outcome.reject && reply.raw) {

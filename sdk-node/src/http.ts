@@ -7,7 +7,7 @@
 
 import * as net from "node:net";
 
-import type { Client, FailPolicy } from "./client";
+import { newLeaseId, type Client, type FailPolicy } from "./client";
 import { fromAgent, type Decision } from "./decision";
 import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
 
@@ -349,6 +349,8 @@ export interface LimitOutcome {
   decision?: Decision;
   /** For an allowed request to a `chargeHeaders` endpoint: what to charge once the response is done. */
   charge?: PendingCharge;
+  /** When a concurrency rule holds the request's lease: what to release once the response is done. */
+  release?: PendingRelease;
 }
 
 /** @internal A charge to make after the response: the request's attributes and the header to read. */
@@ -359,6 +361,14 @@ export interface PendingCharge {
   attributes: Attributes;
   /** The endpoint's `failFor`, if any. */
   fail?: FailPolicy;
+}
+
+/**
+ * @internal A release to send after the response: the request's attributes, cost and lease as its
+ * check sent them, mode release (the agent matches the same rules, and frees the lease in each).
+ */
+export interface PendingRelease {
+  attributes: Attributes;
 }
 
 /** The most a check may cost: the wire's u32. */
@@ -380,9 +390,37 @@ export function reportedCost(value: unknown): number | undefined {
   return Number.isInteger(n) && n >= 0 && n <= MAX_COST ? n : undefined;
 }
 
-/** The events of a response the charge waits for (Node's `ServerResponse` has them). */
+/** The events of a response the charge and the release wait for (Node's `ServerResponse` has them). */
 export interface Finishing {
   once(event: "finish" | "close", listener: () => void): unknown;
+  /** Node: the response is finished (`finish` was emitted). */
+  readonly writableFinished?: boolean;
+  /** Node: the response is destroyed (its connection closed; `close` was or is being emitted). */
+  readonly destroyed?: boolean;
+  /** Node ≥ 18: `close` was emitted. */
+  readonly closed?: boolean;
+}
+
+/**
+ * Runs `fn` once when `res` is done: finished (`finish`: handed to the OS whole) or its connection
+ * closed first (`close`: a client that went away, a destroyed stream), whichever comes first, and
+ * at once when that already happened (a client that left while the check was in flight). Node's
+ * `ServerResponse` emits `close` in every case, after `finish` when there is one, so `fn` always
+ * runs, and runs once.
+ */
+export function whenDone(res: Finishing, fn: () => void): void {
+  let done = false;
+  const settle = () => {
+    if (done) return;
+    done = true;
+    fn();
+  };
+  if (res.writableFinished === true || res.destroyed === true || res.closed === true) {
+    settle();
+    return;
+  }
+  res.once("finish", settle);
+  res.once("close", settle);
 }
 
 /** A header name as HTTP writes it (RFC 9110 token). */
@@ -513,14 +551,27 @@ export class Limiter {
     return { attributes, fail, chargeHeader };
   }
 
-  /** Asks the agent and says what to do: never rejects (a failed check lets the request pass). */
+  /**
+   * Asks the agent and says what to do: never rejects (a failed check lets the request pass). On a
+   * connection to an agent that speaks protocol version 3 the check carries a fresh lease, and when
+   * a concurrency rule holds it the outcome says what to release once the response is done.
+   */
   async decide(req: RequestView): Promise<LimitOutcome> {
     let decision: Decision;
     let charge: PendingCharge | undefined;
+    let release: PendingRelease | undefined;
     try {
       const { attributes, fail, chargeHeader } = this.prepare(req);
+      // Read and sent in one synchronous run: the check goes on the connection whose version this
+      // is (an older agent, or none, gets no lease and holds nothing).
+      if (this.client.protocolVersion >= 3) attributes.lease = newLeaseId();
       decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
-      if (chargeHeader !== undefined) charge = { header: chargeHeader, attributes, fail };
+      if (chargeHeader !== undefined) {
+        // A charge holds nothing: it goes without the lease (and so to a version-2 agent as well).
+        const { lease: _lease, ...rest } = attributes;
+        charge = { header: chargeHeader, attributes: rest, fail };
+      }
+      if (decision.items.some((i) => i.verdict.holdsLease)) release = { attributes: { ...attributes, mode: "release" } };
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
       // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).
@@ -532,9 +583,15 @@ export class Limiter {
       return { headers: [] };
     }
     const headers = rateLimitHeaders(decision, this.ietf);
-    if (decision.allowed) return charge ? { headers, decision, charge } : { headers, decision };
+    const outcome: LimitOutcome = { headers, decision };
+    if (release) outcome.release = release;
+    if (decision.allowed) {
+      if (charge) outcome.charge = charge;
+      return outcome;
+    }
     const secs = retryAfterSeconds(decision);
-    return { headers, decision, reject: { retryAfter: secs, body: rejectionBody(secs) } };
+    outcome.reject = { retryAfter: secs, body: rejectionBody(secs) };
+    return outcome;
   }
 
   /**
@@ -543,18 +600,47 @@ export class Limiter {
    * header's value as the framework holds it. Never delays the response, never throws.
    */
   chargeWhenDone(res: Finishing, pending: PendingCharge, read: () => unknown): void {
-    let done = false;
-    const settle = () => {
-      if (done) return;
-      done = true;
+    whenDone(res, () => {
       try {
         this.charge(pending, read());
       } catch (e) {
         this.warnEvery("charge", `floodgate: the charge failed: ${(e as Error)?.message ?? e}`);
       }
-    };
-    res.once("finish", settle);
-    res.once("close", settle);
+    });
+  }
+
+  /**
+   * Releases the request's lease once its response is done (finished, or its connection closed
+   * first: a client that went away, a handler's error answered by the framework): the same
+   * attributes, cost and lease, mode release. Once per request; never delays the response, never
+   * throws. A release the agent does not take is warned about; the lease then runs out by itself.
+   */
+  releaseWhenDone(res: Finishing, pending: PendingRelease): void {
+    whenDone(res, () => {
+      try {
+        this.release(pending);
+      } catch (e) {
+        this.warnEvery("release", `floodgate: the release failed: ${(e as Error)?.message ?? e}`);
+      }
+    });
+  }
+
+  private release(pending: PendingRelease): void {
+    const endpoint = pending.attributes.endpoint ?? "";
+    const lost = (why: string) =>
+      this.warnEvery(
+        "release",
+        `floodgate: the release of a concurrency lease on ${endpoint} ${why}; its units stay held until ` +
+          `the lease runs out (leaseSeconds) (at most one such warning a minute)`,
+      );
+    this.client.checkAttributes(pending.attributes).then(
+      (d) => {
+        if (fromAgent(d)) return;
+        const reason = "reason" in d.origin ? d.origin.reason : "unavailable";
+        lost(reason === "timeout" ? "was not confirmed within the client's timeout" : "did not reach the agent");
+      },
+      (e: unknown) => lost(`failed: ${(e as Error)?.message ?? e}`),
+    );
   }
 
   /** Charges `value` (the header's, as read) to the request's rules; nothing for 0 or a bad value. */
