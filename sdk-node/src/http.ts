@@ -291,8 +291,21 @@ export interface RequestView {
 /** Reads one attribute off a request; undefined or `""` means absent. */
 export type Extractor = (req: RequestView) => string | undefined | null;
 
-/** What both middlewares take. */
-export interface RateLimitOptions {
+/**
+ * A `chargeWith` function: the cost of a request, read once its response is finished (or its
+ * connection closed), from the framework's own objects (Express `(req, res)`, Fastify
+ * `(request, reply)`). An integer 1 to 2³²−1 is charged; 0, undefined or null charge nothing.
+ */
+// A method's parameters are compared both ways: a function written for express.Request or
+// FastifyRequest is accepted where the structural request types are expected.
+// eslint-disable-next-line @typescript-eslint/no-explicit-any
+export type ChargeFunction<Req = any, Res = any> = {
+  bivarianceHack(request: Req, response: Res): number | undefined | null;
+}["bivarianceHack"];
+
+/** What both middlewares take (`Req` and `Res`: the framework's request and response, for `chargeWith`). */
+// eslint-disable-next-line @typescript-eslint/no-explicit-any
+export interface RateLimitOptions<Req = any, Res = any> {
   /** The endpoint (default: the matched route, else the path). */
   endpoint?: Extractor;
   /** The tier, from what your auth layer knows (none by default). */
@@ -328,6 +341,14 @@ export interface RateLimitOptions {
    */
   chargeHeaders?: Readonly<Record<string, string>>;
   /**
+   * Endpoints (keyed as `costs`) whose cost a function gives once the response is finished, from
+   * the framework's request and response: `{ "/v1/chat": (req, res) => res.locals.tokens }`. The
+   * same request-phase peek of cost 0 as `chargeHeaders`, and the same charge of what the function
+   * returns (an integer 1 to 2³²−1; 0, undefined or null: nothing). An endpoint may be in only one
+   * of `costs`, `chargeHeaders` and `chargeWith` (throws at start).
+   */
+  chargeWith?: Readonly<Record<string, ChargeFunction<Req, Res>>>;
+  /**
    * What a request to an endpoint (keyed as `costs`) answers when the agent cannot: `open` or
    * `closed`, deciding alone, over the agent's fail-closed rules and the client's fail policy.
    * Elsewhere: denied if a fail-closed rule of the agent's applies, else the client's fail policy.
@@ -347,16 +368,24 @@ export interface LimitOutcome {
   reject?: { retryAfter: number; body: string };
   /** The decision, when the check returned one. */
   decision?: Decision;
-  /** For an allowed request to a `chargeHeaders` endpoint: what to charge once the response is done. */
+  /**
+   * For an allowed request to a `chargeHeaders` or `chargeWith` endpoint: what to charge once the
+   * response is done.
+   */
   charge?: PendingCharge;
   /** When a concurrency rule holds the request's lease: what to release once the response is done. */
   release?: PendingRelease;
 }
 
-/** @internal A charge to make after the response: the request's attributes and the header to read. */
+/**
+ * @internal A charge to make after the response: the request's attributes and what reports the
+ * cost (a response header, or a `chargeWith` function).
+ */
 export interface PendingCharge {
-  /** The response header that reports the cost, in lower case. */
-  header: string;
+  /** The response header that reports the cost, in lower case (a `chargeHeaders` endpoint). */
+  header?: string;
+  /** The function that gives the cost (a `chargeWith` endpoint). */
+  fn?: ChargeFunction;
   /** The request's attributes, as the request-phase peek sent them (the charge sets cost and mode). */
   attributes: Attributes;
   /** The endpoint's `failFor`, if any. */
@@ -454,6 +483,11 @@ function headerExtractor(name: string): Extractor {
   return (req) => firstHeader(req, name);
 }
 
+/** What reports a charge's cost, for warnings: the header's name, or `chargeWith`. */
+function describeSource(pending: PendingCharge): string {
+  return pending.header ?? "chargeWith";
+}
+
 /** @internal The configured limiter both middlewares run. */
 export class Limiter {
   private readonly endpoint: Extractor;
@@ -466,6 +500,8 @@ export class Limiter {
   private readonly failFor = new Map<string, FailPolicy>();
   /** Endpoint → the response header that reports its cost (`chargeHeaders`, names in lower case). */
   private readonly chargeHeaders = new Map<string, string>();
+  /** Endpoint → the function that gives its cost (`chargeWith`). */
+  private readonly chargeWith = new Map<string, ChargeFunction>();
   private readonly ietf: boolean;
   private readonly logger: { warn(message: string): void } | null;
   private lastCheckFailed = -Infinity;
@@ -508,6 +544,22 @@ export class Limiter {
       }
       this.chargeHeaders.set(endpoint, h.toLowerCase());
     }
+    // The same for a function, which may not share its endpoint with a header either.
+    for (const [e, f] of Object.entries(o.chargeWith ?? {})) {
+      if (typeof f !== "function") {
+        throw new Error(`chargeWith[${JSON.stringify(e)}] must be a function, not ${typeof f}`);
+      }
+      const endpoint = routeName(e);
+      if (this.costs.has(endpoint)) {
+        throw new Error(
+          `${JSON.stringify(e)} is in both costs and chargeWith: a charged endpoint costs what its response reports`,
+        );
+      }
+      if (this.chargeHeaders.has(endpoint)) {
+        throw new Error(`${JSON.stringify(e)} is in both chargeHeaders and chargeWith: one reports its cost`);
+      }
+      this.chargeWith.set(endpoint, f);
+    }
     this.ietf = o.ietfHeaders ?? false;
     this.logger = o.logger === undefined ? console : o.logger;
   }
@@ -518,13 +570,20 @@ export class Limiter {
   }
 
   /**
-   * The request's attributes (a peek of cost 0 at a `chargeHeaders` endpoint), the fail policy its
-   * endpoint is given (`failFor`), if any, and the header that will report its cost, if any.
+   * The request's attributes (a peek of cost 0 at a `chargeHeaders` or `chargeWith` endpoint), the
+   * fail policy its endpoint is given (`failFor`), if any, and what will report its cost, if anything.
    */
-  private prepare(req: RequestView): { attributes: Attributes; fail?: FailPolicy; chargeHeader?: string } {
+  private prepare(req: RequestView): {
+    attributes: Attributes;
+    fail?: FailPolicy;
+    chargeHeader?: string;
+    chargeFn?: ChargeFunction;
+  } {
     const endpoint = this.endpoint(req) || undefined;
     const chargeHeader = endpoint !== undefined ? this.chargeHeaders.get(endpoint) : undefined;
-    const cost = chargeHeader !== undefined ? 0 : (endpoint !== undefined && this.costs.get(endpoint)) || 1;
+    const chargeFn = endpoint !== undefined ? this.chargeWith.get(endpoint) : undefined;
+    const charged = chargeHeader !== undefined || chargeFn !== undefined;
+    const cost = charged ? 0 : (endpoint !== undefined && this.costs.get(endpoint)) || 1;
     const fail = endpoint !== undefined ? this.failFor.get(endpoint) : undefined;
     let ip: string | undefined | null;
     if (this.ip) ip = this.ip(req);
@@ -547,8 +606,8 @@ export class Limiter {
       ip: ip ? wireSafe(ip) : undefined,
       cost,
     };
-    if (chargeHeader !== undefined) attributes.mode = "peek";
-    return { attributes, fail, chargeHeader };
+    if (charged) attributes.mode = "peek";
+    return { attributes, fail, chargeHeader, chargeFn };
   }
 
   /**
@@ -561,15 +620,15 @@ export class Limiter {
     let charge: PendingCharge | undefined;
     let release: PendingRelease | undefined;
     try {
-      const { attributes, fail, chargeHeader } = this.prepare(req);
+      const { attributes, fail, chargeHeader, chargeFn } = this.prepare(req);
       // Read and sent in one synchronous run: the check goes on the connection whose version this
       // is (an older agent, or none, gets no lease and holds nothing).
       if (this.client.protocolVersion >= 3) attributes.lease = newLeaseId();
       decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
-      if (chargeHeader !== undefined) {
+      if (chargeHeader !== undefined || chargeFn !== undefined) {
         // A charge holds nothing: it goes without the lease (and so to a version-2 agent as well).
         const { lease: _lease, ...rest } = attributes;
-        charge = { header: chargeHeader, attributes: rest, fail };
+        charge = { header: chargeHeader, fn: chargeFn, attributes: rest, fail };
       }
       if (decision.items.some((i) => i.verdict.holdsLease)) release = { attributes: { ...attributes, mode: "release" } };
     } catch (e) {
@@ -597,12 +656,25 @@ export class Limiter {
   /**
    * Charges what the response reports once it is finished (`finish`), or once its connection
    * closed before that (`close`; the header is read as the handler left it). `read` gives the
-   * header's value as the framework holds it. Never delays the response, never throws.
+   * header's value as the framework holds it, or calls the `chargeWith` function. Never delays the
+   * response, never throws.
    */
   chargeWhenDone(res: Finishing, pending: PendingCharge, read: () => unknown): void {
     whenDone(res, () => {
+      let value: unknown;
       try {
-        this.charge(pending, read());
+        value = read();
+      } catch (e) {
+        const endpoint = pending.attributes.endpoint ?? "";
+        this.warnEvery(
+          "value",
+          `floodgate: ${describeSource(pending)} on ${endpoint} threw: ${(e as Error)?.message ?? e}; nothing charged ` +
+            `(at most one such warning a minute)`,
+        );
+        return;
+      }
+      try {
+        this.charge(pending, value);
       } catch (e) {
         this.warnEvery("charge", `floodgate: the charge failed: ${(e as Error)?.message ?? e}`);
       }
@@ -643,7 +715,7 @@ export class Limiter {
     );
   }
 
-  /** Charges `value` (the header's, as read) to the request's rules; nothing for 0 or a bad value. */
+  /** Charges `value` (the header's or the function's) to the request's rules; nothing for 0 or a bad value. */
   private charge(pending: PendingCharge, value: unknown): void {
     const cost = reportedCost(value);
     const endpoint = pending.attributes.endpoint ?? "";
@@ -651,8 +723,8 @@ export class Limiter {
       const shown = (Array.isArray(value) ? JSON.stringify(value) : String(value)).slice(0, 64);
       this.warnEvery(
         "value",
-        `floodgate: ${pending.header} on ${endpoint} is ${JSON.stringify(shown)}, not an integer ` +
-          `0 to ${MAX_COST}; nothing charged (at most one such warning a minute)`,
+        `floodgate: ${describeSource(pending)} on ${endpoint} ${pending.fn ? "gave" : "is"} ${JSON.stringify(shown)}, ` +
+          `not an integer 0 to ${MAX_COST}; nothing charged (at most one such warning a minute)`,
       );
       return;
     }

@@ -76,8 +76,20 @@ export {
   routeName,
   wireSafe,
 } from "./http";
-export type { Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
+export type { ChargeFunction, Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
 export { floodgateExpress, expressRoutedPath, expressView } from "./express";
-export type { ExpressLikeRequest, ExpressMiddleware, ExpressRouting } from "./express";
+export type {
+  ExpressLikeRequest,
+  ExpressLikeResponse,
+  ExpressMiddleware,
+  ExpressOptions,
+  ExpressRouting,
+} from "./express";
 export { floodgateFastify, floodgateFastifyHook, fastifyView } from "./fastify";
-export type { FastifyHook, FastifyLikeReply, FastifyLikeRequest, FastifyPluginOptions } from "./fastify";
+export type {
+  FastifyHook,
+  FastifyLikeReply,
+  FastifyLikeRequest,
+  FastifyOptions,
+  FastifyPluginOptions,
+} from "./fastify";

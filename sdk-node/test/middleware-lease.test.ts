@@ -2,8 +2,9 @@
  * Express and Fastify holding a concurrency lease for each request in flight and releasing it when
  * the response ends: finished, failed, streamed, or abandoned by the client (before or after the
  * check was answered), exactly once; over real HTTP in front of real agents (embedded store and
- * Redis), and byte for byte on a fake agent of versions 2 and 3. Requests are held in flight by
- * gates the test opens (no sleeps), and every wait is for an event, with a deadline of seconds.
+ * Redis), and byte for byte on a fake agent of versions 2 and 3. Also `chargeWith`. Requests are
+ * held in flight by gates the test opens (no sleeps), and every wait is for an event, with a
+ * deadline of seconds.
  */
 
 import assert from "node:assert/strict";
@@ -19,10 +20,11 @@ import {
   Client,
   floodgateExpress,
   floodgateFastify,
+  floodgateFastifyHook,
   type Attributes,
   type Decision,
 } from "../src/index";
-import { Agent, checkBodies, eventually, FakeAgent, isAcquire, leaseDecision, RedisServer, unique } from "./helpers";
+import { Agent, checkBodies, eventually, FakeAgent, isAcquire, leaseDecision, RedisServer, tempDir, unique } from "./helpers";
 
 const RULES = `
 # Two requests in flight per user on /conc/*.
@@ -33,6 +35,14 @@ match = { endpoint = "/conc/*" }
 limit = 2
 algorithm = "concurrency"
 leaseSeconds = 30
+
+# 1000 tokens an hour per user on /v1/cb, charged after the response by a chargeWith function.
+[[rules]]
+id = "c-cb"
+dimension = "user"
+match = { endpoint = "/v1/cb" }
+limit = 1000
+windowSeconds = 3600
 `;
 
 /** A call's timeout where the test is about figures, not latency (a loaded 2-core box may be slow). */
@@ -165,6 +175,7 @@ function middlewareSuite(store: "embedded" | "redis"): void {
     let fastify: FastifyInstance;
     const bases: Record<"Express" | "Fastify", string> = { Express: "", Fastify: "" };
     const warnings: string[] = [];
+    const cbTokens = new WeakMap<object, number>();
 
     before(async () => {
       if (store === "redis") redis = await RedisServer.start();
@@ -174,7 +185,11 @@ function middlewareSuite(store: "embedded" | "redis"): void {
       const logger = { warn: (m: string) => warnings.push(m) };
 
       const app = express();
-      const limit = floodgateExpress(client, { userHeader: "x-user", logger });
+      const limit = floodgateExpress(client, {
+        userHeader: "x-user",
+        logger,
+        chargeWith: { "/v1/cb": (_req, res) => res.locals?.tokens },
+      });
       app.get("/conc/:ending", limit, async (req, res, next) => {
         const gate = req.headers["x-gate"];
         const ending = req.params.ending as Ending;
@@ -187,6 +202,12 @@ function middlewareSuite(store: "embedded" | "redis"): void {
         else if (ending === "finish") res.send("done");
         else res.end("chunk2");
       });
+      app.get("/v1/cb", limit, (req, res) => {
+        const tokens = req.headers["x-tokens"];
+        if (tokens === "throw") res.locals.tokens = undefined;
+        else if (typeof tokens === "string") res.locals.tokens = Number(tokens);
+        res.send("answered");
+      });
       app.use((_err: unknown, _req: express.Request, res: express.Response, _next: express.NextFunction) => {
         res.status(500).send("failed");
       });
@@ -196,7 +217,17 @@ function middlewareSuite(store: "embedded" | "redis"): void {
       bases.Express = `http://127.0.0.1:${(expressServer.address() as AddressInfo).port}`;
 
       fastify = Fastify();
-      await fastify.register(floodgateFastify, { client, userHeader: "x-user", logger });
+      await fastify.register(floodgateFastify, {
+        client,
+        userHeader: "x-user",
+        logger,
+        chargeWith: {
+          "/v1/cb": (request) => {
+            if (request.headers["x-tokens"] === "throw") throw new Error("no usage recorded");
+            return cbTokens.get(request.raw);
+          },
+        },
+      });
       fastify.get<{ Params: { ending: Ending } }>("/conc/:ending", async (request, reply) => {
         const gate = request.headers["x-gate"];
         const ending = request.params.ending;
@@ -211,6 +242,11 @@ function middlewareSuite(store: "embedded" | "redis"): void {
         if (typeof gate === "string") await gates.enter(gate);
         if (ending === "error") throw new Error("boom");
         return "done";
+      });
+      fastify.get("/v1/cb", async (request) => {
+        const tokens = request.headers["x-tokens"];
+        if (typeof tokens === "string" && tokens !== "throw") cbTokens.set(request.raw, Number(tokens));
+        return "answered";
       });
       await fastify.listen({ port: 0, host: "127.0.0.1" });
       bases.Fastify = `http://127.0.0.1:${(fastify.server.address() as AddressInfo).port}`;
@@ -304,12 +340,68 @@ function middlewareSuite(store: "embedded" | "redis"): void {
           for (const d of denied) assert.ok(!releasedNow.some((r) => r.attributes.lease === d.attributes.lease));
         });
       }
+
+      it(`${framework}: chargeWith charges what the function gives once the response is done`, async () => {
+        const base = bases[framework];
+        const user = `${framework}-cb-${unique()}`;
+        const left = async () => (await client.peek(`user:${user}`, "c-cb", 0)).remaining;
+        const first = await get(base, "/v1/cb", { "x-user": user, "x-tokens": "400" });
+        assert.equal(first.status, 200);
+        assert.deepEqual(limits(first).slice(0, 2), ["1000", "1000"], "the request-phase peek takes nothing");
+        const remaining = await eventually("the charge of 400 to land", 10_000, async () => {
+          const r = await left();
+          return r < 1000 && { r };
+        });
+        assert.equal(remaining.r, 600);
+        // Nothing (undefined, or a function that throws) charges nothing.
+        const said = () => warnings.filter((w) => w.includes("chargeWith on /v1/cb")).length;
+        const before = said();
+        assert.equal((await get(base, "/v1/cb", { "x-user": user, "x-tokens": "throw" })).status, 200);
+        assert.equal((await get(base, "/v1/cb", { "x-user": user })).status, 200);
+        assert.equal((await get(base, "/v1/cb", { "x-user": user, "x-tokens": "1500" })).status, 200);
+        await eventually("the charge of 1500 to land", 10_000, async () => (await left()) === 0);
+        const denied = await get(base, "/v1/cb", { "x-user": user });
+        assert.equal(denied.status, 429);
+        assert.deepEqual(limits(denied).slice(0, 2), ["1000", "0"]);
+        if (framework === "Fastify") {
+          assert.equal(said(), before + 1, "the function that threw is warned about");
+          assert.match(warnings.find((w) => w.includes("chargeWith on /v1/cb threw"))!, /no usage recorded; nothing charged/);
+        }
+      });
     }
   });
 }
 
 middlewareSuite("embedded");
 middlewareSuite("redis");
+
+describe("chargeWith's configuration", () => {
+  it("takes functions, on endpoints without costs or chargeHeaders, checked at start", () => {
+    const client = new Client(`${tempDir()}/nobody.sock`, { logger: null });
+    try {
+      const fn = () => 1;
+      assert.throws(
+        () => floodgateExpress(client, { costs: { "/v1/x": 2 }, chargeWith: { "/v1/x": fn } }),
+        /in both costs and chargeWith/,
+      );
+      assert.throws(
+        () => floodgateFastifyHook(client, { chargeHeaders: { "/v1/x": "x-cost" }, chargeWith: { "/v1/x": fn } }),
+        /in both chargeHeaders and chargeWith/,
+      );
+      assert.throws(
+        () => floodgateExpress(client, { chargeWith: { "/v1/x": "x-cost" as unknown as () => number } }),
+        /chargeWith\["\/v1\/x"\] must be a function/,
+      );
+      // Keyed and normalised as costs are: {id} is :id.
+      assert.throws(
+        () => floodgateExpress(client, { costs: { "/v1/:id": 2 }, chargeWith: { "/v1/{id}": fn } }),
+        /in both costs and chargeWith/,
+      );
+    } finally {
+      client.close();
+    }
+  });
+});
 
 describe("middleware and the agent's protocol version (fake agent)", () => {
   const fakes: FakeAgent[] = [];
