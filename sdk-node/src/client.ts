@@ -4,6 +4,7 @@
  * and jitter, and its health.
  */
 
+import { randomFillSync } from "node:crypto";
 import * as net from "node:net";
 
 import {
@@ -80,8 +81,8 @@ export interface ClientConfig {
    */
   maxBufferedBytes?: number;
   /**
-   * A per-process limit fail-open calls enforce while the agent is away (default off); peeks and
-   * charges pass it by (they consume nothing here).
+   * A per-process limit fail-open calls enforce while the agent is away (default off); peeks,
+   * charges and releases pass it by (they consume nothing here); an acquire counts as a consume.
    */
   fallbackLimit?: LocalLimit | null;
   /**
@@ -115,14 +116,69 @@ export interface ClientStats {
 }
 
 /**
+ * Units of a concurrency rule held under a lease ({@link Client.acquire}): what
+ * {@link Client.release} gives back. Unreleased, it runs out after the rule's `leaseSeconds`.
+ */
+export interface Lease {
+  /** The key the units are held for. */
+  readonly key: string;
+  /** The concurrency rule that holds them. */
+  readonly ruleId: string;
+  /** How many units. */
+  readonly cost: number;
+  /** The lease id the client picked: a random nonzero 64-bit value. */
+  readonly id: bigint;
+}
+
+/** What {@link Client.acquire} returns: the decision, and the lease when the rule holds it. */
+export interface Acquired {
+  /** The decision on the acquire, as any check's. */
+  decision: Decision;
+  /**
+   * The lease, when the decision's item holds it (an allowed acquire on a concurrency rule the
+   * agent decided); absent on a denial, on a rule of another algorithm and when the SDK decided
+   * alone (agent unreachable or late). Release it with {@link Client.release}.
+   */
+  lease?: Lease;
+}
+
+/**
+ * What {@link Client.hold} returns: `{ allowed: true, decision, value }` with what `fn` returned
+ * when the acquire passed (its lease released once `fn` settled), or `{ allowed: false, decision }`
+ * when it was denied (`fn` not run; `decision.retryAfterMs` says when to retry).
+ */
+export type HoldResult<T> = { allowed: true; decision: Decision; value: T } | { allowed: false; decision: Decision };
+
+/** Lease ids drawn from the CSPRNG 512 at a time: one random read per 512 acquires. */
+const LEASE_POOL = Buffer.alloc(8 * 512);
+let leaseAt = LEASE_POOL.length;
+
+/**
+ * A fresh lease id: a random nonzero 64-bit value (PROTOCOL.md: random, so that two clients never
+ * pick the same one for a key), from `crypto.randomFillSync`.
+ */
+export function newLeaseId(): bigint {
+  for (;;) {
+    if (leaseAt >= LEASE_POOL.length) {
+      randomFillSync(LEASE_POOL);
+      leaseAt = 0;
+    }
+    const id = LEASE_POOL.readBigUInt64BE(leaseAt);
+    leaseAt += 8;
+    if (id !== 0n) return id;
+  }
+}
+
+/**
  * Why a check returned no decision: only what no fail policy can answer for the caller. An
  * unreachable or late agent never shows up here: those calls resolve by the fail policy.
  */
 export class FloodgateError extends Error {
   /**
    * `invalid`: the check breaks a protocol limit, or peeks or charges on a connection to an agent
-   * that speaks only protocol version 1 (found before sending); `agent`: the agent refused it
-   * (unknown rule, invalid item), with the wire `code`.
+   * that speaks only protocol version 1, or acquires or releases a lease on one that speaks less
+   * than version 3 (found before sending); `agent`: the agent refused it (unknown rule, invalid
+   * item), with the wire `code`.
    */
   readonly kind: "invalid" | "agent";
   /** The agent's error code (4 unknown rule, 5 invalid item) when `kind` is `agent`. */
@@ -199,7 +255,7 @@ function resolveConfig(c: ClientConfig): Resolved {
  * denied and any other answers by its fail policy, open (allow) by default, and the client
  * reconnects in the background with backoff and jitter. Calls reject only for checks no policy can
  * answer ({@link FloodgateError}: an invalid check, an unknown rule, a peek or charge to an agent
- * that speaks only protocol version 1).
+ * that speaks only protocol version 1, a lease to one that speaks less than 3).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -316,9 +372,87 @@ export class Client {
   }
 
   /**
+   * Takes `cost` units (at least 1) of a concurrency rule under a fresh lease (a random nonzero
+   * 64-bit id): allowed while the units the key's live leases hold plus `cost` stay within the
+   * rule's limit; denied otherwise, with `retryAfterMs` at most 1000 (the soonest lease to run out,
+   * capped: holders usually release well before). `lease` is returned only when the decision's item
+   * holds it: give it back with {@link release} when the work ends, else it runs out after the
+   * rule's `leaseSeconds`. On a rule of another algorithm it is a plain consume and holds nothing.
+   *
+   * Needs an agent that speaks protocol version 3: connected to one that speaks less, it rejects
+   * ({@link FloodgateError}, `invalid`) and nothing is sent. While the agent cannot answer it is
+   * decided as any check is (the call's `fail`, the agent's fail-closed rules, the client's policy
+   * and `fallbackLimit`, where it counts as a consume) and returns no lease.
+   */
+  async acquire(key: string, ruleId: string, cost = 1, options?: CallOptions): Promise<Acquired> {
+    const id = newLeaseId();
+    const decision = await this.send({ form: "items", items: [{ key, ruleId, cost, lease: id }] }, options);
+    if (!decision.items.some((i) => i.verdict.holdsLease)) return { decision };
+    return { decision, lease: { key, ruleId, cost, id } };
+  }
+
+  /**
+   * Gives back the units `lease` holds (mode release with its key, rule, cost and id). Never a
+   * rejection by the agent: allowed, with the units left after it; a lease no longer held (released
+   * already, run out) changes nothing. Needs protocol version 3, as {@link acquire} does. While the
+   * agent cannot answer it resolves with the SDK's degraded decision (the fail policy's, as any
+   * check's; it takes nothing from `fallbackLimit`) and the units stay held until the lease runs out
+   * (`leaseSeconds`).
+   */
+  release(lease: Lease, options?: CallOptions): Promise<Decision> {
+    return this.send(
+      { form: "items", items: [{ key: lease.key, ruleId: lease.ruleId, cost: lease.cost, mode: "release", lease: lease.id }] },
+      options,
+    );
+  }
+
+  /**
+   * Runs `fn` while holding `cost` units of a concurrency rule: {@link acquire}s, and if allowed
+   * runs `fn(decision)` and releases the lease (when one is held) once `fn` settles, before
+   * resolving; `fn`'s error is rethrown after the release. Resolves to
+   * `{ allowed: true, decision, value }`, or `{ allowed: false, decision }` without running `fn`
+   * when the acquire is denied. A release that fails is warned about through the logger, never
+   * thrown. Rejects, without running `fn`, where {@link acquire} does.
+   *
+   * ```ts
+   * const r = await client.hold("gpu:a100", "gpu-slots", 1, () => render(job));
+   * if (!r.allowed) return reply.code(429).header("Retry-After", "1").send();
+   * ```
+   */
+  async hold<T>(
+    key: string,
+    ruleId: string,
+    cost: number,
+    fn: (decision: Decision) => T | Promise<T>,
+    options?: CallOptions,
+  ): Promise<HoldResult<T>> {
+    const { decision, lease } = await this.acquire(key, ruleId, cost, options);
+    try {
+      if (!decision.allowed) return { allowed: false, decision };
+      return { allowed: true, decision, value: await fn(decision) };
+    } finally {
+      if (lease) {
+        await this.release(lease, options).then(
+          (d) => {
+            if (d.origin.kind !== "agent") {
+              this.warn(
+                "release",
+                `floodgate: the release of a lease on ${ruleId} was not confirmed (${"reason" in d.origin ? d.origin.reason : "unavailable"}); ` +
+                  `its units stay held until the lease runs out (at most one such warning a minute)`,
+              );
+            }
+          },
+          (e: unknown) =>
+            this.warn("release", `floodgate: the release of a lease on ${ruleId} failed: ${(e as Error)?.message ?? e}`),
+        );
+      }
+    }
+  }
+
+  /**
    * Several items at once (1 to 16): allowed only if every enforced consume item is (in a check of
    * peeks only, every enforced peek); a denial consumes nothing. Each item may peek or charge
-   * (`mode`), as {@link peek} and {@link charge} do.
+   * (`mode`), as {@link peek} and {@link charge} do, or carry a `lease` or release one (version 3).
    */
   check(items: Item[], options?: CallOptions): Promise<Decision> {
     return this.send({ form: "items", items }, options);
@@ -335,6 +469,14 @@ export class Client {
   /** Whether the client holds a live connection to the agent right now. */
   isConnected(): boolean {
     return this.connected;
+  }
+
+  /**
+   * The protocol version the agent chose for the connection (1 to 3), or 0 while there is none. A
+   * check needing a higher version ({@link checkVersion}) is refused before it is sent.
+   */
+  get protocolVersion(): number {
+    return this.version;
   }
 
   /** Counts of degraded answers and connections, for the service's metrics. */
@@ -399,14 +541,16 @@ export class Client {
       return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));
     }
     // A version-1 agent cannot parse forms 2 and 3 and would close the connection, failing every
-    // call in flight: such a check is never sent to it. Without a connection it is answered as any
-    // check is (the agent may come back speaking 2).
-    if (this.connected && checkVersion(check) > this.version) {
+    // call in flight, and a version-2 one refuses a lease's mode byte: such a check is never sent to
+    // it. Without a connection it is answered as any check is (the agent may come back speaking 3).
+    const needs = checkVersion(check);
+    if (this.connected && needs > this.version) {
       return Promise.reject(
         new FloodgateError(
           "invalid",
-          `invalid check: peek and charge need protocol version 2, ` +
-            `and the agent speaks version ${this.version}`,
+          needs >= 3
+            ? `invalid check: the agent speaks protocol version ${this.version}: it cannot hold leases (update the agent)`
+            : `invalid check: peek and charge need protocol version 2, and the agent speaks version ${this.version}`,
         ),
       );
     }
@@ -474,9 +618,10 @@ export class Client {
       policy = this.config.fail;
     }
     const limit = this.config.fallbackLimit;
-    // The per-process limit counts what passes: a peek takes nothing and a charge is owed whatever
-    // it says, so only consuming checks go through it (as in the Rust SDK).
-    if (policy === "open" && limit && checkVersion(check) === 1) {
+    // The per-process limit counts what passes: a peek takes nothing, a charge is owed whatever it
+    // says and a release gives back, so only consuming checks (acquires included) go through it
+    // (as in the Rust SDK).
+    if (policy === "open" && limit && consumesOnly(check)) {
       const [key, cost] = localKey(check);
       return this.localLimit(limit, key, cost, why, now);
     }
@@ -699,6 +844,12 @@ export class Client {
     this.lastWarn.set(kind, now);
     logger.warn(message);
   }
+}
+
+/** Whether every item of a check consumes (an acquire, with a lease, too). */
+function consumesOnly(check: Check): boolean {
+  if (check.form === "items") return check.items.every((i) => (i.mode ?? "consume") === "consume");
+  return (check.attributes.mode ?? "consume") === "consume";
 }
 
 /** The local limiter's key and cost for a check. */

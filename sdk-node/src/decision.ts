@@ -95,6 +95,7 @@ export function closedRuleDecision(rule: ClosedRule, why: Degraded, retryAfterMs
   const verdict: Verdict = {
     allowed: false,
     logOnly: false,
+    holdsLease: false,
     source: "fallback",
     limit: rule.limit,
     remaining: 0,

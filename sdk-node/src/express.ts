@@ -6,8 +6,12 @@
  * headers. When the agent cannot answer, the route's `failFor` policy decides if it has one; else a
  * fail-closed rule of the agent's that the request falls under denies it (429 with that rule's
  * limit in the headers); else the client's fail policy decides (open by default: the request passes
- * without headers). At a `chargeHeaders` endpoint the request is a peek of cost 0, and the cost the
- * response reports in its header is charged once the response is finished (`res.on("finish")`).
+ * without headers). At a `chargeHeaders` or `chargeWith` endpoint the request is a peek of cost 0,
+ * and the cost the response reports in its header (or the function gives) is charged once the
+ * response is finished (`res.on("finish")`). On an agent that speaks protocol version 3 every check
+ * carries a fresh lease; when a concurrency rule holds it, it is released (same attributes, cost and
+ * lease, mode release) once the response is finished or its connection closed, whichever first:
+ * after a normal answer, a handler's error, a streamed body, or a client that went away.
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
@@ -37,6 +41,19 @@ export interface ExpressLikeRequest extends IncomingMessage {
   /** Express: the app, whose settings say how its router matches paths. */
   app?: { enabled?(setting: string): boolean };
 }
+
+/**
+ * The parts of an Express response a `chargeWith` function may read (structural: Express's
+ * `Response` is one; write the function for `express.Request` and `express.Response` if you like).
+ */
+export interface ExpressLikeResponse extends ServerResponse {
+  /** Express: what the handlers left for later middleware (`res.locals.tokens = 1500`). */
+  // eslint-disable-next-line @typescript-eslint/no-explicit-any
+  locals?: Record<string, any>;
+}
+
+/** The Express middleware's options: `chargeWith` functions take Express's `(req, res)`. */
+export type ExpressOptions = RateLimitOptions<ExpressLikeRequest, ExpressLikeResponse>;
 
 /** An Express/Connect middleware. */
 export type ExpressMiddleware = (req: ExpressLikeRequest, res: ServerResponse, next: (err?: unknown) => void) => void;
@@ -113,7 +130,7 @@ export function applyToNodeResponse(res: ServerResponse, outcome: LimitOutcome):
  *
  * Throws at once if a `trustProxies` entry is not an address or CIDR block.
  */
-export function floodgateExpress(client: Client, options: RateLimitOptions = {}): ExpressMiddleware {
+export function floodgateExpress(client: Client, options: ExpressOptions = {}): ExpressMiddleware {
   const limiter = new Limiter(client, options);
   return (req, res, next) => {
     let view: RequestView;
@@ -125,6 +142,8 @@ export function floodgateExpress(client: Client, options: RateLimitOptions = {})
     }
     limiter.decide(view).then(
       (outcome) => {
+        // First, whatever happens next: a held lease is given back when this response is done.
+        if (outcome.release) limiter.releaseWhenDone(res, outcome.release);
         let go = true;
         try {
           go = applyToNodeResponse(res, outcome);
@@ -133,7 +152,10 @@ export function floodgateExpress(client: Client, options: RateLimitOptions = {})
           // rather than crash the process from an unhandled rejection.
         }
         const charge = outcome.charge;
-        if (go && charge) limiter.chargeWhenDone(res, charge, () => res.getHeader(charge.header));
+        if (go && charge) {
+          const { header, fn } = charge;
+          limiter.chargeWhenDone(res, charge, fn ? () => fn(req, res) : () => res.getHeader(header ?? ""));
+        }
         if (go) next();
       },
       () => next(),

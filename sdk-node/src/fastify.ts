@@ -5,9 +5,13 @@
  * the client's fail policy). Fastify routes before `onRequest` hooks run, so the endpoint is the
  * matched route (`/items/:id`) for every request that matched one, whatever spelling its router
  * took there (`/LOGIN/` is `/login` under `caseSensitive: false` and `ignoreTrailingSlash`), and
- * the path for the others (answered 404 by Fastify). At a `chargeHeaders` endpoint the request is a
- * peek of cost 0, and the cost the reply reports in its header is charged once the response is
- * finished (the raw response's `finish`, which also runs Fastify's `onResponse` hooks).
+ * the path for the others (answered 404 by Fastify). At a `chargeHeaders` or `chargeWith` endpoint
+ * the request is a peek of cost 0, and the cost the reply reports in its header (or the function
+ * gives from `(request, reply)`) is charged once the response is finished (the raw response's
+ * `finish`, which also runs Fastify's `onResponse` hooks). On an agent that speaks protocol version
+ * 3 every check carries a fresh lease; when a concurrency rule holds it, it is released once the
+ * raw response is finished or closed, whichever first (a thrown handler error is answered, and so
+ * finished, by Fastify; a client that went away closes it): once per request.
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -45,8 +49,11 @@ export interface FastifyLikeReply {
 /** An `onRequest` hook. */
 export type FastifyHook = (request: FastifyLikeRequest, reply: FastifyLikeReply) => Promise<unknown>;
 
+/** The hook's options: `chargeWith` functions take Fastify's `(request, reply)`. */
+export type FastifyOptions = RateLimitOptions<FastifyLikeRequest, FastifyLikeReply>;
+
 /** Options of the plugin: the middleware's options and the client. */
-export interface FastifyPluginOptions extends RateLimitOptions {
+export interface FastifyPluginOptions extends FastifyOptions {
   client: Client;
 }
 
@@ -75,10 +82,13 @@ export function fastifyView(request: FastifyLikeRequest): RequestView {
  * or `{ onRequest: floodgateFastifyHook(client, { costs: { "/search": 5 } }) }` in a route's options.
  * Throws at once if a `trustProxies` entry is not an address or CIDR block.
  */
-export function floodgateFastifyHook(client: Client, options: RateLimitOptions = {}): FastifyHook {
+export function floodgateFastifyHook(client: Client, options: FastifyOptions = {}): FastifyHook {
   const limiter = new Limiter(client, options);
   return async (request, reply) => {
     const outcome = await limiter.decide(fastifyView(request));
+    // The raw response's `finish` and `close` (its connection gone) end every request, whatever the
+    // route did (a thrown error is answered by Fastify): one listener, one release.
+    if (outcome.release && reply.raw) limiter.releaseWhenDone(reply.raw, outcome.release);
     for (const [name, value] of outcome.headers) reply.header(name, value);
     const charge = outcome.charge;
     if (charge && !outcome.reject && reply.raw) {
@@ -86,8 +96,13 @@ export function floodgateFastifyHook(client: Client, options: RateLimitOptions =
       // here serves the per-route hook as well as the plugin. reply.getHeader reads what the route
       // set with reply.header (Fastify writes those with writeHead, which the raw response keeps not).
       const raw = reply.raw;
-      limiter.chargeWhenDone(raw, charge, () =>
-        typeof reply.getHeader === "function" ? reply.getHeader(charge.header) : raw.getHeader(charge.header),
+      const { header = "", fn } = charge;
+      limiter.chargeWhenDone(
+        raw,
+        charge,
+        fn
+          ? () => fn(request, reply)
+          : () => (typeof reply.getHeader === "function" ? reply.getHeader(header) : raw.getHeader(header)),
       );
     }
     if (!outcome.reject) return undefined;

@@ -7,7 +7,7 @@
 
 import * as net from "node:net";
 
-import type { Client, FailPolicy } from "./client";
+import { newLeaseId, type Client, type FailPolicy } from "./client";
 import { fromAgent, type Decision } from "./decision";
 import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
 
@@ -291,8 +291,21 @@ export interface RequestView {
 /** Reads one attribute off a request; undefined or `""` means absent. */
 export type Extractor = (req: RequestView) => string | undefined | null;
 
-/** What both middlewares take. */
-export interface RateLimitOptions {
+/**
+ * A `chargeWith` function: the cost of a request, read once its response is finished (or its
+ * connection closed), from the framework's own objects (Express `(req, res)`, Fastify
+ * `(request, reply)`). An integer 1 to 2³²−1 is charged; 0, undefined or null charge nothing.
+ */
+// A method's parameters are compared both ways: a function written for express.Request or
+// FastifyRequest is accepted where the structural request types are expected.
+// eslint-disable-next-line @typescript-eslint/no-explicit-any
+export type ChargeFunction<Req = any, Res = any> = {
+  bivarianceHack(request: Req, response: Res): number | undefined | null;
+}["bivarianceHack"];
+
+/** What both middlewares take (`Req` and `Res`: the framework's request and response, for `chargeWith`). */
+// eslint-disable-next-line @typescript-eslint/no-explicit-any
+export interface RateLimitOptions<Req = any, Res = any> {
   /** The endpoint (default: the matched route, else the path). */
   endpoint?: Extractor;
   /** The tier, from what your auth layer knows (none by default). */
@@ -328,6 +341,14 @@ export interface RateLimitOptions {
    */
   chargeHeaders?: Readonly<Record<string, string>>;
   /**
+   * Endpoints (keyed as `costs`) whose cost a function gives once the response is finished, from
+   * the framework's request and response: `{ "/v1/chat": (req, res) => res.locals.tokens }`. The
+   * same request-phase peek of cost 0 as `chargeHeaders`, and the same charge of what the function
+   * returns (an integer 1 to 2³²−1; 0, undefined or null: nothing). An endpoint may be in only one
+   * of `costs`, `chargeHeaders` and `chargeWith` (throws at start).
+   */
+  chargeWith?: Readonly<Record<string, ChargeFunction<Req, Res>>>;
+  /**
    * What a request to an endpoint (keyed as `costs`) answers when the agent cannot: `open` or
    * `closed`, deciding alone, over the agent's fail-closed rules and the client's fail policy.
    * Elsewhere: denied if a fail-closed rule of the agent's applies, else the client's fail policy.
@@ -347,18 +368,36 @@ export interface LimitOutcome {
   reject?: { retryAfter: number; body: string };
   /** The decision, when the check returned one. */
   decision?: Decision;
-  /** For an allowed request to a `chargeHeaders` endpoint: what to charge once the response is done. */
+  /**
+   * For an allowed request to a `chargeHeaders` or `chargeWith` endpoint: what to charge once the
+   * response is done.
+   */
   charge?: PendingCharge;
+  /** When a concurrency rule holds the request's lease: what to release once the response is done. */
+  release?: PendingRelease;
 }
 
-/** @internal A charge to make after the response: the request's attributes and the header to read. */
+/**
+ * @internal A charge to make after the response: the request's attributes and what reports the
+ * cost (a response header, or a `chargeWith` function).
+ */
 export interface PendingCharge {
-  /** The response header that reports the cost, in lower case. */
-  header: string;
+  /** The response header that reports the cost, in lower case (a `chargeHeaders` endpoint). */
+  header?: string;
+  /** The function that gives the cost (a `chargeWith` endpoint). */
+  fn?: ChargeFunction;
   /** The request's attributes, as the request-phase peek sent them (the charge sets cost and mode). */
   attributes: Attributes;
   /** The endpoint's `failFor`, if any. */
   fail?: FailPolicy;
+}
+
+/**
+ * @internal A release to send after the response: the request's attributes, cost and lease as its
+ * check sent them, mode release (the agent matches the same rules, and frees the lease in each).
+ */
+export interface PendingRelease {
+  attributes: Attributes;
 }
 
 /** The most a check may cost: the wire's u32. */
@@ -380,9 +419,37 @@ export function reportedCost(value: unknown): number | undefined {
   return Number.isInteger(n) && n >= 0 && n <= MAX_COST ? n : undefined;
 }
 
-/** The events of a response the charge waits for (Node's `ServerResponse` has them). */
+/** The events of a response the charge and the release wait for (Node's `ServerResponse` has them). */
 export interface Finishing {
   once(event: "finish" | "close", listener: () => void): unknown;
+  /** Node: the response is finished (`finish` was emitted). */
+  readonly writableFinished?: boolean;
+  /** Node: the response is destroyed (its connection closed; `close` was or is being emitted). */
+  readonly destroyed?: boolean;
+  /** Node ≥ 18: `close` was emitted. */
+  readonly closed?: boolean;
+}
+
+/**
+ * Runs `fn` once when `res` is done: finished (`finish`: handed to the OS whole) or its connection
+ * closed first (`close`: a client that went away, a destroyed stream), whichever comes first, and
+ * at once when that already happened (a client that left while the check was in flight). Node's
+ * `ServerResponse` emits `close` in every case, after `finish` when there is one, so `fn` always
+ * runs, and runs once.
+ */
+export function whenDone(res: Finishing, fn: () => void): void {
+  let done = false;
+  const settle = () => {
+    if (done) return;
+    done = true;
+    fn();
+  };
+  if (res.writableFinished === true || res.destroyed === true || res.closed === true) {
+    settle();
+    return;
+  }
+  res.once("finish", settle);
+  res.once("close", settle);
 }
 
 /** A header name as HTTP writes it (RFC 9110 token). */
@@ -416,6 +483,11 @@ function headerExtractor(name: string): Extractor {
   return (req) => firstHeader(req, name);
 }
 
+/** What reports a charge's cost, for warnings: the header's name, or `chargeWith`. */
+function describeSource(pending: PendingCharge): string {
+  return pending.header ?? "chargeWith";
+}
+
 /** @internal The configured limiter both middlewares run. */
 export class Limiter {
   private readonly endpoint: Extractor;
@@ -428,6 +500,8 @@ export class Limiter {
   private readonly failFor = new Map<string, FailPolicy>();
   /** Endpoint → the response header that reports its cost (`chargeHeaders`, names in lower case). */
   private readonly chargeHeaders = new Map<string, string>();
+  /** Endpoint → the function that gives its cost (`chargeWith`). */
+  private readonly chargeWith = new Map<string, ChargeFunction>();
   private readonly ietf: boolean;
   private readonly logger: { warn(message: string): void } | null;
   private lastCheckFailed = -Infinity;
@@ -470,6 +544,22 @@ export class Limiter {
       }
       this.chargeHeaders.set(endpoint, h.toLowerCase());
     }
+    // The same for a function, which may not share its endpoint with a header either.
+    for (const [e, f] of Object.entries(o.chargeWith ?? {})) {
+      if (typeof f !== "function") {
+        throw new Error(`chargeWith[${JSON.stringify(e)}] must be a function, not ${typeof f}`);
+      }
+      const endpoint = routeName(e);
+      if (this.costs.has(endpoint)) {
+        throw new Error(
+          `${JSON.stringify(e)} is in both costs and chargeWith: a charged endpoint costs what its response reports`,
+        );
+      }
+      if (this.chargeHeaders.has(endpoint)) {
+        throw new Error(`${JSON.stringify(e)} is in both chargeHeaders and chargeWith: one reports its cost`);
+      }
+      this.chargeWith.set(endpoint, f);
+    }
     this.ietf = o.ietfHeaders ?? false;
     this.logger = o.logger === undefined ? console : o.logger;
   }
@@ -480,13 +570,20 @@ export class Limiter {
   }
 
   /**
-   * The request's attributes (a peek of cost 0 at a `chargeHeaders` endpoint), the fail policy its
-   * endpoint is given (`failFor`), if any, and the header that will report its cost, if any.
+   * The request's attributes (a peek of cost 0 at a `chargeHeaders` or `chargeWith` endpoint), the
+   * fail policy its endpoint is given (`failFor`), if any, and what will report its cost, if anything.
    */
-  private prepare(req: RequestView): { attributes: Attributes; fail?: FailPolicy; chargeHeader?: string } {
+  private prepare(req: RequestView): {
+    attributes: Attributes;
+    fail?: FailPolicy;
+    chargeHeader?: string;
+    chargeFn?: ChargeFunction;
+  } {
     const endpoint = this.endpoint(req) || undefined;
     const chargeHeader = endpoint !== undefined ? this.chargeHeaders.get(endpoint) : undefined;
-    const cost = chargeHeader !== undefined ? 0 : (endpoint !== undefined && this.costs.get(endpoint)) || 1;
+    const chargeFn = endpoint !== undefined ? this.chargeWith.get(endpoint) : undefined;
+    const charged = chargeHeader !== undefined || chargeFn !== undefined;
+    const cost = charged ? 0 : (endpoint !== undefined && this.costs.get(endpoint)) || 1;
     const fail = endpoint !== undefined ? this.failFor.get(endpoint) : undefined;
     let ip: string | undefined | null;
     if (this.ip) ip = this.ip(req);
@@ -509,18 +606,31 @@ export class Limiter {
       ip: ip ? wireSafe(ip) : undefined,
       cost,
     };
-    if (chargeHeader !== undefined) attributes.mode = "peek";
-    return { attributes, fail, chargeHeader };
+    if (charged) attributes.mode = "peek";
+    return { attributes, fail, chargeHeader, chargeFn };
   }
 
-  /** Asks the agent and says what to do: never rejects (a failed check lets the request pass). */
+  /**
+   * Asks the agent and says what to do: never rejects (a failed check lets the request pass). On a
+   * connection to an agent that speaks protocol version 3 the check carries a fresh lease, and when
+   * a concurrency rule holds it the outcome says what to release once the response is done.
+   */
   async decide(req: RequestView): Promise<LimitOutcome> {
     let decision: Decision;
     let charge: PendingCharge | undefined;
+    let release: PendingRelease | undefined;
     try {
-      const { attributes, fail, chargeHeader } = this.prepare(req);
+      const { attributes, fail, chargeHeader, chargeFn } = this.prepare(req);
+      // Read and sent in one synchronous run: the check goes on the connection whose version this
+      // is (an older agent, or none, gets no lease and holds nothing).
+      if (this.client.protocolVersion >= 3) attributes.lease = newLeaseId();
       decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
-      if (chargeHeader !== undefined) charge = { header: chargeHeader, attributes, fail };
+      if (chargeHeader !== undefined || chargeFn !== undefined) {
+        // A charge holds nothing: it goes without the lease (and so to a version-2 agent as well).
+        const { lease: _lease, ...rest } = attributes;
+        charge = { header: chargeHeader, fn: chargeFn, attributes: rest, fail };
+      }
+      if (decision.items.some((i) => i.verdict.holdsLease)) release = { attributes: { ...attributes, mode: "release" } };
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
       // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).
@@ -532,32 +642,80 @@ export class Limiter {
       return { headers: [] };
     }
     const headers = rateLimitHeaders(decision, this.ietf);
-    if (decision.allowed) return charge ? { headers, decision, charge } : { headers, decision };
+    const outcome: LimitOutcome = { headers, decision };
+    if (release) outcome.release = release;
+    if (decision.allowed) {
+      if (charge) outcome.charge = charge;
+      return outcome;
+    }
     const secs = retryAfterSeconds(decision);
-    return { headers, decision, reject: { retryAfter: secs, body: rejectionBody(secs) } };
+    outcome.reject = { retryAfter: secs, body: rejectionBody(secs) };
+    return outcome;
   }
 
   /**
    * Charges what the response reports once it is finished (`finish`), or once its connection
    * closed before that (`close`; the header is read as the handler left it). `read` gives the
-   * header's value as the framework holds it. Never delays the response, never throws.
+   * header's value as the framework holds it, or calls the `chargeWith` function. Never delays the
+   * response, never throws.
    */
   chargeWhenDone(res: Finishing, pending: PendingCharge, read: () => unknown): void {
-    let done = false;
-    const settle = () => {
-      if (done) return;
-      done = true;
+    whenDone(res, () => {
+      let value: unknown;
       try {
-        this.charge(pending, read());
+        value = read();
+      } catch (e) {
+        const endpoint = pending.attributes.endpoint ?? "";
+        this.warnEvery(
+          "value",
+          `floodgate: ${describeSource(pending)} on ${endpoint} threw: ${(e as Error)?.message ?? e}; nothing charged ` +
+            `(at most one such warning a minute)`,
+        );
+        return;
+      }
+      try {
+        this.charge(pending, value);
       } catch (e) {
         this.warnEvery("charge", `floodgate: the charge failed: ${(e as Error)?.message ?? e}`);
       }
-    };
-    res.once("finish", settle);
-    res.once("close", settle);
+    });
   }
 
-  /** Charges `value` (the header's, as read) to the request's rules; nothing for 0 or a bad value. */
+  /**
+   * Releases the request's lease once its response is done (finished, or its connection closed
+   * first: a client that went away, a handler's error answered by the framework): the same
+   * attributes, cost and lease, mode release. Once per request; never delays the response, never
+   * throws. A release the agent does not take is warned about; the lease then runs out by itself.
+   */
+  releaseWhenDone(res: Finishing, pending: PendingRelease): void {
+    whenDone(res, () => {
+      try {
+        this.release(pending);
+      } catch (e) {
+        this.warnEvery("release", `floodgate: the release failed: ${(e as Error)?.message ?? e}`);
+      }
+    });
+  }
+
+  private release(pending: PendingRelease): void {
+    const endpoint = pending.attributes.endpoint ?? "";
+    const lost = (why: string) =>
+      this.warnEvery(
+        "release",
+        `floodgate: the release of a concurrency lease on ${endpoint} ${why}; its units stay held until ` +
+          `the lease runs out (leaseSeconds) (at most one such warning a minute)`,
+      );
+    this.client.checkAttributes(pending.attributes).then(
+      (d) => {
+        if (fromAgent(d)) return;
+        const reason = "reason" in d.origin ? d.origin.reason : "unavailable";
+        lost(reason === "timeout" ? "was not confirmed within the client's timeout" : "did not reach the agent");
+      },
+      (e: unknown) => lost(`failed: ${(e as Error)?.message ?? e}`),
+    );
+  }
+
+  /** Charges `value` (the header's or the function's) to the request's rules; nothing for 0 or a bad value. */
   private charge(pending: PendingCharge, value: unknown): void {
     const cost = reportedCost(value);
     const endpoint = pending.attributes.endpoint ?? "";
@@ -565,8 +723,8 @@ export class Limiter {
       const shown = (Array.isArray(value) ? JSON.stringify(value) : String(value)).slice(0, 64);
       this.warnEvery(
         "value",
-        `floodgate: ${pending.header} on ${endpoint} is ${JSON.stringify(shown)}, not an integer ` +
-          `0 to ${MAX_COST}; nothing charged (at most one such warning a minute)`,
+        `floodgate: ${describeSource(pending)} on ${endpoint} ${pending.fn ? "gave" : "is"} ${JSON.stringify(shown)}, ` +
+          `not an integer 0 to ${MAX_COST}; nothing charged (at most one such warning a minute)`,
       );
       return;
     }

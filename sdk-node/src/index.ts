@@ -8,7 +8,8 @@
  * fail policy, open (allow) by default, closed where configured; the client reconnects in the
  * background.
  *
- * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `health`. `new Client()`
+ * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `acquire`, `release`,
+ *   `hold` (leases of concurrency rules), `health`. `new Client()`
  *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
  *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
  *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
@@ -17,8 +18,18 @@
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
 
-export { Client, FloodgateError } from "./client";
-export type { CallOptions, ClientConfig, ClientStats, FailPolicy, LocalLimit, Logger } from "./client";
+export { Client, FloodgateError, newLeaseId } from "./client";
+export type {
+  Acquired,
+  CallOptions,
+  ClientConfig,
+  ClientStats,
+  FailPolicy,
+  HoldResult,
+  Lease,
+  LocalLimit,
+  Logger,
+} from "./client";
 export type { Health } from "./health";
 export { DEFAULT_SOCKET, defaultSocketPath } from "./socket-path";
 export { fromAgent } from "./decision";
@@ -36,6 +47,7 @@ export {
   MAX_FRAME,
   MAX_ITEMS,
   MAX_KEY,
+  MAX_LEASE,
   MAX_RULE_ID,
   MIN_VERSION,
   VERSION,
@@ -64,8 +76,20 @@ export {
   routeName,
   wireSafe,
 } from "./http";
-export type { Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
+export type { ChargeFunction, Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
 export { floodgateExpress, expressRoutedPath, expressView } from "./express";
-export type { ExpressLikeRequest, ExpressMiddleware, ExpressRouting } from "./express";
+export type {
+  ExpressLikeRequest,
+  ExpressLikeResponse,
+  ExpressMiddleware,
+  ExpressOptions,
+  ExpressRouting,
+} from "./express";
 export { floodgateFastify, floodgateFastifyHook, fastifyView } from "./fastify";
-export type { FastifyHook, FastifyLikeReply, FastifyLikeRequest, FastifyPluginOptions } from "./fastify";
+export type {
+  FastifyHook,
+  FastifyLikeReply,
+  FastifyLikeRequest,
+  FastifyOptions,
+  FastifyPluginOptions,
+} from "./fastify";

@@ -1,17 +1,20 @@
 /**
- * Floodgate's wire protocol, versions 1 and 2 (`protocol/PROTOCOL.md`): frames to bytes and bytes
+ * Floodgate's wire protocol, versions 1 to 3 (`protocol/PROTOCOL.md`): frames to bytes and bytes
  * to frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
  *
  * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
  * counting everything after itself; a whole frame is at most 65,536 bytes. The version byte is the
  * version that introduced the frame's kind (2 for FailModes and FailModeList, else 1; Hello's is
- * `min(max_version, 2)`), so a version-1 peer reads every frame it knows.
+ * `min(max_version, 3)`), so a version-1 peer reads every frame it knows.
  */
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 
-/** The highest protocol version this SDK speaks (2: the fail-mode list and item modes). */
-export const VERSION = 2;
+/**
+ * The highest protocol version this SDK speaks (2: the fail-mode list and item modes; 3: leases and
+ * releases of concurrency rules).
+ */
+export const VERSION = 3;
 /** The lowest protocol version this SDK speaks. */
 export const MIN_VERSION = 1;
 /** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
@@ -34,6 +37,8 @@ export const MAX_MESSAGE = 1024;
 export const VERDICT_LEN = 34;
 /** Largest cost (u32). */
 export const MAX_COST = 0xffff_ffff;
+/** Largest lease id (u64). */
+export const MAX_LEASE = 0xffff_ffff_ffff_ffffn;
 
 /** Frame kinds (the byte after the version). */
 export const Kind = {
@@ -72,6 +77,14 @@ const DIMENSIONS: readonly ListedDimension[] = ["user", "apiKey", "ip", "descrip
 /** FailModeList flags bit 0: more rules than one frame holds. */
 const LIST_TRUNCATED = 0b01;
 
+/** Verdict flags: bit 0 allowed, bit 1 log only, bit 2 (version 3) holds lease. */
+const FLAG_ALLOWED = 0b001;
+const FLAG_LOG_ONLY = 0b010;
+const FLAG_HOLDS_LEASE = 0b100;
+
+/** In a mode byte (version 3): a `lease u64` follows; bits 0 to 6 are the mode. */
+const MODE_LEASE = 0x80;
+
 /** Check forms: 0 and 1 in version 1; 2 and 3, the same with item modes, in version 2. */
 const FORM_ITEMS = 0;
 const FORM_ATTRIBUTES = 1;
@@ -81,13 +94,16 @@ const FORM_ATTRIBUTES_MODE = 3;
 /**
  * What an item does with its cost (protocol version 2; version 1 knows only `consume`):
  *
- * - `consume`: takes the cost if the check passes, all or nothing with the check's other consume items;
+ * - `consume`: takes the cost if the check passes, all or nothing with the check's other consume
+ *   items (a concurrency rule: acquires the cost under the item's lease);
  * - `peek`: changes nothing; says whether the cost would pass now and what is left now;
- * - `charge`: always takes the cost, even past the limit (a debt later checks wait out); never denied.
+ * - `charge`: always takes the cost, even past the limit (a debt later checks wait out); never denied;
+ * - `release` (version 3): gives a concurrency rule's units back: those of the item's lease, or
+ *   without a lease up to `cost` units of the key's leases; never denied (a peek on other rules).
  */
-export type ItemMode = "consume" | "peek" | "charge";
+export type ItemMode = "consume" | "peek" | "charge" | "release";
 /** The modes by their wire byte. */
-const MODES: readonly ItemMode[] = ["consume", "peek", "charge"];
+const MODES: readonly ItemMode[] = ["consume", "peek", "charge", "release"];
 
 /** One `(key, ruleId, cost)` item of a check. */
 export interface Item {
@@ -99,6 +115,12 @@ export interface Item {
   cost?: number;
   /** What the item does with its cost (default `consume`; the others need protocol version 2). */
   mode?: ItemMode;
+  /**
+   * The client's lease id, 0 to 2⁶⁴−1 (protocol version 3): a concurrency rule's units a consume
+   * takes are held under it, and a release with the same lease and cost gives them back. Other
+   * rules ignore it.
+   */
+  lease?: bigint;
 }
 
 /** Request attributes for the agent to match against its rules; absent or `""` means absent. */
@@ -117,6 +139,8 @@ export interface Attributes {
   cost?: number;
   /** What every matched rule's item does with the cost (default `consume`; see {@link ItemMode}). */
   mode?: ItemMode;
+  /** The client's lease id for every matched concurrency rule (protocol version 3; see {@link Item.lease}). */
+  lease?: bigint;
 }
 
 /** The figures of one decision, per item or combined. */
@@ -125,6 +149,11 @@ export interface Verdict {
   allowed: boolean;
   /** The rule is in log mode: reported, never enforced. */
   logOnly: boolean;
+  /**
+   * A concurrency rule holds the item's lease (protocol version 3): release it when the request
+   * ends, or it runs out at `resetAtMs`.
+   */
+  holdsLease: boolean;
   /** Where the answer came from. */
   source: Source;
   /** The rule's limit per window (token bucket: its capacity). */
@@ -225,6 +254,15 @@ function validateMode(mode: unknown): string | null {
   return `mode must be one of ${MODES.join(", ")}, not ${JSON.stringify(mode)}`;
 }
 
+function validateLease(lease: unknown): string | null {
+  if (lease === undefined) return null;
+  if (typeof lease !== "bigint" || lease < 0n || lease > MAX_LEASE) {
+    const shown = typeof lease === "bigint" ? `${lease}n` : typeof lease === "string" ? JSON.stringify(lease) : String(lease);
+    return `a lease must be a bigint from 0 to 2^64-1, not ${shown}`;
+  }
+  return null;
+}
+
 /** A peek may ask about cost 0 (what is left now); every other mode takes at least 1. */
 function validateCost(cost: unknown, mode: ItemMode | undefined): string | null {
   const min = mode === "peek" ? 0 : 1;
@@ -235,19 +273,31 @@ function validateCost(cost: unknown, mode: ItemMode | undefined): string | null 
   return null;
 }
 
-/** Whether a check needs forms 2 or 3: some item does not consume. */
-function hasModes(check: Check): boolean {
-  if (check.form === "items") return check.items.some((i) => (i.mode ?? "consume") !== "consume");
-  return (check.attributes.mode ?? "consume") !== "consume";
+/** The version an item (or the attributes) needs: 3 with a lease or a release, 2 to peek or charge. */
+function itemVersion(mode: ItemMode | undefined, lease: bigint | undefined): 1 | 2 | 3 {
+  if (lease !== undefined || mode === "release") return 3;
+  return (mode ?? "consume") === "consume" ? 1 : 2;
 }
 
 /**
- * The lowest protocol version that carries `check`: 2 when an item (or the attributes) peeks or
- * charges, else 1. A version-1 agent cannot parse a version-2 check and closes the connection, so
- * such a check is sent only on a connection whose HelloOk said 2.
+ * The lowest protocol version that carries `check`: 3 when an item (or the attributes) carries a
+ * lease or releases, 2 when one peeks or charges, else 1. An agent cannot parse a check of a
+ * version above its own (a version-1 agent closes the connection; a version-2 one refuses the mode
+ * byte), so such a check is sent only on a connection whose HelloOk said that version.
  */
-export function checkVersion(check: Check): 1 | 2 {
-  return hasModes(check) ? 2 : 1;
+export function checkVersion(check: Check): 1 | 2 | 3 {
+  if (check.form === "attributes") return itemVersion(check.attributes.mode, check.attributes.lease);
+  let v: 1 | 2 | 3 = 1;
+  for (const i of check.items) {
+    const iv = itemVersion(i.mode, i.lease);
+    if (iv > v) v = iv;
+  }
+  return v;
+}
+
+/** Whether a check needs forms 2 or 3: some item does not consume, or carries a lease. */
+function hasModes(check: Check): boolean {
+  return checkVersion(check) > 1;
 }
 
 /** Why a check is refused by the protocol's limits, or null when it is valid. */
@@ -265,6 +315,7 @@ export function validateCheck(check: Check): string | null {
         validateText("key", item.key, MAX_KEY) ??
         validateRuleId(item.ruleId) ??
         validateMode(item.mode) ??
+        validateLease(item.lease) ??
         validateCost(item.cost ?? 1, item.mode);
       if (why) return why;
       if (seen) {
@@ -282,7 +333,7 @@ export function validateCheck(check: Check): string | null {
       if (why) return why;
     }
   }
-  return validateMode(a.mode) ?? validateCost(a.cost ?? 1, a.mode);
+  return validateMode(a.mode) ?? validateLease(a.lease) ?? validateCost(a.cost ?? 1, a.mode);
 }
 
 /** The attributes with their names, in wire order. */
@@ -333,6 +384,18 @@ class Writer {
   u64(n: number): void {
     this.ensure(8);
     this.buf.writeBigUInt64BE(toU64(n), this.len);
+    this.len += 8;
+  }
+  /** A mode byte, bit 7 set and the lease after it when there is one (version 3). */
+  mode(mode: ItemMode | undefined, lease: bigint | undefined): void {
+    const b = MODES.indexOf(mode ?? "consume");
+    if (lease === undefined) {
+      this.u8(b);
+      return;
+    }
+    this.u8(b | MODE_LEASE);
+    this.ensure(8);
+    this.buf.writeBigUInt64BE(lease, this.len);
     this.len += 8;
   }
   private str(s: string, lenBytes: 1 | 2): void {
@@ -403,7 +466,7 @@ function kindOf(body: Body): number {
 }
 
 function putVerdict(w: Writer, v: Verdict): void {
-  w.u8((v.allowed ? 1 : 0) | (v.logOnly ? 2 : 0));
+  w.u8((v.allowed ? FLAG_ALLOWED : 0) | (v.logOnly ? FLAG_LOG_ONLY : 0) | (v.holdsLease ? FLAG_HOLDS_LEASE : 0));
   w.u8(Math.max(0, SOURCES.indexOf(v.source)));
   w.u64(v.limit);
   w.u64(v.remaining);
@@ -445,7 +508,7 @@ export function encodeFrame(frame: Frame): Buffer {
       w.u8(body.version);
       break;
     case "check": {
-      // Every item consuming: version 1's forms 0 and 1, which every agent reads.
+      // Every item consuming without a lease: version 1's forms 0 and 1, which every agent reads.
       const modes = hasModes(body.check);
       if (body.check.form === "items") {
         w.u8(modes ? FORM_ITEMS_MODES : FORM_ITEMS);
@@ -454,14 +517,14 @@ export function encodeFrame(frame: Frame): Buffer {
           w.str16(item.key);
           w.str8(item.ruleId);
           w.u32(item.cost ?? 1);
-          if (modes) w.u8(MODES.indexOf(item.mode ?? "consume"));
+          if (modes) w.mode(item.mode, item.lease);
         }
       } else {
         const a = body.check.attributes;
         w.u8(modes ? FORM_ATTRIBUTES_MODE : FORM_ATTRIBUTES);
         for (const [, value] of attributeFields(a)) w.str16(value ?? "");
         w.u32(a.cost ?? 1);
-        if (modes) w.u8(MODES.indexOf(a.mode ?? "consume"));
+        if (modes) w.mode(a.mode, a.lease);
       }
       break;
     }
@@ -572,26 +635,36 @@ class Reader {
   str8(): string {
     return this.string(this.u8());
   }
-  /** An item mode; one this peer does not know refuses the check (error 5), as bad text does. */
-  mode(): ItemMode {
+  /**
+   * An item mode and the lease after it when bit 7 is set (version 3); a mode this peer does not
+   * know refuses the check (error 5), as bad text does.
+   */
+  mode(): { mode: ItemMode; lease?: bigint } {
     const b = this.u8();
-    const mode = MODES[b];
-    if (mode !== undefined) return mode;
-    this.badText ??= `unknown item mode ${b}`;
-    return "consume";
+    let mode = MODES[b & ~MODE_LEASE];
+    if (mode === undefined) {
+      this.badText ??= `unknown item mode ${b}`;
+      mode = "consume";
+    }
+    if ((b & MODE_LEASE) === 0) return { mode };
+    const at = this.take(8);
+    return { mode, lease: this.buf.readBigUInt64BE(at) };
   }
   str16(): string {
     return this.string(this.u16());
   }
   verdict(): Verdict {
     const flags = this.u8();
-    if (flags & ~0b11) throw new Malformed(`unknown verdict flags 0x${flags.toString(16).padStart(2, "0")}`);
+    if (flags & ~(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE)) {
+      throw new Malformed(`unknown verdict flags 0x${flags.toString(16).padStart(2, "0")}`);
+    }
     const s = this.u8();
     const source = SOURCES[s];
     if (source === undefined) throw new Malformed(`unknown source ${s}`);
     return {
-      allowed: (flags & 1) !== 0,
-      logOnly: (flags & 2) !== 0,
+      allowed: (flags & FLAG_ALLOWED) !== 0,
+      logOnly: (flags & FLAG_LOG_ONLY) !== 0,
+      holdsLease: (flags & FLAG_HOLDS_LEASE) !== 0,
       source,
       limit: this.u64(),
       remaining: this.u64(),
@@ -614,7 +687,11 @@ function decodeBody(kind: number, r: Reader): Body {
         const items: Item[] = [];
         for (let i = 0; i < n; i++) {
           const item: Item = { key: r.str16(), ruleId: r.str8(), cost: r.u32() };
-          if (form === FORM_ITEMS_MODES) item.mode = r.mode();
+          if (form === FORM_ITEMS_MODES) {
+            const { mode, lease } = r.mode();
+            item.mode = mode;
+            if (lease !== undefined) item.lease = lease;
+          }
           items.push(item);
         }
         return { kind: "check", check: { form: "items", items } };
@@ -626,7 +703,11 @@ function decodeBody(kind: number, r: Reader): Body {
         };
         const attributes: Attributes = { endpoint: v(), tier: v(), user: v(), apiKey: v(), ip: v() };
         attributes.cost = r.u32();
-        if (form === FORM_ATTRIBUTES_MODE) attributes.mode = r.mode();
+        if (form === FORM_ATTRIBUTES_MODE) {
+          const { mode, lease } = r.mode();
+          attributes.mode = mode;
+          if (lease !== undefined) attributes.lease = lease;
+        }
         return { kind: "check", check: { form: "attributes", attributes } };
       }
       throw new Malformed(`unknown check form ${form}`);

@@ -149,7 +149,7 @@ describe("client against a fake agent", () => {
         sock.write(b);
       } else if (n === 2) {
         const b = decisionFrame(f.requestId, 1);
-        b[4] = 3; // version 3, which this SDK does not speak
+        b[4] = 4; // version 4, which this SDK does not speak
         sock.write(b);
       } else sock.write(decisionFrame(f.requestId, 9));
     };
@@ -425,7 +425,7 @@ describe("the agent's fail-closed rules (fake agent)", () => {
       fake.received.map((f) => f.body.kind),
       ["hello", "check", "check"],
     );
-    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 2, "Hello offers 1..2");
+    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 3, "Hello offers 1..3");
     assert.equal(client.health().failClosedRules, 0);
     assert.ok(!("rulesVersion" in client.health()), "no list: no rules version");
     fake.goAway();

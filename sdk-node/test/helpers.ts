@@ -408,6 +408,7 @@ export function verdict(remaining: number, allowed = true): Verdict {
   return {
     allowed,
     logOnly: false,
+    holdsLease: false,
     source: "local",
     limit: 100,
     remaining,
@@ -420,4 +421,37 @@ export function verdict(remaining: number, allowed = true): Verdict {
 export function decisionFrame(requestId: number, remaining: number, allowed = true): Buffer {
   const v = verdict(remaining, allowed);
   return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: "rule", verdict: v }] } });
+}
+
+/** A verdict as the fake answers, holding the lease or not. */
+export function leaseVerdict(holdsLease: boolean, remaining = 1): Verdict {
+  return {
+    allowed: true,
+    logOnly: false,
+    holdsLease,
+    source: "local",
+    limit: 2,
+    remaining,
+    resetAtMs: 1_700_000_030_000,
+    retryAfterMs: 0,
+  };
+}
+
+/** A Decision frame answering `requestId` with one item `rule`, holding the lease or not. */
+export function leaseDecision(requestId: number, holdsLease: boolean, rule = "slots"): Buffer {
+  const v = leaseVerdict(holdsLease);
+  return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: rule, verdict: v }] } });
+}
+
+/** The body of each Check the fake read, in hex (the request ids differ from run to run). */
+export const checkBodies = (fake: FakeAgent) =>
+  fake.receivedBytes.filter((b) => b[5] === 0x03).map((b) => b.subarray(10).toString("hex"));
+
+/** Whether a frame is a check carrying a lease that consumes (an acquire). */
+export function isAcquire(f: Frame): boolean {
+  if (f.body.kind !== "check") return false;
+  const c = f.body.check;
+  const [mode, lease] =
+    c.form === "items" ? [c.items[0].mode, c.items[0].lease] : [c.attributes.mode, c.attributes.lease];
+  return lease !== undefined && (mode ?? "consume") === "consume";
 }

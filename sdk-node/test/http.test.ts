@@ -104,6 +104,7 @@ describe("headers and Retry-After", () => {
   const verdict = (limit: number, remaining: number, resetAtMs: number, logOnly = false) => ({
     allowed: true,
     logOnly,
+    holdsLease: false,
     source: "redis" as const,
     limit,
     remaining,

@@ -36,7 +36,14 @@ const v = (
   resetAtMs: number,
   retryAfterMs: number,
   logOnly = false,
-): Verdict => ({ allowed, logOnly, source, limit, remaining, resetAtMs, retryAfterMs });
+  holdsLease = false,
+): Verdict => ({ allowed, logOnly, holdsLease, source, limit, remaining, resetAtMs, retryAfterMs });
+
+/** A decode result as text for an assertion's message (leases are bigints, which JSON refuses). */
+const show = (x: unknown) => JSON.stringify(x, (_k, y: unknown) => (typeof y === "bigint" ? `${y}n` : y));
+
+/** The lease of the page's version-3 vectors. */
+const LEASE = 0x0123456789abcdefn;
 
 /** The frames PROTOCOL.md describes in words, built here independently of the hex. */
 const EXPECTED: Record<string, Frame> = {
@@ -125,6 +132,55 @@ const EXPECTED: Record<string, Frame> = {
       },
     },
   },
+  hello_v3: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 3 } },
+  hello_ok_v3: { requestId: 0, body: { kind: "helloOk", version: 3 } },
+  check_acquire: {
+    requestId: 14,
+    body: {
+      kind: "check",
+      check: { form: "items", items: [{ key: "apikey:abc", ruleId: "gpu-slots", cost: 2, mode: "consume", lease: LEASE }] },
+    },
+  },
+  decision_lease: {
+    requestId: 14,
+    body: {
+      kind: "decision",
+      combined: v(true, "redis", 4, 2, 1700000060000, 0, false, true),
+      items: [{ ruleId: "gpu-slots", verdict: v(true, "redis", 4, 2, 1700000060000, 0, false, true) }],
+    },
+  },
+  check_release: {
+    requestId: 15,
+    body: {
+      kind: "check",
+      check: {
+        form: "items",
+        items: [
+          { key: "apikey:abc", ruleId: "gpu-slots", cost: 2, mode: "release", lease: LEASE },
+          { key: "apikey:xyz", ruleId: "gpu-slots", cost: 1, mode: "release" },
+        ],
+      },
+    },
+  },
+  check_attributes_lease: {
+    requestId: 16,
+    body: {
+      kind: "check",
+      check: {
+        form: "attributes",
+        attributes: {
+          endpoint: "/v1/chat",
+          tier: undefined,
+          user: undefined,
+          apiKey: "abc",
+          ip: undefined,
+          cost: 1,
+          mode: "consume",
+          lease: 42n,
+        },
+      },
+    },
+  },
   fail_mode_list: {
     requestId: 11,
     body: {
@@ -159,7 +215,7 @@ describe("PROTOCOL.md test vectors", () => {
       const hex = vectors.get(name);
       assert.ok(hex, `PROTOCOL.md has no vector ${name}`);
       const r = decodeFrame(hex);
-      assert.ok(r.ok, `decode failed: ${JSON.stringify(r)}`);
+      assert.ok(r.ok, `decode failed: ${show(r)}`);
       assert.equal(r.used, hex.length);
       assert.deepEqual(r.frame, frame);
       // Fewer bytes than the frame: wait for more, whatever the cut.
@@ -197,20 +253,20 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     const extra = Buffer.from("0000000701070000000300", "hex");
     const vec = vectorsFromDoc().get("decision_allowed")!;
     const badFlags = Buffer.from(vec);
-    badFlags[10] = 0x04;
+    badFlags[10] = 0x08; // bit 2 is version 3's "holds lease"; bit 3 is nothing
     const badSource = Buffer.from(vec);
     badSource[11] = 4;
     const tooManyItems = Buffer.from(vec);
     tooManyItems[44] = 17;
     for (const [name, b] of Object.entries({ unknownKind, extra, badFlags, badSource, tooManyItems })) {
       const r = decodeFrame(b);
-      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${JSON.stringify(r)}`);
+      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${show(r)}`);
     }
   });
 
   it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
-    const v3 = Buffer.from("00000006030700000003", "hex");
-    const r = decodeFrame(Buffer.concat([v3, pong]));
+    const v4 = Buffer.from("00000006040700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v4, pong]));
     assert.ok(!r.ok && r.type === "rejected");
     assert.equal(r.code, 3);
     assert.equal(r.frameLen, 10);
@@ -223,12 +279,14 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     assert.equal(bad.frameLen, vec.length);
   });
 
-  it("either version byte, 1 or 2, is read on any kind", () => {
-    const pong2 = Buffer.from(pong);
-    pong2[4] = 2;
-    const a = decodeFrame(pong2);
-    assert.ok(a.ok);
-    assert.deepEqual(a.frame, { requestId: 3, body: { kind: "pong" } });
+  it("any version byte, 1 to 3, is read on any kind", () => {
+    for (const version of [2, 3]) {
+      const pong2 = Buffer.from(pong);
+      pong2[4] = version;
+      const a = decodeFrame(pong2);
+      assert.ok(a.ok, `version ${version}`);
+      assert.deepEqual(a.frame, { requestId: 3, body: { kind: "pong" } });
+    }
     const failModes1 = Buffer.from(vectorsFromDoc().get("fail_modes")!);
     failModes1[4] = 1;
     const b = decodeFrame(failModes1);
@@ -246,7 +304,7 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     badDimension[34] = 4;
     for (const [name, b] of Object.entries({ badFlags, badDimension })) {
       const r = decodeFrame(b);
-      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${JSON.stringify(r)}`);
+      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${show(r)}`);
     }
     const truncated = Buffer.from(vec);
     truncated[18] = 0x01;
@@ -346,7 +404,7 @@ describe("item modes (version 2)", () => {
       [attrs("peek", 0), frame(1, { form: "attributes", attributes: { ...absent, user: "u", cost: 0, mode: "peek" } })],
     ]) {
       const r = decodeFrame(encodeFrame(f));
-      assert.ok(r.ok, JSON.stringify(r));
+      assert.ok(r.ok, show(r));
       assert.deepEqual(r.frame, back);
     }
     for (const f of [items("consume", 0), items("charge", 0), attrs("consume", 0), attrs("charge", 0)]) {
@@ -358,22 +416,26 @@ describe("item modes (version 2)", () => {
     const chargeZero = Buffer.from(vectorsFromDoc().get("check_modes")!);
     chargeZero.writeUInt32BE(0, chargeZero.length - 5);
     const r = decodeFrame(Buffer.concat([chargeZero, pong]));
-    assert.ok(!r.ok && r.type === "rejected", JSON.stringify(r));
+    assert.ok(!r.ok && r.type === "rejected", show(r));
     assert.deepEqual([r.code, r.requestId, r.frameLen], [5, 12, chargeZero.length]);
   });
 
   it("an unknown mode byte refuses the check (error 5) and leaves the stream in sync", () => {
     const vectors = vectorsFromDoc();
     const items = Buffer.from(vectors.get("check_modes")!);
-    items[33] = 3; // the first item's mode: peek (1) becomes 3
+    items[33] = 4; // the first item's mode: peek (1) becomes 4 (3 is version 3's release)
     const attributes = Buffer.from(vectors.get("check_attributes_charge")!);
-    attributes[attributes.length - 1] = 0xff;
+    attributes[attributes.length - 1] = 0x7f; // bit 7 clear: no lease follows
+    // An unknown mode with the lease bit: the lease is read, then the check refused.
+    const leased = Buffer.from(vectors.get("check_attributes_lease")!);
+    leased[leased.length - 9] = 0x85;
     for (const [b, id, mode] of [
-      [items, 12, 3],
-      [attributes, 13, 255],
+      [items, 12, 4],
+      [attributes, 13, 127],
+      [leased, 16, 0x85],
     ] as const) {
       const r = decodeFrame(Buffer.concat([b, pong]));
-      assert.ok(!r.ok && r.type === "rejected", JSON.stringify(r));
+      assert.ok(!r.ok && r.type === "rejected", show(r));
       assert.deepEqual([r.code, r.requestId, r.frameLen], [5, id, b.length]);
       assert.equal(r.reason, `unknown item mode ${mode}`);
       const next = decodeFrame(Buffer.concat([b, pong]).subarray(r.frameLen));
@@ -388,9 +450,83 @@ describe("item modes (version 2)", () => {
 
   it("encoding refuses a mode it does not know", () => {
     const bad = { key: "k", ruleId: "r", mode: "Peek" } as unknown as { key: string; ruleId: string };
-    assert.throws(() => encodeFrame(frame(1, { form: "items", items: [bad] })), /mode must be one of consume, peek, charge/);
+    assert.throws(() => encodeFrame(frame(1, { form: "items", items: [bad] })), /mode must be one of consume, peek, charge, release/);
     const attributes = { user: "u", mode: 1 } as unknown as { user: string };
     assert.throws(() => encodeFrame(frame(1, { form: "attributes", attributes })), InvalidCheck);
+  });
+});
+
+describe("leases and releases (version 3)", () => {
+  const frame = (requestId: number, check: Check): Frame => ({ requestId, body: { kind: "check", check } });
+  const pong = Buffer.from("00000006010700000003", "hex");
+
+  it("a lease or a release needs version 3; a lease on a consume makes the check form 2 or 3", () => {
+    const acquire: Check = { form: "items", items: [{ key: "k", ruleId: "r", lease: 1n }] };
+    const release: Check = { form: "items", items: [{ key: "k", ruleId: "r", mode: "release" }] };
+    const mixed: Check = {
+      form: "items",
+      items: [
+        { key: "k", ruleId: "a", mode: "peek", cost: 0 },
+        { key: "k", ruleId: "b", lease: 7n },
+      ],
+    };
+    const attributes: Check = { form: "attributes", attributes: { user: "u", lease: 0n } };
+    assert.deepEqual([acquire, release, mixed, attributes].map(checkVersion), [3, 3, 3, 3]);
+    const a = encodeFrame(frame(1, acquire));
+    // header 10, form, count, key 2+1, rule id 1+1, cost 4, then the mode byte and the lease.
+    assert.equal(a[10], 2, "form 2");
+    assert.equal(a.subarray(21).toString("hex"), "80" + "0000000000000001");
+    const at = encodeFrame(frame(1, attributes));
+    assert.equal(at[10], 3, "form 3");
+    assert.equal(at.subarray(at.length - 9).toString("hex"), "80" + "0000000000000000", "lease 0 is a lease");
+  });
+
+  it("the largest lease round-trips as a bigint; a lease out of range or not a bigint is refused", () => {
+    const big: Frame = frame(2, { form: "items", items: [{ key: "k", ruleId: "r", cost: 1, mode: "release", lease: 2n ** 64n - 1n }] });
+    const b = encodeFrame(big);
+    assert.equal(b.subarray(b.length - 9).toString("hex"), "83" + "ff".repeat(8));
+    const r = decodeFrame(b);
+    assert.ok(r.ok);
+    assert.deepEqual(r.frame, big);
+    for (const lease of [2n ** 64n, -1n, 42, "42"]) {
+      const bad = frame(1, { form: "items", items: [{ key: "k", ruleId: "r", lease: lease as bigint }] });
+      assert.throws(() => encodeFrame(bad), /a lease must be a bigint from 0 to 2\^64-1/, String(lease));
+      const attrs = frame(1, { form: "attributes", attributes: { user: "u", lease: lease as bigint } });
+      assert.throws(() => encodeFrame(attrs), InvalidCheck, String(lease));
+    }
+  });
+
+  it("a release needs a cost of at least 1, encoded or decoded", () => {
+    assert.throws(
+      () => encodeFrame(frame(1, { form: "items", items: [{ key: "k", ruleId: "r", cost: 0, mode: "release", lease: 1n }] })),
+      /cost must be an integer from 1/,
+    );
+    const zero = Buffer.from(vectorsFromDoc().get("check_release")!);
+    zero.writeUInt32BE(0, zero.length - 5); // the second item's cost
+    const r = decodeFrame(Buffer.concat([zero, pong]));
+    assert.ok(!r.ok && r.type === "rejected", show(r));
+    assert.deepEqual([r.code, r.requestId, r.frameLen], [5, 15, zero.length]);
+  });
+
+  it("a lease bit with the lease cut short is a body that does not parse: fatal", () => {
+    const vec = vectorsFromDoc().get("check_acquire")!;
+    const cut = Buffer.from(vec.subarray(0, vec.length - 1));
+    cut.writeUInt32BE(cut.length - 4, 0);
+    const r = decodeFrame(cut);
+    assert.ok(!r.ok && r.type === "fatal" && r.code === 1, show(r));
+  });
+
+  it("a verdict's holds-lease flag is read and written beside allowed and log only", () => {
+    const vec = Buffer.from(vectorsFromDoc().get("decision_lease")!);
+    vec[10] = 0x06; // combined: log only and holds lease, not allowed
+    const r = decodeFrame(vec);
+    assert.ok(r.ok && r.frame.body.kind === "decision");
+    assert.deepEqual(
+      [r.frame.body.combined.allowed, r.frame.body.combined.logOnly, r.frame.body.combined.holdsLease],
+      [false, true, true],
+    );
+    assert.equal(r.frame.body.items[0].verdict.holdsLease, true);
+    assert.equal(encodeFrame(r.frame).toString("hex"), vec.toString("hex"));
   });
 });
 
