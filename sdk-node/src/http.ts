@@ -630,7 +630,10 @@ export class Limiter {
         const { lease: _lease, ...rest } = attributes;
         charge = { header: chargeHeader, fn: chargeFn, attributes: rest, fail };
       }
-      if (decision.items.some((i) => i.verdict.holdsLease)) release = { attributes: { ...attributes, mode: "release" } };
+      // A charge endpoint's peek (cost 0) holds one unit of each concurrency rule: released as 1.
+      if (decision.items.some((i) => i.verdict.holdsLease)) {
+        release = { attributes: { ...attributes, cost: Math.max(attributes.cost, 1), mode: "release" } };
+      }
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
       // can cause: the request passes (the agent-unreachable case is the fail policy, decided before).
