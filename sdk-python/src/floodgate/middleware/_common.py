@@ -9,11 +9,10 @@ import ipaddress
 import json
 import logging
 import re
-import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..decision import Decision, FailPolicy
+from ..decision import Decision, FailPolicy, RareWarning
 from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
@@ -290,22 +289,6 @@ def retry_after_seconds(d: Decision) -> int:
 def rejection_body(seconds: int) -> bytes:
     """The 429's JSON body."""
     return json.dumps({"error": "rate_limited", "retryAfter": seconds}, separators=(",", ":")).encode()
-
-
-class RareWarning:
-    """Logs at most one warning a minute (a bad request per request must not flood the log)."""
-
-    def __init__(self) -> None:
-        self._last = -1
-        self._lock = threading.Lock()
-
-    def warn(self, message: str, *args: object) -> None:
-        minute = int(time.time() // 60)
-        with self._lock:
-            if self._last == minute:
-                return
-            self._last = minute
-        log.warning(message, *args)
 
 
 class Once:
