@@ -1,6 +1,6 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
 (``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values, costs charged after the
-response."""
+response, concurrency leases released when it ends."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..decision import Decision, FailPolicy, RareWarning
+from ..errors import UnsupportedByAgent
+from ..lease import new_lease_id, release_failed, release_taken
 from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
@@ -505,3 +507,62 @@ def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional
         charge_taken(client.check_request(charge_attributes(attributes, cost), timeout=timeout, fail="open"))
     except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
         charge_failed(e)
+
+
+# --- concurrency leases (protocol version 3) ------------------------------------------------------
+
+
+def with_lease(attributes: Attributes, version: Optional[int]) -> Attributes:
+    """A consuming check with a fresh lease when the connection speaks version 3 (``version``: the
+    client's :attr:`~floodgate.Client.protocol_version`): the concurrency rules it matches then hold
+    the request's units until :func:`release_attributes` gives them back. A peek (a charge route's
+    request) holds nothing, so it carries none; nor does a check to an older agent."""
+    if version is not None and version >= 3 and attributes.mode == ItemMode.CONSUME:
+        return dataclasses.replace(attributes, lease=new_lease_id())
+    return attributes
+
+
+def without_lease(e: UnsupportedByAgent, attributes: Attributes) -> Attributes:
+    """The check again without its lease when the connection it went to turned out older than
+    version 3 (the agent was replaced between reading the version and sending); else ``e`` raised."""
+    if attributes.lease is None or e.needed < 3:
+        raise e
+    return dataclasses.replace(attributes, lease=None)
+
+
+def check_leased(
+    client: Any, attributes: Attributes, timeout: Optional[float], fail: Optional[FailPolicy]
+) -> Tuple[Attributes, Decision]:
+    """A request's check through the threaded ``client``, with a fresh lease when its connection
+    speaks version 3 (:func:`with_lease`): the attributes sent (with the lease, if any) and the
+    decision."""
+    attributes = with_lease(attributes, getattr(client, "protocol_version", None))
+    try:
+        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+    except UnsupportedByAgent as e:
+        attributes = without_lease(e, attributes)
+        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+
+
+def release_attributes(attributes: Attributes) -> Attributes:
+    """What gives back what a request's check took under its lease: the same attributes (the agent
+    matches the same rules), the same cost and lease, mode release (rate rules only peek)."""
+    return dataclasses.replace(attributes, mode=ItemMode.RELEASE)
+
+
+def releases(d: Decision, attributes: Attributes) -> Optional[Attributes]:
+    """The release a request owes when its response ends: when a concurrency rule holds its lease
+    (an item's ``holds_lease``), :func:`release_attributes`; else ``None``."""
+    if attributes.lease is not None and d.holds_lease:
+        return release_attributes(attributes)
+    return None
+
+
+def release_now(client: Any, release: Attributes, timeout: Optional[float]) -> None:
+    """Sends ``release`` through the threaded ``client``, waiting at most ``timeout`` (the client's
+    when ``None``). Never raises: a release the agent cannot take, or that fails, is logged (its
+    units stay held until the lease runs out)."""
+    try:
+        release_taken(client.check_request(release, timeout=timeout, fail="open"), release.lease)
+    except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
+        release_failed(e, release.lease)

@@ -28,6 +28,12 @@ of cost 0, refused only by a rule already past its limit, and once the response'
 sent, the number in that response header is charged with the request's attributes, in the request's
 own task (bounded by the client's timeout), so the client has its response before the charge goes.
 
+On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
+lease; when a concurrency rule holds it, the lease is released (the same attributes, cost and lease,
+mode release) once the response's last body part is sent, or the app returns or raises without one
+(a client gone mid-response, an abandoned stream), in a task of its own, so that neither the
+response nor a cancelled request holds it back.
+
 Example::
 
     app = FastAPI()
@@ -38,10 +44,12 @@ Example::
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, MutableMapping, Optional, Set, Tuple
 
 from ..aio import AsyncClient
-from ..errors import FloodgateError
+from ..errors import FloodgateError, UnsupportedByAgent
+from ..lease import release_failed, release_taken
+from ..protocol import Attributes
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
@@ -52,12 +60,15 @@ from ._common import (
     charge_taken,
     header_text,
     rate_limit_headers,
+    releases,
     request_check,
     rejection_body,
     reported_cost,
     retry_after_seconds,
     route_name,
     scope_took_forwarded_for,
+    with_lease,
+    without_lease,
 )
 
 Scope = MutableMapping[str, Any]
@@ -277,15 +288,24 @@ class FloodgateMiddleware:
         try:
             attributes, fail, charge = self._check(scope)
             client = await self._get_client()
-            decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+            attributes = with_lease(attributes, getattr(client, "protocol_version", None))
+            try:
+                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+            except UnsupportedByAgent as e:
+                attributes = without_lease(e, attributes)
+                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
             # rules matched), not something a client can cause: the request passes.
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             await self.app(scope, receive, send)
             return
+        # The release the request owes once its response ends (a concurrency rule holds its lease).
+        release = releases(decision, attributes)
         headers = [(n.encode(), v.encode()) for n, v in rate_limit_headers(decision, s.ietf)]
         if not decision.allowed:
+            if release is not None:  # a denied check holds nothing; given back should it ever
+                _release_soon(client, release, s.timeout)
             secs = retry_after_seconds(decision)
             body = rejection_body(secs)
             await send(
@@ -302,7 +322,7 @@ class FloodgateMiddleware:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        if not headers and charge is None:
+        if not headers and charge is None and release is None:
             await self.app(scope, receive, send)
             return
 
@@ -310,6 +330,13 @@ class FloodgateMiddleware:
         # What the response reported (charge routes): charged once its last body part is sent, or
         # when the app returns without sending one (the work was done, whoever got the answer).
         owed: Optional[int] = None
+
+        def let_go() -> None:
+            # Once: after the last body part, else when the app returns, raises or is cancelled.
+            nonlocal release
+            if release is not None:
+                held, release = release, None
+                _release_soon(client, held, s.timeout)
 
         async def settle() -> None:
             nonlocal owed
@@ -337,6 +364,7 @@ class FloodgateMiddleware:
                     message["headers"] = kept + headers
             await send(message)
             if kind == "http.response.body" and not message.get("more_body", False):
+                let_go()
                 await settle()
 
         try:
@@ -363,6 +391,7 @@ class FloodgateMiddleware:
                     pass
             raise
         finally:
+            let_go()
             await settle()
 
 
@@ -372,6 +401,26 @@ def _first_header(headers: Any, name: bytes) -> Optional[bytes]:
         if bytes(k).lower() == name:
             return bytes(v)
     return None
+
+
+# Releases under way: the loop keeps only weak references to its tasks.
+_releasing: Set["asyncio.Task[None]"] = set()
+
+
+def _release_soon(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+    """Sends ``release`` in a task of its own: it holds back neither the request's task nor the
+    app's return, and a request cancelled meanwhile (its cancel scope would cancel every await in
+    it) still gives its units back."""
+    task = asyncio.get_running_loop().create_task(_release(client, release, timeout))
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+
+
+async def _release(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+    try:
+        release_taken(await client.check_request(release, timeout=timeout, fail="open"), release.lease)
+    except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
+        release_failed(e, release.lease)
 
 
 _ERROR_BODY = b"Internal Server Error"
