@@ -193,8 +193,33 @@ windowSeconds = 3600
 CHARGE_HEADERS = {"/v1/chat": "x-llm-tokens"}
 
 
+class TokensReported:
+    """A ``charge_with`` callable that charges what ``charge_headers=CHARGE_HEADERS`` does: the
+    response's X-LLM-Tokens as a number (or what is not one, for the middleware to refuse), ``None``
+    without it; it keeps what it was given (ASGI and WSGI: the status and the headers; Django: the
+    response, read by ``header``)."""
+
+    def __init__(self, header: Optional[Callable[..., Optional[str]]] = None) -> None:
+        self.calls: List[Tuple[Any, ...]] = []
+        self.header = header
+
+    def __call__(self, *response: Any) -> Any:
+        self.calls.append(response)
+        if self.header is not None:
+            value = self.header(*response)
+        else:
+            _, headers = response
+            value = next((v for k, v in headers if k.lower() == "x-llm-tokens"), None)
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        # "-5" is -5 and "4294967296" too big: the middleware refuses those, as it refuses the header.
+        return int(value) if value.lstrip("-").isdigit() else None
+
+
 def charged_after_response(port: int, remaining: Callable[[str], int]) -> None:
-    """What every middleware does with ``charge_headers=CHARGE_HEADERS`` and ``CHARGE_RULES``, serving
+    """What every middleware does with ``charge_headers=CHARGE_HEADERS`` (or ``charge_with`` a
+    :class:`TokensReported`) and ``CHARGE_RULES``, serving
     at ``port`` an app whose ``POST /v1/chat`` answers with ``X-LLM-Tokens`` set to the request's
     ``X-Want`` (none without it), and whose ``/api/hello`` answers 200; users come in ``X-User-Id``.
     ``remaining(user)`` reads the user's tokens left (a peek of the rule ``tokens``)."""

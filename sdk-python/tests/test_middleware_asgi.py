@@ -27,6 +27,7 @@ from http_util import (
     MAX_RESET_S,
     MIDDLEWARE_RULES,
     Gate,
+    TokensReported,
     UvicornServer,
     charged_after_response,
     check_429,
@@ -372,6 +373,24 @@ def test_asgi_charges_what_the_response_reports_after_it(make_agent) -> None:  #
         r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
         assert (r.status, r.body) == (200, b"an answer"), "the streamed body is whole"
         charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        reader.close()
+
+
+def test_asgi_charges_what_a_callable_makes_of_the_response(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    tokens = TokensReported()
+    server = UvicornServer(chat_app(socket=agent.socket, timeout=2.0, user_header="x-user-id", charge_with={"/v1/chat": tokens}))
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+        # Called once per response of the route (all but the 429), with its status and its headers as
+        # text pairs.
+        assert len(tokens.calls) == 11
+        for status, headers in tokens.calls:
+            assert status == 200 and all(isinstance(k, str) and isinstance(v, str) for k, v in headers), headers
+        assert ("x-llm-tokens", "1500") in tokens.calls[0][1]
     finally:
         server.close()
         reader.close()

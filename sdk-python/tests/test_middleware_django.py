@@ -19,6 +19,7 @@ from http_util import (
     LEASE_RULES,
     MIDDLEWARE_RULES,
     Gate,
+    TokensReported,
     UvicornServer,
     WsgiServer,
     charged_after_response,
@@ -47,6 +48,14 @@ def chat(request):  # noqa: ANN001, ANN201
     if want is not None:
         response["X-LLM-Tokens"] = want
     return response
+
+
+# charge_with's callable for Django, named by its dotted path in the settings: it takes the response.
+TOKENS = TokensReported(lambda response: response.headers.get("X-LLM-Tokens"))
+
+
+def tokens(response):  # noqa: ANN001, ANN201
+    return TOKENS(response)
 
 
 # The gate the slow views wait in (a test puts a fresh one here).
@@ -195,6 +204,28 @@ def test_django_charges_what_the_response_reports_after_it(make_agent, handler: 
         r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
         assert (r.status, r.body) == (200, b"an answer")
         charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_charges_what_a_callable_makes_of_the_response(make_agent, handler: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    configure(agent, charge_with={"v1/chat": f"{__name__}.tokens"})
+    TOKENS.calls.clear()
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+        assert len(TOKENS.calls) == 11 and all(isinstance(r, HttpResponse) for (r,) in TOKENS.calls)
     finally:
         server.close()
         reader.close()

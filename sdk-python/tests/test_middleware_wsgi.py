@@ -25,6 +25,7 @@ from http_util import (
     MIDDLEWARE_RULES,
     PATIENCE,
     Gate,
+    TokensReported,
     WsgiServer,
     charged_after_response,
     check_429,
@@ -168,6 +169,25 @@ def test_wsgi_charges_what_the_response_reports_after_it(make_agent) -> None:  #
         r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("u")), ("X-Want", "7")])
         assert (r.status, r.body) == (200, b"an answer")
         charged_after_response(server.port, lambda user: client.peek(f"user:{user}", "tokens", 0).remaining)
+    finally:
+        server.close()
+        client.close()
+
+
+def test_wsgi_charges_what_a_callable_makes_of_the_response(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    tokens = TokensReported()
+    server = WsgiServer(
+        FloodgateWSGIMiddleware(chat_app, client=client, user_header="x-user-id", charge_with={"/v1/chat": tokens})
+    )
+    try:
+        charged_after_response(server.port, lambda user: client.peek(f"user:{user}", "tokens", 0).remaining)
+        # Called once per response of the route (all but the 429), with its status as an int and its
+        # headers as given.
+        assert len(tokens.calls) == 11
+        status, headers = tokens.calls[0]
+        assert status == 200 and ("X-LLM-Tokens", "1500") in headers, tokens.calls[0]
     finally:
         server.close()
         client.close()

@@ -221,6 +221,30 @@ def normalise_charge_headers(
     return out
 
 
+ChargeWith = Callable[..., Optional[int]]
+"""A ``charge_with`` callable: the response (ASGI and WSGI: its status and headers; Django: the
+``HttpResponse``) to the cost to charge, or ``None``."""
+
+
+def normalise_charge_with(
+    charge_with: Optional[Mapping[str, ChargeWith]], costs: Mapping[str, int], charge_headers: Mapping[str, str]
+) -> Dict[str, ChargeWith]:
+    """``charge_with`` keyed as ``costs`` is (``costs`` and ``charge_headers`` already normalised). A
+    value that is not callable, or a route that also has a cost or a charge header, raises
+    ``ValueError`` here, not on a request."""
+    out: Dict[str, ChargeWith] = {}
+    for route, fn in (charge_with or {}).items():
+        if not callable(fn):
+            raise ValueError(f"charge_with[{route!r}]: {fn!r} is not callable")
+        key = route_name(route)
+        if key in costs:
+            raise ValueError(f"{route!r} is in costs and in charge_with: give it one or the other")
+        if key in charge_headers:
+            raise ValueError(f"{route!r} is in charge_headers and in charge_with: give it one or the other")
+        out[key] = fn
+    return out
+
+
 def normalise_fail_for(fail_for: Optional[Mapping[str, Union[str, FailPolicy]]]) -> Dict[str, FailPolicy]:
     """``fail_for`` keyed as ``costs`` is, each policy checked (a misspelt one raises ``ValueError``
     here, not on a request)."""
@@ -337,6 +361,7 @@ class Settings:
         fail: Union[str, FailPolicy, None] = None,
         fail_for: Optional[Mapping[str, Union[str, FailPolicy]]] = None,
         charge_headers: Optional[Mapping[str, str]] = None,
+        charge_with: Optional[Mapping[str, ChargeWith]] = None,
     ) -> None:
         for name, f, h in (("tier", tier, tier_header), ("user", user, user_header), ("api_key", api_key, api_key_header)):
             if f is not None and h is not None:
@@ -356,6 +381,7 @@ class Settings:
         self.fail = None if fail is None else FailPolicy(fail)
         self.fail_for = normalise_fail_for(fail_for)
         self.charge_headers = normalise_charge_headers(charge_headers, self.costs)
+        self.charge_with = normalise_charge_with(charge_with, self.costs, self.charge_headers)
 
     def fail_policy(self, endpoint: Optional[str]) -> Optional[FailPolicy]:
         """The per-call fail policy of a request to ``endpoint``: its route's in ``fail_for``, else
@@ -390,11 +416,12 @@ def request_check(
     default_endpoint: Callable[[Any], Optional[str]],
     peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
-) -> Tuple[Attributes, Optional[FailPolicy], Optional[str]]:
+) -> Tuple[Attributes, Optional[FailPolicy], Union[str, ChargeWith, None]]:
     """What a request is checked as, for every framework, its per-call fail policy
-    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by) and the response
-    header its cost is charged from (its route's in ``charge_headers``; the check is then a peek of
-    cost 0, and :func:`charge_attributes` is what to charge afterwards): ``header(request, name)``
+    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by) and what its cost
+    is charged from: the response header its route has in ``charge_headers``, or the callable it has
+    in ``charge_with`` (the check is then a peek of cost 0, and :func:`charge_attributes` is what to
+    charge afterwards); ``None`` for other routes. ``header(request, name)``
     reads a header (lower-case name), ``default_endpoint(request)`` names the route,
     ``peer(request)`` gives the peer address, the ``X-Forwarded-For`` values and whether the server
     took that address from the header itself (:func:`server_took_forwarded_for`); ``no_peer`` is said
@@ -440,7 +467,11 @@ def request_check(
         ip,
         s.costs,
     )
-    charge = s.charge_headers.get(endpoint) if endpoint and s.charge_headers else None
+    charge: Union[str, ChargeWith, None] = None
+    if endpoint:
+        charge = s.charge_headers.get(endpoint) if s.charge_headers else None
+        if charge is None and s.charge_with:
+            charge = s.charge_with.get(endpoint)
     if charge is not None:
         # Only a rule already past its limit refuses the request; its cost is known afterwards.
         attributes = dataclasses.replace(attributes, cost=0, mode=ItemMode.PEEK)
@@ -473,6 +504,50 @@ def reported_cost(header: str, raw: Union[bytes, str, None]) -> Optional[int]:
         text,
     )
     return None
+
+
+def called_cost(fn: ChargeWith, *response: Any) -> Optional[int]:
+    """The cost a ``charge_with`` callable gives for ``response``: an int from 1 to 4294967295; 0 or
+    ``None``: nothing to charge. Anything else, or an exception, is nothing charged too, logged at
+    most once a minute (the app's bug, which would otherwise go uncounted unseen); never raised: the
+    response goes out all the same."""
+    try:
+        cost = fn(*response)
+    except Exception as e:  # noqa: BLE001 - the app's callable; its response must still go out
+        BAD_CHARGE.warn("floodgate: charge_with's %r raised %r; nothing charged (said at most once a minute)", fn, e)
+        return None
+    whole = isinstance(cost, int) and not isinstance(cost, bool)
+    if cost is None or (whole and cost == 0):
+        return None
+    if whole and 0 < cost <= MAX_CHARGE:
+        return cost
+    BAD_CHARGE.warn(
+        "floodgate: charge_with's %r returned %.60r, not None or a whole number from 0 to %d; nothing"
+        " charged (said at most once a minute)",
+        fn,
+        cost,
+        MAX_CHARGE,
+    )
+    return None
+
+
+def response_cost(
+    charge: Union[str, ChargeWith], status: int, headers: Sequence[Tuple[Union[bytes, str], Union[bytes, str]]]
+) -> Optional[int]:
+    """What a response of ``status`` and ``headers`` (ASGI's byte pairs or WSGI's text pairs, as the
+    app gave them) is charged: its ``charge`` header's first value (:func:`reported_cost`), or what
+    the ``charge_with`` callable gives for ``(status, headers)``, the headers as ``(name, value)``
+    text pairs (ASGI's bytes read as latin-1)."""
+    if isinstance(charge, str):
+        for k, v in headers:
+            if _text(k).lower() == charge:
+                return reported_cost(charge, v)
+        return None
+    return called_cost(charge, status, [(_text(k), _text(v)) for k, v in headers])
+
+
+def _text(b: Union[bytes, bytearray, str]) -> str:
+    return b.decode("latin-1") if isinstance(b, (bytes, bytearray)) else b
 
 
 def charge_attributes(attributes: Attributes, cost: int) -> Attributes:

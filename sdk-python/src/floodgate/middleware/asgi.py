@@ -26,7 +26,8 @@ app instead (``app = FloodgateMiddleware(app, ...)``) to have the headers on it 
 A route in ``charge_headers`` costs what its response says (LLM tokens, bytes): the request is a peek
 of cost 0, refused only by a rule already past its limit, and once the response's last body part is
 sent, the number in that response header is charged with the request's attributes, in the request's
-own task (bounded by the client's timeout), so the client has its response before the charge goes.
+own task (bounded by the client's timeout), so the client has its response before the charge goes. A
+route in ``charge_with`` is charged what its callable returns for the response's status and headers.
 
 On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
 lease; when a concurrency rule holds it, the lease is released (the same attributes, cost and lease,
@@ -54,6 +55,7 @@ from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
+    ChargeWith,
     Settings,
     charge_attributes,
     charge_failed,
@@ -63,7 +65,7 @@ from ._common import (
     releases,
     request_check,
     rejection_body,
-    reported_cost,
+    response_cost,
     retry_after_seconds,
     route_name,
     scope_took_forwarded_for,
@@ -199,8 +201,10 @@ class FloodgateMiddleware:
     over the agent's fail-closed rules); ``fail_for`` (``{route: "open" | "closed"}``, keyed as
     ``costs``: that route's per-call fail policy, over ``fail``); ``charge_headers`` (``{route:
     header}``, keyed as ``costs``: a request to that route is a peek of cost 0, and the number its
-    response's header reports is charged after the response). Other keyword arguments configure
-    the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
+    response's header reports is charged after the response); ``charge_with`` (``{route:
+    callable}``, keyed as ``costs``: the same, charging what ``callable(status, headers)`` returns,
+    an int or ``None``, the headers as ``(name, value)`` text pairs). Other keyword arguments
+    configure the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
     """
 
     def __init__(
@@ -224,6 +228,7 @@ class FloodgateMiddleware:
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
         charge_headers: Optional[Dict[str, str]] = None,
+        charge_with: Optional[Dict[str, ChargeWith]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -243,6 +248,7 @@ class FloodgateMiddleware:
             fail=fail,
             fail_for=fail_for,
             charge_headers=charge_headers,
+            charge_with=charge_with,
         )
         self._socket = socket
         self._client_config = client_config
@@ -270,7 +276,7 @@ class FloodgateMiddleware:
         """What the request is checked as."""
         return self._check(scope)[0]
 
-    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             scope,
@@ -355,7 +361,7 @@ class FloodgateMiddleware:
             if kind == "http.response.start":
                 started = True
                 if charge is not None:
-                    owed = reported_cost(charge, _first_header(message.get("headers"), charge.encode()))
+                    owed = response_cost(charge, int(message.get("status", 200)), message.get("headers") or ())
                 if headers:
                     message = dict(message)
                     kept: List[Tuple[bytes, bytes]] = [
@@ -393,14 +399,6 @@ class FloodgateMiddleware:
         finally:
             let_go()
             await settle()
-
-
-def _first_header(headers: Any, name: bytes) -> Optional[bytes]:
-    """The first value of a response header (``name`` lower-case) in an ASGI message's headers."""
-    for k, v in headers or ():
-        if bytes(k).lower() == name:
-            return bytes(v)
-    return None
 
 
 # Releases under way: the loop keeps only weak references to its tasks.

@@ -11,18 +11,20 @@ Configure it in ``settings.py``::
         "costs": {"/api/search": 5},
         "fail_for": {"login": "closed"},  # per route while the agent is away, keyed as costs
         "charge_headers": {"v1/chat": "x-llm-tokens"},  # a cost the response reports, keyed as costs
+        "charge_with": {"v1/embed": "myapp.costs.embed_cost"},  # callable(response) -> int | None
     }
 
 Every key of ``FLOODGATE`` is a keyword of :class:`~floodgate.middleware.FloodgateWSGIMiddleware`;
 extractors (``endpoint``, ``tier``, ``user``, ``api_key``, ``ip``) take the Django request and may be
-given as dotted paths. It is a synchronous middleware (Django adapts it under ASGI).
+given as dotted paths, and so may the callables of ``charge_with``, which take the ``HttpResponse``.
+It is a synchronous middleware (Django adapts it under ASGI).
 
-A route in ``charge_headers`` is charged what its response header reports when the server closes the
-response (Django's end of request: the WSGI server, or Django's ASGI handler once the body is sent or
-the client is gone), a blocking call bounded by the client's timeout after the client has the body.
-On a connection to an agent that speaks protocol version 3, a concurrency rule's lease taken by the
-request is released at the same moment, or at once when the view raises past Django's own error
-handling.
+A route in ``charge_headers`` (or ``charge_with``) is charged what its response header reports (what
+its callable returns) when the server closes the response (Django's end of request: the WSGI server,
+or Django's ASGI handler once the body is sent or the client is gone), a blocking call bounded by the
+client's timeout after the client has the body. On a connection to an agent that speaks protocol
+version 3, a concurrency rule's lease taken by the request is released at the same moment, or at
+once when the view raises past Django's own error handling.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ..protocol import Attributes
 from ._common import (
     CHECK_FAILED,
     Settings,
+    called_cost,
     charge_now,
     check_leased,
     header_text,
@@ -128,10 +131,13 @@ class FloodgateDjangoMiddleware:
                 "fail",
                 "fail_for",
                 "charge_headers",
+                "charge_with",
             )
             if k in conf
         }
-        for routes in ("costs", "fail_for", "charge_headers"):
+        if "charge_with" in options:
+            options["charge_with"] = {k: _callable(v) for k, v in dict(options["charge_with"]).items()}
+        for routes in ("costs", "fail_for", "charge_headers", "charge_with"):
             if routes in options:
                 # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
                 options[routes] = {
@@ -146,7 +152,7 @@ class FloodgateDjangoMiddleware:
         """What the request is checked as."""
         return self._check(request)[0]
 
-    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             request,
@@ -175,7 +181,11 @@ class FloodgateDjangoMiddleware:
                 if release is not None:
                     release_now(client, release, s.timeout)
                 raise
-            cost = reported_cost(charge, response.headers.get(charge)) if charge is not None else None
+            cost = None
+            if isinstance(charge, str):
+                cost = reported_cost(charge, response.headers.get(charge))
+            elif charge is not None:
+                cost = called_cost(charge, response)
             if cost is not None or release is not None:
                 self._settle_on_close(response, attributes, cost, release)
         else:

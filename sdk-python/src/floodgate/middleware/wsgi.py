@@ -9,7 +9,8 @@ WSGI apps route on it (``SCRIPT_NAME`` + ``PATH_INFO``, percent-decoded by the s
 
 A route in ``charge_headers`` is charged what its response header reports when the server closes the
 response (PEP 3333's ``close()``, called once the body is written): a blocking call on the worker's
-thread, bounded by the client's timeout (10 ms by default), after the client has the body.
+thread, bounded by the client's timeout (10 ms by default), after the client has the body. A route in
+``charge_with`` is charged what its callable returns for ``(status, headers)`` (the status as an int).
 
 On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
 lease; when a concurrency rule holds it, the lease is released at the same moment (``close()``: the
@@ -33,6 +34,7 @@ from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
+    ChargeWith,
     Settings,
     charge_now,
     check_leased,
@@ -40,9 +42,9 @@ from ._common import (
     rate_limit_headers,
     release_now,
     releases,
-    reported_cost,
     request_check,
     rejection_body,
+    response_cost,
     retry_after_seconds,
 )
 
@@ -111,6 +113,7 @@ class FloodgateWSGIMiddleware:
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
         charge_headers: Optional[Dict[str, str]] = None,
+        charge_with: Optional[Dict[str, ChargeWith]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -130,6 +133,7 @@ class FloodgateWSGIMiddleware:
             fail=fail,
             fail_for=fail_for,
             charge_headers=charge_headers,
+            charge_with=charge_with,
         )
         self.client = client if client is not None else Client(socket, **client_config)
 
@@ -137,7 +141,7 @@ class FloodgateWSGIMiddleware:
         """What the request is checked as."""
         return self._check(environ)[0]
 
-    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             environ,
@@ -183,8 +187,7 @@ class FloodgateWSGIMiddleware:
 
         def start_with_headers(status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None) -> Any:
             if charge is not None:
-                value = next((v for k, v in response_headers if k.lower() == charge), None)
-                owed[0] = reported_cost(charge, value)
+                owed[0] = response_cost(charge, _status_code(status), response_headers)
             kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS] if ours else response_headers
             if exc_info is None:
                 return start_response(status, kept + ours)
@@ -210,6 +213,14 @@ class FloodgateWSGIMiddleware:
                 charge_now(client, attributes, cost, s.timeout)
 
         return SettleOnClose(body, settle)
+
+
+def _status_code(status: str) -> int:
+    """``"429 Too Many Requests"`` as 429 (0 for a status that is not one)."""
+    try:
+        return int(status.split(" ", 1)[0])
+    except ValueError:
+        return 0
 
 
 class SettleOnClose:
