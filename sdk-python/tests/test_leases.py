@@ -287,3 +287,18 @@ def test_a_release_the_agent_does_not_take_is_logged_by_hold(kind: str, caplog) 
             assert fake.checks[-1][-9] == 0x83, "the release was sent"
     finally:
         fake.close()
+
+
+def test_attribute_checks_carry_a_lease(make_agent, kind: str) -> None:  # noqa: ANN001
+    agent = make_agent(LEASE_RULES)
+    with either(kind, agent.socket, timeout=2.0) as c:
+        user = unique("u")
+        # Both rules of /items-only match: the concurrency rule holds the lease, the window consumes.
+        d = c.check_attributes(endpoint="/items-only", user=user, lease=7)
+        assert d.allowed and d.holds_lease, d
+        held = {i.rule_id: (i.holds_lease, i.verdict.remaining) for i in d.items}
+        assert held == {"slots": (True, 1), "r": (False, 2)}, held
+        # Given back with the same attributes, cost and lease: the window is only peeked.
+        d = c.check_attributes(endpoint="/items-only", user=user, lease=7, mode="release")
+        assert {i.rule_id: i.verdict.remaining for i in d.items} == {"slots": 2, "r": 2}, d
+        assert not d.holds_lease

@@ -343,13 +343,16 @@ class Client:
         cost: int = 1,
         *,
         mode: _Mode = p.ItemMode.CONSUME,
+        lease: Optional[int] = None,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
         """Request attributes (``None`` = absent) for the agent to match against its rules; ``mode``
-        is what every matched rule does with ``cost`` (peek and charge need version 2)."""
+        is what every matched rule does with ``cost`` (peek and charge need version 2); ``lease``
+        (version 3) is the lease the matched concurrency rules hold ``cost`` under, or give back
+        with ``mode="release"`` (``decision.holds_lease`` says whether one now holds it)."""
         return self.check_request(
-            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode)), timeout=timeout, fail=fail
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease), timeout=timeout, fail=fail
         )
 
     def check_request(
