@@ -3,11 +3,14 @@ free loopback port) and a plain HTTP/1.1 client."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import socket
+import socketserver
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from conftest import eventually, unique
@@ -87,11 +90,17 @@ class _Quiet(WSGIRequestHandler):
         return env
 
 
-class WsgiServer:
-    """A WSGI app served by wsgiref on a free loopback port, in a thread, with gunicorn's ``RAW_URI``."""
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True
 
-    def __init__(self, app: Any) -> None:
-        self.httpd: WSGIServer = make_server("127.0.0.1", 0, app, handler_class=_Quiet)
+
+class WsgiServer:
+    """A WSGI app served by wsgiref on a free loopback port, in a thread, with gunicorn's ``RAW_URI``;
+    ``threads``: a thread per request (requests in flight at once), as gunicorn's threaded workers."""
+
+    def __init__(self, app: Any, threads: bool = False) -> None:
+        server_class = _ThreadingWSGIServer if threads else WSGIServer
+        self.httpd: WSGIServer = make_server("127.0.0.1", 0, app, server_class=server_class, handler_class=_Quiet)
         self.port = self.httpd.server_port
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
         self.thread.start()
@@ -184,8 +193,33 @@ windowSeconds = 3600
 CHARGE_HEADERS = {"/v1/chat": "x-llm-tokens"}
 
 
+class TokensReported:
+    """A ``charge_with`` callable that charges what ``charge_headers=CHARGE_HEADERS`` does: the
+    response's X-LLM-Tokens as a number (or what is not one, for the middleware to refuse), ``None``
+    without it; it keeps what it was given (ASGI and WSGI: the status and the headers; Django: the
+    response, read by ``header``)."""
+
+    def __init__(self, header: Optional[Callable[..., Optional[str]]] = None) -> None:
+        self.calls: List[Tuple[Any, ...]] = []
+        self.header = header
+
+    def __call__(self, *response: Any) -> Any:
+        self.calls.append(response)
+        if self.header is not None:
+            value = self.header(*response)
+        else:
+            _, headers = response
+            value = next((v for k, v in headers if k.lower() == "x-llm-tokens"), None)
+        if value is None or not value.strip():
+            return None
+        value = value.strip()
+        # "-5" is -5 and "4294967296" too big: the middleware refuses those, as it refuses the header.
+        return int(value) if value.lstrip("-").isdigit() else None
+
+
 def charged_after_response(port: int, remaining: Callable[[str], int]) -> None:
-    """What every middleware does with ``charge_headers=CHARGE_HEADERS`` and ``CHARGE_RULES``, serving
+    """What every middleware does with ``charge_headers=CHARGE_HEADERS`` (or ``charge_with`` a
+    :class:`TokensReported`) and ``CHARGE_RULES``, serving
     at ``port`` an app whose ``POST /v1/chat`` answers with ``X-LLM-Tokens`` set to the request's
     ``X-Want`` (none without it), and whose ``/api/hello`` answers 200; users come in ``X-User-Id``.
     ``remaining(user)`` reads the user's tokens left (a peek of the rule ``tokens``)."""
@@ -216,3 +250,138 @@ def charged_after_response(port: int, remaining: Callable[[str], int]) -> None:
     # Other routes consume as before.
     r = request(port, "GET", "/api/hello", [("X-User-Id", bob)])
     assert (r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (200, 6, 5), r
+
+
+# --- concurrency (protocol version 3) ---------------------------------------------------------------
+
+# MIDDLEWARE_RULES and, on /slow/*, two requests in flight per user (a lease lasts 30 s unless
+# released: longer than a test waits for a release) and an hourly rate rule that each request passed
+# consumes once (a release only peeks it).
+LEASE_RULES = (
+    MIDDLEWARE_RULES
+    + """
+[[rules]]
+id = "slots"
+dimension = "user"
+match = { endpoint = "/slow/*" }
+limit = 2
+algorithm = "concurrency"
+leaseSeconds = 30
+
+[[rules]]
+id = "slow-hourly"
+dimension = "user"
+match = { endpoint = "/slow/*" }
+limit = 100
+windowSeconds = 3600
+"""
+)
+# How long a held handler or a test waits for the other side before failing.
+PATIENCE = 10.0
+
+
+class Gate:
+    """Holds handlers in flight: each one says it entered, then waits until the test opens the gate
+    (no sleeps: the test waits for the handlers to enter, the handlers for the gate)."""
+
+    def __init__(self) -> None:
+        self._entered = threading.Semaphore(0)
+        self._open = threading.Event()
+
+    def enter(self) -> None:
+        """In a handler's thread."""
+        self._entered.release()
+        assert self._open.wait(PATIENCE), "the test never opened the gate"
+
+    async def aenter(self) -> None:
+        """In a handler's event loop."""
+        self._entered.release()
+        opened = await asyncio.get_running_loop().run_in_executor(None, self._open.wait, PATIENCE)
+        assert opened, "the test never opened the gate"
+
+    def wait_entered(self, n: int) -> None:
+        for _ in range(n):
+            assert self._entered.acquire(timeout=PATIENCE), "a handler never started"
+
+    def open(self) -> None:
+        self._open.set()
+
+
+Remaining = Callable[[str, str], int]
+"""``remaining(user, rule)``: what the user has left under the rule now (a peek of its key)."""
+
+
+def two_in_flight_then_429(
+    port: int,
+    path: str,
+    gate: Gate,
+    remaining: Remaining,
+    status: int = 200,
+    body: Optional[bytes] = None,
+    headers_on_answers: bool = True,
+) -> None:
+    """What every middleware does with ``LEASE_RULES`` for an app serving at ``port``, whose ``path``
+    (under /slow/) waits in ``gate`` and then answers ``status`` (and ``body``), and whose
+    ``/slow/done`` answers 200 at once; users come in ``X-User-Id``: two
+    requests in flight pass, a third is a 429 (Retry-After 1: the agent retries a concurrency denial
+    within 1 s), and once both have ended their leases are released and a new request passes.
+    ``headers_on_answers``: whether the two answers carry the limiter's headers (not wsgiref's own
+    500 for an app that raised)."""
+    user = unique("u")
+    headers = [("X-User-Id", user)]
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(request, port, "GET", path, headers) for _ in range(2)]
+        gate.wait_entered(2)
+        assert remaining(user, "slots") == 0
+        assert check_429(request(port, "GET", path, headers), limit=2) == 1
+        gate.open()
+        answers = [f.result() for f in held]
+    for r in answers:
+        assert r.status == status and (body is None or r.body == body), r
+    if headers_on_answers:
+        figures = sorted((r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) for r in answers)
+        assert figures == [(2, 0), (2, 1)], answers
+    eventually("both leases are released", lambda: remaining(user, "slots") == 2)
+    r = request(port, "GET", "/slow/done", headers)
+    assert (r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (200, 2, 1), r
+    eventually("its lease is released too", lambda: remaining(user, "slots") == 2)
+    # Three requests passed, each consumed the rate rule once: the releases (and the 429) took nothing.
+    assert remaining(user, "slow-hourly") == 97
+
+
+def open_response(port: int, path: str, headers: Iterable[Tuple[str, str]], until: bytes) -> socket.socket:
+    """A request whose response has begun: the connection, once its first bytes up to ``until``
+    (a streamed body's first part) have arrived."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE)
+    lines = [f"GET {path} HTTP/1.1", "Host: 127.0.0.1", *(f"{k}: {v}" for k, v in headers), "", ""]
+    sock.sendall("\r\n".join(lines).encode())
+    got = b""
+    while until not in got:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {got!r}"
+        got += chunk
+    assert got.startswith((b"HTTP/1.1 200", b"HTTP/1.0 200")), got
+    return sock
+
+
+def released_when_clients_leave(
+    port: int, path: str, remaining: Remaining, first: bytes, after_leaving: Optional[Callable[[], None]] = None
+) -> None:
+    """Two clients whose responses from ``path`` have begun (their first part, ``first``) hold both
+    slots, a third request is a 429; once the two go away mid-response (and ``after_leaving``, e.g.
+    an app's next write, lets the server notice), their leases are released and a new request
+    passes."""
+    user = unique("u")
+    headers = [("X-User-Id", user)]
+    socks: List[socket.socket] = [open_response(port, path, headers, first) for _ in range(2)]
+    try:
+        assert remaining(user, "slots") == 0
+        assert check_429(request(port, "GET", path, headers), limit=2) == 1
+    finally:
+        for sock in socks:
+            sock.close()
+    if after_leaving is not None:
+        after_leaving()
+    eventually("both leases are released", lambda: remaining(user, "slots") == 2)
+    r = request(port, "GET", "/slow/done", headers)
+    assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1), r

@@ -107,3 +107,24 @@ match = {{ endpoint = "/modes-sw" }}
 limit = 5
 windowSeconds = {WINDOW_S}
 """
+
+# Concurrency (protocol version 3): two units in flight per key, each lease lasting 30 s unless
+# released (longer than any test waits for a release, so a release that never came fails the test),
+# and a sliding window to acquire from, which holds no lease.
+LEASE_SECONDS = 30
+LEASE_RULES = f"""
+[[rules]]
+id = "slots"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 2
+algorithm = "concurrency"
+leaseSeconds = {LEASE_SECONDS}
+
+[[rules]]
+id = "r"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 3
+windowSeconds = {WINDOW_S}
+"""

@@ -3,9 +3,11 @@ headers on every response a rule applied to, costs by matched route, 429 with Re
 JSON body, log mode invisible, odd values hashed as PROTOCOL.md says, X-Forwarded-For believed only
 from trusted proxies (also when uvicorn's proxy headers read it first), IETF headers, a handler's
 error as a 500 with the headers, a plain ASGI app checked as the path it routes on, fail open and
-closed without an agent, a fail-closed rule (or a route's fail_for) once the agent is killed, and a
+closed without an agent, a fail-closed rule (or a route's fail_for) once the agent is killed, a
 cost a streamed response reports charged after it (a charge no agent takes is logged, the response
-stands)."""
+stands), and a concurrency rule's lease released when the response ends (completed, the handler
+raised, a stream ended, the client gone mid-response), with the bytes a fake agent of version 2 or 3
+receives."""
 
 from __future__ import annotations
 
@@ -21,20 +23,26 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from http_util import (
     CHARGE_HEADERS,
     CHARGE_RULES,
+    LEASE_RULES,
     MAX_RESET_S,
     MIDDLEWARE_RULES,
+    Gate,
+    TokensReported,
     UvicornServer,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
     now_s,
+    released_when_clients_leave,
     request,
+    two_in_flight_then_429,
 )
 from rules import FAIL_MODE_RULES
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from floodgate import AsyncClient, Client
+from floodgate import protocol as p
 from floodgate.middleware import FloodgateMiddleware, _common
 from floodgate.middleware.asgi import scope_header
 
@@ -370,6 +378,24 @@ def test_asgi_charges_what_the_response_reports_after_it(make_agent) -> None:  #
         reader.close()
 
 
+def test_asgi_charges_what_a_callable_makes_of_the_response(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    tokens = TokensReported()
+    server = UvicornServer(chat_app(socket=agent.socket, timeout=2.0, user_header="x-user-id", charge_with={"/v1/chat": tokens}))
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+        # Called once per response of the route (all but the 429), with its status and its headers as
+        # text pairs.
+        assert len(tokens.calls) == 11
+        for status, headers in tokens.calls:
+            assert status == 200 and all(isinstance(k, str) and isinstance(v, str) for k, v in headers), headers
+        assert ("x-llm-tokens", "1500") in tokens.calls[0][1]
+    finally:
+        server.close()
+        reader.close()
+
+
 @pytest.fixture
 def charge_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> pytest.LogCaptureFixture:
     """The ``floodgate`` logger's warnings, with the once-a-minute charge warnings not yet said."""
@@ -419,3 +445,124 @@ def test_asgi_charge_routes_pass_unchecked_by_a_version_1_agent(charge_log) -> N
     finally:
         server.close()
         fake.close()
+
+
+# --- concurrency leases (protocol version 3) ----------------------------------------------------------
+
+
+def slow_app(gate: Gate, **options: object) -> FastAPI:
+    """Routes under /slow/ (``LEASE_RULES``) held in flight by ``gate``: ``wait`` answers once the gate
+    opens, ``boom`` raises then, ``stream`` streams a first part, waits, then its last; ``hang``
+    streams a first part and waits until the client goes; ``done`` answers at once."""
+    app = FastAPI()
+
+    @app.get("/slow/{kind}")
+    async def slow(kind: str):  # noqa: ANN202
+        if kind == "stream":
+
+            async def parts():  # noqa: ANN202
+                yield b"first "
+                await gate.aenter()
+                yield b"last"
+
+            return StreamingResponse(parts())
+        if kind == "hang":
+
+            async def forever():  # noqa: ANN202
+                yield b"first "
+                await asyncio.Event().wait()  # until Starlette sees the client go and cancels it
+                yield b"never"
+
+            return StreamingResponse(forever())
+        if kind != "done":
+            await gate.aenter()
+        if kind == "boom":
+            raise RuntimeError("boom")
+        return PlainTextResponse("done")
+
+    app.add_middleware(FloodgateMiddleware, **options)
+    return app
+
+
+@pytest.fixture
+def lease_server(make_agent):  # noqa: ANN001, ANN201
+    """``(serve(gate) -> port, remaining)``: the slow app on a real agent with ``LEASE_RULES``."""
+    agent = make_agent(LEASE_RULES)
+    reader = Client(agent.socket, timeout=2.0)
+    servers = []
+
+    def serve(gate: Gate) -> int:
+        server = UvicornServer(slow_app(gate, socket=agent.socket, timeout=2.0, user_header="x-user-id"))
+        servers.append(server)
+        return server.port
+
+    yield serve, lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining
+    for server in servers:
+        server.close()
+    reader.close()
+
+
+@pytest.mark.parametrize(
+    "path, status, body",
+    [("/slow/wait", 200, b"done"), ("/slow/boom", 500, b"Internal Server Error"), ("/slow/stream", 200, b"first last")],
+    ids=["completed", "handler raised", "stream ended"],
+)
+def test_asgi_releases_a_lease_when_the_response_ends(lease_server, path: str, status: int, body: bytes) -> None:  # noqa: ANN001
+    serve, remaining = lease_server
+    gate = Gate()
+    two_in_flight_then_429(serve(gate), path, gate, remaining, status, body)
+
+
+def test_asgi_releases_a_lease_when_the_client_goes_mid_response(lease_server) -> None:  # noqa: ANN001
+    serve, remaining = lease_server
+    released_when_clients_leave(serve(Gate()), "/slow/hang", remaining, b"first ")
+
+
+def leased_decision(rid: int) -> bytes:
+    """A fake agent's answer: allowed, and the slots rule holds the check's lease."""
+    v = p.Verdict(True, False, p.Source.LOCAL, 2, 1, 1_700_000_000_000, 0, holds_lease=True)
+    return p.encode(p.Frame(rid, p.DecisionBody(v, [p.ItemDecision("slots", v)])))
+
+
+def leases_on_the_wire(port: int, fake) -> None:  # noqa: ANN001
+    """What a middleware at ``port`` sends a fake agent of version 3 that says every check holds its
+    lease: the request's check with a fresh lease (form 3, bit 7), then, once the response has
+    ended, the same bytes but the request id and the mode, release (0x83)."""
+    r = request(port, "GET", "/slow/done", [("X-User-Id", "u")])
+    assert r.status == 200 and r.num("x-ratelimit-limit") == 2, r
+    eventually("the release is sent", lambda: len(fake.checks) >= 2)
+    check, release = fake.checks[:2]
+    assert check[10] == p.FORM_ATTRIBUTES_MODE and check[-9] == p.MODE_LEASE, check.hex(" ")
+    decoded = p.decode(check)
+    assert isinstance(decoded, p.Decoded)
+    a = decoded.frame.body.attributes
+    assert (a.endpoint, a.user, a.cost, a.mode) == ("/slow/:kind", "u", 1, p.ItemMode.CONSUME) and a.lease
+    assert release[-9] == p.MODE_LEASE | p.ItemMode.RELEASE
+    assert release[:6] + release[10:-9] == check[:6] + check[10:-9] and release[-8:] == check[-8:], release.hex(" ")
+    # Another request, another lease.
+    request(port, "GET", "/slow/done", [("X-User-Id", "u")])
+    eventually("its release is sent", lambda: len(fake.checks) >= 4)
+    assert fake.checks[2][-8:] != check[-8:] and fake.checks[3][-8:] == fake.checks[2][-8:]
+
+
+def no_lease_for_version_2(port: int, fake) -> None:  # noqa: ANN001
+    """What a middleware at ``port`` sends a fake agent of version 2: checks without a lease (form 1:
+    every rule consumes), whatever the answer says, and no release."""
+    for _ in range(2):
+        r = request(port, "GET", "/slow/done", [("X-User-Id", "u")])
+        assert r.status == 200, r
+    assert len(fake.checks) == 2 and all(c[10] == p.FORM_ATTRIBUTES for c in fake.checks), fake.checks
+
+
+def test_asgi_sends_a_lease_only_to_a_version_3_agent() -> None:
+    from test_fake_agent import FakeAgent
+
+    for version, scenario in ((3, leases_on_the_wire), (2, no_lease_for_version_2)):
+        hello = p.encode(p.Frame(0, p.HelloOk(version)))
+        fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=hello)
+        server = UvicornServer(slow_app(Gate(), socket=fake.path, timeout=2.0, user_header="x-user-id"))
+        try:
+            scenario(server.port, fake)
+        finally:
+            server.close()
+            fake.close()

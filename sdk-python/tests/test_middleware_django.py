@@ -3,7 +3,8 @@ under wsgiref, its ASGI handler under uvicorn), asking a real agent: the endpoin
 resolved route, a 200 with headers, then a 429 with Retry-After and the JSON body; under uvicorn's
 proxy headers, X-Forwarded-For does not choose the IP key; a fail-closed rule (or a route's
 fail_for) once the agent is killed; a cost the response reports charged when the server closes the
-response, under both handlers."""
+response, under both handlers; a concurrency rule's lease released when the response is closed
+(completed, the view raised, a streamed response ended)."""
 
 from __future__ import annotations
 
@@ -11,17 +12,21 @@ import django
 import pytest
 from conftest import unique
 from django.conf import settings
-from django.http import HttpResponse
+from django.http import HttpResponse, StreamingHttpResponse
 from django.urls import path
 from http_util import (
     CHARGE_RULES,
+    LEASE_RULES,
     MIDDLEWARE_RULES,
+    Gate,
+    TokensReported,
     UvicornServer,
     WsgiServer,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
     request,
+    two_in_flight_then_429,
 )
 from rules import FAIL_MODE_RULES
 
@@ -45,11 +50,43 @@ def chat(request):  # noqa: ANN001, ANN201
     return response
 
 
+# charge_with's callable for Django, named by its dotted path in the settings: it takes the response.
+TOKENS = TokensReported(lambda response: response.headers.get("X-LLM-Tokens"))
+
+
+def tokens(response):  # noqa: ANN001, ANN201
+    return TOKENS(response)
+
+
+# The gate the slow views wait in (a test puts a fresh one here).
+GATE = {"gate": Gate()}
+
+
+def slow(request, kind):  # noqa: ANN001, ANN201
+    """Held in flight by the gate: ``wait`` answers once it opens, ``boom`` raises then (Django makes
+    it a 500), ``stream`` streams a first part, waits, then its last; ``done`` answers at once."""
+    gate = GATE["gate"]
+    if kind == "stream":
+
+        def parts():  # noqa: ANN202
+            yield b"first "
+            gate.enter()
+            yield b"last"
+
+        return StreamingHttpResponse(parts())
+    if kind != "done":
+        gate.enter()
+    if kind == "boom":
+        raise RuntimeError("boom")
+    return HttpResponse(b"done")
+
+
 urlpatterns = [
     path("api/items/<int:pk>", item),
     path("api/hello", hello),
     path("login", hello),
     path("v1/chat", chat),
+    path("slow/<str:kind>", slow),
 ]
 
 
@@ -168,5 +205,55 @@ def test_django_charges_what_the_response_reports_after_it(make_agent, handler: 
         assert (r.status, r.body) == (200, b"an answer")
         charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
     finally:
+        server.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_charges_what_a_callable_makes_of_the_response(make_agent, handler: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    configure(agent, charge_with={"v1/chat": f"{__name__}.tokens"})
+    TOKENS.calls.clear()
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charged_after_response(server.port, lambda user: reader.peek(f"user:{user}", "tokens", 0).remaining)
+        assert len(TOKENS.calls) == 11 and all(isinstance(r, HttpResponse) for (r,) in TOKENS.calls)
+    finally:
+        server.close()
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "route, status, body",
+    [("/slow/wait", 200, b"done"), ("/slow/boom", 500, None), ("/slow/stream", 200, b"first last")],
+    ids=["completed", "view raised", "stream ended"],
+)
+def test_django_releases_a_lease_when_the_response_is_closed(make_agent, route: str, status: int, body) -> None:  # noqa: ANN001
+    import logging
+
+    from django.core.wsgi import get_wsgi_application
+
+    agent = make_agent(LEASE_RULES)
+    configure(agent)
+    gate = GATE["gate"] = Gate()
+    server = WsgiServer(get_wsgi_application(), threads=True)
+    reader = Client(agent.socket, timeout=2.0)
+    # Django logs the view's error (as it should); not this test's business.
+    quiet = logging.getLogger("django.request")
+    level, quiet.level = quiet.level, logging.CRITICAL
+    try:
+        two_in_flight_then_429(
+            server.port, route, gate, lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining, status, body
+        )
+    finally:
+        quiet.level = level
         server.close()
         reader.close()

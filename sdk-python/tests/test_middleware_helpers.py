@@ -27,7 +27,7 @@ from floodgate.middleware import (
     server_took_forwarded_for,
 )
 from floodgate.middleware import FloodgateMiddleware, _common
-from floodgate.middleware._common import Settings, reported_cost, request_check
+from floodgate.middleware._common import Settings, called_cost, reported_cost, request_check, response_cost
 from floodgate.middleware.django import django_route_name
 from floodgate.middleware.wsgi import default_endpoint as wsgi_endpoint
 
@@ -237,6 +237,56 @@ def test_charge_headers_make_the_check_a_peek_of_cost_0() -> None:
     for bad in ("", "x llm", "x-tokens:", 5):
         with pytest.raises(ValueError, match="not a header name"):
             Settings(charge_headers={"/v1/chat": bad})
+
+
+def test_charge_with_is_keyed_as_costs_and_makes_the_check_a_peek_of_cost_0() -> None:
+    def cost(status, headers):  # noqa: ANN001, ANN202
+        return 3
+
+    s = Settings(costs={"/search": 5}, charge_headers={"/v1/chat": "x-llm-tokens"}, charge_with={"/v1/embed/{model}": cost})
+    assert s.charge_with == {"/v1/embed/:model": cost}
+
+    def check(endpoint: str):  # noqa: ANN202
+        return request_check(
+            s, endpoint, header=lambda r, n: None, default_endpoint=lambda r: r, peer=lambda r: ("203.0.113.5", [], False), no_peer=""
+        )
+
+    a, _, charge = check("/v1/embed/:model")
+    assert (a.cost, a.mode, charge) == (0, ItemMode.PEEK, cost)
+    assert check("/v1/chat")[2] == "x-llm-tokens" and check("/search")[2] is None
+    with pytest.raises(ValueError, match="costs and in charge_with"):
+        Settings(costs={"/v1/chat": 2}, charge_with={"/v1/chat": cost})
+    with pytest.raises(ValueError, match="charge_headers and in charge_with"):
+        Settings(charge_headers={"/v1/chat/{m}": "x-llm-tokens"}, charge_with={"/v1/chat/:m": cost})
+    with pytest.raises(ValueError, match="not callable"):
+        Settings(charge_with={"/v1/chat": "x-llm-tokens"})
+
+
+def test_what_a_charge_with_callable_returns_is_a_cost_or_nothing(caplog, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(_common.BAD_CHARGE, "_last", -1)
+    caplog.set_level(logging.WARNING, logger="floodgate")
+    for value, want in ((1, 1), (1500, 1500), (2**32 - 1, 2**32 - 1), (None, None), (0, None)):
+        assert called_cost(lambda s, h: value, 200, []) == want, value
+    assert not caplog.records
+    # Not a whole number from 0 to 2**32 - 1, or an exception: nothing charged, said once a minute.
+    for bad in (-1, 2**32, True, 1.5, "7", b"7"):
+        assert called_cost(lambda s, h: bad, 200, []) is None, bad
+
+    def boom(status, headers):  # noqa: ANN001, ANN202
+        raise KeyError("x-llm-tokens")
+
+    assert called_cost(boom, 200, []) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "returned -1" in said[0], said
+    monkeypatch.setattr(_common.BAD_CHARGE, "_last", -1)
+    assert called_cost(boom, 200, []) is None
+    assert "raised KeyError('x-llm-tokens')" in caplog.records[-1].getMessage()
+    # The response as every framework gives it: ASGI's byte pairs are read as latin-1 text.
+    seen = []
+    assert response_cost(lambda s, h: seen.append((s, h)) or 9, 201, [(b"X-A", b"\xe9")]) == 9
+    assert seen == [(201, [("X-A", "\xe9")])]
+    assert response_cost("x-a", 200, [(b"X-A", b"12"), (b"x-a", b"13")]) == 12, "the first value"
+    assert response_cost("x-a", 200, [("X-A", "14")]) == 14 and response_cost("x-a", 200, []) is None
 
 
 class Recorder:

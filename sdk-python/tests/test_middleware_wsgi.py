@@ -2,29 +2,38 @@
 agent: a 200 with the limiter's headers, then a 429 with Retry-After and the JSON body; costs by
 path, the path as the app routes on it, identity only from the configured header, X-Forwarded-For
 only through a trusted proxy, log mode invisible, fail open and closed without an agent, a
-fail-closed rule (or a route's fail_for) once the agent is killed, and a cost the response reports
+fail-closed rule (or a route's fail_for) once the agent is killed, a cost the response reports
 charged when the server closes the response (a charge no agent takes is logged, the response
-stands)."""
+stands), and a concurrency rule's lease released when the response ends (completed, the app raised,
+a streamed body ended or was abandoned by its client), with the bytes a fake agent of version 2 or 3
+receives."""
 
 from __future__ import annotations
 
 import logging
 import os
 import tempfile
+import threading
 
 import pytest
 from conftest import eventually, unique
 from http_util import (
     CHARGE_HEADERS,
     CHARGE_RULES,
+    LEASE_RULES,
     MAX_RESET_S,
     MIDDLEWARE_RULES,
+    PATIENCE,
+    Gate,
+    TokensReported,
     WsgiServer,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
     now_s,
+    released_when_clients_leave,
     request,
+    two_in_flight_then_429,
 )
 from rules import FAIL_MODE_RULES
 
@@ -165,6 +174,25 @@ def test_wsgi_charges_what_the_response_reports_after_it(make_agent) -> None:  #
         client.close()
 
 
+def test_wsgi_charges_what_a_callable_makes_of_the_response(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    tokens = TokensReported()
+    server = WsgiServer(
+        FloodgateWSGIMiddleware(chat_app, client=client, user_header="x-user-id", charge_with={"/v1/chat": tokens})
+    )
+    try:
+        charged_after_response(server.port, lambda user: client.peek(f"user:{user}", "tokens", 0).remaining)
+        # Called once per response of the route (all but the 429), with its status as an int and its
+        # headers as given.
+        assert len(tokens.calls) == 11
+        status, headers = tokens.calls[0]
+        assert status == 200 and ("X-LLM-Tokens", "1500") in headers, tokens.calls[0]
+    finally:
+        server.close()
+        client.close()
+
+
 def test_wsgi_a_charge_no_agent_takes_is_logged_and_the_response_stands(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -186,3 +214,112 @@ def test_wsgi_a_charge_no_agent_takes_is_logged_and_the_response_stands(
         assert len(said()) == 1, "once a minute, not once a request"
     finally:
         server.close()
+
+
+# --- concurrency leases (protocol version 3) ----------------------------------------------------------
+
+
+class SlowApp:
+    """Routes under /slow/ (``LEASE_RULES``) held in flight by ``gate``: ``wait`` answers once the gate
+    opens, ``boom`` raises then (before starting its response), ``stream`` is a generator that sends
+    a first part, waits, then its last; ``abandoned`` sends a first part, waits, then writes parts
+    until the server stops it (its client is gone), noting that it was closed early; ``done``
+    answers at once."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+        self.closed_early = threading.Semaphore(0)
+
+    def __call__(self, environ, start_response):  # noqa: ANN001, ANN204
+        kind = environ["PATH_INFO"].rsplit("/", 1)[-1]
+        if kind in ("stream", "abandoned"):
+            return self.stream(kind, start_response)
+        if kind != "done":
+            self.gate.enter()
+        if kind == "boom":
+            raise RuntimeError("boom")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"done"]
+
+    def stream(self, kind: str, start_response):  # noqa: ANN001, ANN201
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        yield b"first "
+        self.gate.enter()
+        if kind == "stream":
+            yield b"last"
+            return
+        try:
+            for _ in range(100_000):  # the server stops at the first write to the closed connection
+                yield b"x" * 1024
+        except GeneratorExit:
+            self.closed_early.release()
+            raise
+
+
+@pytest.fixture
+def lease_server(make_agent):  # noqa: ANN001, ANN201
+    """``(serve(app) -> port, remaining)``: a threaded server of ``app`` on a real agent with
+    ``LEASE_RULES``."""
+    agent = make_agent(LEASE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    servers = []
+
+    def serve(app) -> int:  # noqa: ANN001
+        server = WsgiServer(FloodgateWSGIMiddleware(app, client=client, user_header="x-user-id"), threads=True)
+        servers.append(server)
+        return server.port
+
+    yield serve, lambda user, rule: client.peek(f"user:{user}", rule, 0).remaining
+    for server in servers:
+        server.close()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    "path, status, body",
+    [("/slow/wait", 200, b"done"), ("/slow/boom", 500, None), ("/slow/stream", 200, b"first last")],
+    ids=["completed", "app raised", "stream ended"],
+)
+def test_wsgi_releases_a_lease_when_the_response_ends(lease_server, path: str, status: int, body) -> None:  # noqa: ANN001
+    serve, remaining = lease_server
+    gate = Gate()
+    # An app that raised gets wsgiref's own 500, without the limiter's headers (the middleware
+    # re-raises what it caught, as it found it).
+    two_in_flight_then_429(serve(SlowApp(gate)), path, gate, remaining, status, body, headers_on_answers=status != 500)
+
+
+def test_wsgi_releases_a_lease_when_its_client_abandons_a_streamed_body(lease_server) -> None:  # noqa: ANN001
+    serve, remaining = lease_server
+    gate = Gate()
+    app = SlowApp(gate)
+    port = serve(app)
+
+    def write_on() -> None:
+        # The two generators wait in the gate; opened, they write until the server finds the
+        # connection gone and closes the body (PEP 3333).
+        gate.wait_entered(2)
+        gate.open()
+        for _ in range(2):
+            assert app.closed_early.acquire(timeout=PATIENCE), "the server never closed the body"
+
+    released_when_clients_leave(port, "/slow/abandoned", remaining, b"first ", write_on)
+
+
+def test_wsgi_sends_a_lease_only_to_a_version_3_agent() -> None:
+    from test_fake_agent import FakeAgent
+    from test_middleware_asgi import leased_decision, leases_on_the_wire, no_lease_for_version_2
+
+    from floodgate import protocol as p
+
+    for version, scenario in ((3, leases_on_the_wire), (2, no_lease_for_version_2)):
+        fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=p.encode(p.Frame(0, p.HelloOk(version))))
+        client = Client(fake.path, timeout=2.0)
+        # The endpoint as the FastAPI app of that scenario names it.
+        mw = FloodgateWSGIMiddleware(SlowApp(Gate()), client=client, user_header="x-user-id", endpoint=lambda e: "/slow/:kind")
+        server = WsgiServer(mw)
+        try:
+            scenario(server.port, fake)
+        finally:
+            server.close()
+            client.close()
+            fake.close()

@@ -2,7 +2,9 @@
 validated against before anything is sent, the wire_safe hash PROTOCOL.md documents, a decoder
 that never raises on any input, and version 2's fail-mode list (the page's endpoint pattern table and
 which checks a listed rule closes) and item modes (forms 2 and 3 only when an item does not consume,
-cost 0 only for a peek, an unknown mode refusing only its check)."""
+cost 0 only for a peek, an unknown mode refusing only its check), and version 3's leases and releases
+(the lease bit and its u64, mode release, the verdict's holds-lease flag, what version each check
+needs)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def vector(name: str) -> bytes:
 ALLOWED = Verdict(True, False, Source.REDIS, 100, 99, 1_700_000_120_000, 0)
 DENIED = Verdict(False, False, Source.CACHE, 5, 0, 1_700_000_060_000, 12_000)
 DRY = Verdict(False, True, Source.LOCAL, 600, 0, 1_700_000_030_000, 500)
+LEASE = 0x0123_4567_89AB_CDEF
+HELD = Verdict(True, False, Source.REDIS, 4, 2, 1_700_000_060_000, 0, holds_lease=True)
 
 FRAMES = {
     "hello": Frame(0, Hello(1, 1)),
@@ -73,6 +77,14 @@ FRAMES = {
     "check_attributes_charge": Frame(
         13, Check(attributes=Attributes(endpoint="/v1/chat", api_key="abc", cost=900, mode=ItemMode.CHARGE))
     ),
+    "hello_v3": Frame(0, Hello(1, 3)),
+    "hello_ok_v3": Frame(0, HelloOk(3)),
+    "check_acquire": Frame(14, Check(items=[Item.acquire("apikey:abc", "gpu-slots", 2, LEASE)])),
+    "decision_lease": Frame(14, DecisionBody(HELD, [ItemDecision("gpu-slots", HELD)])),
+    "check_release": Frame(
+        15, Check(items=[Item.release("apikey:abc", "gpu-slots", 2, LEASE), Item.release("apikey:xyz", "gpu-slots", 1)])
+    ),
+    "check_attributes_lease": Frame(16, Check(attributes=Attributes(endpoint="/v1/chat", api_key="abc", cost=1, lease=42))),
     "fail_mode_list": Frame(
         11,
         FailModeList(
@@ -115,7 +127,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
     assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
-    assert p.HELLO_FRAME == vector("hello_v2")
+    assert p.HELLO_FRAME == vector("hello_v3")
     assert p.fail_modes_frame(11) == vector("fail_modes")
     modes = vector("check_modes")
     assert p.check_items_frame(12, [("user:123", "tokens", 0, "peek"), ("user:123", "llm", 1500, 2)]) == modes
@@ -129,8 +141,8 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     status, value, used = p.decode_reply(vector("decision_denied"), 0)
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
-    # The client reads HelloOk of either version and the list; an agent never sends FailModes.
-    for name in ("hello_ok", "hello_ok_v2", "fail_mode_list"):
+    # The client reads HelloOk of any version and the list; an agent never sends FailModes.
+    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "fail_mode_list"):
         data = vector(name)
         assert p.decode_reply(data, 0) == (1, (FRAMES[name].request_id, FRAMES[name].body), len(data))
     assert p.decode_reply(vector("fail_modes"), 0)[0] == 3
@@ -232,7 +244,7 @@ def test_decoding_rules() -> None:
         _frame(0x09, 1, b"", version=2),
         _frame(0x04, 1, verdict[:-1]),
         _frame(0x04, 1, verdict + b"\x00\x00"),
-        _frame(0x04, 1, b"\x04" + verdict[1:] + b"\x00"),
+        _frame(0x04, 1, b"\x08" + verdict[1:] + b"\x00"),
         _frame(0x04, 1, verdict[:1] + b"\x04" + verdict[2:] + b"\x00"),
         _frame(0x04, 1, verdict + b"\x11" + (b"\x01r" + verdict) * 17),
         _frame(0x05, 1, b"\x00\x04\x00\x10short"),
@@ -256,9 +268,9 @@ def test_decoding_rules() -> None:
     assert p.decode(v2) == Decoded(Frame(5, DecisionBody(ALLOWED, [])), len(v2))
     assert p.decode(_frame(0x09, 11, body, version=1)) == Decoded(FRAMES["fail_mode_list"], len(listed))
     # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
-    other_version = _frame(0x04, 5, verdict + b"\x00", version=3)
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=4)
     assert p.decode(other_version) == Rejected(
-        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 3; this peer speaks versions 1 to 2", len(other_version)
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 4; this peer speaks versions 1 to 3", len(other_version)
     )
     bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
     r = p.decode(bad_text)
@@ -414,7 +426,7 @@ def test_a_peek_may_have_cost_0_the_other_modes_need_1() -> None:
     assert "cost" in r.reason
 
 
-@pytest.mark.parametrize("mode", [3, 255, -1, True, "Peek", "borrow", None, 1.0])
+@pytest.mark.parametrize("mode", [4, 0x80, 0x83, 255, -1, True, "Peek", "borrow", None, 1.0])
 def test_an_unknown_mode_is_refused_before_sending(mode: object) -> None:
     with pytest.raises(InvalidCheck, match="item mode"):
         p.check_items_frame(1, [("k", "r", 1, mode)])
@@ -428,9 +440,9 @@ def test_an_unknown_mode_on_the_wire_refuses_only_its_check() -> None:
     # The body parses: refused as invalid (error 5) for its request id, like text that is not UTF-8;
     # the next frame starts right after it.
     modes = bytearray(vector("check_modes"))
-    modes[-1] = 3
+    modes[-1] = 4
     charge = bytearray(vector("check_attributes_charge"))
-    charge[-1] = 0xFF
+    charge[-1] = 0x7F  # bit 7 clear: no lease follows
     for bad, rid in ((bytes(modes), 12), (bytes(charge), 13)):
         r = p.decode(bad + vector("ping"))
         assert r == Rejected(ErrorCode.INVALID_ITEM, rid, f"unknown item mode {bad[-1]}", len(bad))
@@ -442,3 +454,76 @@ def test_an_unknown_mode_on_the_wire_refuses_only_its_check() -> None:
         assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, r
     r = p.decode(_frame(0x03, 1, b"\x04" + vector("check_modes")[11:]))
     assert isinstance(r, Fatal) and "unknown check form 4" in r.reason
+
+
+# --- version 3: leases and releases -----------------------------------------------------------------
+
+
+def test_the_client_fast_path_builds_the_lease_vectors() -> None:
+    acquire = vector("check_acquire")
+    assert p.check_one_frame(14, "apikey:abc", "gpu-slots", 2, ItemMode.CONSUME, LEASE) == acquire
+    assert p.check_items_frame(14, [("apikey:abc", "gpu-slots", 2, "consume", LEASE)]) == acquire
+    release = [("apikey:abc", "gpu-slots", 2, "release", LEASE), ("apikey:xyz", "gpu-slots", 1, ItemMode.RELEASE)]
+    assert p.check_items_frame(15, release) == vector("check_release")
+    one = p.check_one_frame(15, "apikey:xyz", "gpu-slots", 1, ItemMode.RELEASE)
+    assert one == p.check_items_frame(15, [Item.release("apikey:xyz", "gpu-slots", 1)]) and one[-1] == 3
+    leased = Attributes("/v1/chat", None, None, "abc", None, 1, ItemMode.CONSUME, 42)
+    assert p.check_attributes_frame(16, leased) == vector("check_attributes_lease")
+    # Both decoders read the holds-lease flag, on the item and on the combined verdict.
+    data = vector("decision_lease")
+    assert p.decode_reply(data, 0) == (1, (14, FRAMES["decision_lease"].body), len(data))
+    assert data[10] == 0x05 and FRAMES["decision_lease"].body.items[0].holds_lease
+    # A consume without a lease is still version 1's form 0; with one, form 2 with bit 7 and a u64.
+    assert p.check_one_frame(7, "user:123", "api", 1, ItemMode.CONSUME, None) == vector("check_one_item")
+    assert p.check_items_frame(1, [Item.acquire("k", "r", 1, 0)])[-9:] == b"\x80" + bytes(8), "lease 0 is a lease"
+    top = p.check_items_frame(1, [Item.acquire("k", "r", 1, 2**64 - 1)])
+    assert top[-9:] == b"\x80" + b"\xff" * 8
+    assert p.decode(top) == Decoded(Frame(1, Check(items=[Item.acquire("k", "r", 1, 2**64 - 1)])), len(top))
+
+
+def test_what_version_each_check_needs() -> None:
+    for name in ("check_acquire", "check_release", "check_attributes_lease"):
+        assert p.check_version(vector(name)) == 3, name
+    assert p.check_version(vector("check_modes")) == 2
+    # A lease or a release anywhere in the check, behind items that only need version 2.
+    peek = Item.peek("user:1", "tokens", 0)
+    assert p.check_version(p.check_items_frame(1, [peek, Item.charge("u", "r", 5)])) == 2
+    assert p.check_version(p.check_items_frame(1, [peek, ("k" * 200, "r", 1, "consume", 9)])) == 3
+    assert p.check_version(p.check_items_frame(1, [peek, Item.release("k", "r", 1)])) == 3
+    assert p.check_version(p.check_items_frame(1, [Item("k", "r", 1), Item.acquire("k", "s", 1, 1)])) == 3
+    # Attributes: a lease on any mode, or a release without one.
+    for mode, lease, need in ((ItemMode.PEEK, None, 2), (ItemMode.PEEK, 5, 3), (ItemMode.RELEASE, None, 3)):
+        a = Attributes("/x" * 50, "t", "u", "k", "203.0.113.5", 1, mode, lease)
+        assert p.check_version(p.check_attributes_frame(1, a)) == need, (mode, lease)
+
+
+@pytest.mark.parametrize("lease", [-1, 2**64, True, "1", 1.5])
+def test_an_invalid_lease_is_refused_before_sending(lease: object) -> None:
+    with pytest.raises(InvalidCheck, match="a lease is an int"):
+        p.check_items_frame(1, [("k", "r", 1, "consume", lease)])
+    with pytest.raises(InvalidCheck, match="a lease is an int"):
+        p.check_one_frame(1, "k", "r", 1, ItemMode.CONSUME, lease)  # type: ignore[arg-type]
+    with pytest.raises(InvalidCheck, match="a lease is an int"):
+        p.check_attributes_frame(1, Attributes(user="u", lease=lease))  # type: ignore[arg-type]
+
+
+def test_a_release_takes_a_cost_of_at_least_1() -> None:
+    with pytest.raises(InvalidCheck, match="cost must be an int from 1"):
+        p.check_items_frame(1, [Item.release("k", "r", 0, 7)])
+    with pytest.raises(InvalidCheck):
+        p.check_attributes_frame(1, Attributes(user="u", cost=0, mode=ItemMode.RELEASE))
+
+
+def test_the_lease_bit_on_the_wire() -> None:
+    # An unknown mode with the lease bit: the lease is read (the frame stays delimited), and only
+    # the check is refused; the next frame starts right after it.
+    acquire = bytearray(vector("check_acquire"))
+    assert acquire[-9] == 0x80
+    acquire[-9] = 0x84
+    r = p.decode(bytes(acquire) + vector("ping"))
+    assert r == Rejected(ErrorCode.INVALID_ITEM, 14, "unknown item mode 4", len(acquire))
+    assert p.decode(bytes(acquire) + vector("ping"), r.frame_len) == Decoded(FRAMES["ping"], len(vector("ping")))
+    # The lease bit without its 8 bytes, or bytes after a mode without the bit: malformed.
+    for bad in (vector("check_acquire")[10:-1], vector("check_attributes_lease")[10:-8], vector("check_modes")[10:] + bytes(8)):
+        r = p.decode(_frame(0x03, 1, bad))
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(" "), r)

@@ -7,6 +7,8 @@ default, closed per client or per call) and the client reconnects in the backgro
 
 - :class:`AsyncClient`: asyncio (ASGI apps, FastAPI, Starlette).
 - :class:`Client`: threads (WSGI apps, Django, scripts); thread-safe.
+- :class:`Lease`: what ``acquire`` takes of a concurrency rule and ``release`` gives back (``hold``
+  does both around a block).
 - :mod:`floodgate.middleware`: ASGI, WSGI and Django middleware.
 - :mod:`floodgate.protocol`: the wire format (``protocol/PROTOCOL.md``).
 - :func:`default_socket_path`: where a client given no path finds the agent (``$FLOODGATE_SOCKET``,
@@ -29,6 +31,7 @@ from .client import Client
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy, LocalLimit, Origin
 from .errors import AgentError, FloodgateError, InvalidCheck, UnsupportedByAgent
 from .health import Health
+from .lease import Lease
 from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
@@ -43,6 +46,7 @@ __all__ = [
     "Degraded",
     "FailPolicy",
     "Health",
+    "Lease",
     "LocalLimit",
     "Origin",
     "AgentError",

@@ -13,10 +13,14 @@ Example::
     if client.peek("user:123", "llm-tokens").allowed:  # not yet out of tokens
         ...  # call the model; then take what it used, even past the limit:
         client.charge("user:123", "llm-tokens", used)
+    with client.hold("apikey:abc", "gpu-slots") as d:  # a concurrency rule: one unit in flight
+        if d.allowed:
+            ...  # the unit is given back when the block ends
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import random
@@ -25,7 +29,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
@@ -42,11 +46,14 @@ from .decision import (
 )
 from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
+from .lease import Lease, held, new_lease_id, release_failed, release_taken
 from .socket_path import default_socket_path
 
 _MAX_OUT = 1 << 20
+_CONSUME = p.ItemMode.CONSUME
 _PEEK = p.ItemMode.PEEK
 _CHARGE = p.ItemMode.CHARGE
+_RELEASE = p.ItemMode.RELEASE
 _Mode = Union[p.ItemMode, int, str]
 """An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
 
@@ -182,6 +189,12 @@ class Client:
         """Whether the client holds a live connection to the agent right now."""
         return self._sock is not None
 
+    @property
+    def protocol_version(self) -> Optional[int]:
+        """The protocol version the connection's handshake chose (1 to 3), ``None`` while there is
+        no connection."""
+        return self._version if self._sock is not None else None
+
     def stats(self) -> ClientStats:
         """Counts of degraded answers and connections, for the service's metrics."""
         return self._core.snapshot()
@@ -243,6 +256,68 @@ class Client:
         data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
         return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2)
 
+    def acquire(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Tuple[Decision, Optional[Lease]]:
+        """Takes ``cost`` units of a concurrency rule under a fresh lease: the decision, and the
+        :class:`~floodgate.Lease` to :meth:`release` when the work ends, if the rule now holds it
+        (``None`` when denied, when the agent could not answer, or for a rule of another algorithm,
+        which consumes as :meth:`allow` does). A lease not released runs out after the rule's
+        ``leaseSeconds``. Needs an agent speaking protocol version 3
+        (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail
+        policy decides as for any check (the fallback limit counts it as a consume)."""
+        lease = new_lease_id()
+        rid = self._next_id()
+        data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
+        d = self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+        return d, held(d, key, rule_id, cost, lease)
+
+    def release(
+        self,
+        lease: Lease,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Decision:
+        """Gives back what :meth:`acquire` took: allowed, with the units left after it (a lease no
+        longer held changes nothing). Never raises for an agent that cannot answer: the decision is
+        then the fail policy's, and the lease runs out by itself after the rule's
+        ``leaseSeconds``. Needs protocol version 3, as :meth:`acquire` does."""
+        rid = self._next_id()
+        item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
+        data = p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease)
+        return self._call(rid, data, timeout, fail, (item,), 3)
+
+    @contextlib.contextmanager
+    def hold(
+        self,
+        key: str,
+        rule_id: str,
+        cost: int = 1,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+    ) -> Iterator[Decision]:
+        """``with client.hold(key, rule_id) as d:`` :meth:`acquire`, the block (check
+        ``d.allowed``), then :meth:`release` of the lease, if one was taken, however the block ends
+        (an exception too). A release the agent cannot take, or that raises (an agent replaced by an
+        older one meanwhile), is logged, not raised: the lease runs out by itself."""
+        d, lease = self.acquire(key, rule_id, cost, timeout=timeout, fail=fail)
+        try:
+            yield d
+        finally:
+            if lease is not None:
+                try:
+                    release_taken(self.release(lease, timeout=timeout), lease.id)
+                except Exception as e:  # noqa: BLE001 - the block's own outcome is the one to keep
+                    release_failed(e, lease.id)
+
     def check(
         self,
         items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int], Tuple[str, str, int, _Mode]]],
@@ -268,13 +343,16 @@ class Client:
         cost: int = 1,
         *,
         mode: _Mode = p.ItemMode.CONSUME,
+        lease: Optional[int] = None,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
     ) -> Decision:
         """Request attributes (``None`` = absent) for the agent to match against its rules; ``mode``
-        is what every matched rule does with ``cost`` (peek and charge need version 2)."""
+        is what every matched rule does with ``cost`` (peek and charge need version 2); ``lease``
+        (version 3) is the lease the matched concurrency rules hold ``cost`` under, or give back
+        with ``mode="release"`` (``decision.holds_lease`` says whether one now holds it)."""
         return self.check_request(
-            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode)), timeout=timeout, fail=fail
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease), timeout=timeout, fail=fail
         )
 
     def check_request(

@@ -19,6 +19,22 @@ from .protocol import Attributes, Check, DecisionBody, ErrorBody, ErrorCode, Ite
 log = logging.getLogger("floodgate")
 
 
+class RareWarning:
+    """Logs at most one warning a minute (a bad request per request must not flood the log)."""
+
+    def __init__(self) -> None:
+        self._last = -1
+        self._lock = threading.Lock()
+
+    def warn(self, message: str, *args: object) -> None:
+        minute = int(time.time() // 60)
+        with self._lock:
+            if self._last == minute:
+                return
+            self._last = minute
+        log.warning(message, *args)
+
+
 class FailPolicy(str, enum.Enum):
     """What a call answers when the agent cannot."""
 
@@ -143,6 +159,12 @@ class Decision:
         return self.origin is Origin.AGENT
 
     @property
+    def holds_lease(self) -> bool:
+        """Whether a concurrency rule now holds the check's lease (an item's
+        :attr:`~floodgate.Verdict.holds_lease`, protocol version 3): release it when the work ends."""
+        return any(it.verdict.holds_lease for it in self.items)
+
+    @property
     def reset_at(self) -> float:
         """:attr:`reset_at_ms` in Unix seconds."""
         return self.reset_at_ms / 1000.0
@@ -186,7 +208,8 @@ Subject = Union[Sequence[Any], Attributes]
 
 
 def consumes_only(subject: Subject) -> bool:
-    """Whether every item of what a call checks consumes (no peek, no charge)."""
+    """Whether every item of what a call checks consumes (no peek, charge or release; an acquire,
+    a consume under a lease, counts as a consume)."""
     if isinstance(subject, Attributes):
         return subject.mode == ItemMode.CONSUME
     return all(getattr(it, "mode", ItemMode.CONSUME) == ItemMode.CONSUME for it in subject)
@@ -292,8 +315,9 @@ class Core:
         if rule is not None:
             return self._denied_by_rule(rule, why, now)
         limit = self.config.fallback_limit
-        # The per-process limit counts what passes: a peek takes nothing and a charge is owed
-        # whatever it says, so only consuming checks go through it (as in the Rust SDK).
+        # The per-process limit counts what passes: a peek takes nothing, a charge is owed whatever
+        # it says and a release gives back, so only consuming checks (acquires among them) go
+        # through it (as in the Rust SDK).
         if fail is FailPolicy.OPEN and limit is not None and consumes_only(subject):
             key, cost = local_key(subject)
             return self._local_limit(limit, key, cost, why, now)

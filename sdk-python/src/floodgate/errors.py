@@ -21,15 +21,23 @@ class InvalidCheck(FloodgateError, ValueError):
 
 class UnsupportedByAgent(InvalidCheck):
     """The check needs a newer protocol version than the connected agent speaks: an item that peeks
-    or charges needs version 2, and an agent whose HelloOk said 1 cannot parse such a check (it
-    would close the connection). Raised before anything is sent; a check the agent cannot answer
-    for other reasons (away, late) answers by its fail policy instead, as any check does."""
+    or charges needs version 2 (an agent whose HelloOk said 1 cannot parse such a check: it would
+    close the connection), a lease or a release needs version 3. Raised before anything is sent; a
+    check the agent cannot answer for other reasons (away, late) answers by its fail policy
+    instead, as any check does."""
 
     def __init__(self, needed: int, agent_version: int, path: str) -> None:
-        super().__init__(
-            f"peek and charge items need protocol version {needed}, and the agent at {path} speaks"
-            f" version {agent_version}: upgrade the agent, or consume instead"
-        )
+        if needed >= 3:
+            message = (
+                f"the agent at {path} speaks protocol version {agent_version}: it cannot hold leases"
+                " (update the agent)"
+            )
+        else:
+            message = (
+                f"peek and charge items need protocol version {needed}, and the agent at {path} speaks"
+                f" version {agent_version}: upgrade the agent, or consume instead"
+            )
+        super().__init__(message)
         self.needed = needed
         self.agent_version = agent_version
 

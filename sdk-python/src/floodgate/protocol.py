@@ -1,4 +1,4 @@
-"""Floodgate's wire protocol, versions 1 and 2: frames to bytes and bytes to frames.
+"""Floodgate's wire protocol, versions 1 to 3: frames to bytes and bytes to frames.
 
 ``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
 and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
@@ -17,8 +17,9 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, U
 from .errors import InvalidCheck
 from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
-VERSION = 2
-"""The highest protocol version this module speaks (2: the fail-mode list and item modes)."""
+VERSION = 3
+"""The highest protocol version this module speaks (2: the fail-mode list and item modes; 3: leases
+and releases of concurrency rules)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -53,7 +54,8 @@ class Kind(enum.IntEnum):
 
 
 class ItemMode(enum.IntEnum):
-    """What an item does with its cost (version 2; a version-1 agent knows only ``CONSUME``)."""
+    """What an item does with its cost (version 2, ``RELEASE`` version 3; a version-1 agent knows only
+    ``CONSUME``)."""
 
     CONSUME = 0
     """Takes the cost if the check passes, all or nothing with the check's other consume items."""
@@ -62,6 +64,9 @@ class ItemMode(enum.IntEnum):
     asked about)."""
     CHARGE = 2
     """Always takes the cost, even past the limit (a debt later checks wait out); never denied."""
+    RELEASE = 3
+    """Gives back units a concurrency rule holds (version 3): with a lease, that lease; without one,
+    up to the cost of the key's leases. Never denied; on a rule of another algorithm, a peek."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -95,6 +100,12 @@ _ERROR_CODES = {c.value: c for c in ErrorCode}
 
 FLAG_ALLOWED = 0x01
 FLAG_LOG_ONLY = 0x02
+FLAG_HOLDS_LEASE = 0x04
+"""Verdict flag (version 3): the item carried a lease and its concurrency rule now holds it."""
+_FLAGS = FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE
+MODE_LEASE = 0x80
+"""Mode byte bit (version 3): a ``lease u64`` follows the mode byte; bits 0 to 6 are the mode."""
+MAX_LEASE = 0xFFFF_FFFF_FFFF_FFFF
 FORM_ITEMS = 0
 FORM_ATTRIBUTES = 1
 FORM_ITEMS_MODES = 2
@@ -108,13 +119,14 @@ LIST_TRUNCATED = 0x01
 
 
 class Item(NamedTuple):
-    """One ``(key, rule_id, cost, mode)`` item of a check; it consumes its cost unless its mode
-    says otherwise."""
+    """One ``(key, rule_id, cost, mode, lease)`` item of a check; it consumes its cost unless its
+    mode says otherwise. ``lease`` (version 3) names the units a concurrency rule holds for it."""
 
     key: str
     rule_id: str
     cost: int = 1
     mode: ItemMode = ItemMode.CONSUME
+    lease: Optional[int] = None
 
     @classmethod
     def peek(cls, key: str, rule_id: str, cost: int = 0) -> "Item":
@@ -126,6 +138,18 @@ class Item(NamedTuple):
         """An item that takes ``cost`` whatever the limit says: a cost known after the response
         (version 2)."""
         return cls(key, rule_id, cost, ItemMode.CHARGE)
+
+    @classmethod
+    def acquire(cls, key: str, rule_id: str, cost: int, lease: int) -> "Item":
+        """An item that consumes ``cost`` under ``lease`` (version 3): a concurrency rule holds the
+        units until the lease is released or runs out (a rate rule ignores the lease)."""
+        return cls(key, rule_id, cost, ItemMode.CONSUME, lease)
+
+    @classmethod
+    def release(cls, key: str, rule_id: str, cost: int, lease: Optional[int] = None) -> "Item":
+        """An item that gives back what a concurrency rule holds (version 3): ``lease`` of ``cost``
+        units, or without a lease up to ``cost`` units of the key's leases."""
+        return cls(key, rule_id, cost, ItemMode.RELEASE, lease)
 
 
 @dataclass
@@ -140,6 +164,8 @@ class Attributes:
     cost: int = 1
     mode: ItemMode = ItemMode.CONSUME
     """What every rule the attributes match does with the cost (version 2 unless ``CONSUME``)."""
+    lease: Optional[int] = None
+    """The lease the matched concurrency rules hold the cost under (version 3)."""
 
     def fields(self) -> List[Tuple[str, Optional[str]]]:
         """The attributes with their names, in wire order."""
@@ -183,6 +209,9 @@ class Verdict:
     remaining: int
     reset_at_ms: int
     retry_after_ms: int
+    holds_lease: bool = False
+    """The item carried a lease and its concurrency rule now holds it (version 3): release it when
+    the work ends; it runs out at ``reset_at_ms`` otherwise."""
 
 
 @dataclass
@@ -191,6 +220,11 @@ class ItemDecision:
 
     rule_id: str
     verdict: Verdict
+
+    @property
+    def holds_lease(self) -> bool:
+        """:attr:`Verdict.holds_lease`: this rule now holds the check's lease."""
+        return self.verdict.holds_lease
 
 
 @dataclass
@@ -318,15 +352,30 @@ _MODE_NAMES = {m.name.lower(): m for m in ItemMode}
 
 
 def item_mode(mode: object) -> ItemMode:
-    """``mode`` as an :class:`ItemMode`: one already, its value (0 to 2) or its lower-case name
+    """``mode`` as an :class:`ItemMode`: one already, its value (0 to 3) or its lower-case name
     (``"peek"``); raises :class:`InvalidCheck` for anything else."""
     if isinstance(mode, ItemMode):
         return mode
-    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 2:
+    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 3:
         return ItemMode(mode)
     if isinstance(mode, str) and mode in _MODE_NAMES:
         return _MODE_NAMES[mode]
-    raise InvalidCheck(f"an item mode is consume, peek or charge (0 to 2), not {mode!r}")
+    raise InvalidCheck(f"an item mode is consume, peek, charge or release (0 to 3), not {mode!r}")
+
+
+def _lease(lease: object) -> Optional[int]:
+    if lease is None:
+        return None
+    if isinstance(lease, bool) or not isinstance(lease, int) or not 0 <= lease <= MAX_LEASE:
+        raise InvalidCheck(f"a lease is an int from 0 to 2**64 - 1, not {lease!r}")
+    return lease
+
+
+def _mode_bytes(mode: int, lease: Optional[int]) -> bytes:
+    """The mode byte of forms 2 and 3, and the lease after it when there is one (version 3)."""
+    if lease is None:
+        return bytes((mode,))
+    return bytes((mode | MODE_LEASE,)) + _U64.pack(lease)
 
 
 # Encoded (validated) rule ids: most services name a handful of rules.
@@ -366,14 +415,17 @@ def _frame(kind: int, request_id: int, body: bytes, version: int = 1) -> bytes:
 
 def items_body(items: Iterable[object]) -> bytes:
     """The body of an items Check (validated): ``items`` are :class:`Item` or ``(key, rule_id[,
-    cost[, mode]])``. Form 0 when every item consumes (what every agent reads), else form 2."""
+    cost[, mode[, lease]]])``. Form 0 when every item consumes without a lease (what every agent
+    reads), else form 2."""
     parts = []
-    modes = []
+    modes: List[bytes] = []
+    plain = True
     n = 0
     key: Any
     rule_id: Any
     cost: Any
     mode: Any
+    lease: Any
     for it in items:
         n += 1
         if n > MAX_ITEMS:
@@ -382,30 +434,38 @@ def items_body(items: Iterable[object]) -> bytes:
             size = len(it)  # type: ignore[arg-type]
             if size == 2:
                 key, rule_id = it  # type: ignore[misc]
-                cost, mode = 1, ItemMode.CONSUME
+                cost, mode, lease = 1, ItemMode.CONSUME, None
             elif size == 3:
                 key, rule_id, cost = it  # type: ignore[misc]
-                mode = ItemMode.CONSUME
-            else:
+                mode, lease = ItemMode.CONSUME, None
+            elif size == 4:
                 key, rule_id, cost, mode = it  # type: ignore[misc]
+                lease = None
+            else:
+                key, rule_id, cost, mode, lease = it  # type: ignore[misc]
         except (TypeError, ValueError):
-            raise InvalidCheck(f"an item is (key, rule_id[, cost[, mode]]), not {it!r}") from None
+            raise InvalidCheck(f"an item is (key, rule_id[, cost[, mode[, lease]]]), not {it!r}") from None
         k = _text("key", key, MAX_KEY)
         r = _rule_bytes(rule_id)
         m = item_mode(mode)
+        lease = _lease(lease)
         parts.append(b"".join((_STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(_cost(cost, m)))))
-        modes.append(m)
+        modes.append(_mode_bytes(m, lease))
+        plain = plain and not m and lease is None
     if not 1 <= n <= MAX_ITEMS:
         raise InvalidCheck(f"a check carries 1 to {MAX_ITEMS} items, not {n if n <= MAX_ITEMS else 'more'}")
-    if any(modes):
-        return b"".join((bytes((FORM_ITEMS_MODES, n)), *(part + bytes((m,)) for part, m in zip(parts, modes))))
+    if not plain:
+        return b"".join((bytes((FORM_ITEMS_MODES, n)), *(part + m for part, m in zip(parts, modes))))
     return b"".join((_PREFIX_ITEMS, bytes((n,)), *parts))
 
 
 def attributes_body(a: Attributes) -> bytes:
-    """The body of an attributes Check (validated): form 1 when its mode is consume, else form 3."""
+    """The body of an attributes Check (validated): form 1 when its mode is consume without a lease,
+    else form 3."""
     mode = item_mode(a.mode)
-    parts = [bytes((FORM_ATTRIBUTES_MODE if mode else FORM_ATTRIBUTES,))]
+    lease = _lease(a.lease)
+    moded = bool(mode) or lease is not None
+    parts = [bytes((FORM_ATTRIBUTES_MODE if moded else FORM_ATTRIBUTES,))]
     for name, value in a.fields():
         if value is None:
             parts.append(b"\x00\x00")
@@ -414,8 +474,8 @@ def attributes_body(a: Attributes) -> bytes:
             parts.append(_STR16.pack(len(b)))
             parts.append(b)
     parts.append(_U32.pack(_cost(a.cost, mode)))
-    if mode:
-        parts.append(bytes((mode,)))
+    if moded:
+        parts.append(_mode_bytes(mode, lease))
     return b"".join(parts)
 
 
@@ -437,7 +497,11 @@ def _truncate(s: str, limit: int) -> bytes:
 
 
 def _verdict_bytes(v: Verdict) -> bytes:
-    flags = (FLAG_ALLOWED if v.allowed else 0) | (FLAG_LOG_ONLY if v.log_only else 0)
+    flags = (
+        (FLAG_ALLOWED if v.allowed else 0)
+        | (FLAG_LOG_ONLY if v.log_only else 0)
+        | (FLAG_HOLDS_LEASE if v.holds_lease else 0)
+    )
     return _VERDICT.pack(flags, int(v.source), v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms)
 
 
@@ -488,23 +552,30 @@ def check_items_frame(request_id: int, items: Iterable[object]) -> bytes:
 
 
 def check_one_frame(
-    request_id: int, key: str, rule_id: str, cost: int = 1, mode: ItemMode = ItemMode.CONSUME
+    request_id: int,
+    key: str,
+    rule_id: str,
+    cost: int = 1,
+    mode: ItemMode = ItemMode.CONSUME,
+    lease: Optional[int] = None,
 ) -> bytes:
     """A Check frame for one item (validated; raises :class:`InvalidCheck`): the fast path of
-    ``allow``, ``peek`` and ``charge`` (form 0 to consume, else form 2)."""
+    ``allow``, ``peek``, ``charge``, ``acquire`` and ``release`` (form 0 to consume without a lease,
+    else form 2)."""
     if mode is not _CONSUME:
         mode = item_mode(mode)
     k = _text("key", key, MAX_KEY)
     r = _rule_bytes(rule_id)
     c = _cost(cost, mode)
-    if not mode:
+    if not mode and lease is None:
         return b"".join(
             (_HDR.pack(15 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x00\x01",
              _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c))
         )
+    m = _mode_bytes(mode, _lease(lease))
     return b"".join(
-        (_HDR.pack(16 + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x02\x01",
-         _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c), bytes((mode,)))
+        (_HDR.pack(15 + len(m) + len(k) + len(r), 1, Kind.CHECK, request_id & 0xFFFF_FFFF), b"\x02\x01",
+         _STR16.pack(len(k)), k, bytes((len(r),)), r, _U32.pack(c), m)
     )
 
 
@@ -513,15 +584,39 @@ def check_attributes_frame(request_id: int, attributes: Attributes) -> bytes:
     return _frame(Kind.CHECK, request_id, attributes_body(attributes))
 
 
+def _mode_version(mode: int) -> int:
+    return 3 if mode & MODE_LEASE or mode == ItemMode.RELEASE else 2
+
+
 def check_version(frame: bytes) -> int:
-    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 2
-    for forms 2 and 3 (an item that does not consume), else 1. A version-1 agent cannot parse them
-    and closes the connection, so a client sends them only on a connection whose HelloOk said 2."""
-    return 2 if frame[LEN_PREFIX + HEADER] >= FORM_ITEMS_MODES else 1
+    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 3
+    for a lease or a release, 2 for forms 2 and 3 otherwise (an item that peeks or charges), else 1.
+    A version-1 agent cannot parse forms 2 and 3 and closes the connection, and a version-2 agent
+    refuses a lease or a release, so a client sends them only on a connection whose HelloOk said as
+    much."""
+    off = LEN_PREFIX + HEADER
+    form = frame[off]
+    if form < FORM_ITEMS_MODES:
+        return 1
+    if form == FORM_ATTRIBUTES_MODE:
+        off += 1
+        for _ in range(5):
+            off += 2 + _STR16.unpack_from(frame, off)[0]
+        return _mode_version(frame[off + 4])
+    n = frame[off + 1]
+    off += 2
+    for _ in range(n):
+        off += 2 + _STR16.unpack_from(frame, off)[0]
+        off += 1 + frame[off] + 4
+        mode = frame[off]
+        if _mode_version(mode) == 3:
+            return 3
+        off += 1
+    return 2
 
 
 HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
-"""The Hello a client opens with: versions 1 to 2."""
+"""The Hello a client opens with: versions 1 to 3."""
 
 
 def fail_modes_frame(request_id: int) -> bytes:
@@ -544,12 +639,19 @@ def _verdict(buf: Union[bytes, bytearray, memoryview], off: int, end: int) -> Ve
     if off + VERDICT_LEN > end:
         raise _Malformed("body ends inside a verdict")
     flags, source, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, off)
-    if flags & ~(FLAG_ALLOWED | FLAG_LOG_ONLY):
+    if flags & ~_FLAGS:
         raise _Malformed(f"unknown verdict flags 0x{flags:02x}")
     if source > 3:
         raise _Malformed(f"unknown source {source}")
     return Verdict(
-        bool(flags & FLAG_ALLOWED), bool(flags & FLAG_LOG_ONLY), _SOURCES[source], limit, remaining, reset, retry
+        bool(flags & FLAG_ALLOWED),
+        bool(flags & FLAG_LOG_ONLY),
+        _SOURCES[source],
+        limit,
+        remaining,
+        reset,
+        retry,
+        bool(flags & FLAG_HOLDS_LEASE),
     )
 
 
@@ -600,15 +702,18 @@ class _Reader:
     def str16(self) -> str:
         return self.text(self.u16())
 
-    def mode(self) -> ItemMode:
-        """An item mode. One this peer does not know refuses the check (error 5) once the body has
-        parsed, as bad text does: the frame is well delimited, only the check is wrong."""
+    def mode(self) -> Tuple[ItemMode, Optional[int]]:
+        """An item mode and its lease (``None`` without bit 7). A mode this peer does not know
+        refuses the check (error 5) once the body has parsed, as bad text does: the frame is well
+        delimited, only the check is wrong."""
         b = self.u8()
-        if b > ItemMode.CHARGE:
+        lease = self.u64() if b & MODE_LEASE else None
+        m = b & ~MODE_LEASE
+        if m > ItemMode.RELEASE:
             if self.bad_text is None:
-                self.bad_text = f"unknown item mode {b}"
-            return ItemMode.CONSUME
-        return ItemMode(b)
+                self.bad_text = f"unknown item mode {m}"
+            return ItemMode.CONSUME, lease
+        return ItemMode(m), lease
 
     def verdict(self) -> Verdict:
         v = _verdict(self.buf, self.pos, self.end)
@@ -647,14 +752,14 @@ def _body(kind: int, r: _Reader) -> Body:
                 key = r.str16()
                 rule_id = r.str8()
                 cost = r.u32()
-                mode = r.mode() if form == FORM_ITEMS_MODES else ItemMode.CONSUME
-                check_items.append(Item(key, rule_id, cost, mode))
+                mode, lease = r.mode() if form == FORM_ITEMS_MODES else (ItemMode.CONSUME, None)
+                check_items.append(Item(key, rule_id, cost, mode, lease))
             return Check(items=check_items)
         if form == FORM_ATTRIBUTES or form == FORM_ATTRIBUTES_MODE:
             v = [r.str16() or None for _ in range(5)]
             cost = r.u32()
-            mode = r.mode() if form == FORM_ATTRIBUTES_MODE else ItemMode.CONSUME
-            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost, mode))
+            mode, lease = r.mode() if form == FORM_ATTRIBUTES_MODE else (ItemMode.CONSUME, None)
+            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost, mode, lease))
         raise _Malformed(f"unknown check form {form}")
     if kind == Kind.FAIL_MODE_LIST:
         return _fail_mode_list(r)
@@ -770,7 +875,7 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
             flags, src, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, pos + 10)
             count = buf[pos + 44]
             off = pos + 45
-            if flags < 4 and src < 4 and count <= MAX_ITEMS:
+            if flags < 8 and src < 4 and count <= MAX_ITEMS:
                 items = []
                 for _ in range(count):
                     if off >= end:
@@ -782,13 +887,17 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
                     rule = bytes(buf[off : off + n]).decode("utf-8")
                     off += n
                     f, s, li, re_, rs, rt = _VERDICT.unpack_from(buf, off)
-                    if f >= 4 or s >= 4:
+                    if f >= 8 or s >= 4:
                         break
                     off += VERDICT_LEN
-                    items.append(ItemDecision(rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt)))
+                    items.append(
+                        ItemDecision(rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt, bool(f & 4)))
+                    )
                 else:
                     if off == end:
-                        combined = Verdict(bool(flags & 1), bool(flags & 2), _SOURCES[src], limit, remaining, reset, retry)
+                        combined = Verdict(
+                            bool(flags & 1), bool(flags & 2), _SOURCES[src], limit, remaining, reset, retry, bool(flags & 4)
+                        )
                         return 1, (rid, DecisionBody(combined, items)), total
     except (UnicodeDecodeError, struct.error, IndexError):
         pass

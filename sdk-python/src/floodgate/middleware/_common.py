@@ -1,6 +1,6 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
 (``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values, costs charged after the
-response."""
+response, concurrency leases released when it ends."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import ipaddress
 import json
 import logging
 import re
-import threading
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..decision import Decision, FailPolicy
+from ..decision import Decision, FailPolicy, RareWarning
+from ..errors import UnsupportedByAgent
+from ..lease import new_lease_id, release_failed, release_taken
 from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
@@ -220,6 +221,30 @@ def normalise_charge_headers(
     return out
 
 
+ChargeWith = Callable[..., Optional[int]]
+"""A ``charge_with`` callable: the response (ASGI and WSGI: its status and headers; Django: the
+``HttpResponse``) to the cost to charge, or ``None``."""
+
+
+def normalise_charge_with(
+    charge_with: Optional[Mapping[str, ChargeWith]], costs: Mapping[str, int], charge_headers: Mapping[str, str]
+) -> Dict[str, ChargeWith]:
+    """``charge_with`` keyed as ``costs`` is (``costs`` and ``charge_headers`` already normalised). A
+    value that is not callable, or a route that also has a cost or a charge header, raises
+    ``ValueError`` here, not on a request."""
+    out: Dict[str, ChargeWith] = {}
+    for route, fn in (charge_with or {}).items():
+        if not callable(fn):
+            raise ValueError(f"charge_with[{route!r}]: {fn!r} is not callable")
+        key = route_name(route)
+        if key in costs:
+            raise ValueError(f"{route!r} is in costs and in charge_with: give it one or the other")
+        if key in charge_headers:
+            raise ValueError(f"{route!r} is in charge_headers and in charge_with: give it one or the other")
+        out[key] = fn
+    return out
+
+
 def normalise_fail_for(fail_for: Optional[Mapping[str, Union[str, FailPolicy]]]) -> Dict[str, FailPolicy]:
     """``fail_for`` keyed as ``costs`` is, each policy checked (a misspelt one raises ``ValueError``
     here, not on a request)."""
@@ -292,22 +317,6 @@ def rejection_body(seconds: int) -> bytes:
     return json.dumps({"error": "rate_limited", "retryAfter": seconds}, separators=(",", ":")).encode()
 
 
-class RareWarning:
-    """Logs at most one warning a minute (a bad request per request must not flood the log)."""
-
-    def __init__(self) -> None:
-        self._last = -1
-        self._lock = threading.Lock()
-
-    def warn(self, message: str, *args: object) -> None:
-        minute = int(time.time() // 60)
-        with self._lock:
-            if self._last == minute:
-                return
-            self._last = minute
-        log.warning(message, *args)
-
-
 class Once:
     """Logs a warning once per process."""
 
@@ -352,6 +361,7 @@ class Settings:
         fail: Union[str, FailPolicy, None] = None,
         fail_for: Optional[Mapping[str, Union[str, FailPolicy]]] = None,
         charge_headers: Optional[Mapping[str, str]] = None,
+        charge_with: Optional[Mapping[str, ChargeWith]] = None,
     ) -> None:
         for name, f, h in (("tier", tier, tier_header), ("user", user, user_header), ("api_key", api_key, api_key_header)):
             if f is not None and h is not None:
@@ -371,6 +381,7 @@ class Settings:
         self.fail = None if fail is None else FailPolicy(fail)
         self.fail_for = normalise_fail_for(fail_for)
         self.charge_headers = normalise_charge_headers(charge_headers, self.costs)
+        self.charge_with = normalise_charge_with(charge_with, self.costs, self.charge_headers)
 
     def fail_policy(self, endpoint: Optional[str]) -> Optional[FailPolicy]:
         """The per-call fail policy of a request to ``endpoint``: its route's in ``fail_for``, else
@@ -405,11 +416,12 @@ def request_check(
     default_endpoint: Callable[[Any], Optional[str]],
     peer: Callable[[Any], Tuple[Optional[str], Sequence[str], bool]],
     no_peer: str,
-) -> Tuple[Attributes, Optional[FailPolicy], Optional[str]]:
+) -> Tuple[Attributes, Optional[FailPolicy], Union[str, ChargeWith, None]]:
     """What a request is checked as, for every framework, its per-call fail policy
-    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by) and the response
-    header its cost is charged from (its route's in ``charge_headers``; the check is then a peek of
-    cost 0, and :func:`charge_attributes` is what to charge afterwards): ``header(request, name)``
+    (:meth:`Settings.fail_policy`, by the same endpoint ``costs`` is looked up by) and what its cost
+    is charged from: the response header its route has in ``charge_headers``, or the callable it has
+    in ``charge_with`` (the check is then a peek of cost 0, and :func:`charge_attributes` is what to
+    charge afterwards); ``None`` for other routes. ``header(request, name)``
     reads a header (lower-case name), ``default_endpoint(request)`` names the route,
     ``peer(request)`` gives the peer address, the ``X-Forwarded-For`` values and whether the server
     took that address from the header itself (:func:`server_took_forwarded_for`); ``no_peer`` is said
@@ -455,7 +467,11 @@ def request_check(
         ip,
         s.costs,
     )
-    charge = s.charge_headers.get(endpoint) if endpoint and s.charge_headers else None
+    charge: Union[str, ChargeWith, None] = None
+    if endpoint:
+        charge = s.charge_headers.get(endpoint) if s.charge_headers else None
+        if charge is None and s.charge_with:
+            charge = s.charge_with.get(endpoint)
     if charge is not None:
         # Only a rule already past its limit refuses the request; its cost is known afterwards.
         attributes = dataclasses.replace(attributes, cost=0, mode=ItemMode.PEEK)
@@ -490,6 +506,50 @@ def reported_cost(header: str, raw: Union[bytes, str, None]) -> Optional[int]:
     return None
 
 
+def called_cost(fn: ChargeWith, *response: Any) -> Optional[int]:
+    """The cost a ``charge_with`` callable gives for ``response``: an int from 1 to 4294967295; 0 or
+    ``None``: nothing to charge. Anything else, or an exception, is nothing charged too, logged at
+    most once a minute (the app's bug, which would otherwise go uncounted unseen); never raised: the
+    response goes out all the same."""
+    try:
+        cost = fn(*response)
+    except Exception as e:  # noqa: BLE001 - the app's callable; its response must still go out
+        BAD_CHARGE.warn("floodgate: charge_with's %r raised %r; nothing charged (said at most once a minute)", fn, e)
+        return None
+    whole = isinstance(cost, int) and not isinstance(cost, bool)
+    if cost is None or (whole and cost == 0):
+        return None
+    if whole and 0 < cost <= MAX_CHARGE:
+        return cost
+    BAD_CHARGE.warn(
+        "floodgate: charge_with's %r returned %.60r, not None or a whole number from 0 to %d; nothing"
+        " charged (said at most once a minute)",
+        fn,
+        cost,
+        MAX_CHARGE,
+    )
+    return None
+
+
+def response_cost(
+    charge: Union[str, ChargeWith], status: int, headers: Sequence[Tuple[Union[bytes, str], Union[bytes, str]]]
+) -> Optional[int]:
+    """What a response of ``status`` and ``headers`` (ASGI's byte pairs or WSGI's text pairs, as the
+    app gave them) is charged: its ``charge`` header's first value (:func:`reported_cost`), or what
+    the ``charge_with`` callable gives for ``(status, headers)``, the headers as ``(name, value)``
+    text pairs (ASGI's bytes read as latin-1)."""
+    if isinstance(charge, str):
+        for k, v in headers:
+            if _text(k).lower() == charge:
+                return reported_cost(charge, v)
+        return None
+    return called_cost(charge, status, [(_text(k), _text(v)) for k, v in headers])
+
+
+def _text(b: Union[bytes, bytearray, str]) -> str:
+    return b.decode("latin-1") if isinstance(b, (bytes, bytearray)) else b
+
+
 def charge_attributes(attributes: Attributes, cost: int) -> Attributes:
     """What a request whose response reported ``cost`` is charged as: its request-phase attributes
     (a peek), charging ``cost`` to every rule they match."""
@@ -522,3 +582,62 @@ def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional
         charge_taken(client.check_request(charge_attributes(attributes, cost), timeout=timeout, fail="open"))
     except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
         charge_failed(e)
+
+
+# --- concurrency leases (protocol version 3) ------------------------------------------------------
+
+
+def with_lease(attributes: Attributes, version: Optional[int]) -> Attributes:
+    """A consuming check with a fresh lease when the connection speaks version 3 (``version``: the
+    client's :attr:`~floodgate.Client.protocol_version`): the concurrency rules it matches then hold
+    the request's units until :func:`release_attributes` gives them back. A peek (a charge route's
+    request) holds nothing, so it carries none; nor does a check to an older agent."""
+    if version is not None and version >= 3 and attributes.mode == ItemMode.CONSUME:
+        return dataclasses.replace(attributes, lease=new_lease_id())
+    return attributes
+
+
+def without_lease(e: UnsupportedByAgent, attributes: Attributes) -> Attributes:
+    """The check again without its lease when the connection it went to turned out older than
+    version 3 (the agent was replaced between reading the version and sending); else ``e`` raised."""
+    if attributes.lease is None or e.needed < 3:
+        raise e
+    return dataclasses.replace(attributes, lease=None)
+
+
+def check_leased(
+    client: Any, attributes: Attributes, timeout: Optional[float], fail: Optional[FailPolicy]
+) -> Tuple[Attributes, Decision]:
+    """A request's check through the threaded ``client``, with a fresh lease when its connection
+    speaks version 3 (:func:`with_lease`): the attributes sent (with the lease, if any) and the
+    decision."""
+    attributes = with_lease(attributes, getattr(client, "protocol_version", None))
+    try:
+        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+    except UnsupportedByAgent as e:
+        attributes = without_lease(e, attributes)
+        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+
+
+def release_attributes(attributes: Attributes) -> Attributes:
+    """What gives back what a request's check took under its lease: the same attributes (the agent
+    matches the same rules), the same cost and lease, mode release (rate rules only peek)."""
+    return dataclasses.replace(attributes, mode=ItemMode.RELEASE)
+
+
+def releases(d: Decision, attributes: Attributes) -> Optional[Attributes]:
+    """The release a request owes when its response ends: when a concurrency rule holds its lease
+    (an item's ``holds_lease``), :func:`release_attributes`; else ``None``."""
+    if attributes.lease is not None and d.holds_lease:
+        return release_attributes(attributes)
+    return None
+
+
+def release_now(client: Any, release: Attributes, timeout: Optional[float]) -> None:
+    """Sends ``release`` through the threaded ``client``, waiting at most ``timeout`` (the client's
+    when ``None``). Never raises: a release the agent cannot take, or that fails, is logged (its
+    units stay held until the lease runs out)."""
+    try:
+        release_taken(client.check_request(release, timeout=timeout, fail="open"), release.lease)
+    except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
+        release_failed(e, release.lease)

@@ -26,7 +26,14 @@ app instead (``app = FloodgateMiddleware(app, ...)``) to have the headers on it 
 A route in ``charge_headers`` costs what its response says (LLM tokens, bytes): the request is a peek
 of cost 0, refused only by a rule already past its limit, and once the response's last body part is
 sent, the number in that response header is charged with the request's attributes, in the request's
-own task (bounded by the client's timeout), so the client has its response before the charge goes.
+own task (bounded by the client's timeout), so the client has its response before the charge goes. A
+route in ``charge_with`` is charged what its callable returns for the response's status and headers.
+
+On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
+lease; when a concurrency rule holds it, the lease is released (the same attributes, cost and lease,
+mode release) once the response's last body part is sent, or the app returns or raises without one
+(a client gone mid-response, an abandoned stream), in a task of its own, so that neither the
+response nor a cancelled request holds it back.
 
 Example::
 
@@ -38,26 +45,32 @@ Example::
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Dict, List, Mapping, MutableMapping, Optional, Tuple
+from typing import Any, Awaitable, Callable, Dict, List, Mapping, MutableMapping, Optional, Set, Tuple
 
 from ..aio import AsyncClient
-from ..errors import FloodgateError
+from ..errors import FloodgateError, UnsupportedByAgent
+from ..lease import release_failed, release_taken
+from ..protocol import Attributes
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
+    ChargeWith,
     Settings,
     charge_attributes,
     charge_failed,
     charge_taken,
     header_text,
     rate_limit_headers,
+    releases,
     request_check,
     rejection_body,
-    reported_cost,
+    response_cost,
     retry_after_seconds,
     route_name,
     scope_took_forwarded_for,
+    with_lease,
+    without_lease,
 )
 
 Scope = MutableMapping[str, Any]
@@ -188,8 +201,10 @@ class FloodgateMiddleware:
     over the agent's fail-closed rules); ``fail_for`` (``{route: "open" | "closed"}``, keyed as
     ``costs``: that route's per-call fail policy, over ``fail``); ``charge_headers`` (``{route:
     header}``, keyed as ``costs``: a request to that route is a peek of cost 0, and the number its
-    response's header reports is charged after the response). Other keyword arguments configure
-    the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
+    response's header reports is charged after the response); ``charge_with`` (``{route:
+    callable}``, keyed as ``costs``: the same, charging what ``callable(status, headers)`` returns,
+    an int or ``None``, the headers as ``(name, value)`` text pairs). Other keyword arguments
+    configure the client (:class:`~floodgate.ClientConfig` fields) when the middleware makes it.
     """
 
     def __init__(
@@ -213,6 +228,7 @@ class FloodgateMiddleware:
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
         charge_headers: Optional[Dict[str, str]] = None,
+        charge_with: Optional[Dict[str, ChargeWith]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -232,6 +248,7 @@ class FloodgateMiddleware:
             fail=fail,
             fail_for=fail_for,
             charge_headers=charge_headers,
+            charge_with=charge_with,
         )
         self._socket = socket
         self._client_config = client_config
@@ -259,7 +276,7 @@ class FloodgateMiddleware:
         """What the request is checked as."""
         return self._check(scope)[0]
 
-    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, scope: Scope):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             scope,
@@ -277,15 +294,24 @@ class FloodgateMiddleware:
         try:
             attributes, fail, charge = self._check(scope)
             client = await self._get_client()
-            decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+            attributes = with_lease(attributes, getattr(client, "protocol_version", None))
+            try:
+                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+            except UnsupportedByAgent as e:
+                attributes = without_lease(e, attributes)
+                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
         except FloodgateError as e:
             # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
             # rules matched), not something a client can cause: the request passes.
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             await self.app(scope, receive, send)
             return
+        # The release the request owes once its response ends (a concurrency rule holds its lease).
+        release = releases(decision, attributes)
         headers = [(n.encode(), v.encode()) for n, v in rate_limit_headers(decision, s.ietf)]
         if not decision.allowed:
+            if release is not None:  # a denied check holds nothing; given back should it ever
+                _release_soon(client, release, s.timeout)
             secs = retry_after_seconds(decision)
             body = rejection_body(secs)
             await send(
@@ -302,7 +328,7 @@ class FloodgateMiddleware:
             )
             await send({"type": "http.response.body", "body": body})
             return
-        if not headers and charge is None:
+        if not headers and charge is None and release is None:
             await self.app(scope, receive, send)
             return
 
@@ -310,6 +336,13 @@ class FloodgateMiddleware:
         # What the response reported (charge routes): charged once its last body part is sent, or
         # when the app returns without sending one (the work was done, whoever got the answer).
         owed: Optional[int] = None
+
+        def let_go() -> None:
+            # Once: after the last body part, else when the app returns, raises or is cancelled.
+            nonlocal release
+            if release is not None:
+                held, release = release, None
+                _release_soon(client, held, s.timeout)
 
         async def settle() -> None:
             nonlocal owed
@@ -328,7 +361,7 @@ class FloodgateMiddleware:
             if kind == "http.response.start":
                 started = True
                 if charge is not None:
-                    owed = reported_cost(charge, _first_header(message.get("headers"), charge.encode()))
+                    owed = response_cost(charge, int(message.get("status", 200)), message.get("headers") or ())
                 if headers:
                     message = dict(message)
                     kept: List[Tuple[bytes, bytes]] = [
@@ -337,6 +370,7 @@ class FloodgateMiddleware:
                     message["headers"] = kept + headers
             await send(message)
             if kind == "http.response.body" and not message.get("more_body", False):
+                let_go()
                 await settle()
 
         try:
@@ -363,15 +397,28 @@ class FloodgateMiddleware:
                     pass
             raise
         finally:
+            let_go()
             await settle()
 
 
-def _first_header(headers: Any, name: bytes) -> Optional[bytes]:
-    """The first value of a response header (``name`` lower-case) in an ASGI message's headers."""
-    for k, v in headers or ():
-        if bytes(k).lower() == name:
-            return bytes(v)
-    return None
+# Releases under way: the loop keeps only weak references to its tasks.
+_releasing: Set["asyncio.Task[None]"] = set()
+
+
+def _release_soon(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+    """Sends ``release`` in a task of its own: it holds back neither the request's task nor the
+    app's return, and a request cancelled meanwhile (its cancel scope would cancel every await in
+    it) still gives its units back."""
+    task = asyncio.get_running_loop().create_task(_release(client, release, timeout))
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+
+
+async def _release(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+    try:
+        release_taken(await client.check_request(release, timeout=timeout, fail="open"), release.lease)
+    except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
+        release_failed(e, release.lease)
 
 
 _ERROR_BODY = b"Internal Server Error"

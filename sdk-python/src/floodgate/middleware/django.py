@@ -11,15 +11,20 @@ Configure it in ``settings.py``::
         "costs": {"/api/search": 5},
         "fail_for": {"login": "closed"},  # per route while the agent is away, keyed as costs
         "charge_headers": {"v1/chat": "x-llm-tokens"},  # a cost the response reports, keyed as costs
+        "charge_with": {"v1/embed": "myapp.costs.embed_cost"},  # callable(response) -> int | None
     }
 
 Every key of ``FLOODGATE`` is a keyword of :class:`~floodgate.middleware.FloodgateWSGIMiddleware`;
 extractors (``endpoint``, ``tier``, ``user``, ``api_key``, ``ip``) take the Django request and may be
-given as dotted paths. It is a synchronous middleware (Django adapts it under ASGI).
+given as dotted paths, and so may the callables of ``charge_with``, which take the ``HttpResponse``.
+It is a synchronous middleware (Django adapts it under ASGI).
 
-A route in ``charge_headers`` is charged what its response header reports when the server closes the
-response (Django's end of request: the WSGI server, or Django's ASGI handler once the body is sent),
-a blocking call bounded by the client's timeout after the client has the body.
+A route in ``charge_headers`` (or ``charge_with``) is charged what its response header reports (what
+its callable returns) when the server closes the response (Django's end of request: the WSGI server,
+or Django's ASGI handler once the body is sent or the client is gone), a blocking call bounded by the
+client's timeout after the client has the body. On a connection to an agent that speaks protocol
+version 3, a concurrency rule's lease taken by the request is released at the same moment, or at
+once when the view raises past Django's own error handling.
 """
 
 from __future__ import annotations
@@ -35,12 +40,17 @@ from django.utils.module_loading import import_string
 
 from ..client import Client
 from ..errors import FloodgateError
+from ..protocol import Attributes
 from ._common import (
     CHECK_FAILED,
     Settings,
+    called_cost,
     charge_now,
+    check_leased,
     header_text,
     rate_limit_headers,
+    release_now,
+    releases,
     reported_cost,
     request_check,
     rejection_body,
@@ -121,10 +131,13 @@ class FloodgateDjangoMiddleware:
                 "fail",
                 "fail_for",
                 "charge_headers",
+                "charge_with",
             )
             if k in conf
         }
-        for routes in ("costs", "fail_for", "charge_headers"):
+        if "charge_with" in options:
+            options["charge_with"] = {k: _callable(v) for k, v in dict(options["charge_with"]).items()}
+        for routes in ("costs", "fail_for", "charge_headers", "charge_with"):
             if routes in options:
                 # Routes in Django's spelling (api/items/<int:pk>) or the agent's (/api/items/:pk).
                 options[routes] = {
@@ -139,7 +152,7 @@ class FloodgateDjangoMiddleware:
         """What the request is checked as."""
         return self._check(request)[0]
 
-    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, request: HttpRequest):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             request,
@@ -151,19 +164,33 @@ class FloodgateDjangoMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         s = self.settings
+        client = self.client
         try:
             attributes, fail, charge = self._check(request)
-            decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
+            attributes, decision = check_leased(client, attributes, s.timeout, fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.get_response(request)
+        # The release the request owes once its response ends (a concurrency rule holds its lease).
+        release = releases(decision, attributes)
         if decision.allowed:
-            response = self.get_response(request)
-            if charge is not None:
+            try:
+                response = self.get_response(request)
+            except BaseException:
+                # Past Django's own handling (which makes a view's error a 500 response).
+                if release is not None:
+                    release_now(client, release, s.timeout)
+                raise
+            cost = None
+            if isinstance(charge, str):
                 cost = reported_cost(charge, response.headers.get(charge))
-                if cost is not None:
-                    self._charge_on_close(response, attributes, cost)
+            elif charge is not None:
+                cost = called_cost(charge, response)
+            if cost is not None or release is not None:
+                self._settle_on_close(response, attributes, cost, release)
         else:
+            if release is not None:  # a denied check holds nothing; given back should it ever
+                release_now(client, release, s.timeout)
             secs = retry_after_seconds(decision)
             response = HttpResponse(rejection_body(secs), status=429, content_type="application/json")
             response["Retry-After"] = str(secs)
@@ -171,21 +198,27 @@ class FloodgateDjangoMiddleware:
             response[name] = value
         return response
 
-    def _charge_on_close(self, response: HttpResponse, attributes: Any, cost: int) -> None:
-        """Charges ``cost`` when the server closes ``response`` (after its body is sent), after
-        Django's own ``close`` (which ends the request: files closed, ``request_finished`` sent)."""
+    def _settle_on_close(
+        self, response: HttpResponse, attributes: Attributes, cost: Optional[int], release: Optional[Attributes]
+    ) -> None:
+        """Releases the request's lease (``release``) and charges ``cost`` when the server closes
+        ``response`` (after its body is sent, or once the client is gone), after Django's own
+        ``close`` (which ends the request: files closed, ``request_finished`` sent)."""
         close = response.close
         timeout = self.settings.timeout
         client = self.client
+        owes = [(cost, release)]
 
-        owed = [cost]
-
-        def close_then_charge() -> None:
+        def close_then_settle() -> None:
             try:
                 close()
             finally:
                 # Once, however many times the response is closed.
-                if owed:
-                    charge_now(client, attributes, owed.pop(), timeout)
+                if owes:
+                    owed, held = owes.pop()
+                    if held is not None:
+                        release_now(client, held, timeout)
+                    if owed is not None:
+                        charge_now(client, attributes, owed, timeout)
 
-        response.close = close_then_charge  # type: ignore[method-assign]
+        response.close = close_then_settle  # type: ignore[method-assign]

@@ -9,7 +9,13 @@ WSGI apps route on it (``SCRIPT_NAME`` + ``PATH_INFO``, percent-decoded by the s
 
 A route in ``charge_headers`` is charged what its response header reports when the server closes the
 response (PEP 3333's ``close()``, called once the body is written): a blocking call on the worker's
-thread, bounded by the client's timeout (10 ms by default), after the client has the body.
+thread, bounded by the client's timeout (10 ms by default), after the client has the body. A route in
+``charge_with`` is charged what its callable returns for ``(status, headers)`` (the status as an int).
+
+On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
+lease; when a concurrency rule holds it, the lease is released at the same moment (``close()``: the
+body written, the client gone, or an error while iterating it), or at once when the app raises
+instead of returning a body.
 
 Example::
 
@@ -28,13 +34,17 @@ from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
     RATE_LIMIT_HEADERS,
+    ChargeWith,
     Settings,
     charge_now,
+    check_leased,
     header_text,
     rate_limit_headers,
-    reported_cost,
+    release_now,
+    releases,
     request_check,
     rejection_body,
+    response_cost,
     retry_after_seconds,
 )
 
@@ -103,6 +113,7 @@ class FloodgateWSGIMiddleware:
         fail: Optional[str] = None,
         fail_for: Optional[Dict[str, str]] = None,
         charge_headers: Optional[Dict[str, str]] = None,
+        charge_with: Optional[Dict[str, ChargeWith]] = None,
         **client_config: Any,
     ) -> None:
         self.app = app
@@ -122,6 +133,7 @@ class FloodgateWSGIMiddleware:
             fail=fail,
             fail_for=fail_for,
             charge_headers=charge_headers,
+            charge_with=charge_with,
         )
         self.client = client if client is not None else Client(socket, **client_config)
 
@@ -129,7 +141,7 @@ class FloodgateWSGIMiddleware:
         """What the request is checked as."""
         return self._check(environ)[0]
 
-    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge header)
+    def _check(self, environ: Environ):  # noqa: ANN202 - (Attributes, per-call fail policy, charge)
         return request_check(
             self.settings,
             environ,
@@ -141,14 +153,19 @@ class FloodgateWSGIMiddleware:
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterable[bytes]:
         s = self.settings
+        client = self.client
         try:
             attributes, fail, charge = self._check(environ)
-            decision = self.client.check_request(attributes, timeout=s.timeout, fail=fail)
+            attributes, decision = check_leased(client, attributes, s.timeout, fail)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.app(environ, start_response)
+        # The release the request owes once its response ends (a concurrency rule holds its lease).
+        release = releases(decision, attributes)
         headers = rate_limit_headers(decision, s.ietf)
         if not decision.allowed:
+            if release is not None:  # a denied check holds nothing; given back should it ever
+                release_now(client, release, s.timeout)
             secs = retry_after_seconds(decision)
             body = rejection_body(secs)
             start_response(
@@ -161,7 +178,7 @@ class FloodgateWSGIMiddleware:
                 ],
             )
             return [body]
-        if not headers and charge is None:
+        if not headers and charge is None and release is None:
             return self.app(environ, start_response)
         ours = [(_title(n), v) for n, v in headers]
         # What the response reported (charge routes); the last start_response call's (one with
@@ -170,28 +187,46 @@ class FloodgateWSGIMiddleware:
 
         def start_with_headers(status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None) -> Any:
             if charge is not None:
-                value = next((v for k, v in response_headers if k.lower() == charge), None)
-                owed[0] = reported_cost(charge, value)
+                owed[0] = response_cost(charge, _status_code(status), response_headers)
             kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS] if ours else response_headers
             if exc_info is None:
                 return start_response(status, kept + ours)
             return start_response(status, kept + ours, exc_info)
 
-        body = self.app(environ, start_with_headers)
-        if charge is None:
+        try:
+            body = self.app(environ, start_with_headers)
+        except BaseException:
+            if release is not None:
+                release_now(client, release, s.timeout)
+            raise
+        if charge is None and release is None:
             return body
+        owes = [release]
 
         def settle() -> None:
+            # Once, however many times the body is closed.
+            held, owes[0] = owes[0], None
+            if held is not None:
+                release_now(client, held, s.timeout)
             cost, owed[0] = owed[0], None
             if cost is not None:
-                charge_now(self.client, attributes, cost, s.timeout)
+                charge_now(client, attributes, cost, s.timeout)
 
-        return ChargeOnClose(body, settle)
+        return SettleOnClose(body, settle)
 
 
-class ChargeOnClose:
-    """A response body that charges when the server closes it (PEP 3333: after the body is written,
-    whether or not the client read it all), after the app's own ``close``."""
+def _status_code(status: str) -> int:
+    """``"429 Too Many Requests"`` as 429 (0 for a status that is not one)."""
+    try:
+        return int(status.split(" ", 1)[0])
+    except ValueError:
+        return 0
+
+
+class SettleOnClose:
+    """A response body that releases the request's lease and charges its cost when the server closes
+    it (PEP 3333: after the body is written, whether or not the client read it all, and after an
+    error while iterating it), after the app's own ``close``."""
 
     def __init__(self, body: Iterable[bytes], settle: Callable[[], None]) -> None:
         self._body = body
