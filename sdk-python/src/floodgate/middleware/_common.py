@@ -590,9 +590,10 @@ def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional
 def with_lease(attributes: Attributes, version: Optional[int]) -> Attributes:
     """A consuming check with a fresh lease when the connection speaks version 3 (``version``: the
     client's :attr:`~floodgate.Client.protocol_version`): the concurrency rules it matches then hold
-    the request's units until :func:`release_attributes` gives them back. A peek (a charge route's
-    request) holds nothing, so it carries none; nor does a check to an older agent."""
-    if version is not None and version >= 3 and attributes.mode == ItemMode.CONSUME:
+    the request's units until :func:`release_attributes` gives them back. A charge route's peek
+    carries one too: the agent reads its rate rules first and, if they pass, holds one unit of each
+    concurrency rule. A check to an older agent carries none."""
+    if version is not None and version >= 3 and attributes.mode in (ItemMode.CONSUME, ItemMode.PEEK):
         return dataclasses.replace(attributes, lease=new_lease_id())
     return attributes
 
@@ -621,8 +622,9 @@ def check_leased(
 
 def release_attributes(attributes: Attributes) -> Attributes:
     """What gives back what a request's check took under its lease: the same attributes (the agent
-    matches the same rules), the same cost and lease, mode release (rate rules only peek)."""
-    return dataclasses.replace(attributes, mode=ItemMode.RELEASE)
+    matches the same rules), the same cost and lease, mode release (rate rules only peek). A charge
+    route's peek (cost 0) holds one unit of each concurrency rule: released as 1."""
+    return dataclasses.replace(attributes, mode=ItemMode.RELEASE, cost=max(attributes.cost, 1))
 
 
 def releases(d: Decision, attributes: Attributes) -> Optional[Attributes]:
