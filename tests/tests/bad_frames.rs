@@ -135,14 +135,14 @@ async fn hello_negotiates_or_refuses() {
         0,
         Body::Hello {
             min_version: 1,
-            max_version: 3,
+            max_version: 4,
         },
     ))
     .await
     .unwrap();
     assert_eq!(
         conn.recv().await.unwrap().body,
-        Body::HelloOk { version: 2 },
+        Body::HelloOk { version: 3 },
         "the highest version both speak"
     );
     conn.send(&Frame::new(1, Body::Ping)).await.unwrap();
@@ -150,8 +150,8 @@ async fn hello_negotiates_or_refuses() {
     conn.send(&Frame::new(
         2,
         Body::Hello {
-            min_version: 3,
-            max_version: 4,
+            min_version: 4,
+            max_version: 5,
         },
     ))
     .await
