@@ -554,13 +554,17 @@ def no_lease_for_version_2(port: int, fake) -> None:  # noqa: ANN001
     assert len(fake.checks) == 2 and all(c[10] == p.FORM_ATTRIBUTES for c in fake.checks), fake.checks
 
 
-def test_asgi_sends_a_lease_only_to_a_version_3_agent() -> None:
+@pytest.mark.parametrize("own_client", [True, False], ids=["own client", "a client not started yet"])
+def test_asgi_sends_a_lease_only_to_a_version_3_agent(own_client: bool) -> None:
     from test_fake_agent import FakeAgent
 
     for version, scenario in ((3, leases_on_the_wire), (2, no_lease_for_version_2)):
         hello = p.encode(p.Frame(0, p.HelloOk(version)))
         fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=hello)
-        server = UvicornServer(slow_app(Gate(), socket=fake.path, timeout=2.0, user_header="x-user-id"))
+        # A client given to the middleware connects on the first request's check: that check does
+        # not know the agent's version when it is built.
+        where = {"socket": fake.path} if own_client else {"client": AsyncClient(fake.path, timeout=2.0)}
+        server = UvicornServer(slow_app(Gate(), timeout=2.0, user_header="x-user-id", **where))
         try:
             scenario(server.port, fake)
         finally:

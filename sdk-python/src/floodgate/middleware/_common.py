@@ -588,19 +588,23 @@ def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional
 
 
 def with_lease(attributes: Attributes, version: Optional[int]) -> Attributes:
-    """A consuming check with a fresh lease when the connection speaks version 3 (``version``: the
-    client's :attr:`~floodgate.Client.protocol_version`): the concurrency rules it matches then hold
-    the request's units until :func:`release_attributes` gives them back. A charge route's peek
-    carries one too: the agent reads its rate rules first and, if they pass, holds one unit of each
-    concurrency rule. A check to an older agent carries none."""
-    if version is not None and version >= 3 and attributes.mode in (ItemMode.CONSUME, ItemMode.PEEK):
+    """A consuming check, or a charge route's peek, with a fresh lease unless the connection is known
+    to speak a version older than 3 (``version``: the client's
+    :attr:`~floodgate.Client.protocol_version`): the concurrency rules it matches then hold the
+    request's units (a peek: one unit, once its rate rules passed) until :func:`release_attributes`
+    gives them back. With no connection yet (``None``) it carries one too: a check sent without a
+    lease to the version-3 agent the client then reaches would hold a unit no release names, for the
+    rule's whole ``leaseSeconds``; an older agent refuses it before it is sent
+    (:func:`without_lease`)."""
+    if (version is None or version >= 3) and attributes.mode in (ItemMode.CONSUME, ItemMode.PEEK):
         return dataclasses.replace(attributes, lease=new_lease_id())
     return attributes
 
 
 def without_lease(e: UnsupportedByAgent, attributes: Attributes) -> Attributes:
     """The check again without its lease when the connection it went to turned out older than
-    version 3 (the agent was replaced between reading the version and sending); else ``e`` raised."""
+    version 3 (the client connected, or reconnected to another agent, between reading the version
+    and sending); else ``e`` raised."""
     if attributes.lease is None or e.needed < 3:
         raise e
     return dataclasses.replace(attributes, lease=None)
