@@ -632,7 +632,7 @@ export class Limiter {
       }
       // A charge endpoint's peek (cost 0) holds one unit of each concurrency rule: released as 1.
       if (decision.items.some((i) => i.verdict.holdsLease)) {
-        release = { attributes: { ...attributes, cost: Math.max(attributes.cost, 1), mode: "release" } };
+        release = { attributes: { ...attributes, cost: Math.max(attributes.cost ?? 1, 1), mode: "release" } };
       }
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
