@@ -579,7 +579,12 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
             verdict: Verdict {
                 allowed: o.allowed,
                 log_only: !p.rule.enforced(),
-                holds_lease: false,
+                // The client's lease its concurrency item acquired (cleared below if the check
+                // was denied: then nothing is held).
+                holds_lease: o.allowed
+                    && p.mode == ItemMode::Consume
+                    && matches!(p.lease, Lease::Client(_))
+                    && source != Source::Cache,
                 source,
                 limit: o.limit,
                 remaining: o.remaining,
@@ -603,14 +608,9 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
         .map(|(i, _)| i.verdict)
         .max_by_key(|v| v.retry_after_ms);
     let mut items = items;
-    if denied.is_none() {
-        // The check passed: the client's leases its concurrency items acquired are held, and the
-        // client is told so (it releases them when its request ends).
-        for (i, p) in items.iter_mut().zip(plan) {
-            i.verdict.holds_lease = i.verdict.allowed
-                && p.mode == ItemMode::Consume
-                && matches!(p.lease, Lease::Client(_))
-                && i.verdict.source != Source::Cache;
+    if denied.is_some() {
+        for i in &mut items {
+            i.verdict.holds_lease = false;
         }
     }
     let enforced = || items.iter().filter(|i| !i.verdict.log_only);
