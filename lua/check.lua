@@ -1,7 +1,7 @@
 -- Floodgate check: one or more checks, each all or nothing, atomically, with Redis TIME as the clock.
 --
--- The agent runs this script as sliding_window.lua .. token_bucket.lua .. concurrency.lua .. check.lua
--- (one script, one SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
+-- The agent runs this script as sliding_window.lua .. token_bucket.lua .. concurrency.lua ..
+-- quota.lua .. check.lua (one script, one SHA), so that one call can mix algorithms and still be all or nothing. Items come in groups (one
 -- group per check: the agent may carry several concurrent checks for one shard in one call, which
 -- spreads the script's fixed cost); within a group every item is evaluated first, and costs are
 -- kept only if every enforced item passes, so a rejected check consumes nothing: a sliding window
@@ -13,9 +13,10 @@
 --          hashes, which share its hash tag), fg:{<tag>}:<rule>/k/<client key> (token bucket) or
 --          fg:{<tag>}:<rule>/c/<client key> (concurrency: its leases). On a Redis Cluster one call
 --          carries keys of one hash tag only.
--- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket | 3 concurrency), limit,
---          window_ms (concurrency: the lease time), burst, cost, mode, target window (concurrency:
---          the lease id), field (the client key), last (1 = the item ends its group).
+-- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket | 3 concurrency | 4 quota),
+--          limit, window_ms (concurrency: the lease time; quota: its period's end, Unix ms), burst
+--          (quota: its period's start), cost, mode, target window (concurrency: the lease id;
+--          quota: the period's start), field (the client key), last (1 = the item ends its group).
 --          mode 1 enforce | 0 log: check and commit as above.
 --          mode 2 add: add the cost to the target window whatever the verdict (what agents admitted
 --            locally while Redis was away; a token bucket may go below zero, a debt refilled first).
@@ -25,6 +26,9 @@
 --          mode 5 charge: the cost counted whatever the verdict (a sliding window past its limit,
 --            a token bucket below zero); answers the state after, allowed whether still within the
 --            limit; never blocks the group and is never undone by it.
+--          Quota (KEYS[i] the prefix of its bucket's hashes, as a sliding window's): modes 1 and 0
+--            count the cost if it fits (only if the group passes), 4 peeks, 5 charges, 2 and 3 add
+--            and take back in the period `target`.
 --          Concurrency: modes 1 and 0 acquire the lease `target` (taken only if the group passes),
 --            4 peeks, 3 (take back) and 6 release the lease `target`, 7 releases `cost` units of
 --            whole leases by count; a release never blocks the group.
@@ -39,6 +43,14 @@
 -- One add (mode 2) or take-back (mode 3): the units applied and, for a sliding window's add, the
 -- target window's count after it.
 local function adjust(key, algorithm, mode, field, now, limit, window, burst, cost, target)
+  if algorithm == '4' then
+    -- A quota's add or take-back: into the period `target` (its start), which ends at `window`.
+    local units = cost
+    if mode == '3' then units = -cost end
+    local count = quota_adjust(key, field, target, window, units)
+    if mode == '3' then count = 0 end
+    return units, count
+  end
   if algorithm == '3' then
     -- A concurrency take-back frees the lease `target` (the string as sent: a 64-bit id is not a
     -- Lua number); an add is never sent (leases held while the store was away stay the agent's).
@@ -80,10 +92,30 @@ for i = 1, #KEYS do
   local cost = tonumber(ARGV[a + 5])
   local mode = ARGV[a + 6]
   local field = ARGV[a + 8]
-  if algorithm ~= '1' and algorithm ~= '2' and algorithm ~= '3' then
+  if algorithm ~= '1' and algorithm ~= '2' and algorithm ~= '3' and algorithm ~= '4' then
     return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
   end
-  if algorithm == '3' and mode ~= '2' and mode ~= '3' then
+  if algorithm == '4' and mode ~= '2' and mode ~= '3' then
+    -- A quota: the period starts at ARGV[a + 4] and ends at ARGV[a + 3] (the agent's calendar).
+    local start, period_end = ARGV[a + 4], window
+    local v
+    if mode == '4' then
+      v = quota_peek(KEYS[i], field, now, limit, start, period_end, cost)
+    elseif mode == '5' then
+      v = quota_charge(KEYS[i], field, now, limit, start, period_end, cost)
+    else
+      local commit
+      v, commit = quota(KEYS[i], field, now, limit, start, period_end, cost)
+      if v[1] == 1 then
+        admitted = admitted + 1
+        admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
+        commits[#commits + 1] = commit
+      elseif mode == '1' then
+        all_ok = false
+      end
+    end
+    out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
+  elseif algorithm == '3' and mode ~= '2' and mode ~= '3' then
     local v
     if mode == '6' or mode == '7' then
       local id = false

@@ -2,12 +2,14 @@
 //! `lua/`, so the embedded store and Redis give the same answers.
 
 mod concurrency;
+mod quota;
 mod sliding_window;
 mod token_bucket;
 
 pub use concurrency::{
     concurrency_acquire, concurrency_peek, concurrency_release, HeldLease, LeaseSet, MAX_RETRY_MS,
 };
+pub use quota::{period_bounds, period_from_start, quota, quota_charge, quota_peek, Period};
 pub use sliding_window::{sliding_window, sliding_window_charge, sliding_window_peek, WindowState};
 pub use token_bucket::{token_bucket, token_bucket_charge, token_bucket_peek, BucketState};
 

@@ -436,6 +436,10 @@ impl Engine {
                 // concurrency item's take-back frees its lease, named where the window goes.
                 let window = match p.lease.id() {
                     Some(id) if p.rule.is_concurrency() => id,
+                    // A quota's take-back goes into its period, named by its start.
+                    _ if p.rule.algorithm == Algorithm::Quota => {
+                        p.rule.quota_period(o.reset_at_ms.saturating_sub(1)).0
+                    }
                     _ => (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2),
                 };
                 Some(LedgerEntry {

@@ -166,7 +166,11 @@ impl Fallback {
                 if !o.allowed || !rec || p.rule.is_concurrency() {
                     continue;
                 }
-                let window = now / p.rule.window_ms();
+                // A quota's units belong to its period (named by its start), a window's to its index.
+                let window = match p.rule.algorithm {
+                    crate::rules::Algorithm::Quota => p.rule.quota_period(now).0,
+                    _ => now / p.rule.window_ms(),
+                };
                 // Rule ids are at most 128 bytes; one of up to 24 is kept inline, no allocation.
                 let k = (CompactString::from(p.rule.id.as_str()), p.key.clone());
                 let full = ledger.len() >= LEDGER_CAP;
@@ -216,7 +220,11 @@ impl Fallback {
     pub fn drain(&self, max: usize) -> Vec<LedgerEntry> {
         let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
-        ledger.retain(|_, e| e.window + 1 >= now / e.rule.window_ms());
+        ledger.retain(|_, e| match e.rule.algorithm {
+            // A quota's units count until their period ends.
+            crate::rules::Algorithm::Quota => e.rule.quota_period(now).0 == e.window,
+            _ => e.window + 1 >= now / e.rule.window_ms(),
+        });
         let keys: Vec<(CompactString, CompactString)> = ledger.keys().take(max).cloned().collect();
         keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
     }

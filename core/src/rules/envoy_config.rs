@@ -180,6 +180,8 @@ fn unlimited_rule(
         limit: NonZeroU64::new(1 << 50).expect("nonzero"),
         window_seconds: 1.0,
         lease_seconds: None,
+        period: None,
+        timezone: None,
         burst: None,
         algorithm: Default::default(),
         mode: Mode::Enforce,
@@ -225,13 +227,29 @@ fn rule_for(
         .unit
         .as_deref()
         .ok_or_else(|| format!("descriptor {name}: rate_limit has no unit"))?;
-    let seconds = unit_seconds(unit).ok_or_else(|| {
-        format!("descriptor {name}: unit {unit:?} cannot be mapped (second, minute, hour, day or week)")
-    })?;
     let multiplier = rl.unit_multiplier.unwrap_or(1);
     if multiplier == 0 {
         return Err(format!("descriptor {name}: unit_multiplier must be at least 1"));
     }
+    // Month and year are calendar periods: a quota (UTC), exact per period.
+    let period = match unit.to_ascii_lowercase().as_str() {
+        "month" => Some(crate::algo::Period::Month),
+        "year" => Some(crate::algo::Period::Year),
+        _ => None,
+    };
+    if period.is_some() && multiplier != 1 {
+        return Err(format!(
+            "descriptor {name}: unit {unit:?} with unit_multiplier {multiplier} cannot be mapped (a calendar quota is one month or one year)"
+        ));
+    }
+    let seconds = match period {
+        Some(_) => 0,
+        None => unit_seconds(unit).ok_or_else(|| {
+            format!(
+                "descriptor {name}: unit {unit:?} cannot be mapped (second, minute, hour, day, week, month or year)"
+            )
+        })?,
+    };
     let window = seconds
         .checked_mul(multiplier)
         .filter(|w| *w <= 31_536_000)
@@ -252,8 +270,14 @@ fn rule_for(
         limit,
         window_seconds: window as f64,
         lease_seconds: None,
+        period,
+        timezone: None,
         burst: None,
-        algorithm: Default::default(),
+        algorithm: if period.is_some() {
+            crate::rules::Algorithm::Quota
+        } else {
+            Default::default()
+        },
         mode: if d.shadow_mode { Mode::Log } else { Mode::Enforce },
         fail_mode: Default::default(),
         over_limit: Default::default(),
@@ -418,6 +442,18 @@ descriptors:
     }
 
     #[test]
+    fn months_and_years_become_calendar_quotas() {
+        let rules = rules_from_yaml(
+            "domain: d\ndescriptors:\n  - key: m\n    rate_limit: {unit: month, requests_per_unit: 10000000}\n  - key: y\n    rate_limit: {unit: year, requests_per_unit: 5}\n",
+        )
+        .unwrap();
+        assert_eq!(rules[0].algorithm, crate::rules::Algorithm::Quota);
+        assert_eq!(rules[0].period, Some(crate::algo::Period::Month));
+        assert_eq!(rules[1].period, Some(crate::algo::Period::Year));
+        assert!(crate::rules::RuleSet::new(rules).is_ok(), "valid rules");
+    }
+
+    #[test]
     fn what_cannot_be_mapped_is_refused_naming_the_descriptor() {
         let base = "domain: test-domain\ndescriptors:\n";
         for (body, needle) in [
@@ -431,8 +467,8 @@ descriptors:
                 "unit \"foo\"",
             ),
             (
-                "  - key: k\n    rate_limit: {unit: month, requests_per_unit: 1}\n",
-                "test-domain.k: unit",
+                "  - key: k\n    rate_limit: {unit: month, requests_per_unit: 1, unit_multiplier: 2}\n",
+                "test-domain.k: unit \"month\" with unit_multiplier 2",
             ),
             (
                 "  - key: k\n    rate_limit: {unlimited: true, unit: day}\n",

@@ -10,13 +10,15 @@ use super::model::{validate_endpoint_pattern, Rule};
 /// Field name → what is wrong with it.
 pub type FieldErrors = BTreeMap<String, String>;
 
-const FIELDS: [&str; 15] = [
+const FIELDS: [&str; 17] = [
     "id",
     "dimension",
     "match",
     "limit",
     "windowSeconds",
     "leaseSeconds",
+    "period",
+    "timezone",
     "burst",
     "algorithm",
     "mode",
@@ -77,7 +79,12 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
                 Some(l) if (0.1..=super::model::MAX_LEASE_SECONDS).contains(&l) => Ok(()),
                 _ => Err("must be a number of seconds from 0.1 to 86400".into()),
             },
-            "algorithm" => one_of(v, &["sliding_window", "token_bucket", "concurrency"]),
+            "algorithm" => one_of(v, &["sliding_window", "token_bucket", "concurrency", "quota"]),
+            "period" => one_of(v, &["day", "week", "month", "year"]),
+            "timezone" => match v.as_str() {
+                Some(z) if z.parse::<chrono_tz::Tz>().is_ok() => Ok(()),
+                _ => Err("must be an IANA time zone name, e.g. \"Europe/Paris\" or \"UTC\"".into()),
+            },
             "mode" => one_of(v, &["enforce", "log"]),
             "failMode" => one_of(v, &["open", "closed"]),
             "overLimit" => one_of(v, &["deny", "charge"]),
@@ -98,9 +105,12 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
             errors.insert(k.clone(), e);
         }
     }
-    let concurrency = obj.get("algorithm").and_then(Value::as_str) == Some("concurrency");
+    let windowless = matches!(
+        obj.get("algorithm").and_then(Value::as_str),
+        Some("concurrency" | "quota")
+    );
     for required in ["dimension", "limit", "windowSeconds"] {
-        if required == "windowSeconds" && concurrency {
+        if required == "windowSeconds" && windowless {
             continue;
         }
         if !obj.contains_key(required) {
@@ -218,6 +228,20 @@ mod tests {
         )
         .unwrap_err();
         assert!(e["rule"].contains("not windowSeconds"), "{e:?}");
+        let q = rule_from_body(
+            "q",
+            br#"{"dimension":"api_key","limit":10000000,"algorithm":"quota","period":"month","timezone":"America/New_York"}"#,
+        )
+        .unwrap();
+        assert_eq!(q.period, Some(crate::algo::Period::Month));
+        let e = rule_from_body(
+            "q",
+            br#"{"dimension":"api_key","limit":5,"algorithm":"quota","period":"fortnight","timezone":"Mars/Olympus"}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains_key("period") && e.contains_key("timezone"), "{e:?}");
+        let e = rule_from_body("q", br#"{"dimension":"api_key","limit":5,"algorithm":"quota"}"#).unwrap_err();
+        assert!(e["rule"].contains("needs a period"), "{e:?}");
         let e =
             rule_from_body("a", br#"{"id":"b","dimension":"ip","limit":1,"windowSeconds":1}"#).unwrap_err();
         assert!(e.contains_key("id"));

@@ -49,6 +49,9 @@ pub enum Algorithm {
     /// Units in flight: at most `limit` units held at once per key, each under a lease that its
     /// holder releases, or that runs out after `leaseSeconds`.
     Concurrency,
+    /// A calendar quota: exactly `limit` per `period` (day, week, month, year) in `timezone`, back
+    /// to zero at the period's boundary.
+    Quota,
 }
 
 /// Whether a rule rejects or only reports.
@@ -217,6 +220,12 @@ pub struct Rule {
     /// How long a concurrency rule's lease lasts unless released, in seconds (default 60).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_seconds: Option<f64>,
+    /// A quota's calendar period.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<crate::algo::Period>,
+    /// A quota's time zone, an IANA name (default `UTC`): where its periods begin.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timezone: Option<String>,
     /// Token-bucket capacity; defaults to `limit`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub burst: Option<NonZeroU64>,
@@ -276,6 +285,7 @@ impl Rule {
     pub fn window_ms(&self) -> u64 {
         let seconds = match self.algorithm {
             Algorithm::Concurrency => self.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS),
+            Algorithm::Quota => return self.period.map_or(1, |p| p.nominal_ms()),
             _ => self.window_seconds,
         };
         ((seconds * 1000.0).round() as u64).max(1)
@@ -286,6 +296,23 @@ impl Rule {
         self.algorithm == Algorithm::Concurrency
     }
 
+    /// A quota's time zone (UTC when it names none, or, never after validation, a bad name).
+    pub fn zone(&self) -> chrono_tz::Tz {
+        self.timezone
+            .as_deref()
+            .and_then(|z| z.parse().ok())
+            .unwrap_or(chrono_tz::UTC)
+    }
+
+    /// A quota's period holding `now_ms`: start and end, Unix ms (a rule of another algorithm: the
+    /// whole time).
+    pub fn quota_period(&self, now_ms: u64) -> (u64, u64) {
+        match self.period {
+            Some(p) => crate::algo::period_bounds(now_ms, p, self.zone()),
+            None => (0, u64::MAX),
+        }
+    }
+
     /// The token-bucket capacity.
     pub fn burst(&self) -> u64 {
         self.burst.unwrap_or(self.limit).get()
@@ -294,7 +321,7 @@ impl Rule {
     /// The limit a client is told (`X-RateLimit-Limit`): the window's limit, or the bucket's capacity.
     pub fn display_limit(&self) -> u64 {
         match self.algorithm {
-            Algorithm::SlidingWindow | Algorithm::Concurrency => self.limit.get(),
+            Algorithm::SlidingWindow | Algorithm::Concurrency | Algorithm::Quota => self.limit.get(),
             Algorithm::TokenBucket => self.burst(),
         }
     }
@@ -308,6 +335,15 @@ impl Rule {
         floodgate_protocol::validate_rule_id(&self.id).map_err(|e| e.to_string())?;
         if self.is_concurrency() {
             return self.validate_concurrency();
+        }
+        if self.algorithm == Algorithm::Quota {
+            return self.validate_quota();
+        }
+        if self.period.is_some() || self.timezone.is_some() {
+            return Err(format!(
+                "rule {}: period and timezone are for algorithm \"quota\" only",
+                self.id
+            ));
         }
         if self.lease_seconds.is_some() {
             return Err(format!(
@@ -370,8 +406,8 @@ impl Rule {
                 ));
             }
         }
-        if self.burst.is_some() {
-            return Err(format!("rule {id}: a concurrency rule has no burst"));
+        if self.burst.is_some() || self.period.is_some() || self.timezone.is_some() {
+            return Err(format!("rule {id}: a concurrency rule has no burst, period or timezone"));
         }
         if self.execution == Execution::Batched {
             return Err(format!(
@@ -387,6 +423,34 @@ impl Rule {
             return Err(format!(
                 "rule {id}: a concurrency limit is at most 2^32, not {}",
                 self.limit
+            ));
+        }
+        self.validate_common()
+    }
+
+    /// What a quota must hold: a period, a known time zone, no window, burst, lease or batching.
+    fn validate_quota(&self) -> Result<(), String> {
+        let id = &self.id;
+        if self.period.is_none() {
+            return Err(format!(
+                "rule {id}: a quota needs a period: \"day\", \"week\", \"month\" or \"year\""
+            ));
+        }
+        if let Some(z) = &self.timezone {
+            if z.parse::<chrono_tz::Tz>().is_err() {
+                return Err(format!(
+                    "rule {id}: timezone {z:?} is not an IANA time zone name (e.g. \"Europe/Paris\", \"UTC\")"
+                ));
+            }
+        }
+        if self.window_seconds != 0.0 || self.lease_seconds.is_some() || self.burst.is_some() {
+            return Err(format!(
+                "rule {id}: a quota counts per calendar period: no windowSeconds, leaseSeconds or burst"
+            ));
+        }
+        if self.execution == Execution::Batched {
+            return Err(format!(
+                "rule {id}: a quota is exact, one atomic counter per period: execution \"batched\" is refused"
             ));
         }
         self.validate_common()

@@ -82,7 +82,9 @@ impl Layout {
         out.push_str("}:");
         out.push_str(&rule.id);
         match rule.algorithm {
-            Algorithm::SlidingWindow => {
+            // A quota's counters are fields of the same bucketed hashes, one per period (the
+            // script appends `:q<period start>`).
+            Algorithm::SlidingWindow | Algorithm::Quota => {
                 out.push('/');
                 out.push_str(digits.format(bucket));
             }

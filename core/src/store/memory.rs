@@ -42,6 +42,8 @@ enum State {
     Bucket(BucketState),
     /// A concurrency rule's leases (boxed: the other states stay small).
     Leases(Box<LeaseSet>),
+    /// A quota's count in the period starting at `start` (Unix ms).
+    Quota { start: u64, count: u64 },
 }
 
 #[derive(Debug, Clone)]
@@ -186,6 +188,7 @@ fn decide(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     let rule = &item.rule;
     match rule.algorithm {
         Algorithm::Concurrency => decide_leases(item, prior, now),
+        Algorithm::Quota => decide_quota(item, prior, now),
         Algorithm::SlidingWindow => {
             let prior = window_state(prior);
             let (o, next, exp) =
@@ -222,6 +225,7 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
     let rule = &item.rule;
     match rule.algorithm {
         Algorithm::Concurrency => decide_leases(item, prior, now),
+        Algorithm::Quota => decide_quota(item, prior, now),
         Algorithm::SlidingWindow => {
             let prior = window_state(prior);
             let (limit, window) = (rule.limit.get(), rule.window_ms());
@@ -284,6 +288,27 @@ fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, E
     let entry = Entry {
         expires_at_ms: next.last_expiry(now),
         state: State::Leases(Box::new(next)),
+    };
+    (o, entry)
+}
+
+/// A quota's item (consume, peek or charge) in the period holding `now`: the entry is the count
+/// after it, expiring with the period.
+fn decide_quota(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
+    let (start, end) = item.rule.quota_period(now);
+    let count = match prior {
+        Some(State::Quota { start: s, count }) if *s == start => *count,
+        _ => 0,
+    };
+    let limit = item.rule.limit.get();
+    let (o, after) = match item.mode {
+        ItemMode::Charge => algo::quota_charge(count, limit, item.cost, now, end),
+        ItemMode::Consume => algo::quota(count, limit, item.cost, now, end),
+        ItemMode::Peek | ItemMode::Release => (algo::quota_peek(count, limit, item.cost, now, end), count),
+    };
+    let entry = Entry {
+        state: State::Quota { start, count: after },
+        expires_at_ms: end,
     };
     (o, entry)
 }
@@ -372,6 +397,41 @@ mod tests {
         let out = store.check(&[planned(&r, "a", "user:2", 1), planned(&r, "dry", "ip:9", 1)]);
         assert!(out[0].allowed && !out[1].allowed);
         assert_eq!(store.check(&[planned(&r, "a", "user:2", 1)])[0].remaining, 1);
+    }
+
+    #[test]
+    fn a_quota_resets_at_its_calendar_boundary_in_its_zone() {
+        let r = RuleSet::parse(
+            r#"{"rules":[{"id":"m","dimension":"user","limit":3,"algorithm":"quota","period":"month","timezone":"Europe/Paris"},
+                {"id":"d","dimension":"user","limit":2,"algorithm":"quota","period":"day","timezone":"Europe/Paris"}]}"#,
+        )
+        .unwrap();
+        // 2027-01-31 22:59:00 UTC: 23:59 in Paris, January's last minute there.
+        let clock = Arc::new(AtomicU64::new(1_801_436_340_000));
+        let store = MemoryStore::new(Clock::Manual(clock.clone()));
+        let one = |rule: &str| store.check(&[planned(&r, rule, "user:q", 1)])[0];
+        for left in [2, 1, 0] {
+            assert_eq!(one("m").remaining, left);
+        }
+        let denied = one("m");
+        assert!(!denied.allowed);
+        assert_eq!(denied.reset_at_ms, 1_801_436_400_000, "Paris's February 1st, 00:00");
+        assert_eq!(denied.retry_after_ms, 60_000);
+        clock.store(1_801_436_400_000, Ordering::Relaxed);
+        assert!(one("m").allowed, "a new month in Paris (still January in UTC)");
+        // The spring-forward day (2027-03-28) is 23 hours long there: its count lasts until the
+        // next local midnight, 23 hours after the last.
+        let day_start = 1_806_188_400_000; // 2027-03-27 23:00 UTC = 2027-03-28 00:00 in Paris
+        clock.store(day_start + 1_000, Ordering::Relaxed);
+        one("d");
+        one("d");
+        let d = one("d");
+        assert!(!d.allowed);
+        assert_eq!(d.reset_at_ms, day_start + 23 * 3_600_000);
+        clock.store(day_start + 23 * 3_600_000 - 1, Ordering::Relaxed);
+        assert!(!one("d").allowed, "still the same day a millisecond before");
+        clock.store(day_start + 23 * 3_600_000, Ordering::Relaxed);
+        assert!(one("d").allowed, "the next day");
     }
 
     #[test]

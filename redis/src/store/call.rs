@@ -106,16 +106,37 @@ fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[
             Algorithm::SlidingWindow => 1,
             Algorithm::TokenBucket => 2,
             Algorithm::Concurrency => 3,
+            Algorithm::Quota => 4,
         };
         out.num(algorithm);
         out.num(r.limit.get());
-        out.num(r.window_ms());
-        out.num(r.burst());
-        out.num(it.cost);
-        out.num(u64::from(it.mode));
-        out.num(it.target);
+        if r.algorithm == Algorithm::Quota {
+            // The period (the agent's calendar): a write-back's or take-back's by its start, a
+            // check's the one holding now. Its end where the window goes, its start twice.
+            let (start, end) = quota_period(r, it.target);
+            out.num(end);
+            out.num(start);
+            out.num(it.cost);
+            out.num(u64::from(it.mode));
+            out.num(start);
+        } else {
+            out.num(r.window_ms());
+            out.num(r.burst());
+            out.num(it.cost);
+            out.num(u64::from(it.mode));
+            out.num(it.target);
+        }
         out.text(it.key);
         out.num(u64::from(it.last));
+    }
+}
+
+/// A quota item's period: the one starting at `start` (a write-back's or take-back's), or with
+/// `start` 0 the one holding now.
+fn quota_period(rule: &Rule, start: u64) -> (u64, u64) {
+    match (rule.period, start) {
+        (Some(p), s) if s != 0 => floodgate_core::algo::period_from_start(s, p, rule.zone()),
+        _ => rule.quota_period(floodgate_core::store::Clock::System.now_ms()),
     }
 }
 

@@ -1,11 +1,12 @@
 //! The Lua scripts Redis runs, embedded at build time, and the key of the live-agents set.
 
-/// The check script, embedded at build time: the three algorithms' functions and the all-or-nothing
+/// The check script, embedded at build time: the four algorithms' functions and the all-or-nothing
 /// driver, as one script with one SHA (see `lua/check.lua`).
 pub const CHECK_LUA: &str = concat!(
     include_str!("../../../lua/sliding_window.lua"),
     include_str!("../../../lua/token_bucket.lua"),
     include_str!("../../../lua/concurrency.lua"),
+    include_str!("../../../lua/quota.lua"),
     include_str!("../../../lua/check.lua"),
 );
 
