@@ -385,3 +385,87 @@ def released_when_clients_leave(
     eventually("both leases are released", lambda: remaining(user, "slots") == 2)
     r = request(port, "GET", "/slow/done", headers)
     assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1), r
+
+
+# --- a charge route's concurrency unit (protocol version 3) -------------------------------------------
+
+# CHARGE_RULES and, on the LLM route, two requests in flight per user. A charge route's request is a
+# peek of cost 0 with a lease (PROTOCOL.md, "Form 3, a peek with a lease"): the agent reads the rate
+# rules (tokens) first and, only if they pass, holds one unit of chat-slots under the lease, given back
+# (cost 1) when the response ends.
+CHARGE_LEASE_RULES = (
+    CHARGE_RULES
+    + """
+[[rules]]
+id = "chat-slots"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 2
+algorithm = "concurrency"
+leaseSeconds = 30
+"""
+)
+
+
+def chat(port: int, user: str, want: Optional[str] = None, hold: bool = False) -> Response:
+    """``POST /v1/chat`` as ``user``, its response reporting ``want`` tokens (none: no header); with
+    ``hold``, an ``X-Hold`` header that makes the handler wait in the app's gate."""
+    headers = [("X-User-Id", user)]
+    if want is not None:
+        headers.append(("X-Want", want))
+    if hold:
+        headers.append(("X-Hold", "1"))
+    return request(port, "POST", "/v1/chat", headers)
+
+
+def charge_route_holds_a_unit(port: int, gate: Gate, remaining: Remaining, body: bytes = b"an answer") -> None:
+    """What every middleware does with ``CHARGE_LEASE_RULES`` and ``charge_headers=CHARGE_HEADERS``
+    (or ``charge_with`` a :class:`TokensReported`), serving at ``port`` an app whose ``POST
+    /v1/chat`` answers ``body`` with ``X-LLM-Tokens`` set to the request's ``X-Want``, after waiting
+    in ``gate`` when the request has ``X-Hold``: two requests held in flight hold both units of
+    chat-slots (nothing charged yet), a third is a 429 of chat-slots with ``Retry-After: 1``; once the
+    two have ended, both units are given back and both reports charged (not the refused request's), and
+    a new request passes, holds a unit, gives it back and is charged too."""
+    user = unique("u")
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(chat, port, user, "300", True) for _ in range(2)]
+        gate.wait_entered(2)
+        assert remaining(user, "chat-slots") == 0, "each request in flight holds one unit"
+        assert remaining(user, "tokens") == 1000, "nothing is charged before a response"
+        assert check_429(chat(port, user, "5"), limit=2) == 1
+        gate.open()
+        answers = [f.result() for f in held]
+    for r in answers:
+        assert (r.status, r.body, r.headers.get("x-llm-tokens")) == (200, body, "300"), r
+    # The binding rule is chat-slots (1, then 0 units left), not tokens (1000 left before the request).
+    figures = sorted((r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) for r in answers)
+    assert figures == [(2, 0), (2, 1)], answers
+    eventually("both units are released", lambda: remaining(user, "chat-slots") == 2)
+    eventually("both responses' tokens are charged", lambda: remaining(user, "tokens") == 400)
+
+    r = chat(port, user, "100")
+    assert (r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (200, 2, 1), r
+    eventually("its unit is released too", lambda: remaining(user, "chat-slots") == 2)
+    eventually("its tokens are charged", lambda: remaining(user, "tokens") == 300)
+    # The refused request (5 tokens) was never charged, and a release took no tokens.
+    assert remaining(user, "tokens") == 300
+
+
+def refused_charge_route_holds_nothing(port: int, remaining: Remaining, charge: Callable[[str, int], Any]) -> None:
+    """With the app and rules of :func:`charge_route_holds_a_unit`: a user whose tokens are already
+    past their limit (``charge(user, cost)`` charges the tokens rule directly, as a client does) is
+    refused on the charge route by the tokens rule, and the refused requests hold no unit of
+    chat-slots (a unit held would stay for the lease's 30 s: none is given back for a refusal)."""
+    user = unique("u")
+    charge(user, 1500)
+    assert remaining(user, "tokens") == 0
+    for _ in range(3):
+        retry = check_429(chat(port, user, "5"), limit=1000)
+        assert retry > 1, "the tokens rule's retry, not a concurrency rule's"
+        assert remaining(user, "chat-slots") == 2, "a refused request holds no unit"
+    # Another user, not in debt, passes and holds (then gives back) a unit as usual.
+    other = unique("v")
+    r = chat(port, other, "5")
+    assert (r.status, r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (200, 2, 1), r
+    eventually("its unit is released", lambda: remaining(other, "chat-slots") == 2)
+    assert remaining(user, "chat-slots") == 2 and remaining(user, "tokens") == 0

@@ -302,3 +302,54 @@ def test_attribute_checks_carry_a_lease(make_agent, kind: str) -> None:  # noqa:
         d = c.check_attributes(endpoint="/items-only", user=user, lease=7, mode="release")
         assert {i.rule_id: i.verdict.remaining for i in d.items} == {"slots": 2, "r": 2}, d
         assert not d.holds_lease
+
+
+def test_a_peek_with_a_lease_holds_one_unit_only_when_its_rate_rules_pass(make_agent, store, kind: str) -> None:  # noqa: ANN001
+    """Form 3, a peek with a lease (a middleware's charge route): the rate rule is peeked (cost 0,
+    nothing taken) and the concurrency rule holds max(cost, 1) = 1 unit under the lease, released
+    with cost 1; when the rate rule is already past its limit, nothing is held."""
+    agent = make_agent(LEASE_RULES, redis=store)
+    with either(kind, agent.socket, timeout=2.0) as c:
+        user = unique("u")
+
+        def peek(lease: int):  # noqa: ANN202
+            return c.check_attributes(endpoint="/items-only", user=user, cost=0, mode="peek", lease=lease)
+
+        def release(lease: int):  # noqa: ANN202
+            return c.check_attributes(endpoint="/items-only", user=user, cost=1, mode="release", lease=lease)
+
+        def figures(d: Decision) -> dict:
+            return {i.rule_id: (i.holds_lease, i.verdict.remaining) for i in d.items}
+
+        def slots() -> int:
+            return c.peek(f"user:{user}", "slots").remaining
+
+        for lease, left in ((11, 1), (12, 0)):
+            d = peek(lease)
+            assert d.from_agent and d.allowed and d.holds_lease, d
+            assert figures(d) == {"slots": (True, left), "r": (False, 3)}, d
+        # Full: a third is denied by the concurrency rule (a retry of at most 1 s) and holds nothing.
+        d = peek(13)
+        assert not d.allowed and not d.holds_lease and d.limit == 2, d
+        assert d.retry_after_ms is not None and 1 <= d.retry_after_ms <= 1000, d
+        assert slots() == 0
+        d = release(11)
+        assert d.allowed and figures(d) == {"slots": (False, 1), "r": (False, 3)}, d
+
+        # The rate rule past its limit: refused by it, and the free unit is not taken.
+        c.charge(f"user:{user}", "r", 5)
+        d = peek(14)
+        assert d.from_agent and not d.allowed and not d.holds_lease and d.limit == 3, d
+        assert d.retry_after_ms is not None and d.retry_after_ms > 1000, d
+        assert not any(i.holds_lease for i in d.items), d
+        assert slots() == 1, "a refused peek holds no unit"
+        # A release while the rate rule is past its limit: the rate rule answers it as a peek of cost
+        # 0, denied, and that peek decides the check (no consume items), so the combined verdict is a
+        # denial; the concurrency rule's unit is freed all the same. The refused peek's lease (were its
+        # release sent) frees nothing: lease 12 still holds its unit.
+        d = release(14)
+        assert d.from_agent and figures(d) == {"slots": (False, 1), "r": (False, 0)}, d
+        assert slots() == 1
+        d = release(12)
+        assert d.from_agent and not d.allowed and figures(d) == {"slots": (False, 2), "r": (False, 0)}, d
+        assert slots() == 2

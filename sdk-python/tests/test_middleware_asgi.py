@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import tempfile
+from typing import Optional
 
 import pytest
 from conftest import eventually, unique
@@ -22,6 +23,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from http_util import (
     CHARGE_HEADERS,
+    CHARGE_LEASE_RULES,
     CHARGE_RULES,
     LEASE_RULES,
     MAX_RESET_S,
@@ -29,10 +31,12 @@ from http_util import (
     Gate,
     TokensReported,
     UvicornServer,
+    charge_route_holds_a_unit,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
     now_s,
+    refused_charge_route_holds_nothing,
     released_when_clients_leave,
     request,
     two_in_flight_then_429,
@@ -341,14 +345,16 @@ def test_asgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # n
         server.close()
 
 
-def chat_app(**options: object) -> FastAPI:
+def chat_app(gate: Optional[Gate] = None, **options: object) -> FastAPI:
     """An LLM route that streams its answer in parts and reports its tokens (the request's X-Want) in
-    X-LLM-Tokens, and an ordinary route."""
+    X-LLM-Tokens (after waiting in ``gate`` when the request has X-Hold), and an ordinary route."""
     app = FastAPI()
 
     @app.post("/v1/chat")
     async def chat(request: Request) -> StreamingResponse:
         want = request.headers.get("x-want")
+        if gate is not None and request.headers.get("x-hold"):
+            await gate.aenter()
 
         async def parts():  # noqa: ANN202
             for part in (b"an ", b"answer"):
@@ -570,3 +576,36 @@ def test_asgi_sends_a_lease_only_to_a_version_3_agent(own_client: bool) -> None:
         finally:
             server.close()
             fake.close()
+
+
+# --- a charge route's concurrency unit (protocol version 3) -------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["charge_headers", "charge_with"])
+def test_asgi_a_charge_route_holds_one_unit_while_in_flight(make_agent, how: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_LEASE_RULES)
+    gate = Gate()
+    charge = {"charge_headers": CHARGE_HEADERS} if how == "charge_headers" else {"charge_with": {"/v1/chat": TokensReported()}}
+    server = UvicornServer(chat_app(gate, socket=agent.socket, timeout=2.0, user_header="x-user-id", **charge))
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charge_route_holds_a_unit(server.port, gate, lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining)
+    finally:
+        gate.open()
+        server.close()
+        reader.close()
+
+
+def test_asgi_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_LEASE_RULES)
+    server = UvicornServer(chat_app(socket=agent.socket, timeout=2.0, user_header="x-user-id", charge_headers=CHARGE_HEADERS))
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        refused_charge_route_holds_nothing(
+            server.port,
+            lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining,
+            lambda user, cost: reader.charge(f"user:{user}", "tokens", cost),
+        )
+    finally:
+        server.close()
+        reader.close()

@@ -15,6 +15,7 @@ from django.conf import settings
 from django.http import HttpResponse, StreamingHttpResponse
 from django.urls import path
 from http_util import (
+    CHARGE_LEASE_RULES,
     CHARGE_RULES,
     LEASE_RULES,
     MIDDLEWARE_RULES,
@@ -22,9 +23,11 @@ from http_util import (
     TokensReported,
     UvicornServer,
     WsgiServer,
+    charge_route_holds_a_unit,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
+    refused_charge_route_holds_nothing,
     request,
     two_in_flight_then_429,
 )
@@ -42,7 +45,10 @@ def hello(request):  # noqa: ANN001, ANN201
 
 
 def chat(request):  # noqa: ANN001, ANN201
-    """An LLM route, its tokens (the request's X-Want) in X-LLM-Tokens."""
+    """An LLM route, its tokens (the request's X-Want) in X-LLM-Tokens; a request with X-Hold waits
+    in the gate first."""
+    if request.headers.get("x-hold"):
+        GATE["gate"].enter()
     response = HttpResponse(b"an answer")
     want = request.headers.get("x-want")
     if want is not None:
@@ -255,5 +261,46 @@ def test_django_releases_a_lease_when_the_response_is_closed(make_agent, route: 
         )
     finally:
         quiet.level = level
+        server.close()
+        reader.close()
+
+
+def test_django_a_charge_route_holds_one_unit_while_in_flight(make_agent) -> None:  # noqa: ANN001
+    from django.core.wsgi import get_wsgi_application
+
+    # WSGI only: Django's ASGI handler runs sync views one at a time, so two could not wait in the gate.
+    agent = make_agent(CHARGE_LEASE_RULES)
+    configure(agent, charge_headers={"v1/chat": "X-LLM-Tokens"})
+    gate = GATE["gate"] = Gate()
+    server = WsgiServer(get_wsgi_application(), threads=True)
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        charge_route_holds_a_unit(server.port, gate, lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining)
+    finally:
+        gate.open()
+        server.close()
+        reader.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent, handler: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_LEASE_RULES)
+    configure(agent, charge_headers={"v1/chat": "X-LLM-Tokens"})
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    reader = Client(agent.socket, timeout=2.0)
+    try:
+        refused_charge_route_holds_nothing(
+            server.port,
+            lambda user, rule: reader.peek(f"user:{user}", rule, 0).remaining,
+            lambda user, cost: reader.charge(f"user:{user}", "tokens", cost),
+        )
+    finally:
         server.close()
         reader.close()

@@ -19,6 +19,7 @@ import pytest
 from conftest import eventually, unique
 from http_util import (
     CHARGE_HEADERS,
+    CHARGE_LEASE_RULES,
     CHARGE_RULES,
     LEASE_RULES,
     MAX_RESET_S,
@@ -27,10 +28,12 @@ from http_util import (
     Gate,
     TokensReported,
     WsgiServer,
+    charge_route_holds_a_unit,
     charged_after_response,
     check_429,
     fail_closed_after_kill,
     now_s,
+    refused_charge_route_holds_nothing,
     released_when_clients_leave,
     request,
     two_in_flight_then_429,
@@ -323,3 +326,50 @@ def test_wsgi_sends_a_lease_only_to_a_version_3_agent() -> None:
             server.close()
             client.close()
             fake.close()
+
+
+# --- a charge route's concurrency unit (protocol version 3) -------------------------------------------
+
+
+def held_chat_app(gate: Gate):  # noqa: ANN201
+    """``chat_app``, whose requests with X-Hold wait in ``gate`` before answering."""
+
+    def held(environ, start_response):  # noqa: ANN001, ANN202
+        if environ.get("HTTP_X_HOLD"):
+            gate.enter()
+        return chat_app(environ, start_response)
+
+    return held
+
+
+@pytest.mark.parametrize("how", ["charge_headers", "charge_with"])
+def test_wsgi_a_charge_route_holds_one_unit_while_in_flight(make_agent, how: str) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_LEASE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    gate = Gate()
+    charge = {"charge_headers": CHARGE_HEADERS} if how == "charge_headers" else {"charge_with": {"/v1/chat": TokensReported()}}
+    mw = FloodgateWSGIMiddleware(held_chat_app(gate), client=client, user_header="x-user-id", **charge)
+    server = WsgiServer(mw, threads=True)
+    try:
+        charge_route_holds_a_unit(server.port, gate, lambda user, rule: client.peek(f"user:{user}", rule, 0).remaining)
+    finally:
+        gate.open()
+        server.close()
+        client.close()
+
+
+def test_wsgi_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(CHARGE_LEASE_RULES)
+    client = Client(agent.socket, timeout=2.0)
+    server = WsgiServer(
+        FloodgateWSGIMiddleware(chat_app, client=client, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    )
+    try:
+        refused_charge_route_holds_nothing(
+            server.port,
+            lambda user, rule: client.peek(f"user:{user}", rule, 0).remaining,
+            lambda user, cost: client.charge(f"user:{user}", "tokens", cost),
+        )
+    finally:
+        server.close()
+        client.close()
