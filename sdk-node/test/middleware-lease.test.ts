@@ -2,7 +2,9 @@
  * Express and Fastify holding a concurrency lease for each request in flight and releasing it when
  * the response ends: finished, failed, streamed, or abandoned by the client (before or after the
  * check was answered), exactly once; over real HTTP in front of real agents (embedded store and
- * Redis), and byte for byte on a fake agent of versions 2 and 3. Also `chargeWith`. Requests are
+ * Redis), and byte for byte on a fake agent of versions 2 and 3. Also `chargeWith`, and a charge
+ * route's request phase (a peek of cost 0 with a lease) holding one unit of its concurrency rule
+ * only when its rate rules pass, released as 1. Requests are
  * held in flight by gates the test opens (no sleeps), and every wait is for an event, with a
  * deadline of seconds.
  */
@@ -41,6 +43,23 @@ leaseSeconds = 30
 id = "c-cb"
 dimension = "user"
 match = { endpoint = "/v1/cb" }
+limit = 1000
+windowSeconds = 3600
+
+# A charge route (chargeHeaders "/v1/chat": "x-usage-tokens"): two requests in flight per user, and
+# 1000 tokens an hour per user, charged after the response from the header.
+[[rules]]
+id = "chat-conc"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 2
+algorithm = "concurrency"
+leaseSeconds = 30
+
+[[rules]]
+id = "chat-tokens"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
 limit = 1000
 windowSeconds = 3600
 `;
@@ -176,6 +195,8 @@ function middlewareSuite(store: "embedded" | "redis"): void {
     const bases: Record<"Express" | "Fastify", string> = { Express: "", Fastify: "" };
     const warnings: string[] = [];
     const cbTokens = new WeakMap<object, number>();
+    /** The users whose /v1/chat handler ran, once per request. */
+    const chatRan: string[] = [];
 
     before(async () => {
       if (store === "redis") redis = await RedisServer.start();
@@ -189,6 +210,7 @@ function middlewareSuite(store: "embedded" | "redis"): void {
         userHeader: "x-user",
         logger,
         chargeWith: { "/v1/cb": (_req, res) => res.locals?.tokens },
+        chargeHeaders: { "/v1/chat": "x-usage-tokens" },
       });
       app.get("/conc/:ending", limit, async (req, res, next) => {
         const gate = req.headers["x-gate"];
@@ -207,6 +229,14 @@ function middlewareSuite(store: "embedded" | "redis"): void {
         if (tokens === "throw") res.locals.tokens = undefined;
         else if (typeof tokens === "string") res.locals.tokens = Number(tokens);
         res.send("answered");
+      });
+      app.get("/v1/chat", limit, async (req, res) => {
+        chatRan.push(req.headers["x-user"] as string);
+        const tokens = req.headers["x-tokens"];
+        if (typeof tokens === "string") res.setHeader("x-usage-tokens", tokens);
+        const gate = req.headers["x-gate"];
+        if (typeof gate === "string") await gates.enter(gate);
+        res.send("answer");
       });
       app.use((_err: unknown, _req: express.Request, res: express.Response, _next: express.NextFunction) => {
         res.status(500).send("failed");
@@ -227,6 +257,7 @@ function middlewareSuite(store: "embedded" | "redis"): void {
             return cbTokens.get(request.raw);
           },
         },
+        chargeHeaders: { "/v1/chat": "x-usage-tokens" },
       });
       fastify.get<{ Params: { ending: Ending } }>("/conc/:ending", async (request, reply) => {
         const gate = request.headers["x-gate"];
@@ -247,6 +278,14 @@ function middlewareSuite(store: "embedded" | "redis"): void {
         const tokens = request.headers["x-tokens"];
         if (typeof tokens === "string" && tokens !== "throw") cbTokens.set(request.raw, Number(tokens));
         return "answered";
+      });
+      fastify.get("/v1/chat", async (request, reply) => {
+        chatRan.push(request.headers["x-user"] as string);
+        const tokens = request.headers["x-tokens"];
+        if (typeof tokens === "string") reply.header("x-usage-tokens", tokens);
+        const gate = request.headers["x-gate"];
+        if (typeof gate === "string") await gates.enter(gate);
+        return "answer";
       });
       await fastify.listen({ port: 0, host: "127.0.0.1" });
       bases.Fastify = `http://127.0.0.1:${(fastify.server.address() as AddressInfo).port}`;
@@ -368,6 +407,121 @@ function middlewareSuite(store: "embedded" | "redis"): void {
           assert.match(warnings.find((w) => w.includes("chargeWith on /v1/cb threw"))!, /no usage recorded; nothing charged/);
         }
       });
+
+      it(`${framework}: a chargeHeaders route holds one concurrency unit per request in flight, released as 1, and charges the header`, async () => {
+        const base = bases[framework];
+        const user = `${framework}-chat-${unique()}`;
+        const who = { "x-user": user };
+        const key = `user:${user}`;
+        const slots = async () => (await client.peek(key, "chat-conc", 0, PATIENT)).remaining;
+        const tokensLeft = async () => (await client.peek(key, "chat-tokens", 0, PATIENT)).remaining;
+        const [ga, gb] = [`${user}-a`, `${user}-b`];
+
+        const a = send(base, "/v1/chat", { ...who, "x-gate": ga, "x-tokens": "100" });
+        const b = send(base, "/v1/chat", { ...who, "x-gate": gb, "x-tokens": "250" });
+        await gates.entered(ga);
+        await gates.entered(gb);
+        // Each request in flight holds one unit (its cost is 0: max(0, 1)); nothing is charged yet.
+        assert.equal(await slots(), 0, "two units held while both requests are in flight");
+        assert.equal(await tokensLeft(), 1000, "the request phase (a peek of cost 0) charges nothing");
+
+        // The third is turned away by the concurrency rule, and its handler never runs.
+        const third = await get(base, "/v1/chat", { ...who, "x-tokens": "1" });
+        assert.equal(third.status, 429, third.body);
+        assert.equal(third.headers["retry-after"], "1", "a concurrency denial retries within 1 s");
+        assert.equal(third.body, '{"error":"rate_limited","retryAfter":1}');
+        assert.deepEqual(limits(third).slice(0, 2), ["2", "0"]);
+        assert.equal(chatRan.filter((u) => u === user).length, 2, "the third request's handler never ran");
+
+        gates.open(ga);
+        gates.open(gb);
+        for (const answer of [await a.done, await b.done]) {
+          assert.equal(answer.status, 200);
+          assert.equal(answer.body, "answer");
+          assert.equal(limits(answer)[0], "2", "the binding rule is the concurrency rule");
+        }
+
+        // Both units come back once the releases land, and the header's tokens are charged.
+        await eventually("both units released", 10_000, async () => (await slots()) === 2);
+        let left = 1000;
+        await eventually("the charges of 100 and 250 to land", 10_000, async () => (left = await tokensLeft()) <= 650).catch(
+          (e: Error) => assert.fail(`${e.message}: ${left} tokens left`),
+        );
+        assert.equal(left, 650);
+
+        // On the wire: each request phase a peek of cost 0 with a lease of its own; each lease held
+        // released once, with the same attributes and lease and cost 1 (not the peek's 0); each
+        // charge the header's cost with no lease; the denied request held and released nothing.
+        const mine = () => log.filter((e) => e.attributes.user === user);
+        await eventually("two releases and two charges", 10_000, () => mine().length === 7);
+        const peeks = mine().filter((e) => e.attributes.mode === "peek");
+        const releases = mine().filter((e) => e.attributes.mode === "release");
+        const charges = mine().filter((e) => e.attributes.mode === "charge");
+        assert.equal(peeks.length, 3);
+        for (const p of peeks) {
+          assert.equal(p.attributes.cost, 0);
+          assert.equal(typeof p.attributes.lease, "bigint");
+        }
+        assert.equal(new Set(peeks.map((p) => p.attributes.lease)).size, 3, "a fresh lease each");
+        const held = peeks.filter((p) => p.decision?.items.some((i) => i.verdict.holdsLease));
+        const refused = peeks.filter((p) => p.decision && !p.decision.allowed);
+        assert.equal(held.length, 2);
+        assert.equal(refused.length, 1);
+        assert.ok(!refused[0].decision!.items.some((i) => i.verdict.holdsLease), "the denied request holds nothing");
+        for (const h of held) {
+          assert.deepEqual(
+            h.decision!.items.filter((i) => i.verdict.holdsLease).map((i) => i.ruleId),
+            ["chat-conc"],
+            "only the concurrency rule holds the lease",
+          );
+        }
+        assert.deepEqual(
+          releases.map((r) => r.attributes).sort((x, y) => (x.lease! < y.lease! ? -1 : 1)),
+          held.map((h) => ({ ...h.attributes, cost: 1, mode: "release" })).sort((x, y) => (x.lease! < y.lease! ? -1 : 1)),
+          "one release per lease held, as the peek with cost 1",
+        );
+        const { lease: _lease, ...withoutLease } = peeks[0].attributes;
+        assert.deepEqual(
+          charges.map((c) => c.attributes).sort((x, y) => x.cost! - y.cost!),
+          [100, 250].map((cost) => ({ ...withoutLease, cost, mode: "charge" })),
+          "the charges carry the header's cost and no lease",
+        );
+      });
+
+      it(`${framework}: a chargeHeaders route past its token limit is refused and holds no concurrency unit`, async () => {
+        const base = bases[framework];
+        const user = `${framework}-chat-over-${unique()}`;
+        const who = { "x-user": user };
+        const key = `user:${user}`;
+        const slots = async () => (await client.peek(key, "chat-conc", 0, PATIENT)).remaining;
+
+        // Past the limit: a charge always commits, even over it (its item says so; a charge never
+        // decides the check, so the combined verdict is allowed).
+        const over = await client.charge(key, "chat-tokens", 1500, PATIENT);
+        assert.deepEqual(
+          over.items.map((i) => [i.ruleId, i.verdict.allowed, i.verdict.remaining]),
+          [["chat-tokens", false, 0]],
+        );
+        assert.equal(await slots(), 2);
+
+        const refused = await get(base, "/v1/chat", { ...who, "x-tokens": "5" });
+        assert.equal(refused.status, 429, refused.body);
+        assert.deepEqual(limits(refused).slice(0, 2), ["1000", "0"], "the token rule refused it");
+        assert.ok(Number(refused.headers["retry-after"]) >= 1);
+        assert.equal(chatRan.filter((u) => u === user).length, 0, "the handler never ran");
+        // Nothing was acquired (the peeks are read first): both units are free, and stay free with
+        // nothing to release them (a unit held would stay held for leaseSeconds).
+        assert.equal(await slots(), 2, "no concurrency unit held by a refused charge-route request");
+        const mine = log.filter((e) => e.attributes.user === user);
+        assert.equal(mine.length, 1, "one check, no release, no charge");
+        assert.equal(mine[0].attributes.mode, "peek");
+        assert.equal(typeof mine[0].attributes.lease, "bigint");
+        assert.ok(mine[0].decision && !mine[0].decision.allowed);
+        assert.ok(!mine[0].decision.items.some((i) => i.verdict.holdsLease), "the refused peek holds no lease");
+        // A request after it is refused the same way, and still holds nothing.
+        assert.equal((await get(base, "/v1/chat", who)).status, 429);
+        assert.equal(await slots(), 2);
+      });
     }
   });
 }
@@ -435,14 +589,17 @@ describe("middleware and the agent's protocol version (fake agent)", () => {
     assert.equal(client.protocolVersion, version);
 
     const app = express();
-    app.get("/conc/x", floodgateExpress(client, { userHeader: "x-user", logger: null }), (_req, res) => res.send("ok"));
+    const limit = floodgateExpress(client, { userHeader: "x-user", logger: null, chargeHeaders: { "/v1/chat": "x-usage-tokens" } });
+    app.get("/conc/x", limit, (_req, res) => res.send("ok"));
+    app.get("/v1/chat", limit, (_req, res) => res.set("x-usage-tokens", "7").send("answer"));
     const server = await new Promise<http.Server>((r) => {
       const s = app.listen(0, "127.0.0.1", () => r(s));
     });
     servers.push(server);
     const f = Fastify();
-    await f.register(floodgateFastify, { client, userHeader: "x-user", logger: null });
+    await f.register(floodgateFastify, { client, userHeader: "x-user", logger: null, chargeHeaders: { "/v1/chat": "x-usage-tokens" } });
     f.get("/conc/x", async () => "ok");
+    f.get("/v1/chat", async (_request, reply) => reply.header("x-usage-tokens", "7").send("answer"));
     await f.listen({ port: 0, host: "127.0.0.1" });
     fastifies.push(f);
     // Every response's close, whatever the framework does with it.
@@ -501,6 +658,40 @@ describe("middleware and the agent's protocol version (fake agent)", () => {
       releaseBodies.sort(),
       heldBodies.map((b) => `${b.slice(0, -18)}83${b.slice(-16)}`).sort(),
     );
+  });
+
+  it("a charge route's peek of cost 0 with a lease, released with cost 1 when held, byte for byte", async () => {
+    const { fake, bases } = await setup(3);
+    // The fake holds the lease of every check that carries one and is not a release (here: the
+    // request phase's peek), as a concurrency rule the request matches would.
+    fake.onCheck = (f, sock) => {
+      const c = f.body.kind === "check" && f.body.check.form === "attributes" ? f.body.check.attributes : undefined;
+      const holds = c?.lease !== undefined && c.mode !== "release";
+      sock.write(leaseDecision(f.requestId, holds, "c-chat"));
+    };
+    for (const [i, base] of bases.entries()) {
+      const r = await get(base, "/v1/chat", { "x-user": "charger" });
+      assert.equal(r.status, 200);
+      assert.equal(r.body, "answer");
+      // Per request: the peek, then (after the response, in either order) its release and its charge.
+      await eventually("the release and the charge", 10_000, () => checkBodies(fake).length === 3 * (i + 1));
+    }
+    const bodies = checkBodies(fake);
+    // form 3 ends with cost u32, mode u8 and (with the lease bit) lease u64.
+    const peeks = bodies.filter((b) => b.slice(-18, -16) === "81");
+    const releases = bodies.filter((b) => b.slice(-18, -16) === "83");
+    const charges = bodies.filter((b) => b.endsWith("0000000702"));
+    assert.equal(peeks.length, 2);
+    assert.equal(releases.length, 2);
+    assert.equal(charges.length, 2);
+    for (const b of bodies) assert.ok(b.startsWith("03"), "form 3");
+    for (const p of peeks) assert.equal(p.slice(-26, -18), "00000000", "the request phase costs 0");
+    assert.equal(new Set(peeks.map((p) => p.slice(-16))).size, 2, "a fresh lease each");
+    // The release: the peek's attributes and lease, cost 1 (max(0, 1): the unit the peek held), mode 3.
+    assert.deepEqual(releases.sort(), peeks.map((p) => `${p.slice(0, -26)}0000000183${p.slice(-16)}`).sort());
+    for (const r of releases) assert.notEqual(r.slice(-26, -18), "00000000", "never a release of cost 0");
+    // The charge: the same attributes, the header's 7, mode 2, no lease.
+    assert.deepEqual(charges.sort(), peeks.map((p) => `${p.slice(0, -26)}0000000702`).sort());
   });
 
   it("a client gone before the check is answered: the lease the answer holds is released at once", async () => {
