@@ -335,7 +335,8 @@ export interface RateLimitOptions<Req = any, Res = any> {
   /**
    * Endpoints (keyed as `costs`) whose cost is known only after the response (LLM tokens, bytes),
    * and the response header the handler reports it in: `{ "/v1/chat": "x-llm-tokens" }`. A request
-   * there is checked with a peek of cost 0 (denied only while a matching rule is past its limit);
+   * there is checked with a peek of cost 0 (denied while a matching rate rule is past its limit or
+   * a matching concurrency rule is full, of which it then holds one unit until the response ends);
    * once its response is finished, the header's value (an integer 1 to 2³²−1) is charged to the
    * same rules. An endpoint may not be in both `costs` and `chargeHeaders` (throws at start).
    */
