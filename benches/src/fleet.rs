@@ -306,6 +306,11 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
             rules("sync", 1_000_000_000, 3_600),
         ),
         (
+            "Redis, monthly quota (bucketed hashes, one per period), via the agent",
+            r#"{"rules":[{"id":"bench","dimension":"user","limit":1000000000,"algorithm":"quota","period":"month"}]}"#
+                .to_string(),
+        ),
+        (
             "Redis, token bucket (one hash per client), via the agent",
             // A slow refill, so that no bucket is full (and expired) again before it is measured.
             r#"{"rules":[{"id":"bench","dimension":"user","limit":10,"windowSeconds":3600,"burst":1000000,"algorithm":"token_bucket"}]}"#

@@ -432,7 +432,7 @@ async fn import_envoy_writes_rules_through_the_api() {
     let bad = dir.path().join("bad.yaml");
     std::fs::write(
         &bad,
-        "domain: edge\ndescriptors:\n  - key: ok\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: k\n    rate_limit: {unit: month, requests_per_unit: 1}\n",
+        "domain: edge\ndescriptors:\n  - key: ok\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: k\n    rate_limit: {unit: month, requests_per_unit: 1, unit_multiplier: 3}\n",
     )
     .unwrap();
     let run = |file: &std::path::Path| {
@@ -450,7 +450,7 @@ async fn import_envoy_writes_rules_through_the_api() {
     let out = run(&bad);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !out.status.success() && err.contains("descriptor edge.k: unit \"month\""),
+        !out.status.success() && err.contains("descriptor edge.k: unit \"month\" with unit_multiplier 3"),
         "{err}"
     );
     let good = dir.path().join("edge.yaml");

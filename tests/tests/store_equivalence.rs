@@ -11,7 +11,8 @@ const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":7,"windowSeconds":3600},
   {"id":"tb","dimension":"user","limit":6,"windowSeconds":3600,"burst":4,"algorithm":"token_bucket"},
   {"id":"dry","dimension":"user","limit":2,"windowSeconds":3600,"mode":"log"},
-  {"id":"cc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":3600}
+  {"id":"cc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":3600},
+  {"id":"qm","dimension":"user","limit":9,"algorithm":"quota","period":"month","timezone":"Pacific/Auckland"}
 ]}"#;
 
 fn sequence() -> Vec<Vec<Item>> {
@@ -75,6 +76,22 @@ fn sequence_with_leases() -> Vec<Vec<Item>> {
     seq
 }
 
+/// A monthly quota: consumes, peeks, charges past it, and all or nothing with a rate item.
+fn sequence_with_quotas() -> Vec<Vec<Item>> {
+    let mut seq = Vec::new();
+    for i in 0..24u32 {
+        let key = format!("user:q{}", i % 2);
+        let item = match i % 4 {
+            0 => vec![Item::new(&key, "qm", 1 + i % 3)],
+            1 => vec![Item::new(&key, "qm", 2), Item::new(&key, "sw", 1)],
+            2 => vec![Item::peek(&key, "qm", 3)],
+            _ => vec![Item::charge(&key, "qm", 1 + i % 2)],
+        };
+        seq.push(item);
+    }
+    seq
+}
+
 type Figures = (bool, u64, u64, u64, u64);
 
 fn figures(d: &floodgate_sdk::Decision) -> Vec<Figures> {
@@ -119,6 +136,7 @@ async fn memory_and_redis_agree() {
     let mut steps = run_both(&on_redis, &embedded, sequence()).await;
     steps.extend(run_both(&on_redis, &embedded, sequence_with_modes()).await);
     steps.extend(run_both(&on_redis, &embedded, sequence_with_leases()).await);
+    steps.extend(run_both(&on_redis, &embedded, sequence_with_quotas()).await);
     let mut denials = 0;
     for (n, (x, y)) in steps.iter().enumerate() {
         assert_eq!(x.len(), y.len());

@@ -113,14 +113,21 @@ pub fn quota(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> (Outcome,
         limit,
         remaining: limit.saturating_sub(after),
         reset_at_ms: end,
-        retry_after_ms: if allowed { 0 } else { end.saturating_sub(now).max(1) },
+        retry_after_ms: if allowed {
+            0
+        } else {
+            end.saturating_sub(now).max(1)
+        },
     };
     (o, after)
 }
 
-/// Whether `cost` would fit now; nothing counted.
+/// Whether `cost` would fit now, and what is left now (before any cost); nothing counted.
 pub fn quota_peek(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> Outcome {
-    quota(count, limit, cost, now, end).0
+    Outcome {
+        remaining: limit.saturating_sub(count),
+        ..quota(count, limit, cost, now, end).0
+    }
 }
 
 /// Counts `cost` whatever the limit says (a cost known after the response): the state after,
@@ -133,7 +140,11 @@ pub fn quota_charge(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> (O
         limit,
         remaining: limit.saturating_sub(after),
         reset_at_ms: end,
-        retry_after_ms: if allowed { 0 } else { end.saturating_sub(now).max(1) },
+        retry_after_ms: if allowed {
+            0
+        } else {
+            end.saturating_sub(now).max(1)
+        },
     };
     (o, after)
 }
@@ -191,9 +202,15 @@ mod tests {
         let tokyo: Tz = "Asia/Tokyo".parse().unwrap();
         // Wednesday 2027-03-10.
         let (s, e) = period_bounds(ms(tokyo, "2027-03-10 08:00"), Period::Week, tokyo);
-        assert_eq!((s, e), (ms(tokyo, "2027-03-08 00:00"), ms(tokyo, "2027-03-15 00:00")));
+        assert_eq!(
+            (s, e),
+            (ms(tokyo, "2027-03-08 00:00"), ms(tokyo, "2027-03-15 00:00"))
+        );
         let (s, e) = period_bounds(ms(tokyo, "2027-07-01 00:00"), Period::Year, tokyo);
-        assert_eq!((s, e), (ms(tokyo, "2027-01-01 00:00"), ms(tokyo, "2028-01-01 00:00")));
+        assert_eq!(
+            (s, e),
+            (ms(tokyo, "2027-01-01 00:00"), ms(tokyo, "2028-01-01 00:00"))
+        );
         assert_eq!(period_from_start(s, Period::Year, tokyo), (s, e));
     }
 
@@ -205,6 +222,10 @@ mod tests {
         assert!(!o.allowed && n == 10 && o.retry_after_ms == 4_000);
         let (o, n) = quota_charge(9, 10, 5, 1_000, 5_000);
         assert!(!o.allowed && n == 14 && o.remaining == 0);
-        assert!(quota_peek(4, 10, 6, 0, 1).allowed);
+        let p = quota_peek(4, 10, 6, 0, 1);
+        assert!(
+            p.allowed && p.remaining == 6,
+            "a peek's remaining is before its cost"
+        );
     }
 }

@@ -407,7 +407,9 @@ impl Rule {
             }
         }
         if self.burst.is_some() || self.period.is_some() || self.timezone.is_some() {
-            return Err(format!("rule {id}: a concurrency rule has no burst, period or timezone"));
+            return Err(format!(
+                "rule {id}: a concurrency rule has no burst, period or timezone"
+            ));
         }
         if self.execution == Execution::Batched {
             return Err(format!(

@@ -43,7 +43,10 @@ enum State {
     /// A concurrency rule's leases (boxed: the other states stay small).
     Leases(Box<LeaseSet>),
     /// A quota's count in the period starting at `start` (Unix ms).
-    Quota { start: u64, count: u64 },
+    Quota {
+        start: u64,
+        count: u64,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -415,7 +418,10 @@ mod tests {
         }
         let denied = one("m");
         assert!(!denied.allowed);
-        assert_eq!(denied.reset_at_ms, 1_801_436_400_000, "Paris's February 1st, 00:00");
+        assert_eq!(
+            denied.reset_at_ms, 1_801_436_400_000,
+            "Paris's February 1st, 00:00"
+        );
         assert_eq!(denied.retry_after_ms, 60_000);
         clock.store(1_801_436_400_000, Ordering::Relaxed);
         assert!(one("m").allowed, "a new month in Paris (still January in UTC)");
