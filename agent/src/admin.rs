@@ -54,6 +54,11 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         "shed": engine.shed(),
         "rules": rules,
         "rulesVersion": engine.rules().version(),
+        "overrides": {
+            "held": engine.overrides().len(),
+            "version": engine.overrides().version(),
+            "refused": engine.overrides().refused.load(std::sync::atomic::Ordering::Relaxed),
+        },
         // The newest set handed to the agent and refused as a whole (the one in force stayed).
         "rulesRefused": engine.refused_rules().map(|r| serde_json::json!({
             "version": r.version,

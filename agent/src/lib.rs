@@ -14,6 +14,7 @@
 //! - [`admin`]: the admin HTTP router (health, readiness, status, dry runs, `/metrics`).
 //! - [`exporter`]: the Prometheus exporter and the gauges read at scrape time.
 //! - [`follow`]: following a rules service (pull, watch, the last good set cached on disk).
+//! - [`follow_overrides`]: following the per-client overrides' changes (service or embedded).
 //!
 //! The engine, rules and algorithms are `floodgate-core`'s; the rules service is
 //! `floodgate-rules-service`'s.
@@ -25,6 +26,7 @@ pub mod daemon;
 pub mod envoy;
 pub mod exporter;
 pub mod follow;
+pub mod follow_overrides;
 pub mod reload;
 pub mod server;
 pub mod settings;

@@ -9,6 +9,7 @@
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files (TOML/JSON, Envoy YAML), attribute and descriptor matching.
 //! - [`batch`]: batched execution (local counters, flushes, hot keys).
+//! - [`overrides`]: per-client overrides of a rule's limit, as agents follow them.
 //! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, membership (N).
 //! - [`dryrun`]: log mode's would-be rejections, counted, logged and reported.
@@ -41,6 +42,7 @@ pub mod engine;
 pub mod events;
 pub mod guard;
 pub mod metrics;
+pub mod overrides;
 pub mod rules;
 pub mod shared_store;
 pub mod store;

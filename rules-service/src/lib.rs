@@ -4,6 +4,8 @@
 //! - [`service`]: the API (`PUT/GET/DELETE /v1/rules`, watches, dry-run reports, tokens, audit).
 //! - [`tokens`]: tokens and their scopes (write, read), from flags and token files.
 //! - [`store`]: the rules store over SQLite or PostgreSQL (versions, migrations, the audit log).
+//! - [`store_overrides`]: per-client overrides in that store (their versions, changes, audit).
+//! - [`overrides`]: the overrides API (`/v1/rules/{id}/overrides/{key}`, `/v1/overrides?since=`).
 //! - [`server`]: `floodgate rules-server`: the API served until shutdown, over HTTP or TLS.
 //! - [`http`]: the client agents and the CLI use (reqwest over rustls), and the server's TLS settings.
 //! - [`browser`]: keeping web pages out of the APIs that ask for no token (foreign Hosts,
@@ -14,9 +16,11 @@
 pub mod browser;
 pub mod http;
 pub mod listen;
+pub mod overrides;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod store_overrides;
 pub mod tokens;
 
 pub use server::{run, ServeOptions};

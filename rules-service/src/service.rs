@@ -34,8 +34,10 @@ pub struct ServiceState {
     tokens: Vec<Token>,
     /// The global version, announced to watchers after every write.
     changed: watch::Sender<u64>,
+    /// The overrides version, announced to their watchers after every override write.
+    pub(crate) overrides_changed: watch::Sender<u64>,
     /// Turns true when the service stops: held watches answer at once instead of holding shutdown.
-    closing: watch::Sender<bool>,
+    pub(crate) closing: watch::Sender<bool>,
     /// Log mode's would-be rejections, as agents report them.
     pub dry_run: floodgate_core::dryrun::DryRunTotals,
 }
@@ -45,10 +47,12 @@ impl ServiceState {
     pub async fn new(store: RulesStore, tokens: Vec<Token>) -> anyhow::Result<Arc<Self>> {
         crate::tokens::check(&tokens)?;
         let version = store.version().await?;
+        let overrides = store.overrides_version().await?;
         Ok(Arc::new(ServiceState {
             store,
             tokens,
             changed: watch::channel(version).0,
+            overrides_changed: watch::channel(overrides).0,
             closing: watch::channel(false).0,
             dry_run: Default::default(),
         }))
@@ -72,6 +76,22 @@ impl ServiceState {
     /// Announces a version (after a write here, or one another instance made, seen by polling).
     pub fn announce(&self, version: u64) {
         self.changed.send_if_modified(|v| {
+            let newer = version > *v;
+            if newer {
+                *v = version;
+            }
+            newer
+        });
+    }
+
+    /// Watches the overrides version (the embedded agent follows the overrides through this).
+    pub fn subscribe_overrides(&self) -> watch::Receiver<u64> {
+        self.overrides_changed.subscribe()
+    }
+
+    /// Announces an overrides version (after an override write, or one another instance made).
+    pub fn announce_overrides(&self, version: u64) {
+        self.overrides_changed.send_if_modified(|v| {
             let newer = version > *v;
             if newer {
                 *v = version;
@@ -105,6 +125,15 @@ pub fn app(state: Arc<ServiceState>) -> Router {
         .route("/v1/rules/{id}", get(get_one).put(put).delete(delete))
         .route("/v1/rules/{id}/dry-run", get(dry_run).post(report_dry_run))
         .route("/v1/audit", get(audit))
+        .route("/v1/rules/{id}/overrides", get(crate::overrides::list_for_rule))
+        .route(
+            "/v1/rules/{id}/overrides/{key}",
+            get(crate::overrides::get_one)
+                .put(crate::overrides::put)
+                .delete(crate::overrides::delete),
+        )
+        .route("/v1/overrides", get(crate::overrides::changes))
+        .route("/v1/overrides/audit", get(crate::overrides::audit))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
 }
@@ -119,6 +148,9 @@ pub async fn poll_version(state: Arc<ServiceState>, mut stop: watch::Receiver<bo
                 if let Ok(v) = state.store.version().await {
                     state.announce(v);
                 }
+                if let Ok(v) = state.store.overrides_version().await {
+                    state.announce_overrides(v);
+                }
             }
             _ = stopped(&mut stop) => break,
         }
@@ -127,7 +159,7 @@ pub async fn poll_version(state: Arc<ServiceState>, mut stop: watch::Receiver<bo
 
 /// The caller, as authenticated.
 #[derive(Clone)]
-struct Actor(String);
+pub(crate) struct Actor(pub(crate) String);
 
 async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Next) -> Response {
     if !state.authenticated() {
@@ -167,15 +199,16 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-fn error(status: StatusCode, message: &str) -> Response {
+pub(crate) fn error(status: StatusCode, message: &str) -> Response {
     (status, Json(json!({ "error": message }))).into_response()
 }
 
-fn store_error(e: StoreOpError) -> Response {
+pub(crate) fn store_error(e: StoreOpError) -> Response {
     match e {
         StoreOpError::Conflict { .. } => error(StatusCode::PRECONDITION_FAILED, &e.to_string()),
         StoreOpError::NotFound(_) => error(StatusCode::NOT_FOUND, &e.to_string()),
         StoreOpError::InvalidSet(_) => error(StatusCode::CONFLICT, &e.to_string()),
+        StoreOpError::InvalidOverride(_) => error(StatusCode::BAD_REQUEST, &e.to_string()),
         e => {
             tracing::warn!(error = %e, "rules store failed");
             error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())
@@ -183,7 +216,7 @@ fn store_error(e: StoreOpError) -> Response {
     }
 }
 
-fn query(uri: &Uri) -> HashMap<String, String> {
+pub(crate) fn query(uri: &Uri) -> HashMap<String, String> {
     uri.query()
         .unwrap_or("")
         .split('&')
@@ -193,12 +226,12 @@ fn query(uri: &Uri) -> HashMap<String, String> {
         .collect()
 }
 
-fn etag(version: u64) -> String {
+pub(crate) fn etag(version: u64) -> String {
     format!("\"{version}\"")
 }
 
 /// `If-Match: "3"` (or `3`, or `W/"3"`) as a version; `Err(())` for anything else.
-fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ()> {
+pub(crate) fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ()> {
     let Some(v) = headers.get(header::IF_MATCH) else {
         return Ok(None);
     };
@@ -210,7 +243,7 @@ fn if_match(headers: &HeaderMap) -> Result<Option<u64>, ()> {
         .ok_or(())
 }
 
-fn bad_if_match() -> Response {
+pub(crate) fn bad_if_match() -> Response {
     error(
         StatusCode::BAD_REQUEST,
         "If-Match must be a rule version, e.g. \"3\"",

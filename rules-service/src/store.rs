@@ -38,6 +38,9 @@ pub enum StoreOpError {
     /// No such rule.
     #[error("no rule {0}")]
     NotFound(String),
+    /// An override that its rule refuses (a window for a rule without one, …).
+    #[error("invalid override: {0}")]
+    InvalidOverride(String),
     /// The rule is valid alone but the set with it is not (two rules answering one Envoy
     /// descriptor): agents would refuse the whole set, so the write is refused instead.
     #[error("the rule set would be invalid: {0}")]
@@ -66,18 +69,31 @@ pub struct AuditEntry {
 
 /// Schema migrations, applied in order; each one's statements run in one transaction. SQL common to
 /// SQLite and PostgreSQL (TEXT, BIGINT, ON CONFLICT, RETURNING).
-const MIGRATIONS: &[&[&str]] = &[&[
-    "CREATE TABLE IF NOT EXISTS floodgate_rules (id TEXT PRIMARY KEY, version BIGINT NOT NULL, \
-     body TEXT NOT NULL, updated_at BIGINT NOT NULL)",
-    "CREATE TABLE IF NOT EXISTS floodgate_audit (version BIGINT PRIMARY KEY, at BIGINT NOT NULL, \
-     actor TEXT NOT NULL, rule_id TEXT NOT NULL, action TEXT NOT NULL, old TEXT, new TEXT)",
-    "INSERT INTO floodgate_meta (name, value) VALUES ('version', 0) ON CONFLICT (name) DO NOTHING",
-]];
+const MIGRATIONS: &[&[&str]] = &[
+    &[
+        "CREATE TABLE IF NOT EXISTS floodgate_rules (id TEXT PRIMARY KEY, version BIGINT NOT NULL, \
+         body TEXT NOT NULL, updated_at BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS floodgate_audit (version BIGINT PRIMARY KEY, at BIGINT NOT NULL, \
+         actor TEXT NOT NULL, rule_id TEXT NOT NULL, action TEXT NOT NULL, old TEXT, new TEXT)",
+        "INSERT INTO floodgate_meta (name, value) VALUES ('version', 0) ON CONFLICT (name) DO NOTHING",
+    ],
+    // Per-client overrides: their own version counter (agents follow their changes, not the rule
+    // set's), a deleted one kept as a row without a body (a change agents must hear of).
+    &[
+        "CREATE TABLE IF NOT EXISTS floodgate_overrides (rule_id TEXT NOT NULL, client_key TEXT NOT NULL, \
+         version BIGINT NOT NULL, body TEXT, updated_at BIGINT NOT NULL, PRIMARY KEY (rule_id, client_key))",
+        "CREATE INDEX IF NOT EXISTS floodgate_overrides_by_version ON floodgate_overrides (version)",
+        "CREATE TABLE IF NOT EXISTS floodgate_override_audit (version BIGINT PRIMARY KEY, at BIGINT NOT NULL, \
+         actor TEXT NOT NULL, rule_id TEXT NOT NULL, client_key TEXT NOT NULL, action TEXT NOT NULL, \
+         old TEXT, new TEXT)",
+        "INSERT INTO floodgate_meta (name, value) VALUES ('overrides', 0) ON CONFLICT (name) DO NOTHING",
+    ],
+];
 
 /// The store.
 #[derive(Clone)]
 pub struct RulesStore {
-    pool: AnyPool,
+    pub(crate) pool: AnyPool,
     url: String,
     postgres: bool,
 }
@@ -85,7 +101,7 @@ pub struct RulesStore {
 /// The advisory lock two services migrating one PostgreSQL database take in turn ("FLOODGTE").
 const MIGRATION_LOCK: i64 = 0x464c_4f4f_4447_5445;
 
-fn now_ms() -> u64 {
+pub(crate) fn now_ms() -> u64 {
     floodgate_core::store::Clock::System.now_ms()
 }
 
@@ -371,7 +387,7 @@ fn body_json(rule: &Rule) -> String {
     serde_json::to_string(rule).unwrap_or_default()
 }
 
-fn row_rule(row: &sqlx::any::AnyRow) -> Result<Rule, StoreOpError> {
+pub(crate) fn row_rule(row: &sqlx::any::AnyRow) -> Result<Rule, StoreOpError> {
     let id: String = row.try_get(0)?;
     let version: i64 = row.try_get(1)?;
     let body: String = row.try_get(2)?;

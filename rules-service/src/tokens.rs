@@ -27,6 +27,8 @@ impl Scope {
         let read = *method == Method::GET || *method == Method::HEAD;
         match parts.as_slice() {
             ["v1", "rules"] | ["v1", "rules", _] => read,
+            ["v1", "rules", _, "overrides"] | ["v1", "rules", _, "overrides", _] => read,
+            ["v1", "overrides"] | ["v1", "overrides", "audit"] => read,
             ["v1", "rules", _, "dry-run"] => read || *method == Method::POST,
             _ => false,
         }

@@ -76,12 +76,92 @@ pub enum RulesCommand {
         #[arg(long)]
         dry_run: bool,
     },
+    /// A client key's own limit under one rule (per-client overrides).
+    #[command(subcommand)]
+    Override(OverrideCommand),
     /// The audit: who changed what, newest first.
     Audit {
         /// At most this many records.
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
+}
+
+/// What to do with an override.
+#[derive(Debug, clap::Subcommand)]
+pub enum OverrideCommand {
+    /// Give a client key its own limit under a rule (replacing its override if it has one).
+    Set {
+        /// Rule id.
+        rule: String,
+        /// The client key, as checks build it (`apikey:abc`, `user:42`).
+        key: String,
+        /// The key's limit (per the rule's window, period, or in flight).
+        #[arg(long)]
+        limit: u64,
+        /// Its own window in seconds (sliding window, token bucket); the rule's otherwise.
+        #[arg(long)]
+        window_seconds: Option<f64>,
+        /// Its own bucket capacity (token bucket).
+        #[arg(long)]
+        burst: Option<u64>,
+        /// It ends after this many seconds (none: until deleted).
+        #[arg(long)]
+        expires_in: Option<u64>,
+        /// Why (recorded in the audit).
+        #[arg(long)]
+        reason: String,
+        /// Only if the override is at this version (0: only if there is none).
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
+    /// One override.
+    Get {
+        /// Rule id.
+        rule: String,
+        /// The client key.
+        key: String,
+    },
+    /// Remove an override: the key is back to the rule's limit.
+    Delete {
+        /// Rule id.
+        rule: String,
+        /// The client key.
+        key: String,
+        /// Only if the override is at this version.
+        #[arg(long)]
+        if_match: Option<u64>,
+    },
+    /// A rule's overrides, a page at a time in client-key order.
+    List {
+        /// Rule id.
+        rule: String,
+        /// Start after this client key (the `next` of the page before).
+        #[arg(long, default_value = "")]
+        after: String,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// The overrides' audit: who changed which, newest first.
+    Audit {
+        /// At most this many records.
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+}
+
+/// A path segment or query value with everything but unreserved characters percent-encoded.
+fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b':') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// Runs one CLI command; prints its result.
@@ -235,6 +315,56 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
             call("GET", format!("/v1/audit?limit={limit}"), vec![], None).await?
         }
         RulesCommand::DryRun { id } => call("GET", format!("/v1/rules/{id}/dry-run"), vec![], None).await?,
+        RulesCommand::Override(o) => match o {
+            OverrideCommand::Set {
+                rule,
+                key,
+                limit,
+                window_seconds,
+                burst,
+                expires_in,
+                reason,
+                if_match: v,
+            } => {
+                let mut body = serde_json::json!({ "limit": limit, "reason": reason });
+                if let Some(w) = window_seconds {
+                    body["windowSeconds"] = serde_json::json!(w);
+                }
+                if let Some(b) = burst {
+                    body["burst"] = serde_json::json!(b);
+                }
+                if let Some(s) = expires_in {
+                    let at = floodgate_core::store::Clock::System.now_ms() + s.saturating_mul(1000);
+                    body["expiresAt"] = serde_json::json!(at);
+                }
+                let path = format!("/v1/rules/{rule}/overrides/{}", encode(key));
+                call("PUT", path, if_match(*v), Some(body.to_string().into_bytes())).await?
+            }
+            OverrideCommand::Get { rule, key } => {
+                call(
+                    "GET",
+                    format!("/v1/rules/{rule}/overrides/{}", encode(key)),
+                    vec![],
+                    None,
+                )
+                .await?
+            }
+            OverrideCommand::Delete {
+                rule,
+                key,
+                if_match: v,
+            } => {
+                let path = format!("/v1/rules/{rule}/overrides/{}", encode(key));
+                call("DELETE", path, if_match(*v), None).await?
+            }
+            OverrideCommand::List { rule, after, limit } => {
+                let path = format!("/v1/rules/{rule}/overrides?after={}&limit={limit}", encode(after));
+                call("GET", path, vec![], None).await?
+            }
+            OverrideCommand::Audit { limit } => {
+                call("GET", format!("/v1/overrides/audit?limit={limit}"), vec![], None).await?
+            }
+        },
     };
     let json: Value = if r.body.is_empty() {
         Value::Null
@@ -300,6 +430,48 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
             }
         }
         RulesCommand::ImportEnvoy { .. } => {}
+        RulesCommand::Override(o) => match o {
+            OverrideCommand::Set { rule, key, .. } => println!(
+                "override of {key} in rule {rule} written: limit {}, version {}",
+                json["limit"], json["version"]
+            ),
+            OverrideCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&json)?),
+            OverrideCommand::Delete { rule, key, .. } => {
+                println!("override of {key} in rule {rule} deleted")
+            }
+            OverrideCommand::List { .. } => {
+                println!(
+                    "{:<40} {:>12} {:>14} {:>6}  reason",
+                    "client key", "limit", "expires at", "ver"
+                );
+                for o in json["overrides"].as_array().into_iter().flatten() {
+                    println!(
+                        "{:<40} {:>12} {:>14} {:>6}  {}",
+                        o["clientKey"].as_str().unwrap_or(""),
+                        o["limit"].to_string(),
+                        o["expiresAt"].as_u64().map_or("-".into(), |t| t.to_string()),
+                        o["version"].to_string(),
+                        o["reason"].as_str().unwrap_or("")
+                    );
+                }
+                if let Some(next) = json["next"].as_str() {
+                    println!("more: --after {next}");
+                }
+            }
+            OverrideCommand::Audit { .. } => {
+                for a in json["audit"].as_array().into_iter().flatten() {
+                    println!(
+                        "{:>6}  {}  {:<12} {:<7} {} {}",
+                        a["version"],
+                        a["at"],
+                        a["actor"].as_str().unwrap_or(""),
+                        a["action"].as_str().unwrap_or(""),
+                        a["ruleId"].as_str().unwrap_or(""),
+                        a["clientKey"].as_str().unwrap_or("")
+                    );
+                }
+            }
+        },
         RulesCommand::Audit { .. } => {
             for a in json["audit"].as_array().into_iter().flatten() {
                 println!(

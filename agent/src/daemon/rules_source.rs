@@ -125,6 +125,11 @@ impl RulesSource {
             RulesSource::Service(f) => {
                 tracing::info!(url = %f.url, poll_ms = f.poll.as_millis() as u64, watch_s = f.watch.as_secs(), "following the rules service");
                 tokio::spawn(follow::follow(engine.clone(), f.clone(), shutdown.clone()));
+                tokio::spawn(crate::follow_overrides::follow(
+                    engine.clone(),
+                    f.clone(),
+                    shutdown.clone(),
+                ));
                 // Log mode's would-be rejections go to the service every 5 s.
                 let (engine, f) = (engine.clone(), f.clone());
                 tokio::spawn(every(Duration::from_secs(5), shutdown, move || {
@@ -193,6 +198,11 @@ impl RulesSource {
                     }
                     std::future::ready(())
                 }));
+                tokio::spawn(crate::follow_overrides::follow_embedded(
+                    engine.clone(),
+                    state.clone(),
+                    shutdown.clone(),
+                ));
                 // Follow the embedded store: every write announces its version.
                 let (engine, state) = (engine.clone(), state.clone());
                 let mut changes = state.subscribe();

@@ -113,6 +113,7 @@ pub struct Engine {
     /// a sequence, so that no two agents' ids meet.
     lease_seed: u64,
     lease_seq: AtomicU64,
+    overrides: Arc<crate::overrides::Overrides>,
 }
 
 /// The newest rule set the agent was handed and refused (invalid as a whole); the set in force
@@ -159,6 +160,7 @@ impl Engine {
             refused_rules: Default::default(),
             lease_seed: lease_seed(),
             lease_seq: AtomicU64::new(0),
+            overrides: Arc::default(),
         })
     }
 
@@ -235,6 +237,11 @@ impl Engine {
         let interval = self.batcher.flush_ms(rule) as f64;
         let expected = n as f64 * interval / rule.window_ms() as f64 * limit + n as f64;
         expected <= self.accuracy * limit
+    }
+
+    /// The per-client overrides the agent follows.
+    pub fn overrides(&self) -> &Arc<crate::overrides::Overrides> {
+        &self.overrides
     }
 
     /// The rejection cache.
@@ -471,6 +478,16 @@ impl Engine {
                 })
                 .collect(),
         };
+        let mut plan = plan;
+        if !self.overrides.is_empty() {
+            // A client key with an override is checked under the rule its override makes.
+            let now = self.clock.now_ms();
+            for p in &mut plan {
+                if let Some(rule) = self.overrides.rule_for(&p.rule, &p.key, now) {
+                    p.rule = rule;
+                }
+            }
+        }
         if plan.len() > MAX_ITEMS {
             return Err(ErrorBody {
                 code: ErrorCode::InvalidItem,
