@@ -34,6 +34,7 @@ mod grpc;
 mod instructions;
 mod leases;
 mod open;
+mod overrides;
 mod overload;
 mod propagation;
 mod report;
@@ -306,6 +307,22 @@ enum Command {
         #[arg(long, default_value = "target/bench/leases.json")]
         json: PathBuf,
     },
+    /// Per-client overrides: PUT → every agent holding it (p50/p99), and an agent's memory per
+    /// override held.
+    Overrides {
+        /// Agents following the rules service.
+        #[arg(long, default_value_t = 4)]
+        agents: usize,
+        /// Overrides written and timed.
+        #[arg(long, default_value_t = 50)]
+        changes: usize,
+        /// Overrides held for the memory figures, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+        held: Vec<usize>,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/overrides.json")]
+        json: PathBuf,
+    },
     /// Redis memory per tracked pair and agent RSS per batched key.
     Memory {
         /// Distinct keys.
@@ -485,6 +502,15 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let report = runtime.block_on(leases::run(&clients, seconds, runs, keys))?;
+            write_json(&json, &report)
+        }
+        Some(Command::Overrides {
+            agents,
+            changes,
+            held,
+            json,
+        }) => {
+            let report = runtime.block_on(overrides::run(agents, changes, &held))?;
             write_json(&json, &report)
         }
         Some(Command::Memory { keys, json }) => {

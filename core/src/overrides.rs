@@ -144,7 +144,10 @@ impl Overrides {
             let rule = map.entry(CompactString::from(c.rule_id.as_str())).or_default();
             let key = CompactString::from(c.client_key.as_str());
             match c.set {
-                Some(value) => {
+                Some(mut value) => {
+                    // The reason is the service's record (its audit, its API): an agent needs only
+                    // the figures, so a million overrides do not carry a million reasons.
+                    value.reason = String::new();
                     let held = Held {
                         value,
                         derived: Mutex::new(None),
@@ -202,7 +205,7 @@ impl Overrides {
         Some(made)
     }
 
-    /// One override, if held.
+    /// One override, if held (its figures: the reason stays with the service).
     pub fn get(&self, rule_id: &str, key: &str) -> Option<Override> {
         let map = self.by_rule.read().unwrap_or_else(|p| p.into_inner());
         map.get(rule_id)?.get(key).map(|h| h.value.clone())
