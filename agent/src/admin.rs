@@ -54,6 +54,13 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         "shed": engine.shed(),
         "rules": rules,
         "rulesVersion": engine.rules().version(),
+        // Penalties live now (at most 20 listed; `floodgate rules penalty list` has them all).
+        "penalties": engine
+            .overrides()
+            .live_penalties(floodgate_core::store::Clock::System.now_ms(), 20)
+            .into_iter()
+            .map(|(key, p)| serde_json::json!({ "clientKey": key, "factor": p.factor, "block": p.block, "until": p.until }))
+            .collect::<Vec<_>>(),
         "overrides": {
             "held": engine.overrides().len(),
             "version": engine.overrides().version(),

@@ -59,9 +59,17 @@ pub async fn run(agents: usize, changes: usize, counts: &[usize]) -> anyhow::Res
     let put = |path: String, body: String| {
         let url = server.url();
         async move {
-            request(&url, "PUT", &path, Some("t"), &[], Some(body.as_bytes()), Duration::from_secs(10))
-                .await
-                .map_err(anyhow::Error::msg)
+            request(
+                &url,
+                "PUT",
+                &path,
+                Some("t"),
+                &[],
+                Some(body.as_bytes()),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(anyhow::Error::msg)
         }
     };
     let r = put(
@@ -100,7 +108,10 @@ pub async fn run(agents: usize, changes: usize, counts: &[usize]) -> anyhow::Res
             .unwrap_or(0);
         for admin in &admins {
             while held_version(*admin).await < version {
-                anyhow::ensure!(t.elapsed() < Duration::from_secs(60), "override {i} did not propagate");
+                anyhow::ensure!(
+                    t.elapsed() < Duration::from_secs(60),
+                    "override {i} did not propagate"
+                );
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
         }
@@ -152,6 +163,7 @@ fn memory_for(n: usize) -> anyhow::Result<MemoryRow> {
                         version,
                         updated_at: 1_800_000_000_000,
                     }),
+                    penalty: None,
                     version,
                 }
             })

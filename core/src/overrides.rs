@@ -88,32 +88,115 @@ impl Override {
     }
 }
 
-/// One change of the overrides the rules service sends: an override written, or (none) deleted.
+/// The rule id under which the service keeps penalties beside overrides (no rule id has a `*`).
+pub const PENALTY_RULE: &str = "*";
+
+/// Most a penalty may last: 90 days.
+pub const MAX_PENALTY_MS: u64 = 90 * 86_400_000;
+
+/// A temporary penalty on a client key, over every rule its checks meet: its limits scaled by
+/// `factor`, or every check refused (`block`), until `until`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Penalty {
+    /// The key's limits times this (above 0, below 1); at least 1 unit is left.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    /// Every check of the key refused until `until`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block: bool,
+    /// Unix ms at which it ends by itself.
+    pub until: u64,
+    /// Why (an abuse score, an incident): required, audited.
+    pub reason: String,
+    /// Set by the rules service: the version of its last write.
+    #[serde(default)]
+    pub version: u64,
+    /// Set by the rules service: when it was last written (Unix ms).
+    #[serde(default)]
+    pub updated_at: u64,
+}
+
+impl Penalty {
+    /// Checks it: exactly one of a factor in (0, 1) or a block, an end in the future and within 90
+    /// days of `now_ms`, a reason.
+    pub fn check(&self, now_ms: u64) -> Result<(), String> {
+        match (self.factor, self.block) {
+            (Some(f), false) if f > 0.0 && f < 1.0 => {}
+            (Some(_), false) => return Err("factor must be above 0 and below 1".into()),
+            (None, true) => {}
+            _ => return Err("a penalty is either a factor or a block".into()),
+        }
+        if self.until <= now_ms || self.until > now_ms + MAX_PENALTY_MS {
+            return Err("until must be in the future, within 90 days (Unix ms)".into());
+        }
+        if self.reason.trim().is_empty() || self.reason.len() > 512 {
+            return Err("reason must be 1 to 512 bytes".into());
+        }
+        Ok(())
+    }
+
+    /// `rule` with its limit (and burst) scaled by the factor, at least 1; a version of its own.
+    fn apply_to(&self, rule: &Rule) -> Rule {
+        let f = self.factor.unwrap_or(1.0);
+        let scale = |n: NonZeroU64| NonZeroU64::new((n.get() as f64 * f) as u64).unwrap_or(NonZeroU64::MIN);
+        let mut r = rule.clone();
+        r.limit = scale(rule.limit);
+        r.burst = rule.burst.map(scale);
+        r.version = (3 << 62) | self.version;
+        r
+    }
+}
+
+/// One change of the overrides the rules service sends: an override (or, under rule `*`, a
+/// penalty) written, or with neither deleted.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct OverrideChange {
-    /// The rule.
+    /// The rule (`*`: a penalty of the key).
     pub rule_id: String,
     /// The client key, as checks build it (`apikey:abc`).
     pub client_key: String,
     /// The override, or none: deleted.
     pub set: Option<Override>,
+    /// The penalty (rule `*`), or none: deleted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub penalty: Option<Penalty>,
     /// The overrides version of this change.
     pub version: u64,
+}
+
+/// A rule and the one a penalty or an override made of it.
+type Made = (Arc<Rule>, Arc<Rule>);
+
+/// A penalty held by the agent, with the rules it made (built on first use, per rule).
+struct HeldPenalty {
+    value: Penalty,
+    derived: Mutex<HashMap<CompactString, Made>>,
+}
+
+/// What a penalty does to one item.
+pub enum Penalized {
+    /// The item is checked under this rule (scaled).
+    Rule(Arc<Rule>),
+    /// The item is refused until this Unix ms.
+    Blocked(u64),
 }
 
 /// An override held by the agent, with the rule it made for the key (built on first use, again
 /// when the rule changes).
 struct Held {
     value: Override,
-    derived: Mutex<Option<(Arc<Rule>, Arc<Rule>)>>,
+    derived: Mutex<Option<Made>>,
 }
 
-/// The overrides an agent holds, by rule and client key.
+/// The overrides an agent holds, by rule and client key, and the penalties, by client key.
 #[derive(Default)]
 pub struct Overrides {
     by_rule: RwLock<HashMap<CompactString, HashMap<CompactString, Held>>>,
     len: AtomicUsize,
+    penalties: RwLock<HashMap<CompactString, HeldPenalty>>,
+    penalty_len: AtomicUsize,
     version: std::sync::atomic::AtomicU64,
     /// Changes refused because the agent held `MAX_OVERRIDES`.
     pub refused: std::sync::atomic::AtomicU64,
@@ -141,6 +224,11 @@ impl Overrides {
         let mut map = self.by_rule.write().unwrap_or_else(|p| p.into_inner());
         let mut touched = Vec::with_capacity(changes.len());
         for c in changes {
+            if c.rule_id == PENALTY_RULE {
+                self.apply_penalty(c.client_key.as_str(), c.penalty);
+                touched.push((c.rule_id, c.client_key));
+                continue;
+            }
             let rule = map.entry(CompactString::from(c.rule_id.as_str())).or_default();
             let key = CompactString::from(c.client_key.as_str());
             match c.set {
@@ -180,8 +268,76 @@ impl Overrides {
         touched
     }
 
+    fn apply_penalty(&self, key: &str, value: Option<Penalty>) {
+        let mut map = self.penalties.write().unwrap_or_else(|p| p.into_inner());
+        let key = CompactString::from(key);
+        match value {
+            Some(mut value) => {
+                value.reason = String::new();
+                let held = HeldPenalty {
+                    value,
+                    derived: Mutex::default(),
+                };
+                if map.insert(key, held).is_none() {
+                    self.penalty_len.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            None => {
+                if map.remove(&key).is_some() {
+                    self.penalty_len.fetch_sub(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// How many penalties are held (live or not yet dropped).
+    pub fn penalties(&self) -> usize {
+        self.penalty_len.load(Ordering::Relaxed)
+    }
+
+    /// Up to `max` penalties live at `now_ms`: (client key, penalty), for the agent's status.
+    pub fn live_penalties(&self, now_ms: u64, max: usize) -> Vec<(String, Penalty)> {
+        let map = self.penalties.read().unwrap_or_else(|p| p.into_inner());
+        map.iter()
+            .filter(|(_, h)| h.value.until > now_ms)
+            .take(max)
+            .map(|(k, h)| (k.to_string(), h.value.clone()))
+            .collect()
+    }
+
+    /// What a live penalty of `key` (or of the client part of a per-endpoint key,
+    /// `apikey:abc:endpoint:/x`) does to an item of `rule`.
+    pub fn penalized(&self, rule: &Arc<Rule>, key: &str, now_ms: u64) -> Option<Penalized> {
+        if self.penalties() == 0 {
+            return None;
+        }
+        let map = self.penalties.read().unwrap_or_else(|p| p.into_inner());
+        let client = key.split_once(":endpoint:").map_or(key, |(c, _)| c);
+        let held = map.get(key).or_else(|| map.get(client))?;
+        if held.value.until <= now_ms {
+            return None;
+        }
+        if held.value.block {
+            return Some(Penalized::Blocked(held.value.until));
+        }
+        let mut derived = held.derived.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((base, made)) = derived.get(rule.id.as_str()) {
+            if Arc::ptr_eq(base, rule) {
+                return Some(Penalized::Rule(made.clone()));
+            }
+        }
+        let made = Arc::new(held.value.apply_to(rule));
+        derived.insert(
+            CompactString::from(rule.id.as_str()),
+            (rule.clone(), made.clone()),
+        );
+        Some(Penalized::Rule(made))
+    }
+
     /// Drops every override (the service's store was replaced: it sends them all again).
     pub fn clear(&self) {
+        self.penalties.write().unwrap_or_else(|p| p.into_inner()).clear();
+        self.penalty_len.store(0, Ordering::Relaxed);
         self.by_rule.write().unwrap_or_else(|p| p.into_inner()).clear();
         self.len.store(0, Ordering::Relaxed);
         self.version.store(0, Ordering::Relaxed);
@@ -221,6 +377,7 @@ mod tests {
         OverrideChange {
             rule_id: rule.into(),
             client_key: key.into(),
+            penalty: None,
             set: limit.map(|l| Override {
                 limit: NonZeroU64::new(l).unwrap(),
                 window_seconds: None,

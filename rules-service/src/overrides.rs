@@ -8,7 +8,11 @@
 //! - `GET /v1/overrides?since=V[&watch=S][&limit=N]`: what agents follow: the changes after overrides
 //!   version V (an override written, or `set: null` deleted), oldest first, `more` when the page is
 //!   full; with `watch`, held up to S seconds until there is one.
-//! - `GET /v1/overrides/audit?limit=N`: who changed which override when, newest first.
+//! - `GET /v1/overrides/audit?limit=N`: who changed which override (or penalty) when, newest first.
+//! - `PUT /v1/penalties/{clientKey}`: `{factor, until, reason}` or `{block: true, until, reason}`: the
+//!   key's limits scaled, or every check refused, until `until` (Unix ms, within 90 days); `GET`,
+//!   `DELETE` (lifted early); `GET /v1/penalties?after=KEY&limit=N`: those not ended. Agents follow
+//!   them with the overrides' changes (rule `*`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +24,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use floodgate_core::overrides::Override;
+use floodgate_core::overrides::{Override, Penalty};
 
 use crate::service::{
     bad_if_match, error, etag, if_match, query, store_error, Actor, ServiceState, MAX_WATCH_SECONDS,
@@ -147,6 +151,84 @@ pub(crate) async fn list_for_rule(
                 })
                 .collect();
             Json(json!({ "ruleId": id, "overrides": items, "next": next.flatten() })).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+pub(crate) async fn put_penalty(
+    State(state): State<Arc<ServiceState>>,
+    Path(key): Path<String>,
+    axum::Extension(actor): axum::Extension<Actor>,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = valid_key(&key) {
+        return *r;
+    }
+    let value: Penalty = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                &format!("a penalty is {{factor, until, reason}} or {{block: true, until, reason}}: {e}"),
+            )
+        }
+    };
+    match state.store.put_penalty(&key, &value, &actor.0).await {
+        Ok((stored, created)) => {
+            state.announce_overrides(stored.version);
+            tracing::warn!(key = %key, factor = ?stored.factor, block = stored.block, until = stored.until, actor = %actor.0, reason = %stored.reason, "penalty set");
+            let status = if created {
+                StatusCode::CREATED
+            } else {
+                StatusCode::OK
+            };
+            (status, [(header::ETAG, etag(stored.version))], Json(stored)).into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+pub(crate) async fn get_penalty(State(state): State<Arc<ServiceState>>, Path(key): Path<String>) -> Response {
+    match state.store.get_penalty(&key).await {
+        Ok(Some(p)) => ([(header::ETAG, etag(p.version))], Json(p)).into_response(),
+        Ok(None) => error(StatusCode::NOT_FOUND, &format!("no penalty of {key}")),
+        Err(e) => store_error(e),
+    }
+}
+
+pub(crate) async fn delete_penalty(
+    State(state): State<Arc<ServiceState>>,
+    Path(key): Path<String>,
+    axum::Extension(actor): axum::Extension<Actor>,
+) -> Response {
+    match state.store.delete_penalty(&key, &actor.0).await {
+        Ok(version) => {
+            state.announce_overrides(version);
+            tracing::info!(key = %key, version, actor = %actor.0, "penalty lifted");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+pub(crate) async fn list_penalties(State(state): State<Arc<ServiceState>>, uri: Uri) -> Response {
+    let q = query(&uri);
+    let after = q.get("after").map(|a| percent_decode(a)).unwrap_or_default();
+    let limit = page_limit(&uri, 100);
+    let now = floodgate_core::store::Clock::System.now_ms();
+    match state.store.list_penalties(&after, limit, now).await {
+        Ok(page) => {
+            let next = (page.len() == limit as usize).then(|| page.last().map(|(k, _)| k.clone()));
+            let items: Vec<_> = page
+                .into_iter()
+                .map(|(k, p)| {
+                    let mut v = serde_json::to_value(p).unwrap_or_default();
+                    v["clientKey"] = json!(k);
+                    v
+                })
+                .collect();
+            Json(json!({ "penalties": items, "next": next.flatten() })).into_response()
         }
         Err(e) => store_error(e),
     }

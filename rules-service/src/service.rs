@@ -134,6 +134,13 @@ pub fn app(state: Arc<ServiceState>) -> Router {
         )
         .route("/v1/overrides", get(crate::overrides::changes))
         .route("/v1/overrides/audit", get(crate::overrides::audit))
+        .route("/v1/penalties", get(crate::overrides::list_penalties))
+        .route(
+            "/v1/penalties/{key}",
+            get(crate::overrides::get_penalty)
+                .put(crate::overrides::put_penalty)
+                .delete(crate::overrides::delete_penalty),
+        )
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth))
         .with_state(state)
 }

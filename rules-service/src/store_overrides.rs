@@ -2,7 +2,7 @@
 //! following the changes hear of it), listed by rule with paging, and their changes since a version.
 //! Every write is a transaction that bumps the overrides version and appends to their audit.
 
-use floodgate_core::overrides::{Override, OverrideChange};
+use floodgate_core::overrides::{Override, OverrideChange, Penalty, PENALTY_RULE};
 use sqlx::Row;
 
 use crate::store::{now_ms, row_rule, RulesStore, StoreOpError};
@@ -49,12 +49,7 @@ impl RulesStore {
         key: &str,
     ) -> Result<(Tx, i64, Option<Override>), StoreOpError> {
         let mut tx = self.pool.begin().await?;
-        let version: i64 = sqlx::query(
-            "UPDATE floodgate_meta SET value = value + 1 WHERE name = 'overrides' RETURNING value",
-        )
-        .fetch_one(&mut *tx)
-        .await?
-        .try_get(0)?;
+        let version = bump(&mut tx).await?;
         let old = sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
             .bind(rule_id)
             .bind(key)
@@ -224,15 +219,161 @@ impl RulesStore {
             .map(|r| {
                 let rule_id: String = r.try_get(0)?;
                 let body: Option<String> = r.try_get(3)?;
+                let (set, penalty) = match (rule_id == PENALTY_RULE, body) {
+                    (true, Some(b)) => (None, Some(parse_penalty(&b)?)),
+                    (false, Some(b)) => (Some(parse(&rule_id, &b)?), None),
+                    (_, None) => (None, None),
+                };
                 Ok(OverrideChange {
                     client_key: r.try_get(1)?,
                     version: r.try_get::<i64, _>(2)? as u64,
-                    set: body.map(|b| parse(&rule_id, &b)).transpose()?,
+                    set,
+                    penalty,
                     rule_id,
                 })
             })
             .collect::<Result<Vec<_>, StoreOpError>>()?;
         Ok((changes, current as u64))
+    }
+
+    /// Sets a penalty on `key` (replacing its penalty if it has one). Returns it as stored and
+    /// whether it is new.
+    pub async fn put_penalty(
+        &self,
+        key: &str,
+        value: &Penalty,
+        actor: &str,
+    ) -> Result<(Penalty, bool), StoreOpError> {
+        if let Err(e) = value.check(now_ms()) {
+            return Err(StoreOpError::InvalidOverride(e));
+        }
+        let mut tx = self.pool.begin().await?;
+        let version = bump(&mut tx).await?;
+        let old: Option<String> =
+            sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
+                .bind(PENALTY_RULE)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?
+                .map(|r| r.try_get::<Option<String>, _>(0))
+                .transpose()?
+                .flatten();
+        let mut stored = value.clone();
+        stored.version = version as u64;
+        stored.updated_at = now_ms();
+        let body = serde_json::to_string(&stored).unwrap_or_default();
+        sqlx::query(
+            "INSERT INTO floodgate_overrides (rule_id, client_key, version, body, updated_at) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (rule_id, client_key) DO UPDATE SET \
+             version = excluded.version, body = excluded.body, updated_at = excluded.updated_at",
+        )
+        .bind(PENALTY_RULE)
+        .bind(key)
+        .bind(version)
+        .bind(&body)
+        .bind(stored.updated_at as i64)
+        .execute(&mut *tx)
+        .await?;
+        let created = old.is_none();
+        audit(
+            &mut tx,
+            version,
+            actor,
+            PENALTY_RULE,
+            key,
+            "penalize",
+            old,
+            Some(body),
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((stored, created))
+    }
+
+    /// Lifts `key`'s penalty (a row without a body stays, as the change agents follow).
+    pub async fn delete_penalty(&self, key: &str, actor: &str) -> Result<u64, StoreOpError> {
+        let mut tx = self.pool.begin().await?;
+        let version = bump(&mut tx).await?;
+        let old: Option<String> =
+            sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
+                .bind(PENALTY_RULE)
+                .bind(key)
+                .fetch_optional(&mut *tx)
+                .await?
+                .map(|r| r.try_get::<Option<String>, _>(0))
+                .transpose()?
+                .flatten();
+        let Some(old) = old else {
+            return Err(StoreOpError::NotFound(format!("penalty of {key}")));
+        };
+        sqlx::query(
+            "UPDATE floodgate_overrides SET version = $3, body = NULL, updated_at = $4 \
+             WHERE rule_id = $1 AND client_key = $2",
+        )
+        .bind(PENALTY_RULE)
+        .bind(key)
+        .bind(version)
+        .bind(now_ms() as i64)
+        .execute(&mut *tx)
+        .await?;
+        audit(
+            &mut tx,
+            version,
+            actor,
+            PENALTY_RULE,
+            key,
+            "lift",
+            Some(old),
+            None,
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(version as u64)
+    }
+
+    /// `key`'s penalty, if one is set (ended or not).
+    pub async fn get_penalty(&self, key: &str) -> Result<Option<Penalty>, StoreOpError> {
+        let row = sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
+            .bind(PENALTY_RULE)
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+        match row {
+            Some(r) => r
+                .try_get::<Option<String>, _>(0)?
+                .map(|b| parse_penalty(&b))
+                .transpose(),
+            None => Ok(None),
+        }
+    }
+
+    /// Up to `limit` penalties that have not ended at `now_ms`, their keys after `after`.
+    pub async fn list_penalties(
+        &self,
+        after: &str,
+        limit: u32,
+        now_ms: u64,
+    ) -> Result<Vec<(String, Penalty)>, StoreOpError> {
+        let rows = sqlx::query(
+            "SELECT client_key, body FROM floodgate_overrides WHERE rule_id = $1 AND client_key > $2 \
+             AND body IS NOT NULL ORDER BY client_key",
+        )
+        .bind(PENALTY_RULE)
+        .bind(after)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut out = Vec::new();
+        for r in &rows {
+            let body: String = r.try_get(1)?;
+            let p = parse_penalty(&body)?;
+            if p.until > now_ms {
+                out.push((r.try_get(0)?, p));
+                if out.len() == limit as usize {
+                    break;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The newest override audit records first, at most `limit`.
@@ -279,6 +420,24 @@ fn conflict(
         }),
         _ => Ok(()),
     }
+}
+
+fn parse_penalty(body: &str) -> Result<Penalty, StoreOpError> {
+    serde_json::from_str(body).map_err(|e| StoreOpError::Corrupt {
+        id: PENALTY_RULE.into(),
+        why: e.to_string(),
+    })
+}
+
+/// Bumps the overrides version within `tx` (taking the counter's lock, which serializes writers):
+/// the version this write makes.
+async fn bump(tx: &mut Tx) -> Result<i64, StoreOpError> {
+    Ok(
+        sqlx::query("UPDATE floodgate_meta SET value = value + 1 WHERE name = 'overrides' RETURNING value")
+            .fetch_one(&mut **tx)
+            .await?
+            .try_get(0)?,
+    )
 }
 
 fn parse(rule_id: &str, body: &str) -> Result<Override, StoreOpError> {

@@ -29,6 +29,7 @@ impl Scope {
             ["v1", "rules"] | ["v1", "rules", _] => read,
             ["v1", "rules", _, "overrides"] | ["v1", "rules", _, "overrides", _] => read,
             ["v1", "overrides"] | ["v1", "overrides", "audit"] => read,
+            ["v1", "penalties"] | ["v1", "penalties", _] => read,
             ["v1", "rules", _, "dry-run"] => read || *method == Method::POST,
             _ => false,
         }

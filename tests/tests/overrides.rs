@@ -281,3 +281,163 @@ async fn the_api_refuses_what_the_rule_would_and_pages_the_list() {
     assert!(changes.iter().any(|c| c["set"].is_null()));
     assert_eq!(page["more"], false);
 }
+
+async fn penalties(a: &Agent) -> serde_json::Value {
+    let (_, body) = http_get(a.admin_addr().await, "/v1/status").await;
+    serde_json::from_str::<serde_json::Value>(&body).unwrap()["penalties"].clone()
+}
+
+/// Penalties through the API and the CLI to two agents: a factor scales a key's limits (its
+/// per-endpoint keys too), a block refuses it with Retry-After to the penalty's end, the agents'
+/// status shows it, it ends by itself or is lifted; a bad penalty is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_penalty_scales_or_blocks_a_key_until_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let service = RulesServer::start(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &["abuse:s3cret"],
+    )
+    .await;
+    call(
+        &service,
+        "PUT",
+        "/v1/rules/api",
+        Some(r#"{"dimension":"api_key","limit":20,"windowSeconds":3600}"#),
+    )
+    .await;
+    let redis = RedisServer::start();
+    let mut agents = Vec::new();
+    for _ in 0..2 {
+        agents.push(
+            Agent::builder()
+                .redis(&redis.url())
+                .arg("--rules-url")
+                .arg(&service.url())
+                .arg("--rules-token")
+                .arg(TOKEN)
+                .arg("--rejection-cache")
+                .arg("0")
+                .start()
+                .await,
+        );
+    }
+    let clients = [
+        patient_client(agents[0].socket()).await,
+        patient_client(agents[1].socket()).await,
+    ];
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(floodgate_bin())
+            .args(["rules", "--server", &service.url(), "--token", TOKEN, "penalty"])
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    };
+    let (ok, text) = cli(&[
+        "set",
+        "apikey:abuser",
+        "--factor",
+        "0.1",
+        "--for",
+        "3600",
+        "--reason",
+        "abuse score 0.97",
+    ]);
+    assert!(ok && text.contains("factor 0.1"), "{text}");
+    for a in &agents {
+        eventually("the agent holds the penalty", Duration::from_secs(10), || async {
+            let p = penalties(a).await;
+            (p[0]["clientKey"] == "apikey:abuser" && p[0]["factor"] == 0.1).then_some(())
+        })
+        .await;
+    }
+    // 20 × 0.1 = 2, across the fleet, its per-endpoint keys scaled too; another key keeps 20.
+    let check = |i: usize, key: &'static str| {
+        let c = clients[i].clone();
+        async move { c.check(vec![Item::new(key, "api", 1)]).await.unwrap() }
+    };
+    assert!(check(0, "apikey:abuser").await.allowed);
+    assert!(check(1, "apikey:abuser").await.allowed);
+    let d = check(0, "apikey:abuser").await;
+    assert!(!d.allowed && d.limit == 2, "{d:?}");
+    assert_eq!(check(1, "apikey:abuser:endpoint:/search").await.limit, 2);
+    assert_eq!(check(1, "apikey:fine").await.limit, 20);
+
+    // Blocked: refused at once, Retry-After to the penalty's end.
+    let (ok, text) = cli(&[
+        "set",
+        "apikey:abuser",
+        "--block",
+        "--for",
+        "3600",
+        "--reason",
+        "incident 7",
+    ]);
+    assert!(ok && text.contains("blocked"), "{text}");
+    for a in &agents {
+        eventually("the agent holds the block", Duration::from_secs(10), || async {
+            (penalties(a).await[0]["block"] == true).then_some(())
+        })
+        .await;
+    }
+    let d = check(1, "apikey:abuser:endpoint:/other").await;
+    assert!(!d.allowed, "{d:?}");
+    let retry = d.retry_after_ms.unwrap();
+    assert!(
+        retry > 3_500_000 && retry <= 3_600_000,
+        "to the penalty's end: {retry}"
+    );
+    let (ok, text) = cli(&["list"]);
+    assert!(
+        ok && text.contains("apikey:abuser") && text.contains("blocked"),
+        "{text}"
+    );
+
+    // Lifted: the rule's limit again (2 counted of 20).
+    let (ok, text) = cli(&["delete", "apikey:abuser"]);
+    assert!(ok && text.contains("lifted"), "{text}");
+    for a in &agents {
+        eventually(
+            "the agent dropped the penalty",
+            Duration::from_secs(10),
+            || async { penalties(a).await.as_array().unwrap().is_empty().then_some(()) },
+        )
+        .await;
+    }
+    let d = check(0, "apikey:abuser").await;
+    assert!(d.allowed && d.limit == 20, "{d:?}");
+
+    // One that ends by itself.
+    let until = floodgate_core::store::Clock::System.now_ms() + 1_500;
+    let r = call(
+        &service,
+        "PUT",
+        "/v1/penalties/apikey:brief",
+        Some(&format!(
+            r#"{{"block":true,"until":{until},"reason":"cool-off"}}"#
+        )),
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
+    eventually(
+        "it applies, then ends by itself",
+        Duration::from_secs(10),
+        || async { check(0, "apikey:brief").await.allowed.then_some(()) },
+    )
+    .await;
+
+    // Refused: a factor of 1 or more, both or neither, an end in the past.
+    for body in [
+        r#"{"factor":1.5,"until":99999999999999,"reason":"x"}"#.to_string(),
+        format!(
+            r#"{{"factor":0.5,"block":true,"until":{},"reason":"x"}}"#,
+            until + 60_000
+        ),
+        format!(r#"{{"until":{},"reason":"x"}}"#, until + 60_000),
+        r#"{"block":true,"until":1,"reason":"x"}"#.to_string(),
+    ] {
+        let r = call(&service, "PUT", "/v1/penalties/apikey:x", Some(&body)).await;
+        assert_eq!(r.status, 400, "{body}: {}", String::from_utf8_lossy(&r.body));
+    }
+}

@@ -79,6 +79,9 @@ pub enum RulesCommand {
     /// A client key's own limit under one rule (per-client overrides).
     #[command(subcommand)]
     Override(OverrideCommand),
+    /// A temporary penalty on a client key over every rule: its limits scaled, or blocked.
+    #[command(subcommand)]
+    Penalty(PenaltyCommand),
     /// The audit: who changed what, newest first.
     Audit {
         /// At most this many records.
@@ -149,6 +152,56 @@ pub enum OverrideCommand {
         #[arg(long, default_value_t = 20)]
         limit: u32,
     },
+}
+
+/// What to do with a penalty.
+#[derive(Debug, clap::Subcommand)]
+pub enum PenaltyCommand {
+    /// Penalize a client key until a time: `--factor 0.1` (its limits at 10 %) or `--block`.
+    Set {
+        /// The client key, as checks build it (`apikey:abc`).
+        key: String,
+        /// Its limits times this (above 0, below 1).
+        #[arg(long, conflicts_with = "block", required_unless_present = "block")]
+        factor: Option<f64>,
+        /// Refuse every check of the key.
+        #[arg(long)]
+        block: bool,
+        /// It ends after this many seconds (at most 90 days).
+        #[arg(long = "for")]
+        for_seconds: u64,
+        /// Why (recorded in the audit).
+        #[arg(long)]
+        reason: String,
+    },
+    /// One key's penalty.
+    Get {
+        /// The client key.
+        key: String,
+    },
+    /// Lift a penalty before it ends.
+    Delete {
+        /// The client key.
+        key: String,
+    },
+    /// The penalties that have not ended.
+    List {
+        /// Start after this client key.
+        #[arg(long, default_value = "")]
+        after: String,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+}
+
+/// A penalty as a word: `blocked`, or `factor 0.1`.
+fn penalty_text(p: &Value) -> String {
+    if p["block"].as_bool() == Some(true) {
+        "blocked".into()
+    } else {
+        format!("factor {}", p["factor"])
+    }
 }
 
 /// A path segment or query value with everything but unreserved characters percent-encoded.
@@ -365,6 +418,34 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
                 call("GET", format!("/v1/overrides/audit?limit={limit}"), vec![], None).await?
             }
         },
+        RulesCommand::Penalty(p) => match p {
+            PenaltyCommand::Set {
+                key,
+                factor,
+                block,
+                for_seconds,
+                reason,
+            } => {
+                let until = floodgate_core::store::Clock::System.now_ms() + for_seconds.saturating_mul(1000);
+                let mut body = serde_json::json!({ "until": until, "reason": reason });
+                match factor {
+                    Some(f) => body["factor"] = serde_json::json!(f),
+                    None => body["block"] = serde_json::json!(block),
+                }
+                let path = format!("/v1/penalties/{}", encode(key));
+                call("PUT", path, vec![], Some(body.to_string().into_bytes())).await?
+            }
+            PenaltyCommand::Get { key } => {
+                call("GET", format!("/v1/penalties/{}", encode(key)), vec![], None).await?
+            }
+            PenaltyCommand::Delete { key } => {
+                call("DELETE", format!("/v1/penalties/{}", encode(key)), vec![], None).await?
+            }
+            PenaltyCommand::List { after, limit } => {
+                let path = format!("/v1/penalties?after={}&limit={limit}", encode(after));
+                call("GET", path, vec![], None).await?
+            }
+        },
     };
     let json: Value = if r.body.is_empty() {
         Value::Null
@@ -469,6 +550,30 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
                         a["ruleId"].as_str().unwrap_or(""),
                         a["clientKey"].as_str().unwrap_or("")
                     );
+                }
+            }
+        },
+        RulesCommand::Penalty(p) => match p {
+            PenaltyCommand::Set { key, .. } => println!(
+                "penalty of {key} set: {} until {}",
+                penalty_text(&json),
+                json["until"]
+            ),
+            PenaltyCommand::Get { .. } => println!("{}", serde_json::to_string_pretty(&json)?),
+            PenaltyCommand::Delete { key } => println!("penalty of {key} lifted"),
+            PenaltyCommand::List { .. } => {
+                println!("{:<40} {:<14} {:>14}  reason", "client key", "penalty", "until");
+                for p in json["penalties"].as_array().into_iter().flatten() {
+                    println!(
+                        "{:<40} {:<14} {:>14}  {}",
+                        p["clientKey"].as_str().unwrap_or(""),
+                        penalty_text(p),
+                        p["until"].to_string(),
+                        p["reason"].as_str().unwrap_or("")
+                    );
+                }
+                if let Some(next) = json["next"].as_str() {
+                    println!("more: --after {next}");
                 }
             }
         },

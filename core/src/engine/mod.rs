@@ -276,14 +276,48 @@ impl Engine {
         // its concurrency rules acquire under its lease, and the peeks decide first.
         let looks_first =
             matches!(&check, Check::Attributes(a) if a.mode == ItemMode::Peek && a.lease.is_some());
-        let plan = match self.plan(check) {
+        let mut plan = match self.plan(check) {
             Ok(plan) => plan,
             Err(e) => return Answer::Ready(Err(e)),
         };
+        if self.overrides.penalties() > 0 {
+            if let Some(blocked) = self.penalize(&mut plan) {
+                return Answer::Ready(Ok(blocked));
+            }
+        }
         if looks_first && plan.iter().any(|p| p.mode == ItemMode::Consume) {
             return self.looks_first(plan, received);
         }
         self.answer_plan(plan, received)
+    }
+
+    /// Applies the penalties of the check's keys: a scaled limit, or (a block) the check refused at
+    /// once, the blocked items waiting for the penalty's end and the others reporting their rule.
+    fn penalize(&self, plan: &mut [Planned]) -> Option<Decision> {
+        let now = self.clock.now_ms();
+        let mut blocked: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
+        let mut any = false;
+        for (i, p) in plan.iter_mut().enumerate() {
+            match self.overrides.penalized(&p.rule, &p.key, now) {
+                Some(crate::overrides::Penalized::Rule(r)) => p.rule = r,
+                Some(crate::overrides::Penalized::Blocked(until))
+                    if p.rule.enforced() && matches!(p.mode, ItemMode::Consume | ItemMode::Peek) =>
+                {
+                    any = true;
+                    let limit = p.rule.display_limit();
+                    let o = Outcome {
+                        allowed: false,
+                        limit,
+                        remaining: 0,
+                        reset_at_ms: until,
+                        retry_after_ms: until.saturating_sub(now).max(1),
+                    };
+                    blocked[i] = Some((o, Source::Local));
+                }
+                _ => {}
+            }
+        }
+        any.then(|| finish(plan, blocked))
     }
 
     /// A check of peeks and concurrency acquires (a form-3 peek with a lease): every item peeked
