@@ -681,3 +681,63 @@ async fn envoy_gateway_token_recipe_on_redis() {
     let redis = RedisServer::start();
     token_recipe(Some(&redis.url())).await;
 }
+
+/// A descriptor's own limit (`RateLimitOverride`) replaces its rule's where the rule allows it
+/// (`limitOverride`), as envoyproxy/ratelimit honours it; elsewhere the operator's rule decides.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_limit_override_applies_where_the_rule_allows_it() {
+    const RULES: &str = r#"{"rules":[
+      {"id":"open","dimension":"descriptor","limit":1000,"windowSeconds":60,
+       "envoy":{"domain":"ovr","descriptors":[{"key":"tenant"}],"limitOverride":true}},
+      {"id":"fixed","dimension":"descriptor","limit":1000,"windowSeconds":60,
+       "envoy":{"domain":"ovr","descriptors":[{"key":"user"}]}}
+    ]}"#;
+    let agent = Agent::builder()
+        .rules(RULES)
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .start()
+        .await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+    let with_limit = |key: &str, rpu: u32, unit: Unit| {
+        let mut d = descriptor(&[(key, "t1")]);
+        d.limit = Some(floodgate_agent::envoy::proto::RateLimitOverride {
+            requests_per_unit: rpu,
+            unit: unit as i32,
+        });
+        request("ovr", vec![d])
+    };
+    for left in [1, 0] {
+        let r = client
+            .should_rate_limit(with_limit("tenant", 2, Unit::Hour))
+            .await
+            .unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert_eq!(r.statuses[0].limit_remaining, left);
+        let l = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(
+            (l.requests_per_unit, l.unit),
+            (2, Unit::Hour as i32),
+            "the descriptor's own limit"
+        );
+    }
+    let r = client
+        .should_rate_limit(with_limit("tenant", 2, Unit::Hour))
+        .await
+        .unwrap();
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    // A month: a calendar quota of its own.
+    let r = client
+        .should_rate_limit(with_limit("tenant", 5, Unit::Month))
+        .await
+        .unwrap();
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 5);
+    // The rule without limitOverride keeps its own limit.
+    let r = client
+        .should_rate_limit(with_limit("user", 2, Unit::Hour))
+        .await
+        .unwrap();
+    let l = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!((l.requests_per_unit, r.statuses[0].limit_remaining), (1000, 999));
+}

@@ -4,14 +4,15 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use floodgate_core::rules::OverLimit;
+use floodgate_core::algo::Period;
+use floodgate_core::rules::{Algorithm, OverLimit, Rule};
 use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
 use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, MAX_ITEMS};
 use tonic::{Request, Response, Status};
 
 use super::proto::{
-    Code, DescriptorStatus, Duration, Entry, HeaderValue, RateLimit, RateLimitRequest, RateLimitResponse,
-    RateLimitService, Unit,
+    Code, DescriptorStatus, Duration, Entry, HeaderValue, RateLimit, RateLimitOverride, RateLimitRequest,
+    RateLimitResponse, RateLimitService, Unit,
 };
 use floodgate_core::engine::{Answer, Engine};
 use floodgate_core::store::Clock;
@@ -69,6 +70,8 @@ impl EnvoyService {
         // What each descriptor became: an item of the check, or answered without one.
         let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
         let mut items: Vec<Item> = Vec::new();
+        // Items checked under a descriptor's own limit (a rule with `limitOverride`).
+        let mut under: Vec<(usize, Arc<Rule>)> = Vec::new();
         for d in &req.descriptors {
             let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
             let Some(rule) = rules.for_descriptor(&req.domain, entries) else {
@@ -128,6 +131,9 @@ impl EnvoyService {
                         mode,
                         ..Item::new(key, rule.id.clone(), cost)
                     });
+                    if let Some(own) = d.limit.and_then(|o| overridden(rule, o)) {
+                        under.push((items.len() - 1, own));
+                    }
                     slots.push(Slot::Item(items.len() - 1));
                 }
             }
@@ -146,12 +152,18 @@ impl EnvoyService {
         // go first, and if one is over, the whole request is answered as looks.
         let peeks = items.iter().filter(|i| i.mode == ItemMode::Peek).count();
         if peeks > 0 && peeks < items.len() {
-            let looks: Vec<Item> = items
-                .iter()
-                .filter(|i| i.mode == ItemMode::Peek)
-                .cloned()
+            let looking: Vec<usize> = (0..items.len())
+                .filter(|&i| items[i].mode == ItemMode::Peek)
                 .collect();
-            let looked = match self.engine.check(Check::Items(looks)) {
+            let looks: Vec<Item> = looking.iter().map(|&i| items[i].clone()).collect();
+            let looks_under: Vec<(usize, Arc<Rule>)> = under
+                .iter()
+                .filter_map(|(i, r)| Some((looking.iter().position(|l| l == i)?, r.clone())))
+                .collect();
+            let looked = match self
+                .engine
+                .check_under(Check::Items(looks), &looks_under, Instant::now())
+            {
                 Answer::Ready(r) => r,
                 Answer::Pending(f) => f.await,
             };
@@ -164,7 +176,7 @@ impl EnvoyService {
         }
         let check = Check::Items(items);
         let charges = floodgate_core::metrics::charges(&check);
-        let result = match self.engine.check(check) {
+        let result = match self.engine.check_under(check, &under, Instant::now()) {
             Answer::Ready(r) => r,
             Answer::Pending(f) => f.await,
         };
@@ -180,7 +192,7 @@ impl EnvoyService {
                 _ => Status::internal(e.message),
             }
         })?;
-        let response = self.response(&decision, &slots, &rules);
+        let response = self.response(&decision, &slots, &rules, &under);
         floodgate_core::metrics::grpc_request(if response.overall_code == Code::Ok as i32 {
             "ok"
         } else {
@@ -194,6 +206,7 @@ impl EnvoyService {
         d: &Decision,
         slots: &[Slot],
         rules: &floodgate_core::rules::RuleSet,
+        under: &[(usize, Arc<Rule>)],
     ) -> RateLimitResponse {
         let now = Clock::System.now_ms();
         let statuses: Vec<DescriptorStatus> = slots
@@ -208,7 +221,12 @@ impl EnvoyService {
                 };
                 let v = &item.verdict;
                 let over = !v.allowed && !v.log_only;
-                let window_ms = rules.get(&item.rule_id).map_or(0, |r| r.window_ms());
+                // The descriptor's own limit's unit, if it brought one.
+                let own = match slot {
+                    Slot::Item(i) => under.iter().find(|(u, _)| u == i).map(|(_, r)| r.window_ms()),
+                    _ => None,
+                };
+                let window_ms = own.unwrap_or_else(|| rules.get(&item.rule_id).map_or(0, |r| r.window_ms()));
                 DescriptorStatus {
                     // Shadow (log) mode answers OK, as envoyproxy/ratelimit's shadow_mode does.
                     code: if over { Code::OverLimit } else { Code::Ok } as i32,
@@ -320,6 +338,54 @@ fn not_limited(slot: Slot) -> DescriptorStatus {
         },
         ..Default::default()
     }
+}
+
+/// The rule a descriptor's own limit makes of `rule`, if the rule allows one (`limitOverride`):
+/// `requests_per_unit` per `unit` (a month or a year: a calendar quota; a concurrency rule takes
+/// only the number). None when not allowed or not usable (0, an unknown unit).
+fn overridden(rule: &Arc<Rule>, o: RateLimitOverride) -> Option<Arc<Rule>> {
+    if !rule.envoy.as_ref().is_some_and(|e| e.limit_override) {
+        return None;
+    }
+    let limit = std::num::NonZeroU64::new(u64::from(o.requests_per_unit))?;
+    let mut r = (**rule).clone();
+    r.limit = limit;
+    if rule.algorithm != Algorithm::Concurrency {
+        let seconds = match Unit::try_from(o.unit).ok()? {
+            Unit::Second => 1.0,
+            Unit::Minute => 60.0,
+            Unit::Hour => 3_600.0,
+            Unit::Day => 86_400.0,
+            Unit::Week => 604_800.0,
+            Unit::Month | Unit::Year => 0.0,
+            Unit::Unknown => return None,
+        };
+        if seconds == 0.0 {
+            r.algorithm = Algorithm::Quota;
+            r.period = Some(if o.unit == Unit::Month as i32 {
+                Period::Month
+            } else {
+                Period::Year
+            });
+            r.window_seconds = 0.0;
+            r.burst = None;
+            r.execution = Default::default();
+        } else {
+            if r.algorithm == Algorithm::Quota {
+                r.algorithm = Algorithm::SlidingWindow;
+                r.period = None;
+                r.timezone = None;
+            }
+            r.window_seconds = seconds;
+            if r.algorithm == Algorithm::TokenBucket {
+                r.burst = Some(limit);
+            }
+        }
+    }
+    // A version of its own: a rejection cached under another limit is not this one's.
+    r.version = (1 << 61) | (u64::from(o.requests_per_unit) << 3) | (o.unit as u64 & 7);
+    r.check().ok()?;
+    Some(Arc::new(r))
 }
 
 /// Envoy's unit for a window that is exactly one; any other window is `UNKNOWN`.

@@ -272,6 +272,18 @@ impl Engine {
     /// [`check`](Self::check) of a frame read at `received`: the store's budget runs from then, so
     /// time spent in the agent before the store is asked counts against it.
     pub fn check_received(self: &Arc<Self>, check: Check, received: std::time::Instant) -> Answer {
+        self.check_under(check, &[], received)
+    }
+
+    /// [`check_received`](Self::check_received) with some items checked under a rule of the
+    /// caller's (by item index; Envoy's per-request `RateLimitOverride`): the same id, its own
+    /// figures.
+    pub fn check_under(
+        self: &Arc<Self>,
+        check: Check,
+        under: &[(usize, Arc<Rule>)],
+        received: std::time::Instant,
+    ) -> Answer {
         // The request phase of a request whose cost comes after its response: its rate rules peek,
         // its concurrency rules acquire under its lease, and the peeks decide first.
         let looks_first =
@@ -280,6 +292,11 @@ impl Engine {
             Ok(plan) => plan,
             Err(e) => return Answer::Ready(Err(e)),
         };
+        for (i, rule) in under {
+            if let Some(p) = plan.get_mut(*i) {
+                p.rule = rule.clone();
+            }
+        }
         if self.overrides.penalties() > 0 {
             if let Some(blocked) = self.penalize(&mut plan) {
                 return Answer::Ready(Ok(blocked));

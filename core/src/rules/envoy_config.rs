@@ -102,6 +102,7 @@ fn walk(
             Some(k) if !k.is_empty() => k.clone(),
             _ => {
                 let at = EnvoyMatch {
+                    limit_override: false,
                     domain: domain.into(),
                     descriptors: path.clone(),
                     unlimited: false,
@@ -117,6 +118,7 @@ fn walk(
             value: d.value.clone().filter(|v| !v.is_empty()),
         });
         let here = EnvoyMatch {
+            limit_override: false,
             domain: domain.into(),
             descriptors: path.clone(),
             unlimited: false,

@@ -131,6 +131,11 @@ pub struct EnvoyMatch {
     /// own limit is then unused; the import writes the largest one.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unlimited: bool,
+    /// A request's descriptor may bring its own limit (Envoy's `RateLimitOverride`,
+    /// `requests_per_unit` per `unit`), which then replaces the rule's for that request, as
+    /// envoyproxy/ratelimit honours it. Off by default: the operator's rule decides.
+    #[serde(default, rename = "limitOverride", skip_serializing_if = "std::ops::Not::not")]
+    pub limit_override: bool,
 }
 
 /// One step of an [`EnvoyMatch`] path.
