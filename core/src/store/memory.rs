@@ -86,23 +86,22 @@ impl MemoryStore {
             // One item (most checks): one lock, one hash lookup, nothing collected.
             let key = state_key(&item.rule.id, &item.key);
             let mut shard = lock(&self.shards[shard_index(&key)]);
-            return vec![match shard.entry(key) {
-                std::collections::hash_map::Entry::Occupied(mut e) => {
-                    let prior = Some(e.get()).filter(|e| e.expires_at_ms > now).map(|e| &e.state);
-                    let (outcome, entry) = decide(item, prior, now);
-                    if commits(item, &outcome, true) {
-                        *e.get_mut() = entry;
-                    }
-                    outcome
+            // A key seen before (nearly every check) is found and updated in place; a new one is
+            // hashed again to be inserted (cheaper overall than the entry API, which the compiler
+            // stops inlining here).
+            if let Some(e) = shard.get_mut(&key) {
+                let prior = Some(&*e).filter(|e| e.expires_at_ms > now).map(|e| &e.state);
+                let (outcome, entry) = decide(item, prior, now);
+                if commits(item, &outcome, true) {
+                    *e = entry;
                 }
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    let (outcome, entry) = decide(item, None, now);
-                    if commits(item, &outcome, true) {
-                        e.insert(entry);
-                    }
-                    outcome
-                }
-            }];
+                return vec![outcome];
+            }
+            let (outcome, entry) = decide(item, None, now);
+            if commits(item, &outcome, true) {
+                shard.insert(key, entry);
+            }
+            return vec![outcome];
         }
         let mut keys: Vec<String> = items.iter().map(|p| state_key(&p.rule.id, &p.key)).collect();
         let shard_of: Vec<usize> = keys.iter().map(|k| shard_index(k)).collect();
@@ -184,6 +183,7 @@ fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
 }
 
 /// One item's outcome from its prior state, and the entry that commits it (by the item's mode).
+#[inline(always)]
 fn decide(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     if item.mode != ItemMode::Consume {
         return decide_mode(item, prior, now);
@@ -266,6 +266,7 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
 
 /// A concurrency rule's item: an acquire (consume, under the item's lease), a peek or a release;
 /// the entry is the key's leases after it (written by `commits`).
+#[inline(never)]
 fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     let empty = LeaseSet::default();
     let set = match prior {
@@ -297,6 +298,7 @@ fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, E
 
 /// A quota's item (consume, peek or charge) in the period holding `now`: the entry is the count
 /// after it, expiring with the period.
+#[inline(never)]
 fn decide_quota(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
     let (start, end) = item.rule.quota_period(now);
     let count = match prior {
