@@ -627,12 +627,20 @@ fn line(r: &Value) -> String {
             if e.unlimited { " (unlimited)" } else { "" }
         ));
     }
+    // A window in seconds; a quota's period; a concurrency rule's lease.
+    let window = if let Some(p) = r["period"].as_str() {
+        p.to_string()
+    } else if r["algorithm"] == "concurrency" {
+        format!("{}s lease", r["leaseSeconds"].as_f64().unwrap_or(60.0))
+    } else {
+        format!("{}s", r["windowSeconds"])
+    };
     format!(
-        "{:<24} {:>4} {:>12} {:>8}s  {:<14} {:<7} {:<8} {}",
+        "{:<24} {:>4} {:>12} {:>9}  {:<14} {:<7} {:<8} {}",
         s("id", ""),
         r["version"].to_string(),
         r["limit"].to_string(),
-        r["windowSeconds"].to_string(),
+        window,
         s("algorithm", "sliding_window"),
         s("mode", "enforce"),
         s("execution", "sync"),
