@@ -6,6 +6,7 @@ mod agent;
 mod check;
 mod docs;
 mod rules;
+mod rules_code;
 mod rules_server;
 mod status;
 

@@ -76,6 +76,35 @@ pub enum RulesCommand {
         #[arg(long)]
         dry_run: bool,
     },
+    /// Check rules files offline, as the rules API would (every error with its file, rule and
+    /// field); exit 1 if any is refused. TOML, JSON or envoyproxy/ratelimit YAML.
+    Validate {
+        /// The rules files.
+        files: Vec<std::path::PathBuf>,
+    },
+    /// What `apply` would change on the server: `+` created, `~` changed (the fields), `-` deleted
+    /// with `--prune`, `?` only on the server.
+    Diff {
+        /// The rules files.
+        files: Vec<std::path::PathBuf>,
+        /// Show the server's rules the files lack as deletions.
+        #[arg(long)]
+        prune: bool,
+        /// Exit 2 when there is something to change (for CI).
+        #[arg(long)]
+        exit_code: bool,
+    },
+    /// Make the server's rules what the files say: only what differs is written, each write
+    /// conditional on the version the comparison saw (a rule changed meanwhile is refused, not
+    /// overwritten); a second apply writes nothing. `--prune` deletes the server's rules the files
+    /// lack.
+    Apply {
+        /// The rules files.
+        files: Vec<std::path::PathBuf>,
+        /// Delete the server's rules the files do not have.
+        #[arg(long)]
+        prune: bool,
+    },
     /// A client key's own limit under one rule (per-client overrides).
     #[command(subcommand)]
     Override(OverrideCommand),
@@ -249,6 +278,89 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         v.map(|v| vec![("If-Match", format!("\"{v}\""))])
             .unwrap_or_default()
     };
+    match &cli.command {
+        RulesCommand::Validate { files } => {
+            return match super::rules_code::load(files) {
+                Ok(rules) => {
+                    println!("{} rules valid", rules.len());
+                    Ok(())
+                }
+                Err(problems) => {
+                    super::rules_code::report(&problems);
+                    bail!("rules refused")
+                }
+            };
+        }
+        RulesCommand::Diff { files, prune, .. } | RulesCommand::Apply { files, prune } => {
+            let apply = matches!(cli.command, RulesCommand::Apply { .. });
+            let exit_code = matches!(cli.command, RulesCommand::Diff { exit_code: true, .. });
+            let rules = super::rules_code::load(files).map_err(|p| {
+                super::rules_code::report(&p);
+                anyhow::anyhow!("rules refused")
+            })?;
+            let r = call("GET", "/v1/rules".into(), vec![], None).await?;
+            if r.status != 200 {
+                bail!(
+                    "{} from GET /v1/rules: {}",
+                    r.status,
+                    String::from_utf8_lossy(&r.body)
+                );
+            }
+            let plan = super::rules_code::plan(rules, super::rules_code::server_rules(&r.body)?);
+            super::rules_code::print(&plan, *prune);
+            let changes = plan.create.len() + plan.change.len() + if *prune { plan.extra.len() } else { 0 };
+            if !apply {
+                if exit_code && changes > 0 {
+                    std::process::exit(2);
+                }
+                return Ok(());
+            }
+            let writes = plan
+                .create
+                .iter()
+                .map(|r| (r, 0))
+                .chain(plan.change.iter().map(|(r, v, _)| (r, *v)));
+            for (rule, version) in writes {
+                let body = super::rules_code::body(rule)?;
+                let r = call(
+                    "PUT",
+                    format!("/v1/rules/{}", rule.id),
+                    if_match(Some(version)),
+                    Some(body),
+                )
+                .await?;
+                if !(200..300).contains(&r.status) {
+                    bail!(
+                        "{} writing rule {}: {}",
+                        r.status,
+                        rule.id,
+                        String::from_utf8_lossy(&r.body)
+                    );
+                }
+            }
+            if *prune {
+                for (id, version) in &plan.extra {
+                    let r = call(
+                        "DELETE",
+                        format!("/v1/rules/{id}"),
+                        if_match(Some(*version)),
+                        None,
+                    )
+                    .await?;
+                    if !(200..300).contains(&r.status) {
+                        bail!(
+                            "{} deleting rule {id}: {}",
+                            r.status,
+                            String::from_utf8_lossy(&r.body)
+                        );
+                    }
+                }
+            }
+            println!("{changes} changes applied");
+            return Ok(());
+        }
+        _ => {}
+    }
     if let RulesCommand::ImportEnvoy { files, dry_run } = &cli.command {
         let rules = envoy_rules(files)?;
         if *dry_run {
@@ -344,7 +456,10 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
         return Ok(());
     }
     let r = match &cli.command {
-        RulesCommand::ImportEnvoy { .. } => return Ok(()),
+        RulesCommand::ImportEnvoy { .. }
+        | RulesCommand::Validate { .. }
+        | RulesCommand::Diff { .. }
+        | RulesCommand::Apply { .. } => return Ok(()),
         RulesCommand::List => call("GET", "/v1/rules".into(), vec![], None).await?,
         RulesCommand::Get { id } => call("GET", format!("/v1/rules/{id}"), vec![], None).await?,
         RulesCommand::Put {
@@ -510,7 +625,10 @@ pub async fn run(cli: RulesCli) -> anyhow::Result<()> {
                 );
             }
         }
-        RulesCommand::ImportEnvoy { .. } => {}
+        RulesCommand::ImportEnvoy { .. }
+        | RulesCommand::Validate { .. }
+        | RulesCommand::Diff { .. }
+        | RulesCommand::Apply { .. } => {}
         RulesCommand::Override(o) => match o {
             OverrideCommand::Set { rule, key, .. } => println!(
                 "override of {key} in rule {rule} written: limit {}, version {}",
