@@ -84,6 +84,19 @@ local undo_keys, undo_fields, undo_costs, undo_was, undos = {}, {}, {}, {}, 0
 local admitted_at, admitted_cost, admitted = {}, {}, 0
 local all_ok = true
 
+-- An item whose write waits for its group (a token bucket's, a quota's, a lease): admitted, its
+-- write runs if the group passes (and its remaining, at `at`, gets its cost back if not); an
+-- enforced one denied fails the group.
+local function defer(allowed, commit, mode, at, cost)
+  if allowed == 1 then
+    admitted = admitted + 1
+    admitted_at[admitted], admitted_cost[admitted] = at, cost
+    commits[#commits + 1] = commit
+  elseif mode == '1' then
+    all_ok = false
+  end
+end
+
 for i = 1, #KEYS do
   local a = (i - 1) * 9
   local algorithm = ARGV[a + 1]
@@ -106,13 +119,7 @@ for i = 1, #KEYS do
     else
       local commit
       v, commit = quota(KEYS[i], field, now, limit, start, period_end, cost)
-      if v[1] == 1 then
-        admitted = admitted + 1
-        admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
-        commits[#commits + 1] = commit
-      elseif mode == '1' then
-        all_ok = false
-      end
+      defer(v[1], commit, mode, n + 3, cost)
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
   elseif algorithm == '3' and mode ~= '2' and mode ~= '3' then
@@ -126,13 +133,7 @@ for i = 1, #KEYS do
     else
       local commit
       v, commit = concurrency_acquire(KEYS[i], now, limit, window, cost, ARGV[a + 7])
-      if v[1] == 1 then
-        admitted = admitted + 1
-        admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
-        commits[#commits + 1] = commit
-      elseif mode == '1' then
-        all_ok = false
-      end
+      defer(v[1], commit, mode, n + 3, cost)
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
   elseif mode == '4' or mode == '5' then
@@ -170,13 +171,7 @@ for i = 1, #KEYS do
   else
     local verdict, commit = token_bucket(KEYS[i], now, limit, window, tonumber(ARGV[a + 4]), cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = verdict[1], verdict[2], verdict[3], verdict[4], verdict[5]
-    if verdict[1] == 1 then
-      admitted = admitted + 1
-      admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
-      commits[#commits + 1] = commit
-    elseif mode == '1' then
-      all_ok = false
-    end
+    defer(verdict[1], commit, mode, n + 3, cost)
   end
   n = n + 5
   if ARGV[a + 9] == '1' then

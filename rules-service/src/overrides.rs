@@ -15,7 +15,6 @@
 //!   them with the overrides' changes (rule `*`).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -141,16 +140,8 @@ pub(crate) async fn list_for_rule(
     let limit = page_limit(&uri, 100);
     match state.store.list_overrides(&id, &after, limit).await {
         Ok(page) => {
-            let next = (page.len() == limit as usize).then(|| page.last().map(|(k, _)| k.clone()));
-            let items: Vec<_> = page
-                .into_iter()
-                .map(|(k, o)| {
-                    let mut v = serde_json::to_value(o).unwrap_or_default();
-                    v["clientKey"] = json!(k);
-                    v
-                })
-                .collect();
-            Json(json!({ "ruleId": id, "overrides": items, "next": next.flatten() })).into_response()
+            let (items, next) = page_of(page, limit);
+            Json(json!({ "ruleId": id, "overrides": items, "next": next })).into_response()
         }
         Err(e) => store_error(e),
     }
@@ -219,19 +210,31 @@ pub(crate) async fn list_penalties(State(state): State<Arc<ServiceState>>, uri: 
     let now = floodgate_core::store::Clock::System.now_ms();
     match state.store.list_penalties(&after, limit, now).await {
         Ok(page) => {
-            let next = (page.len() == limit as usize).then(|| page.last().map(|(k, _)| k.clone()));
-            let items: Vec<_> = page
-                .into_iter()
-                .map(|(k, p)| {
-                    let mut v = serde_json::to_value(p).unwrap_or_default();
-                    v["clientKey"] = json!(k);
-                    v
-                })
-                .collect();
-            Json(json!({ "penalties": items, "next": next.flatten() })).into_response()
+            let (items, next) = page_of(page, limit);
+            Json(json!({ "penalties": items, "next": next })).into_response()
         }
         Err(e) => store_error(e),
     }
+}
+
+/// A page's entries as JSON, each with its `clientKey`, and the key to ask after for the next page
+/// (none when this one was not full).
+fn page_of<T: serde::Serialize>(
+    page: Vec<(String, T)>,
+    limit: u32,
+) -> (Vec<serde_json::Value>, Option<String>) {
+    let next = (page.len() == limit as usize)
+        .then(|| page.last().map(|(k, _)| k.clone()))
+        .flatten();
+    let items = page
+        .into_iter()
+        .map(|(k, o)| {
+            let mut v = serde_json::to_value(o).unwrap_or_default();
+            v["clientKey"] = json!(k);
+            v
+        })
+        .collect();
+    (items, next)
 }
 
 /// `GET /v1/overrides?since=V[&watch=S][&limit=N]`.
@@ -251,15 +254,7 @@ pub(crate) async fn changes(State(state): State<Arc<ServiceState>>, uri: Uri) ->
                 state.announce_overrides(v);
             }
         }
-        if *rx.borrow_and_update() == since {
-            let mut closing = state.closing.subscribe();
-            let changed = rx.wait_for(|v| *v != since);
-            let stopping = closing.wait_for(|c| *c);
-            tokio::select! {
-                _ = tokio::time::timeout(Duration::from_secs(watch_s), changed) => {}
-                _ = stopping => {}
-            }
-        }
+        state.wait_past(&mut rx, since, watch_s).await;
     }
     match state.store.override_changes(since, limit).await {
         Ok((changes, current)) => {

@@ -84,6 +84,21 @@ impl ServiceState {
         });
     }
 
+    /// A watch: while `rx` still says `held`, waits up to `watch_s` seconds for another version (or
+    /// for the service to stop).
+    pub(crate) async fn wait_past(&self, rx: &mut watch::Receiver<u64>, held: u64, watch_s: u64) {
+        if *rx.borrow_and_update() != held {
+            return;
+        }
+        let mut closing = self.closing.subscribe();
+        let changed = rx.wait_for(|v| *v != held);
+        let stopping = closing.wait_for(|c| *c);
+        tokio::select! {
+            _ = tokio::time::timeout(Duration::from_secs(watch_s), changed) => {}
+            _ = stopping => {}
+        }
+    }
+
     /// Watches the overrides version (the embedded agent follows the overrides through this).
     pub fn subscribe_overrides(&self) -> watch::Receiver<u64> {
         self.overrides_changed.subscribe()
@@ -277,15 +292,7 @@ async fn list(State(state): State<Arc<ServiceState>>, uri: Uri) -> Response {
                 state.announce(v);
             }
         }
-        if *rx.borrow_and_update() == held {
-            let mut closing = state.closing.subscribe();
-            let changed = rx.wait_for(|v| *v != held);
-            let stopping = closing.wait_for(|c| *c);
-            tokio::select! {
-                _ = tokio::time::timeout(Duration::from_secs(watch_s), changed) => {}
-                _ = stopping => {}
-            }
-        }
+        state.wait_past(&mut rx, held, watch_s).await;
     }
     match state.store.snapshot().await {
         Ok((version, _)) if held == Some(version) => {

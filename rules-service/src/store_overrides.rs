@@ -50,18 +50,10 @@ impl RulesStore {
     ) -> Result<(Tx, i64, Option<Override>), StoreOpError> {
         let mut tx = self.pool.begin().await?;
         let version = bump(&mut tx).await?;
-        let old = sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
-            .bind(rule_id)
-            .bind(key)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let old = match old {
-            Some(row) => row
-                .try_get::<Option<String>, _>(0)?
-                .map(|b| parse(rule_id, &b))
-                .transpose()?,
-            None => None,
-        };
+        let old = read_body(&mut tx, rule_id, key)
+            .await?
+            .map(|b| parse(rule_id, &b))
+            .transpose()?;
         Ok((tx, version, old))
     }
 
@@ -94,18 +86,7 @@ impl RulesStore {
         stored.version = version as u64;
         stored.updated_at = now_ms();
         let body = serde_json::to_string(&stored).unwrap_or_default();
-        sqlx::query(
-            "INSERT INTO floodgate_overrides (rule_id, client_key, version, body, updated_at) \
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (rule_id, client_key) DO UPDATE SET \
-             version = excluded.version, body = excluded.body, updated_at = excluded.updated_at",
-        )
-        .bind(rule_id)
-        .bind(key)
-        .bind(version)
-        .bind(&body)
-        .bind(stored.updated_at as i64)
-        .execute(&mut *tx)
-        .await?;
+        write_row(&mut tx, rule_id, key, version, Some(&body)).await?;
         let old_body = old.as_ref().map(|o| serde_json::to_string(o).unwrap_or_default());
         audit(&mut tx, version, actor, rule_id, key, "put", old_body, Some(body)).await?;
         tx.commit().await?;
@@ -127,16 +108,7 @@ impl RulesStore {
             return Err(StoreOpError::NotFound(format!("{rule_id} override of {key}")));
         };
         conflict(rule_id, key, Some(&old), if_match)?;
-        sqlx::query(
-            "UPDATE floodgate_overrides SET version = $3, body = NULL, updated_at = $4 \
-             WHERE rule_id = $1 AND client_key = $2",
-        )
-        .bind(rule_id)
-        .bind(key)
-        .bind(version)
-        .bind(now_ms() as i64)
-        .execute(&mut *tx)
-        .await?;
+        write_row(&mut tx, rule_id, key, version, None).await?;
         let old_body = serde_json::to_string(&old).unwrap_or_default();
         audit(
             &mut tx,
@@ -249,31 +221,12 @@ impl RulesStore {
         }
         let mut tx = self.pool.begin().await?;
         let version = bump(&mut tx).await?;
-        let old: Option<String> =
-            sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
-                .bind(PENALTY_RULE)
-                .bind(key)
-                .fetch_optional(&mut *tx)
-                .await?
-                .map(|r| r.try_get::<Option<String>, _>(0))
-                .transpose()?
-                .flatten();
+        let old = read_body(&mut tx, PENALTY_RULE, key).await?;
         let mut stored = value.clone();
         stored.version = version as u64;
         stored.updated_at = now_ms();
         let body = serde_json::to_string(&stored).unwrap_or_default();
-        sqlx::query(
-            "INSERT INTO floodgate_overrides (rule_id, client_key, version, body, updated_at) \
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (rule_id, client_key) DO UPDATE SET \
-             version = excluded.version, body = excluded.body, updated_at = excluded.updated_at",
-        )
-        .bind(PENALTY_RULE)
-        .bind(key)
-        .bind(version)
-        .bind(&body)
-        .bind(stored.updated_at as i64)
-        .execute(&mut *tx)
-        .await?;
+        write_row(&mut tx, PENALTY_RULE, key, version, Some(&body)).await?;
         let created = old.is_none();
         audit(
             &mut tx,
@@ -294,28 +247,11 @@ impl RulesStore {
     pub async fn delete_penalty(&self, key: &str, actor: &str) -> Result<u64, StoreOpError> {
         let mut tx = self.pool.begin().await?;
         let version = bump(&mut tx).await?;
-        let old: Option<String> =
-            sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
-                .bind(PENALTY_RULE)
-                .bind(key)
-                .fetch_optional(&mut *tx)
-                .await?
-                .map(|r| r.try_get::<Option<String>, _>(0))
-                .transpose()?
-                .flatten();
+        let old = read_body(&mut tx, PENALTY_RULE, key).await?;
         let Some(old) = old else {
             return Err(StoreOpError::NotFound(format!("penalty of {key}")));
         };
-        sqlx::query(
-            "UPDATE floodgate_overrides SET version = $3, body = NULL, updated_at = $4 \
-             WHERE rule_id = $1 AND client_key = $2",
-        )
-        .bind(PENALTY_RULE)
-        .bind(key)
-        .bind(version)
-        .bind(now_ms() as i64)
-        .execute(&mut *tx)
-        .await?;
+        write_row(&mut tx, PENALTY_RULE, key, version, None).await?;
         audit(
             &mut tx,
             version,
@@ -427,6 +363,43 @@ fn parse_penalty(body: &str) -> Result<Penalty, StoreOpError> {
         id: PENALTY_RULE.into(),
         why: e.to_string(),
     })
+}
+
+/// A row's body within `tx` (none: no row, or a deleted one).
+async fn read_body(tx: &mut Tx, rule_id: &str, key: &str) -> Result<Option<String>, StoreOpError> {
+    Ok(
+        sqlx::query("SELECT body FROM floodgate_overrides WHERE rule_id = $1 AND client_key = $2")
+            .bind(rule_id)
+            .bind(key)
+            .fetch_optional(&mut **tx)
+            .await?
+            .map(|r| r.try_get::<Option<String>, _>(0))
+            .transpose()?
+            .flatten(),
+    )
+}
+
+/// Writes a row within `tx`: its body, or none (deleted: the row stays, a change agents follow).
+async fn write_row(
+    tx: &mut Tx,
+    rule_id: &str,
+    key: &str,
+    version: i64,
+    body: Option<&str>,
+) -> Result<(), StoreOpError> {
+    sqlx::query(
+        "INSERT INTO floodgate_overrides (rule_id, client_key, version, body, updated_at) \
+         VALUES ($1, $2, $3, $4, $5) ON CONFLICT (rule_id, client_key) DO UPDATE SET \
+         version = excluded.version, body = excluded.body, updated_at = excluded.updated_at",
+    )
+    .bind(rule_id)
+    .bind(key)
+    .bind(version)
+    .bind(body)
+    .bind(now_ms() as i64)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
 }
 
 /// Bumps the overrides version within `tx` (taking the counter's lock, which serializes writers):

@@ -108,34 +108,25 @@ pub fn period_from_start(start_ms: u64, period: Period, tz: Tz) -> (u64, u64) {
 pub fn quota(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> (Outcome, u64) {
     let allowed = count + cost <= limit;
     let after = if allowed { count + cost } else { count };
-    let o = Outcome {
-        allowed,
-        limit,
-        remaining: limit.saturating_sub(after),
-        reset_at_ms: end,
-        retry_after_ms: if allowed {
-            0
-        } else {
-            end.saturating_sub(now).max(1)
-        },
-    };
-    (o, after)
+    (answer(allowed, limit, after, now, end), after)
 }
 
 /// Whether `cost` would fit now, and what is left now (before any cost); nothing counted.
 pub fn quota_peek(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> Outcome {
-    Outcome {
-        remaining: limit.saturating_sub(count),
-        ..quota(count, limit, cost, now, end).0
-    }
+    answer(count + cost <= limit, limit, count, now, end)
 }
 
 /// Counts `cost` whatever the limit says (a cost known after the response): the state after,
 /// allowed while still within the limit.
 pub fn quota_charge(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> (Outcome, u64) {
     let after = count.saturating_add(cost);
-    let allowed = after <= limit;
-    let o = Outcome {
+    (answer(after <= limit, limit, after, now, end), after)
+}
+
+/// The figures with `after` counted; denied, the wait is to the period's end (`quota_answer` in
+/// `lua/quota.lua`).
+fn answer(allowed: bool, limit: u64, after: u64, now: u64, end: u64) -> Outcome {
+    Outcome {
         allowed,
         limit,
         remaining: limit.saturating_sub(after),
@@ -145,8 +136,7 @@ pub fn quota_charge(count: u64, limit: u64, cost: u64, now: u64, end: u64) -> (O
         } else {
             end.saturating_sub(now).max(1)
         },
-    };
-    (o, after)
+    }
 }
 
 #[cfg(test)]
