@@ -22,7 +22,9 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
 
-npm ci --no-audit --no-fund --loglevel=error
+# --ignore-scripts: no dependency has install scripts, and the package's own `prepare` (its
+# build for packing) would compile src/ once more before the full build below.
+npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
 rm -rf dist
 npx tsc -p tsconfig.json
 node --test dist/test/*.test.js

@@ -4,6 +4,6 @@
 # Needs the release binaries: cargo build --release --bin floodgate --bin loadgen.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-[ -d node_modules ] || npm ci --no-audit --no-fund --loglevel=error
+[ -d node_modules ] || npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
 npx tsc -p tsconfig.json
 exec flock /tmp/fg-heavy.lock node dist/bench/bench.js "$@"
