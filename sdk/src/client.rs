@@ -123,6 +123,16 @@ impl Client {
     ) -> Result<(Decision, Option<Lease>), Error> {
         let id = self.shared.next_lease();
         let d = self.check(vec![Item::acquire(key, rule_id, cost, id)]).await?;
+        if !d.from_agent_answer() {
+            // Late or lost: the agent may still have taken the lease. Released at once, off the
+            // caller's path (a release of a lease not held changes nothing).
+            let (client, item) = (self.clone(), Item::release(key, rule_id, cost, Some(id)));
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    let _ = client.check(vec![item]).await;
+                });
+            }
+        }
         let held = d.items.first().is_some_and(|i| i.verdict.holds_lease);
         let lease = held.then(|| Lease {
             key: key.to_string(),

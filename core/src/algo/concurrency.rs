@@ -96,9 +96,12 @@ pub fn concurrency_acquire(
     let mut next = set.clone();
     next.expire(now);
     if let Some(at) = next.position(id, cost, now) {
-        next.leases[at].expires_at_ms = expires_at_ms;
+        // Renewed: the figures as they were, its end now the later of the last one's and its own.
         let mut o = verdict(&next, limit, 0, now);
+        next.leases[at].expires_at_ms = expires_at_ms;
         o.allowed = true;
+        o.retry_after_ms = 0;
+        o.reset_at_ms = o.reset_at_ms.max(expires_at_ms);
         return (o, next);
     }
     let o = verdict(&next, limit, cost, now);
@@ -126,10 +129,12 @@ pub fn concurrency_release(set: &mut LeaseSet, limit: u64, id: Option<u64>, cost
             }
         }
         None => {
-            set.leases.sort_unstable_by_key(|l| l.expires_at_ms);
+            // Redis's order: by expiry, then by member (`<id>:<units>`) as text.
+            set.leases
+                .sort_by_cached_key(|l| (l.expires_at_ms, format!("{}:{}", l.id, l.units)));
             let mut left = cost;
             set.leases.retain(|l| {
-                if l.units <= left {
+                if left > 0 && l.units <= left {
                     left -= l.units;
                     false
                 } else {
@@ -194,5 +199,13 @@ mod tests {
         let o = concurrency_release(&mut set, 10, None, 1, now);
         assert_eq!(o.remaining, 9);
         assert_eq!(set.last_expiry(now), now + 300, "lease 3 went first");
+        // Leases that run out together go in Redis's order, their members as text: "10:1" before
+        // "9:2", so a release of 2 frees the 1-unit lease and then none fits.
+        let mut set = LeaseSet::default();
+        for (id, units) in [(9, 2), (10, 1)] {
+            set = concurrency_acquire(&set, 10, 100, id, units, now).1;
+        }
+        let o = concurrency_release(&mut set, 10, None, 2, now);
+        assert_eq!(o.remaining, 8, "only lease 10 went");
     }
 }

@@ -314,11 +314,16 @@ impl Engine {
         let now = self.clock.now_ms();
         let mut blocked: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
         let mut any = false;
+        // A check that gives units back is never blocked: its release must land (its rate rules'
+        // items are looks of 0 then).
+        let releases = plan.iter().any(|p| p.mode == ItemMode::Release);
         for (i, p) in plan.iter_mut().enumerate() {
             match self.overrides.penalized(&p.rule, &p.key, now) {
                 Some(crate::overrides::Penalized::Rule(r)) => p.rule = r,
                 Some(crate::overrides::Penalized::Blocked(until))
-                    if p.rule.enforced() && matches!(p.mode, ItemMode::Consume | ItemMode::Peek) =>
+                    if !releases
+                        && p.rule.enforced()
+                        && matches!(p.mode, ItemMode::Consume | ItemMode::Peek) =>
                 {
                     any = true;
                     let limit = p.rule.display_limit();
@@ -708,4 +713,73 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
         }
     };
     Decision { combined, items }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::overrides::{OverrideChange, Penalty, PENALTY_RULE};
+    use floodgate_protocol::{Attributes, Item};
+
+    fn decided(engine: &Arc<Engine>, check: Check) -> Decision {
+        match engine.check(check) {
+            Answer::Ready(Ok(d)) => d,
+            _ => panic!("the embedded store answers at once"),
+        }
+    }
+
+    /// A key blocked while its request held a lease still gives the lease back: a release is never
+    /// blocked (its rate rules' items are looks then).
+    #[test]
+    fn a_blocked_key_still_releases_its_lease() {
+        let rules = RuleSet::parse(
+            r#"{"rules":[{"id":"rate","dimension":"api_key","limit":100,"windowSeconds":60},
+                {"id":"slots","dimension":"api_key","limit":2,"algorithm":"concurrency"}]}"#,
+        )
+        .unwrap();
+        let engine = Engine::new(rules, Store::Memory(Arc::new(MemoryStore::default())));
+        let request = |mode: ItemMode| Attributes {
+            api_key: Some("k".into()),
+            cost: 1,
+            mode,
+            lease: Some(7),
+            ..Default::default()
+        };
+        let d = decided(&engine, Check::Attributes(request(ItemMode::Consume)));
+        assert!(d.combined.allowed && d.items[1].verdict.holds_lease, "{d:?}");
+        let until = Clock::System.now_ms() + 60_000;
+        engine.overrides().apply(
+            vec![OverrideChange {
+                rule_id: PENALTY_RULE.into(),
+                client_key: "apikey:k".into(),
+                set: None,
+                penalty: Some(Penalty {
+                    factor: None,
+                    block: true,
+                    until,
+                    reason: "test".into(),
+                    version: 1,
+                    updated_at: 0,
+                }),
+                version: 1,
+            }],
+            1,
+        );
+        let d = decided(&engine, Check::Attributes(request(ItemMode::Consume)));
+        assert!(!d.combined.allowed, "blocked: {d:?}");
+        decided(&engine, Check::Attributes(request(ItemMode::Release)));
+        // Lifted, to look (a blocked key's peek is refused too).
+        engine.overrides().apply(
+            vec![OverrideChange {
+                rule_id: PENALTY_RULE.into(),
+                client_key: "apikey:k".into(),
+                set: None,
+                penalty: None,
+                version: 2,
+            }],
+            2,
+        );
+        let p = decided(&engine, Check::Items(vec![Item::peek("apikey:k", "slots", 0)]));
+        assert_eq!(p.items[0].verdict.remaining, 2, "the lease came back: {p:?}");
+    }
 }

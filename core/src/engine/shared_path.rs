@@ -230,7 +230,9 @@ impl Engine {
             let now = this.clock.now_ms();
             for ((_, items), result) in groups.iter().zip(direct_results) {
                 // A release also frees what the agent holds for its rule from a time the store
-                // was away (answering it when the store cannot).
+                // was away (answering it when the store cannot). A release by lease frees it
+                // wherever it is held; one by count only where the store could not answer, or it
+                // would free its count twice.
                 let released = |i: usize| {
                     let p = &plan[i];
                     let g = this.guard.as_ref().filter(|_| p.mode == ItemMode::Release)?;
@@ -239,7 +241,9 @@ impl Engine {
                 match result {
                     Ok(outcomes) => {
                         for (&i, o) in items.iter().zip(outcomes) {
-                            released(i);
+                            if plan[i].lease.id().is_some() {
+                                released(i);
+                            }
                             out[i] = Some((o, Source::Redis));
                         }
                     }

@@ -84,7 +84,7 @@ impl MemoryStore {
         let now = self.clock.now_ms();
         if let [item] = items {
             // One item (most checks): one lock, one hash lookup, nothing collected.
-            let key = state_key(&item.rule.id, &item.key);
+            let key = state_key(&item.rule, &item.key);
             let mut shard = lock(&self.shards[shard_index(&key)]);
             // A key seen before (nearly every check) is found and updated in place; a new one is
             // hashed again to be inserted (cheaper overall than the entry API, which the compiler
@@ -103,7 +103,7 @@ impl MemoryStore {
             }
             return vec![outcome];
         }
-        let mut keys: Vec<String> = items.iter().map(|p| state_key(&p.rule.id, &p.key)).collect();
+        let mut keys: Vec<String> = items.iter().map(|p| state_key(&p.rule, &p.key)).collect();
         let shard_of: Vec<usize> = keys.iter().map(|k| shard_index(k)).collect();
         let mut order = shard_of.clone();
         order.sort_unstable();
@@ -284,10 +284,12 @@ fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, E
             let o = algo::concurrency_release(&mut next, limit, item.lease.id(), item.cost, now);
             (o, next)
         }
-        ItemMode::Peek | ItemMode::Charge => (
+        ItemMode::Peek => (
             algo::concurrency_peek(set, limit, item.cost, now),
             LeaseSet::default(),
         ),
+        // A charge commits: its entry is the leases unchanged.
+        ItemMode::Charge => (algo::concurrency_peek(set, limit, item.cost, now), set.clone()),
     };
     let entry = Entry {
         expires_at_ms: next.last_expiry(now),
@@ -340,11 +342,16 @@ fn lock(m: &Mutex<Shard>) -> MutexGuard<'_, Shard> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-fn state_key(rule_id: &str, key: &str) -> String {
-    let mut s = String::with_capacity(rule_id.len() + key.len() + 1);
-    s.push_str(rule_id);
+/// Where (rule, key)'s state lives: a quota's apart from a window's of the same rule id (an Envoy
+/// descriptor's own month limit makes a quota of a sliding-window rule), as Redis keeps them.
+fn state_key(rule: &crate::rules::Rule, key: &str) -> String {
+    let mut s = String::with_capacity(rule.id.len() + key.len() + 3);
+    s.push_str(&rule.id);
     s.push('\0');
     s.push_str(key);
+    if rule.algorithm == Algorithm::Quota {
+        s.push_str("\0q");
+    }
     s
 }
 

@@ -76,12 +76,20 @@ impl<B: Body> Body for Released<B> {
 pub(super) struct LeaseGuard {
     pub(super) client: Client,
     pub(super) attributes: Attributes,
+    /// Sends the release when dropped.
+    pub(super) armed: bool,
+    /// The agent said it holds the lease (else the release is a precaution: a failure to send it
+    /// is logged at debug, not warned about).
+    pub(super) sure: bool,
 }
 
 static RELEASE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl Drop for LeaseGuard {
     fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime (it is shutting down): the lease runs out by itself.
             return;
@@ -91,9 +99,13 @@ impl Drop for LeaseGuard {
             ..std::mem::take(&mut self.attributes)
         });
         let client = self.client.clone();
+        let sure = self.sure;
         runtime.spawn(async move {
             match client.check_with(check, CallOptions::default()).await {
                 Ok(d) if d.from_agent_answer() => {}
+                Ok(_) | Err(_) if !sure => {
+                    tracing::debug!("floodgate: a precautionary lease release did not reach the agent")
+                }
                 Ok(d) => super::service::warn_rarely(
                     &RELEASE_FAILED,
                     "floodgate: the agent could not take a lease's release; it runs out by itself",

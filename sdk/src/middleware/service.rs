@@ -77,7 +77,18 @@ where
                 fail,
                 ..CallOptions::default()
             };
-            let held = attributes.clone();
+            // Armed before the check is sent: if the request goes away mid-check, or the answer is
+            // not the agent's (a timeout), the agent may still have taken the lease, and it is
+            // released (a release of a lease not held changes nothing).
+            let pending = attributes.lease.map(|_| LeaseGuard {
+                client: config.client.clone(),
+                attributes: floodgate_protocol::Attributes {
+                    cost: attributes.cost.max(1),
+                    ..attributes.clone()
+                },
+                armed: true,
+                sure: false,
+            });
             let check = floodgate_protocol::Check::Attributes(attributes);
             let decision = match config.client.check_with(check, options).await {
                 Ok(d) => d,
@@ -93,18 +104,20 @@ where
                     return Ok(inner.call(req).await?.map(Released::plain));
                 }
             };
-            // Held while the request runs, released when its response ends (or it fails).
-            let lease = decision
-                .items
-                .iter()
-                .any(|i| i.verdict.holds_lease)
-                .then(|| LeaseGuard {
-                    client: config.client.clone(),
-                    attributes: floodgate_protocol::Attributes {
-                        cost: held.cost.max(1),
-                        ..held
-                    },
-                });
+            // Held while the request runs, released when its response ends (or it fails); the agent
+            // answered that nothing is held: nothing to release.
+            let held = decision.items.iter().any(|i| i.verdict.holds_lease);
+            let lease = match pending {
+                Some(mut guard) if held => {
+                    guard.sure = true;
+                    Some(guard)
+                }
+                Some(mut guard) if decision.from_agent_answer() => {
+                    guard.armed = false;
+                    None
+                }
+                other => other,
+            };
             let headers = rate_limit_headers(&decision, config.ietf, now_ms());
             let mut response = if decision.allowed {
                 let response = inner.call(req).await?;
