@@ -11,6 +11,7 @@ import {
   agentDecision,
   closedRuleDecision,
   degradedDecision,
+  fromAgent,
   localDecision,
   type Decision,
   type Degraded,
@@ -382,13 +383,42 @@ export class Client {
    * Needs an agent that speaks protocol version 3: connected to one that speaks less, it rejects
    * ({@link FloodgateError}, `invalid`) and nothing is sent. While the agent cannot answer it is
    * decided as any check is (the call's `fail`, the agent's fail-closed rules, the client's policy
-   * and `fallbackLimit`, where it counts as a consume) and returns no lease.
+   * and `fallbackLimit`, where it counts as a consume) and returns no lease. When the acquire was
+   * sent but the answer is not the agent's (late, or the connection lost mid-call), the agent may
+   * still have taken the lease: it is released in the background at once, not awaited (a release of
+   * a lease not held changes nothing; its failure is logged at debug level only).
    */
   async acquire(key: string, ruleId: string, cost = 1, options?: CallOptions): Promise<Acquired> {
     const id = newLeaseId();
-    const decision = await this.send({ form: "items", items: [{ key, ruleId, cost, lease: id }] }, options);
+    const sent = { written: false };
+    const decision = await this.send({ form: "items", items: [{ key, ruleId, cost, lease: id }] }, options, sent);
+    if (sent.written && !fromAgent(decision)) {
+      this.releaseUnanswered({
+        form: "items",
+        items: [{ key, ruleId, cost: Math.max(cost, 1), mode: "release", lease: id }],
+      });
+    }
     if (!decision.items.some((i) => i.verdict.holdsLease)) return { decision };
     return { decision, lease: { key, ruleId, cost, id } };
+  }
+
+  /**
+   * Sends `release` (a check of mode release with the lease of a check the agent did not answer)
+   * and forgets it: the agent may have taken the lease after all, and otherwise the release changes
+   * nothing, so a release that fails too is only logged at debug level.
+   */
+  private releaseUnanswered(release: Check): void {
+    this.send(release).then(
+      (d) => {
+        if (!fromAgent(d)) {
+          this.debug(
+            `floodgate: a precautionary lease release was not confirmed (${"reason" in d.origin ? d.origin.reason : "unavailable"}); ` +
+              `if the agent took the lease, it runs out by itself`,
+          );
+        }
+      },
+      (e: unknown) => this.debug(`floodgate: a precautionary lease release failed: ${(e as Error)?.message ?? e}`),
+    );
   }
 
   /**
@@ -412,7 +442,9 @@ export class Client {
    * resolving; `fn`'s error is rethrown after the release. Resolves to
    * `{ allowed: true, decision, value }`, or `{ allowed: false, decision }` without running `fn`
    * when the acquire is denied. A release that fails is warned about through the logger, never
-   * thrown. Rejects, without running `fn`, where {@link acquire} does.
+   * thrown. An acquire the agent did not answer (late, connection lost) holds no lease here: `fn`
+   * runs or not by the fail policy, and {@link acquire} has already sent the lease's release in the
+   * background. Rejects, without running `fn`, where {@link acquire} does.
    *
    * ```ts
    * const r = await client.hold("gpu:a100", "gpu-slots", 1, () => render(job));
@@ -524,7 +556,11 @@ export class Client {
   // -------------------------------------------------------------------------------------------
   // Calls
 
-  private send(check: Check, options?: CallOptions): Promise<Decision> {
+  /**
+   * Sends `check`, resolving with the agent's decision or the SDK's own. `sent.written` is set when
+   * the check's frame was written to a connection (the agent may act on it whatever the answer).
+   */
+  private send(check: Check, options?: CallOptions, sent?: { written: boolean }): Promise<Decision> {
     const timeoutMs =
       typeof options?.timeoutMs === "number" && Number.isFinite(options.timeoutMs)
         ? Math.min(Math.max(0, options.timeoutMs), MAX_TIMER_MS)
@@ -572,6 +608,7 @@ export class Client {
       // ~1.6x faster and with less CPU per check, since the agent starts on the first check while
       // this process still resumes the others (coalescing made both sides take turns).
       sock.write(bytes);
+      if (sent) sent.written = true;
     });
   }
 

@@ -11,7 +11,9 @@
  * response is finished (`res.on("finish")`). On an agent that speaks protocol version 3 every check
  * carries a fresh lease; when a concurrency rule holds it, it is released (same attributes, cost and
  * lease, mode release) once the response is finished or its connection closed, whichever first:
- * after a normal answer, a handler's error, a streamed body, or a client that went away.
+ * after a normal answer, a handler's error, a streamed body, or a client that went away. A check
+ * whose answer is not the agent's (late, connection lost mid-call) is released the same way, as a
+ * precaution: the agent may still have taken its lease.
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path

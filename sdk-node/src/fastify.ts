@@ -11,7 +11,8 @@
  * `finish`, which also runs Fastify's `onResponse` hooks). On an agent that speaks protocol version
  * 3 every check carries a fresh lease; when a concurrency rule holds it, it is released once the
  * raw response is finished or closed, whichever first (a thrown handler error is answered, and so
- * finished, by Fastify; a client that went away closes it): once per request.
+ * finished, by Fastify; a client that went away closes it): once per request. A check whose answer
+ * is not the agent's (late, connection lost mid-call) is released the same way, as a precaution.
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket

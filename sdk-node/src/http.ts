@@ -357,8 +357,12 @@ export interface RateLimitOptions<Req = any, Res = any> {
   failFor?: Readonly<Record<string, FailPolicy>>;
   /** Also set the IETF draft's `RateLimit-Policy` and `RateLimit` headers (default false). */
   ietfHeaders?: boolean;
-  /** Where the rare warnings go (default `console`). */
-  logger?: { warn(message: string): void } | null;
+  /**
+   * Where the rare warnings go (default `console`). Its `debug`, when it has one, gets what is
+   * logged at debug level (the default logs nothing at debug level): a precautionary release of a
+   * lease whose check the agent did not answer that fails too.
+   */
+  logger?: { warn(message: string): void; debug?(message: string): void } | null;
 }
 
 /** What to do with a request. */
@@ -374,7 +378,11 @@ export interface LimitOutcome {
    * response is done.
    */
   charge?: PendingCharge;
-  /** When a concurrency rule holds the request's lease: what to release once the response is done. */
+  /**
+   * When a concurrency rule holds the request's lease, or may hold it (the check carried a lease
+   * and the answer is not the agent's: late, or the connection lost mid-call): what to release
+   * once the response is done.
+   */
   release?: PendingRelease;
 }
 
@@ -399,6 +407,12 @@ export interface PendingCharge {
  */
 export interface PendingRelease {
   attributes: Attributes;
+  /**
+   * The agent said it holds the lease. False: a precaution, the check's answer was not the agent's
+   * and the agent may or may not have taken the lease; a release that fails is then logged at debug
+   * level only (a release of a lease not held changes nothing).
+   */
+  sure: boolean;
 }
 
 /** The most a check may cost: the wire's u32. */
@@ -505,6 +519,8 @@ export class Limiter {
   private readonly chargeWith = new Map<string, ChargeFunction>();
   private readonly ietf: boolean;
   private readonly logger: { warn(message: string): void } | null;
+  /** Debug-level messages: only to a `logger` given with a `debug` method. */
+  private readonly debugLog: ((message: string) => void) | null;
   private lastCheckFailed = -Infinity;
   /** When each kind of charge warning was last given. */
   private readonly lastWarned = new Map<string, number>();
@@ -563,6 +579,8 @@ export class Limiter {
     }
     this.ietf = o.ietfHeaders ?? false;
     this.logger = o.logger === undefined ? console : o.logger;
+    const given = o.logger;
+    this.debugLog = typeof given?.debug === "function" ? (m) => given.debug?.(m) : null;
   }
 
   /** The request's attributes, every value wire-safe. */
@@ -632,8 +650,15 @@ export class Limiter {
         charge = { header: chargeHeader, fn: chargeFn, attributes: rest, fail };
       }
       // A charge endpoint's peek (cost 0) holds one unit of each concurrency rule: released as 1.
-      if (decision.items.some((i) => i.verdict.holdsLease)) {
-        release = { attributes: { ...attributes, cost: Math.max(attributes.cost ?? 1, 1), mode: "release" } };
+      // An answer that is not the agent's (late, the connection lost mid-call) says nothing of the
+      // lease, which the agent may still have taken: released as well, as a precaution (a release
+      // of a lease not held changes nothing). The agent's own answer without it: nothing to release.
+      const held = decision.items.some((i) => i.verdict.holdsLease);
+      if (held || (attributes.lease !== undefined && !fromAgent(decision))) {
+        release = {
+          attributes: { ...attributes, cost: Math.max(attributes.cost ?? 1, 1), mode: "release" },
+          sure: held,
+        };
       }
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
@@ -689,7 +714,8 @@ export class Limiter {
    * Releases the request's lease once its response is done (finished, or its connection closed
    * first: a client that went away, a handler's error answered by the framework): the same
    * attributes, cost and lease, mode release. Once per request; never delays the response, never
-   * throws. A release the agent does not take is warned about; the lease then runs out by itself.
+   * throws. A release the agent does not take is warned about; the lease then runs out by itself
+   * (a precautionary one, for a check the agent did not answer, is only logged at debug level).
    */
   releaseWhenDone(res: Finishing, pending: PendingRelease): void {
     whenDone(res, () => {
@@ -709,13 +735,26 @@ export class Limiter {
         `floodgate: the release of a concurrency lease on ${endpoint} ${why}; its units stay held until ` +
           `the lease runs out (leaseSeconds) (at most one such warning a minute)`,
       );
+    const said = (why: string) => {
+      if (pending.sure) {
+        lost(why);
+        return;
+      }
+      try {
+        this.debugLog?.(
+          `floodgate: the precautionary release of a lease on ${endpoint} (its check was not answered by the agent) ${why}`,
+        );
+      } catch {
+        // nothing else to tell
+      }
+    };
     this.client.checkAttributes(pending.attributes).then(
       (d) => {
         if (fromAgent(d)) return;
         const reason = "reason" in d.origin ? d.origin.reason : "unavailable";
-        lost(reason === "timeout" ? "was not confirmed within the client's timeout" : "did not reach the agent");
+        said(reason === "timeout" ? "was not confirmed within the client's timeout" : "did not reach the agent");
       },
-      (e: unknown) => lost(`failed: ${(e as Error)?.message ?? e}`),
+      (e: unknown) => said(`failed: ${(e as Error)?.message ?? e}`),
     );
   }
 

@@ -337,6 +337,8 @@ export class FakeAgent {
   readonly received: Frame[] = [];
   /** The bytes of each frame in {@link received}, length prefix included. */
   readonly receivedBytes: Buffer[] = [];
+  /** Called with every Check frame and its bytes after `onCheck` ({@link watch}). */
+  private readonly watchers = new Set<(frame: Frame, bytes: Buffer) => void>();
   /** When each connection was accepted (performance.now()). */
   readonly acceptedAt: number[] = [];
   private server: net.Server;
@@ -379,11 +381,18 @@ export class FakeAgent {
           }
         } else if (f.body.kind === "check") {
           this.onCheck(f, sock);
+          for (const w of [...this.watchers]) w(f, this.receivedBytes[this.receivedBytes.length - 1]);
         } else if (f.body.kind === "failModes" && this.failModeList) {
           sock.write(encodeFrame({ requestId: f.requestId, body: { kind: "failModeList", list: this.failModeList } }));
         }
       }
     });
+  }
+
+  /** Calls `fn` with every Check frame read from now on, after `onCheck`; returns what stops it. */
+  watch(fn: (frame: Frame, bytes: Buffer) => void): () => void {
+    this.watchers.add(fn);
+    return () => this.watchers.delete(fn);
   }
 
   /** How many times it was asked for the fail-closed rules. */
@@ -454,4 +463,47 @@ export function isAcquire(f: Frame): boolean {
   const [mode, lease] =
     c.form === "items" ? [c.items[0].mode, c.items[0].lease] : [c.attributes.mode, c.attributes.lease];
   return lease !== undefined && (mode ?? "consume") === "consume";
+}
+
+/** `p`, or a rejection naming `what` once `timeoutMs` passed without it settling. */
+export function within<T>(what: string, timeoutMs: number, p: Promise<T>): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const late = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`timed out after ${timeoutMs} ms waiting for ${what}`)), timeoutMs);
+  });
+  return Promise.race([p, late]).finally(() => clearTimeout(timer));
+}
+
+/** A Check frame the fake read, and its body in hex (after the length, version, kind and request id). */
+export interface SeenCheck {
+  frame: Frame;
+  body: string;
+}
+
+/**
+ * The next Check frame the fake reads from now on that `pred` accepts, within `timeoutMs`: awaited
+ * as an event (the fake's {@link FakeAgent.watch}), not polled; the fake's `onCheck` runs first.
+ */
+export function nextCheck(fake: FakeAgent, what: string, timeoutMs: number, pred: (f: Frame) => boolean): Promise<SeenCheck> {
+  let stop = () => {};
+  const seen = new Promise<SeenCheck>((resolve) => {
+    stop = fake.watch((f, bytes) => {
+      if (!pred(f)) return;
+      stop();
+      resolve({ frame: f, body: bytes.subarray(10).toString("hex") });
+    });
+  });
+  return within(what, timeoutMs, seen).finally(stop);
+}
+
+/** The mode and lease of a Check frame (its only item's, or its attributes'). */
+export function modeAndLease(f: Frame): { mode: string; lease?: bigint; cost: number; user?: string } {
+  if (f.body.kind !== "check") throw new Error(`not a check: ${f.body.kind}`);
+  const c = f.body.check;
+  if (c.form === "items") {
+    const i = c.items[0];
+    return { mode: i.mode ?? "consume", lease: i.lease, cost: i.cost ?? 1 };
+  }
+  const a = c.attributes;
+  return { mode: a.mode ?? "consume", lease: a.lease, cost: a.cost ?? 1, user: a.user ?? undefined };
 }

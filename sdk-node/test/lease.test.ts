@@ -14,9 +14,12 @@ import {
   FakeAgent,
   isAcquire,
   leaseDecision,
+  modeAndLease,
+  nextCheck,
   RedisServer,
   tempDir,
   unique,
+  within,
 } from "./helpers";
 
 const RULES = `
@@ -205,13 +208,96 @@ describe("leases on a fake agent", () => {
     assert.ok(hello.body.kind === "hello" && hello.body.minVersion === 1 && hello.body.maxVersion === 3);
   });
 
-  it("no lease is returned when no item holds it", async () => {
-    const { client } = await setup(3, false);
+  it("no lease is returned when no item holds it, and nothing is released", async () => {
+    const { fake, client } = await setup(3, false);
     const a = await client.acquire("user:1", "slots");
-    assert.deepEqual([a.decision.allowed, a.lease], [true, undefined]);
+    assert.deepEqual([a.decision.allowed, a.decision.origin.kind, a.lease], [true, "agent", undefined]);
     let ran = 0;
     const h = await client.hold("user:1", "slots", 1, () => ++ran);
     assert.deepEqual([h.allowed, ran], [true, 1]);
+    // A fence: a release would have been written before this check, on the same connection.
+    assert.equal((await client.allow("user:1", "slots")).origin.kind, "agent");
+    assert.deepEqual(
+      fake.received.filter((f) => f.body.kind === "check").map((f) => modeAndLease(f).mode),
+      ["consume", "consume", "consume"],
+      "the agent answered that nothing is held: no release",
+    );
+  });
+
+  it("an acquire the agent does not answer in time: the fail policy, no lease, and its release sent at once, byte for byte", async () => {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = 3;
+    // Never answers a check carrying a lease (an acquire, or the release that follows); answers others.
+    fake.onCheck = (f, sock) => {
+      if (modeAndLease(f).lease === undefined) sock.write(leaseDecision(f.requestId, false));
+    };
+    const warnings: string[] = [];
+    const debugs: string[] = [];
+    let debugged = () => {};
+    const client = await Client.connect(fake.path, {
+      timeoutMs: 100,
+      logger: {
+        warn: (m) => warnings.push(m),
+        debug: (m) => {
+          debugs.push(m);
+          debugged();
+        },
+      },
+    });
+    clients.push(client);
+    assert.equal(client.protocolVersion, 3);
+    const isRelease = (f: Parameters<typeof modeAndLease>[0]) => modeAndLease(f).mode === "release";
+    const item = (cost: number) =>
+      "0006" + Buffer.from("user:1").toString("hex") + "05" + Buffer.from("slots").toString("hex") + cost.toString(16).padStart(8, "0");
+
+    const cases: [string, () => Promise<{ allowed: boolean; origin: unknown; lease?: unknown }>, number, boolean][] = [
+      ["acquire, fail open", async () => {
+        const a = await client.acquire("user:1", "slots", 2);
+        return { allowed: a.decision.allowed, origin: a.decision.origin, lease: a.lease };
+      }, 2, true],
+      ["acquire, fail closed", async () => {
+        const a = await client.acquire("user:1", "slots", 1, { fail: "closed" });
+        return { allowed: a.decision.allowed, origin: a.decision.origin, lease: a.lease };
+      }, 1, false],
+      ["hold, fail open", async () => {
+        let ran = 0;
+        const h = await client.hold("user:1", "slots", 3, () => ++ran);
+        assert.deepEqual([h.allowed, ran], [true, 1], "fail open: fn runs");
+        return { allowed: h.allowed, origin: h.decision.origin };
+      }, 3, true],
+    ];
+    for (const [name, call, cost, allowed] of cases) {
+      const released = nextCheck(fake, `the release after ${name}`, 10_000, isRelease);
+      const before = fake.received.length;
+      const d = await call();
+      assert.deepEqual([d.allowed, d.origin, d.lease], [
+        allowed,
+        { kind: allowed ? "failOpen" : "failClosed", reason: "timeout" },
+        undefined,
+      ], name);
+      const r = await released;
+      // The acquire's bytes, then the release's: the same item and lease, mode 3; cost ≥ 1.
+      const i = fake.received.findIndex((f, j) => j >= before && f.body.kind === "check" && !isRelease(f));
+      const acquire = fake.receivedBytes[i].subarray(10).toString("hex");
+      const id = modeAndLease(fake.received[i]).lease!.toString(16).padStart(16, "0");
+      assert.equal(acquire, `0201${item(cost)}80${id}`, name);
+      assert.equal(r.body, `0201${item(cost)}83${id}`, name);
+      assert.ok(modeAndLease(r.frame).cost >= 1);
+    }
+    // Three acquires, three releases: nothing else was sent (hold has no lease of its own to release).
+    const modes = fake.received.filter((f) => f.body.kind === "check").map((f) => modeAndLease(f).mode);
+    assert.deepEqual(modes, ["consume", "release", "consume", "release", "consume", "release"]);
+    // The releases time out too: logged at debug level only, never warned about.
+    await within(
+      "three debug lines",
+      10_000,
+      new Promise<void>((resolve) => {
+        debugged = () => debugs.filter((m) => m.includes("precautionary")).length >= 3 && resolve();
+        debugged();
+      }),
+    );
+    assert.deepEqual(warnings, []);
   });
 
   it("lease ids are random, nonzero 64-bit values", () => {

@@ -26,7 +26,20 @@ import {
   type Attributes,
   type Decision,
 } from "../src/index";
-import { Agent, checkBodies, eventually, FakeAgent, isAcquire, leaseDecision, RedisServer, tempDir, unique } from "./helpers";
+import {
+  Agent,
+  checkBodies,
+  eventually,
+  FakeAgent,
+  isAcquire,
+  leaseDecision,
+  modeAndLease,
+  nextCheck,
+  RedisServer,
+  tempDir,
+  unique,
+  within,
+} from "./helpers";
 
 const RULES = `
 # Two requests in flight per user on /conc/*.
@@ -711,5 +724,112 @@ describe("middleware and the agent's protocol version (fake agent)", () => {
       assert.ok(acquire.body.check.form === "attributes" && release.body.check.form === "attributes");
       assert.deepEqual(release.body.check.attributes, { ...acquire.body.check.attributes, mode: "release" });
     }
+  });
+  it("a check the agent does not answer in time: the fail policy decides, and the lease is released anyway, byte for byte", async () => {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = 3;
+    // Never answers a check carrying a lease (the request's, and the release too), except user
+    // "free"'s, answered by the agent without holding it; answers every other check.
+    fake.onCheck = (f, sock) => {
+      const { lease, user } = modeAndLease(f);
+      if (lease === undefined || user === "free") sock.write(leaseDecision(f.requestId, false, "c-http"));
+    };
+    const client = await Client.connect(fake.path, { timeoutMs: 100, logger: null });
+    clients.push(client);
+    assert.equal(client.protocolVersion, 3);
+    const warnings: string[] = [];
+    const debugs: string[] = [];
+    let debugged = () => {};
+    const logger = {
+      warn: (m: string) => warnings.push(m),
+      debug: (m: string) => {
+        debugs.push(m);
+        debugged();
+      },
+    };
+    const options = { userHeader: "x-user", logger, failFor: { "/conc/closed": "closed" as const } };
+
+    const app = express();
+    const limit = floodgateExpress(client, options);
+    app.get("/conc/x", limit, (_req, res) => res.send("ok"));
+    app.get("/conc/closed", limit, (_req, res) => res.send("ok"));
+    const server = await new Promise<http.Server>((r) => {
+      const s = app.listen(0, "127.0.0.1", () => r(s));
+    });
+    servers.push(server);
+    const f = Fastify();
+    await f.register(floodgateFastify, { client, ...options });
+    f.get("/conc/x", async () => "ok");
+    f.get("/conc/closed", async () => "ok");
+    await f.listen({ port: 0, host: "127.0.0.1" });
+    fastifies.push(f);
+    // Each response's close (after its finish, where a release is sent), by user.
+    const closing = new Map<string, () => void>();
+    for (const s of [server, f.server]) {
+      s.on("request", (req, res) => res.on("close", () => closing.get(req.headers["x-user"] as string)?.()));
+    }
+    const closed = (user: string) => new Promise<void>((r) => closing.set(user, r));
+
+    const bases: [string, string][] = [
+      ["Express", `http://127.0.0.1:${(server.address() as AddressInfo).port}`],
+      ["Fastify", `http://127.0.0.1:${(f.server.address() as AddressInfo).port}`],
+    ];
+    const checks = () => fake.received.filter((x) => x.body.kind === "check");
+    const bodyOf = (frame: (typeof fake.received)[number]) => checkBodies(fake)[checks().indexOf(frame)];
+    let n = 0;
+    for (const [framework, base] of bases) {
+      for (const [path, status] of [
+        ["/conc/x", 200],
+        ["/conc/closed", 429],
+      ] as const) {
+        const user = `late-${++n}`;
+        const released = nextCheck(fake, `${framework} ${path}: the release`, 10_000, (x) => {
+          const m = modeAndLease(x);
+          return m.user === user && m.mode === "release";
+        });
+        const a = await get(base, path, { "x-user": user });
+        assert.equal(a.status, status, `${framework} ${path}: the fail policy decides`);
+        // No rate-limit headers: the SDK decided alone.
+        assert.equal(a.headers["x-ratelimit-limit"], undefined);
+        const r = await released;
+        const check = checks().find((x) => {
+          const m = modeAndLease(x);
+          return m.user === user && m.mode === "consume";
+        });
+        assert.ok(check, "the request's check");
+        const acquire = bodyOf(check);
+        assert.ok(modeAndLease(check).lease !== undefined);
+        // Form 3; the same attributes, cost (1) and lease as the request's check, mode 3.
+        assert.ok(acquire.startsWith("03") && acquire.slice(-18, -16) === "80", acquire);
+        assert.equal(r.body, `${acquire.slice(0, -18)}83${acquire.slice(-16)}`, `${framework} ${path}`);
+        assert.equal(r.body.slice(-26, -18), "00000001", "cost 1");
+      }
+      // Answered by the agent without the lease held: nothing to release.
+      const done = closed("free");
+      const ok = await get(base, "/conc/x", { "x-user": "free" });
+      assert.equal(ok.status, 200);
+      assert.equal(ok.headers["x-ratelimit-limit"], "2");
+      await within("the free request's response to close", 10_000, done);
+      // A fence: a release would have been written on the same connection before this check.
+      assert.equal((await client.allow("user:fence", "c-http", 1)).origin.kind, "agent");
+      assert.deepEqual(
+        checks()
+          .filter((x) => modeAndLease(x).user === "free")
+          .map((x) => modeAndLease(x).mode),
+        framework === "Express" ? ["consume"] : ["consume", "consume"],
+        "no release for a lease the agent said it does not hold",
+      );
+    }
+    // Four precautionary releases, unanswered as well: logged at debug level only, never warned about.
+    await within(
+      "four debug lines",
+      10_000,
+      new Promise<void>((resolve) => {
+        debugged = () => debugs.filter((m) => m.includes("precautionary")).length >= 4 && resolve();
+        debugged();
+      }),
+    );
+    assert.deepEqual(warnings, []);
   });
 });
