@@ -47,7 +47,7 @@ class FakeAgent:
     ``respond(connection_number, request_id)`` gives: bytes, a list of chunks sent one by one, or
     None (no answer); the n-th FailModes (from 1, over all connections) with what
     ``fail_modes(n, request_id)`` gives. ``kinds`` lists the kind of every frame received, in order;
-    ``checks`` the bytes of every Check frame."""
+    ``checks`` the bytes of every Check frame (:meth:`wait_checks` waits for them)."""
 
     def __init__(
         self,
@@ -62,6 +62,8 @@ class FakeAgent:
         self.asks = 0
         self.kinds: List[int] = []
         self.checks: List[bytes] = []
+        # Notified on every Check frame received.
+        self.received = threading.Condition()
         self.connections = 0
         self.server = socket.socket(socket.AF_UNIX)
         self.server.bind(self.path)
@@ -93,7 +95,9 @@ class FakeAgent:
                     if not isinstance(r, p.Decoded):
                         break
                     if isinstance(r.frame.body, p.Check):
-                        self.checks.append(bytes(buf[: r.used]))
+                        with self.received:
+                            self.checks.append(bytes(buf[: r.used]))
+                            self.received.notify_all()
                     del buf[: r.used]
                     f = r.frame
                     self.kinds.append(buf_kind(f.body))
@@ -114,6 +118,13 @@ class FakeAgent:
                             conn.sendall(out)
         except OSError:
             return
+
+    def wait_checks(self, n: int, timeout: float = 10.0) -> List[bytes]:
+        """The Check frames received once there are at least ``n``; fails after ``timeout``."""
+        with self.received:
+            if not self.received.wait_for(lambda: len(self.checks) >= n, timeout):
+                raise AssertionError(f"the fake agent received {len(self.checks)} checks in {timeout} s, not {n}")
+            return list(self.checks)
 
     def close(self) -> None:
         self.closed = True

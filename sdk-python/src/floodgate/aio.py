@@ -44,7 +44,7 @@ from .decision import (
 )
 from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
-from .lease import Lease, held, new_lease_id, release_failed, release_taken
+from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
 from .socket_path import default_socket_path
 
 # Past this many bytes waiting in the socket's send buffer (an agent that stopped reading), calls
@@ -333,11 +333,22 @@ class AsyncClient:
         which consumes as :meth:`allow` does). A lease not released runs out after the rule's
         ``leaseSeconds``. Needs an agent speaking protocol version 3
         (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail
-        policy decides as for any check (the fallback limit counts it as a consume)."""
+        policy decides as for any check (the fallback limit counts it as a consume), and since a
+        late agent may have taken the lease all the same, its release is sent at once, without
+        waiting for an answer; so it is when the call is cancelled while it waits."""
         lease = new_lease_id()
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
-        d = await self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+        try:
+            d = await self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+        except asyncio.CancelledError:
+            # The acquire may be on its way, or taken already: nobody would release it.
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
+            raise
+        if not d.from_agent:
+            # Late or lost: the agent may still have taken the lease. Released at once, without
+            # waiting for the answer (a release of a lease not held changes nothing).
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
         return d, held(d, key, rule_id, cost, lease)
 
     async def release(
@@ -430,6 +441,38 @@ class AsyncClient:
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
         return await self._call(rid, data, timeout, fail, attributes, p.check_version(data))
+
+    def _release_unanswered(self, release: Union[p.Attributes, p.Item]) -> None:
+        """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
+        timed out, the connection went, or its caller was cancelled while waiting) on the connection
+        at hand, after any check still queued for it, without waiting for its answer (dropped when
+        it comes, as a late answer is). Never raises, never awaits: one that cannot be sent (no
+        connection, an agent older than version 3) is logged at debug, since the agent may never
+        have taken the lease. Called on the client's event loop."""
+        conn = self._conn
+        transport = conn.transport if conn is not None else None
+        if conn is None or transport is None or transport.is_closing():
+            precaution_not_sent(release.lease, "no connection to the agent")
+            return
+        if conn.version < 3:
+            precaution_not_sent(release.lease, f"the agent speaks protocol version {conn.version}")
+            return
+        if transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
+            precaution_not_sent(release.lease, "the agent is not reading")
+            return
+        try:
+            data = release_frame(self._next_id(), release)
+        except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
+            precaution_not_sent(release.lease, e)
+            return
+        if self._out:
+            # Behind the checks queued for the next flush (the released check may be among them).
+            self._out.append(data)
+            if not self._flush_scheduled:
+                self._flush_scheduled = True
+                asyncio.get_running_loop().call_soon(self._flush)
+        else:
+            transport.write(data)
 
     def _next_id(self) -> int:
         while True:

@@ -46,7 +46,7 @@ from .decision import (
 )
 from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
-from .lease import Lease, held, new_lease_id, release_failed, release_taken
+from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
 from .socket_path import default_socket_path
 
 _MAX_OUT = 1 << 20
@@ -271,11 +271,17 @@ class Client:
         which consumes as :meth:`allow` does). A lease not released runs out after the rule's
         ``leaseSeconds``. Needs an agent speaking protocol version 3
         (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail
-        policy decides as for any check (the fallback limit counts it as a consume)."""
+        policy decides as for any check (the fallback limit counts it as a consume), and since a
+        late agent may have taken the lease all the same, its release is sent at once, without
+        waiting for an answer."""
         lease = new_lease_id()
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
         d = self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+        if not d.from_agent:
+            # Late or lost: the agent may still have taken the lease. Released at once, without
+            # waiting for the answer (a release of a lease not held changes nothing).
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
         return d, held(d, key, rule_id, cost, lease)
 
     def release(
@@ -366,6 +372,20 @@ class Client:
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
         return self._call(rid, data, timeout, fail, attributes, p.check_version(data))
+
+    def _release_unanswered(self, release: Union[p.Attributes, p.Item]) -> None:
+        """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
+        timed out, or the connection went) on the connection at hand, without waiting for its
+        answer (dropped when it comes, as a late answer is). Never raises: one that cannot be sent
+        (no connection, an agent older than version 3) is logged at debug, since the agent may
+        never have taken the lease."""
+        try:
+            sent = self._send(release_frame(self._next_id(), release), 3)
+        except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
+            precaution_not_sent(release.lease, e)
+            return
+        if not sent:
+            precaution_not_sent(release.lease, "no connection to the agent")
 
     def _next_id(self) -> int:
         while True:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
+from . import protocol as p
 from .decision import Decision, RareWarning, log
 
 
@@ -66,3 +67,18 @@ def release_failed(e: BaseException, lease: Optional[int] = None) -> None:
         " most once a minute): %s",
         e,
     )
+
+
+def precaution_not_sent(lease: Optional[int], why: object) -> None:
+    """Logs, at debug only, a precautionary release (of a lease whose check the agent did not
+    answer) that could not be sent: the agent may never have taken the lease, and a release of a
+    lease not held changes nothing, so it is no cause for a warning."""
+    log.debug("floodgate: the precautionary release of lease %s was not sent: %s", lease, why)
+
+
+def release_frame(request_id: int, release: Union[p.Attributes, p.Item]) -> bytes:
+    """The Check frame of ``release`` (mode release, with its lease): attributes (form 3) or one
+    item (form 2)."""
+    if isinstance(release, p.Attributes):
+        return p.check_attributes_frame(request_id, release)
+    return p.check_one_frame(request_id, release.key, release.rule_id, release.cost, p.ItemMode.RELEASE, release.lease)

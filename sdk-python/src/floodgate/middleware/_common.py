@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from ..decision import Decision, FailPolicy, RareWarning
 from ..errors import UnsupportedByAgent
-from ..lease import new_lease_id, release_failed, release_taken
+from ..lease import new_lease_id, precaution_not_sent, release_failed, release_taken
 from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
@@ -615,13 +615,17 @@ def check_leased(
 ) -> Tuple[Attributes, Decision]:
     """A request's check through the threaded ``client``, with a fresh lease when its connection
     speaks version 3 (:func:`with_lease`): the attributes sent (with the lease, if any) and the
-    decision."""
+    decision. A check with a lease the agent did not answer (late, or gone) may have been taken all
+    the same: its release goes at once (:func:`release_unanswered`)."""
     attributes = with_lease(attributes, getattr(client, "protocol_version", None))
     try:
-        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+        d = client.check_request(attributes, timeout=timeout, fail=fail)
     except UnsupportedByAgent as e:
         attributes = without_lease(e, attributes)
-        return attributes, client.check_request(attributes, timeout=timeout, fail=fail)
+        d = client.check_request(attributes, timeout=timeout, fail=fail)
+    if not d.from_agent:
+        release_unanswered(client, attributes)
+    return attributes, d
 
 
 def release_attributes(attributes: Attributes) -> Attributes:
@@ -647,3 +651,21 @@ def release_now(client: Any, release: Attributes, timeout: Optional[float]) -> N
         release_taken(client.check_request(release, timeout=timeout, fail="open"), release.lease)
     except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
         release_failed(e, release.lease)
+
+
+def release_unanswered(client: Any, attributes: Attributes) -> None:
+    """The precaution for a check with a lease whose answer is not the agent's (the call timed out,
+    the connection went, or, ASGI, the request was cancelled while it waited): the agent may have
+    taken the lease all the same, and nobody would release it for the rule's ``leaseSeconds``. The
+    release (:func:`release_attributes`: the same attributes and lease, cost ``max(cost, 1)``) goes
+    at once on the connection at hand, without waiting for an answer, so it never holds the request
+    back; one that cannot be sent is logged at debug only (a release of a lease not held changes
+    nothing). Nothing for a check without a lease."""
+    if attributes.lease is None:
+        return
+    let_go = getattr(client, "_release_unanswered", None)
+    if let_go is None:
+        # A stand-in for the SDK's client: nothing to send it through.
+        precaution_not_sent(attributes.lease, f"{type(client).__name__} is not a floodgate client")
+        return
+    let_go(release_attributes(attributes))

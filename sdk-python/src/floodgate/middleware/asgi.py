@@ -33,7 +33,10 @@ On a connection to an agent that speaks protocol version 3, every consuming chec
 lease; when a concurrency rule holds it, the lease is released (the same attributes, cost and lease,
 mode release) once the response's last body part is sent, or the app returns or raises without one
 (a client gone mid-response, an abandoned stream), in a task of its own, so that neither the
-response nor a cancelled request holds it back.
+response nor a cancelled request holds it back. A check whose answer is not the agent's (it timed
+out, or the agent went away mid-call), or whose request is cancelled while it waits, may have taken
+its lease all the same: its release is sent at once, without waiting for an answer (logged at debug
+if it cannot be sent).
 
 Example::
 
@@ -62,6 +65,7 @@ from ._common import (
     charge_taken,
     header_text,
     rate_limit_headers,
+    release_unanswered,
     releases,
     request_check,
     rejection_body,
@@ -296,10 +300,19 @@ class FloodgateMiddleware:
             client = await self._get_client()
             attributes = with_lease(attributes, getattr(client, "protocol_version", None))
             try:
-                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
-            except UnsupportedByAgent as e:
-                attributes = without_lease(e, attributes)
-                decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+                try:
+                    decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+                except UnsupportedByAgent as e:
+                    attributes = without_lease(e, attributes)
+                    decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+            except asyncio.CancelledError:
+                # The request went away with its check in flight: the agent may take the lease.
+                release_unanswered(client, attributes)
+                raise
+            if not decision.from_agent:
+                # Late or lost: the agent may have taken the lease all the same (nothing held when
+                # it answered; else the release is owed below).
+                release_unanswered(client, attributes)
         except FloodgateError as e:
             # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
             # rules matched), not something a client can cause: the request passes.

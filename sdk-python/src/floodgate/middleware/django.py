@@ -24,7 +24,8 @@ its callable returns) when the server closes the response (Django's end of reque
 or Django's ASGI handler once the body is sent or the client is gone), a blocking call bounded by the
 client's timeout after the client has the body. On a connection to an agent that speaks protocol
 version 3, a concurrency rule's lease taken by the request is released at the same moment, or at
-once when the view raises past Django's own error handling.
+once when the view raises past Django's own error handling; the lease of a check whose answer is not
+the agent's (late, or the agent gone) is released at once, without waiting for an answer.
 """
 
 from __future__ import annotations

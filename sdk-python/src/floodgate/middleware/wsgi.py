@@ -15,7 +15,9 @@ thread, bounded by the client's timeout (10 ms by default), after the client has
 On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
 lease; when a concurrency rule holds it, the lease is released at the same moment (``close()``: the
 body written, the client gone, or an error while iterating it), or at once when the app raises
-instead of returning a body.
+instead of returning a body. A check whose answer is not the agent's (it timed out, or the agent went
+away mid-call) may have taken its lease all the same: its release is sent at once, without waiting
+for an answer (logged at debug if it cannot be sent).
 
 Example::
 
