@@ -115,18 +115,8 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
         } else {
             format!("/v1/rules?version={held}")
         };
-        let call = http::request(
-            &config.url,
-            "GET",
-            &path,
-            config.token.as_deref(),
-            &[],
-            None,
-            config.watch + Duration::from_secs(5),
-        );
-        let outcome = tokio::select! {
-            r = call => r,
-            _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
+        let Some(outcome) = pull(&config, &path, &mut shutdown).await else {
+            return;
         };
         let wait = match outcome {
             Ok(r) if r.status == 200 => match serde_json::from_slice::<Snapshot>(&r.body) {
@@ -150,14 +140,7 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
                 tracing::warn!(status = r.status, body = %String::from_utf8_lossy(&r.body), "the rules service refused the pull; keeping the rule set in force");
                 Some(config.poll)
             }
-            Err(e) => {
-                failures += 1;
-                if failures == 1 || failures % 30 == 0 {
-                    tracing::warn!(error = %e, failures, "rules service unreachable; keeping the rule set in force");
-                }
-                // Retry soon at first, then at the poll interval.
-                Some(config.poll.min(Duration::from_millis(200) * failures.min(50)))
-            }
+            Err(e) => Some(unreachable(&config, &mut failures, &e, "the rule set")),
         };
         let wait = match (wait, watch_s) {
             (Some(w), _) => w,
@@ -165,13 +148,52 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
             (None, 0) => config.poll,
             (None, _) => Duration::ZERO,
         };
-        if !wait.is_zero() {
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
-            }
+        if !pause(wait, &mut shutdown).await {
+            return;
         }
     }
+}
+
+/// One `GET path` from the service, held up to the watch time; none once `shutdown` turns.
+pub(crate) async fn pull(
+    config: &FollowConfig,
+    path: &str,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<Result<http::Response, String>> {
+    let call = http::request(
+        &config.url,
+        "GET",
+        path,
+        config.token.as_deref(),
+        &[],
+        None,
+        config.watch + Duration::from_secs(5),
+    );
+    tokio::select! {
+        r = call => Some(r),
+        _ = floodgate_core::tasks::stopped(shutdown) => None,
+    }
+}
+
+/// Waits `wait` (nothing for zero); false once `shutdown` turns.
+pub(crate) async fn pause(wait: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {
+    if wait.is_zero() {
+        return true;
+    }
+    tokio::select! {
+        _ = tokio::time::sleep(wait) => true,
+        _ = floodgate_core::tasks::stopped(shutdown) => false,
+    }
+}
+
+/// The wait after the service could not be reached (counted in `failures`; warned about the first
+/// time and every 30th, keeping `what` in force): soon at first, then the poll interval.
+pub(crate) fn unreachable(config: &FollowConfig, failures: &mut u32, error: &str, what: &str) -> Duration {
+    *failures += 1;
+    if *failures == 1 || *failures % 30 == 0 {
+        tracing::warn!(error = %error, failures = *failures, "rules service unreachable; keeping {what} in force");
+    }
+    config.poll.min(Duration::from_millis(200) * (*failures).min(50))
 }
 
 #[cfg(test)]

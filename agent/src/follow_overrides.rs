@@ -11,10 +11,9 @@ use tokio::sync::watch;
 
 use floodgate_core::engine::Engine;
 use floodgate_core::overrides::OverrideChange;
-use floodgate_rules_service::http;
 use floodgate_rules_service::service::ServiceState;
 
-use crate::follow::FollowConfig;
+use crate::follow::{pause, pull, unreachable, FollowConfig};
 
 /// The wire shape of `GET /v1/overrides`.
 #[derive(Debug, Deserialize)]
@@ -61,18 +60,8 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
         let held = engine.overrides().version();
         let watch_s = config.watch.as_secs();
         let path = format!("/v1/overrides?since={held}&watch={watch_s}");
-        let call = http::request(
-            &config.url,
-            "GET",
-            &path,
-            config.token.as_deref(),
-            &[],
-            None,
-            config.watch + Duration::from_secs(5),
-        );
-        let outcome = tokio::select! {
-            r = call => r,
-            _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
+        let Some(outcome) = pull(&config, &path, &mut shutdown).await else {
+            return;
         };
         let wait = match outcome {
             Ok(r) if r.status == 200 => match serde_json::from_slice::<Changes>(&r.body) {
@@ -101,19 +90,10 @@ pub async fn follow(engine: Arc<Engine>, config: FollowConfig, mut shutdown: wat
                 );
                 config.poll
             }
-            Err(e) => {
-                failures += 1;
-                if failures == 1 || failures % 30 == 0 {
-                    tracing::warn!(error = %e, failures, "rules service unreachable; keeping the overrides in force");
-                }
-                config.poll.min(Duration::from_millis(200) * failures.min(50))
-            }
+            Err(e) => unreachable(&config, &mut failures, &e, "the overrides"),
         };
-        if !wait.is_zero() {
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {}
-                _ = floodgate_core::tasks::stopped(&mut shutdown) => return,
-            }
+        if !pause(wait, &mut shutdown).await {
+            return;
         }
     }
 }
