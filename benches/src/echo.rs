@@ -59,6 +59,7 @@ fn answer(id: u32, out: &mut Vec<u8>) {
         items: vec![ItemDecision {
             rule_id: "bench".into(),
             verdict: v,
+            window_ms: 0,
         }],
     };
     Frame::new(id, Body::Decision(d))

@@ -20,6 +20,8 @@ const FORM_ATTRIBUTES: u8 = 1;
 const FORM_ITEMS_MODES: u8 = 2;
 const FORM_ATTRIBUTES_MODE: u8 = 3;
 const LIST_TRUNCATED: u8 = 0b01;
+/// The version whose Decision carries each item's rule window.
+const WINDOWS: u8 = 4;
 
 impl Frame {
     /// A frame.
@@ -27,8 +29,16 @@ impl Frame {
         Frame { request_id, body }
     }
 
-    /// Appends the encoded frame to `out`. Fails, writing nothing, if the frame breaks a limit.
+    /// Appends the encoded frame to `out`, each kind in the newest form it has. Fails, writing
+    /// nothing, if the frame breaks a limit.
     pub fn encode(&self, out: &mut Vec<u8>) -> Result<(), EncodeError> {
+        self.encode_for(out, VERSION)
+    }
+
+    /// `encode` for a peer that negotiated `peer_version`: a Decision whose items carry rule windows
+    /// is written in version 4's form only to a peer of version 4 or later (to an older one, without
+    /// them); with no window to carry, in version 1's form, which every peer reads.
+    pub fn encode_for(&self, out: &mut Vec<u8>, peer_version: u8) -> Result<(), EncodeError> {
         match &self.body {
             Body::Check(check) => check
                 .validate()
@@ -49,12 +59,15 @@ impl Frame {
             // Each frame carries the version that introduced its kind, so a version-1 peer reads
             // every frame it knows.
             Body::FailModes | Body::FailModeList(_) => 2,
+            Body::Decision(ref d) if peer_version >= WINDOWS && d.items.iter().any(|i| i.window_ms > 0) => {
+                WINDOWS
+            }
             _ => 1,
         };
         out.push(version);
         out.push(self.kind());
         out.extend_from_slice(&self.request_id.to_be_bytes());
-        self.encode_body(out);
+        self.encode_body(out, version >= WINDOWS);
         let len = out.len() - start;
         if len > MAX_FRAME {
             out.truncate(start);
@@ -86,7 +99,7 @@ impl Frame {
         }
     }
 
-    fn encode_body(&self, out: &mut Vec<u8>) {
+    fn encode_body(&self, out: &mut Vec<u8>, windows: bool) {
         match &self.body {
             Body::Hello {
                 min_version,
@@ -130,6 +143,9 @@ impl Frame {
                 for item in &d.items {
                     put_str8(out, &item.rule_id);
                     put_verdict(out, &item.verdict);
+                    if windows {
+                        out.extend_from_slice(&item.window_ms.to_be_bytes());
+                    }
                 }
             }
             Body::Error(e) => {
@@ -204,7 +220,7 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
         buf: &buf[LEN_PREFIX + HEADER..frame_len],
         bad_text: None,
     };
-    let body = match decode_body(frame_kind, &mut r) {
+    let body = match decode_body(frame_kind, version, &mut r) {
         Ok(body) => body,
         Err(Problem::Malformed(reason)) => {
             return Err(DecodeError::Fatal {
@@ -233,7 +249,7 @@ enum Problem {
     Invalid(String),
 }
 
-fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
+fn decode_body(frame_kind: u8, version: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
     Ok(match frame_kind {
         kind::HELLO => Body::Hello {
             min_version: r.u8()?,
@@ -307,7 +323,12 @@ fn decode_body(frame_kind: u8, r: &mut Reader<'_>) -> Result<Body, Problem> {
             for _ in 0..n {
                 let rule_id = r.str8()?;
                 let verdict = r.verdict()?;
-                items.push(ItemDecision { rule_id, verdict });
+                let window_ms = if version >= WINDOWS { r.u64()? } else { 0 };
+                items.push(ItemDecision {
+                    rule_id,
+                    verdict,
+                    window_ms,
+                });
             }
             Body::Decision(Decision { combined, items })
         }

@@ -324,6 +324,11 @@ pub struct ItemDecision {
     pub rule_id: CompactString,
     /// Its verdict.
     pub verdict: Verdict,
+    /// The rule's window in ms (version 4; 0 from an older peer): a sliding window's or token
+    /// bucket's `windowSeconds`, a quota's current period (a day of 23 to 25 hours across a DST
+    /// change, a month of 28 to 31 days); 0 for a concurrency rule, which has none. The IETF
+    /// `RateLimit-Policy` header's `w`.
+    pub window_ms: u64,
 }
 
 /// The answer to a check.

@@ -15,6 +15,9 @@ pub struct HeaderFigures<'a> {
     pub remaining: u64,
     /// Unix ms at which the key is back to its full limit.
     pub reset_at_ms: u64,
+    /// The rule's window in ms (`RateLimit-Policy`'s `w`, in whole seconds rounded up); 0 for none
+    /// (a concurrency rule, or an agent of protocol version 3 or older).
+    pub window_ms: u64,
 }
 
 /// `X-RateLimit-Limit`, `X-RateLimit-Remaining` and `X-RateLimit-Reset` (epoch seconds, rounded up),
@@ -29,7 +32,11 @@ pub fn rate_limit_headers(f: HeaderFigures<'_>, ietf: bool, now_ms: u64) -> Vec<
     if ietf {
         // Rule ids are [A-Za-z0-9_.:-], safe in a quoted string.
         let t = f.reset_at_ms.saturating_sub(now_ms).div_ceil(1_000);
-        h.push(("ratelimit-policy", format!("\"{}\";q={}", f.rule, f.limit)));
+        let policy = match f.window_ms {
+            0 => format!("\"{}\";q={}", f.rule, f.limit),
+            w => format!("\"{}\";q={};w={}", f.rule, f.limit, w.div_ceil(1_000)),
+        };
+        h.push(("ratelimit-policy", policy));
         h.push(("ratelimit", format!("\"{}\";r={};t={t}", f.rule, f.remaining)));
     }
     h
@@ -42,19 +49,13 @@ pub fn binding_rule(
     limit: u64,
     remaining: u64,
     reset_at_ms: u64,
-) -> Option<&str> {
+) -> Option<&crate::ItemDecision> {
     if limit == 0 {
         return None;
     }
-    items
-        .iter()
-        .filter(|i| !i.verdict.log_only)
-        .find(|i| {
-            i.verdict.limit == limit
-                && i.verdict.remaining == remaining
-                && i.verdict.reset_at_ms == reset_at_ms
-        })
-        .map(|i| i.rule_id.as_str())
+    items.iter().filter(|i| !i.verdict.log_only).find(|i| {
+        i.verdict.limit == limit && i.verdict.remaining == remaining && i.verdict.reset_at_ms == reset_at_ms
+    })
 }
 
 /// `Retry-After` in whole seconds: rounded up, never 0 (a client told 0 retries at once).
@@ -106,10 +107,21 @@ mod tests {
             limit: 10,
             remaining: 3,
             reset_at_ms: 2_001,
+            window_ms: 0,
         };
         let h = rate_limit_headers(f, true, 1_000);
         assert_eq!(h[2], ("x-ratelimit-reset", "3".to_string()));
+        assert_eq!(h[3], ("ratelimit-policy", "\"r\";q=10".to_string()));
         assert_eq!(h[4], ("ratelimit", "\"r\";r=3;t=2".to_string()));
+        // A window in whole seconds, rounded up (a 500 ms window is w=1, never w=0).
+        let windowed = |window_ms| {
+            rate_limit_headers(HeaderFigures { window_ms, ..f }, true, 1_000)[3]
+                .1
+                .clone()
+        };
+        assert_eq!(windowed(60_000), "\"r\";q=10;w=60");
+        assert_eq!(windowed(500), "\"r\";q=10;w=1");
+        assert_eq!(windowed(2_678_400_000), "\"r\";q=10;w=2678400");
         assert_eq!(retry_after_seconds(0), 1);
         assert_eq!(retry_after_seconds(1_001), 2);
     }

@@ -1,8 +1,8 @@
 //! Protocol constants: the version, frame kinds and the size limits every peer enforces.
 
 /// The highest protocol version this crate speaks (2: the fail-mode list and item modes; 3: leases
-/// and releases of concurrency rules).
-pub const VERSION: u8 = 3;
+/// and releases of concurrency rules; 4: each decided item's rule window).
+pub const VERSION: u8 = 4;
 
 /// The lowest protocol version this crate speaks.
 pub const MIN_VERSION: u8 = 1;

@@ -85,16 +85,17 @@ fn body() -> impl Strategy<Value = Body> {
             ),
         (
             verdict(),
-            proptest::collection::vec((rule_id(), verdict()), 0..=16)
+            proptest::collection::vec((rule_id(), verdict(), any::<u64>()), 0..=16)
         )
             .prop_map(|(combined, items)| {
                 Body::Decision(Decision {
                     combined,
                     items: items
                         .into_iter()
-                        .map(|(rule_id, verdict): (String, _)| ItemDecision {
+                        .map(|(rule_id, verdict, window_ms): (String, _, _)| ItemDecision {
                             rule_id: rule_id.into(),
                             verdict,
+                            window_ms,
                         })
                         .collect(),
                 })

@@ -51,6 +51,15 @@ fn frames() -> Vec<(&'static str, Frame)> {
         holds_lease: true,
         ..verdict(true, false, Source::Redis, 4, 2, 1_700_000_060_000, 0)
     };
+    let monthly = verdict(
+        true,
+        false,
+        Source::Redis,
+        10_000_000,
+        9_999_000,
+        1_704_067_200_000,
+        0,
+    );
     vec![
         (
             "hello",
@@ -105,6 +114,7 @@ fn frames() -> Vec<(&'static str, Frame)> {
                     items: vec![ItemDecision {
                         rule_id: "api".into(),
                         verdict: allowed,
+                        window_ms: 0,
                     }],
                 }),
             ),
@@ -119,10 +129,12 @@ fn frames() -> Vec<(&'static str, Frame)> {
                         ItemDecision {
                             rule_id: "login".into(),
                             verdict: denied,
+                            window_ms: 0,
                         },
                         ItemDecision {
                             rule_id: "ip-dry-run".into(),
                             verdict: dry,
+                            window_ms: 0,
                         },
                     ],
                 }),
@@ -207,7 +219,41 @@ fn frames() -> Vec<(&'static str, Frame)> {
                     items: vec![ItemDecision {
                         rule_id: "gpu-slots".into(),
                         verdict: lease,
+                        window_ms: 0,
                     }],
+                }),
+            ),
+        ),
+        (
+            "hello_v4",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 4,
+                },
+            ),
+        ),
+        ("hello_ok_v4", Frame::new(0, Body::HelloOk { version: 4 })),
+        (
+            "decision_windows",
+            Frame::new(
+                17,
+                Body::Decision(Decision {
+                    combined: allowed,
+                    items: vec![
+                        ItemDecision {
+                            rule_id: "api".into(),
+                            verdict: allowed,
+                            window_ms: 60_000,
+                        },
+                        ItemDecision {
+                            rule_id: "monthly".into(),
+                            verdict: monthly,
+                            // December 2023 in UTC: 31 days.
+                            window_ms: 2_678_400_000,
+                        },
+                    ],
                 }),
             ),
         ),
@@ -294,6 +340,26 @@ fn every_vector_encodes_and_decodes_exactly() {
         assert_eq!(back, frame, "decoding of {name}");
         assert_eq!(used, bytes.len());
     }
+}
+
+#[test]
+fn windows_go_only_to_a_peer_of_version_4() {
+    let (_, frame) = frames()
+        .into_iter()
+        .find(|(n, _)| *n == "decision_windows")
+        .expect("the vector");
+    let mut old = Vec::new();
+    frame.encode_for(&mut old, 3).unwrap();
+    assert_eq!(old[4], 1, "a version-3 peer gets version 1's decision");
+    let (back, _) = decode(&old).unwrap();
+    let Body::Decision(d) = back.body else {
+        panic!("a decision")
+    };
+    assert!(d.items.iter().all(|i| i.window_ms == 0));
+    let mut new = Vec::new();
+    frame.encode_for(&mut new, 4).unwrap();
+    assert_eq!(new, vector("decision_windows"));
+    assert_eq!(new.len(), old.len() + 2 * 8, "a u64 per item");
 }
 
 #[test]

@@ -91,6 +91,7 @@ impl Decision {
                 reset_at_ms: self.reset_at_ms,
                 retry_after_ms: self.retry_after_ms.unwrap_or(0),
             },
+            window_ms: 0,
         }];
         self
     }

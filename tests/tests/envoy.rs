@@ -696,6 +696,8 @@ async fn a_descriptor_limit_override_applies_where_the_rule_allows_it() {
         .rules(RULES)
         .arg("--grpc")
         .arg("127.0.0.1:0")
+        .arg("--grpc-headers")
+        .arg("both")
         .start()
         .await;
     let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
@@ -721,6 +723,11 @@ async fn a_descriptor_limit_override_applies_where_the_rule_allows_it() {
             (2, Unit::Hour as i32),
             "the descriptor's own limit"
         );
+        assert_eq!(
+            header(&r, "ratelimit-policy"),
+            Some("\"open\";q=2;w=3600"),
+            "the override's window"
+        );
     }
     let r = client
         .should_rate_limit(with_limit("tenant", 2, Unit::Hour))
@@ -733,6 +740,18 @@ async fn a_descriptor_limit_override_applies_where_the_rule_allows_it() {
         .await
         .unwrap();
     assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().requests_per_unit, 5);
+    // Its window is this month's length in UTC (28 to 31 days), as its reset is the month's end.
+    let month = floodgate_core::rules::RuleSet::parse(
+        r#"{"rules":[{"id":"m","dimension":"user","limit":5,"algorithm":"quota","period":"month"}]}"#,
+    )
+    .unwrap()
+    .get("m")
+    .unwrap()
+    .quota_period(floodgate_core::store::Clock::System.now_ms());
+    assert_eq!(
+        header(&r, "ratelimit-policy").map(str::to_string),
+        Some(format!("\"open\";q=5;w={}", (month.1 - month.0) / 1_000))
+    );
     // The rule without limitOverride keeps its own limit.
     let r = client
         .should_rate_limit(with_limit("user", 2, Unit::Hour))

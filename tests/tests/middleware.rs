@@ -197,7 +197,7 @@ async fn ietf_headers_peer_address_from_axum_and_fail_open() {
     let post = || floodgate_rules_service::http::request(&url, "POST", "/login", None, &[], None, t);
     let first = post().await.unwrap();
     assert_eq!(first.status, 200);
-    assert_eq!(first.header("ratelimit-policy"), Some("\"login\";q=2"));
+    assert_eq!(first.header("ratelimit-policy"), Some("\"login\";q=2;w=60"));
     let rl = first.header("ratelimit").unwrap_or_default().to_string();
     assert!(rl.starts_with("\"login\";r=1;t="), "{rl}");
     assert_eq!(post().await.unwrap().status, 200);

@@ -35,7 +35,7 @@ async fn a_monthly_quota_across_four_agents_admits_exactly_its_count() {
         clients.push(Arc::new(patient_client(a.socket()).await));
     }
     let rule = RuleSet::parse(RULES).unwrap().get("monthly").unwrap().clone();
-    let (_, month_end) = rule.quota_period(floodgate_core::store::Clock::System.now_ms());
+    let (month_start, month_end) = rule.quota_period(floodgate_core::store::Clock::System.now_ms());
     let admitted = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for i in 0..64 {
@@ -48,6 +48,8 @@ async fn a_monthly_quota_across_four_agents_admits_exactly_its_count() {
                     .await
                     .unwrap();
                 assert!(d.from_agent_answer(), "{d:?}");
+                // The window a v4 decision names: this month in New York, its exact length.
+                assert_eq!(d.items[0].window_ms, month_end - month_start, "{d:?}");
                 if d.allowed {
                     admitted.fetch_add(1, Ordering::Relaxed);
                 } else {

@@ -256,9 +256,10 @@ impl EnvoyService {
         let mut headers = Vec::new();
         if self.headers != GrpcHeaders::None {
             let c = &d.combined;
-            if let Some(rule) = binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms) {
+            if let Some(binding) = binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms) {
                 let figures = HeaderFigures {
-                    rule,
+                    rule: &binding.rule_id,
+                    window_ms: binding.window_ms,
                     limit: c.limit,
                     remaining: c.remaining,
                     reset_at_ms: c.reset_at_ms,

@@ -84,6 +84,8 @@ pub async fn connection<R, W>(
     tokio::pin!(timer);
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
     let mut pending = FuturesUnordered::new();
+    // The version the client's Hello settled (1 without one): what its decisions may carry.
+    let mut peer: u8 = 1;
     let mut closing = false;
     // The Error to send last when the stream broke: in-flight checks are answered first, since their
     // costs may already be committed.
@@ -147,10 +149,10 @@ pub async fn connection<R, W>(
         tokio::select! {
             biased;
             Some((id, result)) = pending.next(), if !pending.is_empty() => {
-                answer(&mut out, id, result);
+                answer(&mut out, id, result, peer);
                 // Collect whatever else is ready so one write carries many answers.
                 while let Some(Some((id, result))) = futures::FutureExt::now_or_never(pending.next()) {
-                    answer(&mut out, id, result);
+                    answer(&mut out, id, result, peer);
                 }
             }
             read = rd.read_buf(&mut inbuf), if !closing && pending.len() < MAX_IN_FLIGHT => {
@@ -159,7 +161,7 @@ pub async fn connection<R, W>(
                     Ok(_) => {
                         let now = Instant::now();
                         last_read = now;
-                        match process(&mut inbuf, &mut out, &mut pending, &engine, now) {
+                        match process(&mut inbuf, &mut out, &mut pending, &engine, now, &mut peer) {
                             Err(bytes) => {
                                 fatal = Some(bytes);
                                 closing = true;
@@ -258,13 +260,14 @@ fn process(
     pending: &mut Pending,
     engine: &Arc<Engine>,
     received: Instant,
+    peer: &mut u8,
 ) -> Result<usize, Vec<u8>> {
     let mut pos = 0;
     let result = loop {
         match decode(&inbuf[pos..]) {
             Ok((frame, used)) => {
                 pos += used;
-                handle(frame, out, pending, engine, received);
+                handle(frame, out, pending, engine, received, peer);
             }
             Err(DecodeError::Incomplete) => break Ok(pos),
             Err(DecodeError::Rejected {
@@ -298,7 +301,14 @@ fn process(
     result
 }
 
-fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<Engine>, received: Instant) {
+fn handle(
+    frame: Frame,
+    out: &mut Vec<u8>,
+    pending: &mut Pending,
+    engine: &Arc<Engine>,
+    received: Instant,
+    peer: &mut u8,
+) {
     let id = frame.request_id;
     match frame.body {
         Body::Check(check) => {
@@ -315,7 +325,7 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
                     if let Some(start) = start {
                         floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
                     }
-                    answer(out, id, result)
+                    answer(out, id, result, *peer)
                 }
                 Answer::Pending(answer) => pending.push(InFlight {
                     id,
@@ -332,6 +342,7 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
             // The highest version both speak.
             let version = max_version.min(VERSION);
             if version >= min_version.max(MIN_VERSION) {
+                *peer = version;
                 encode(out, Frame::new(id, Body::HelloOk { version }));
             } else {
                 error(
@@ -358,9 +369,9 @@ fn handle(frame: Frame, out: &mut Vec<u8>, pending: &mut Pending, engine: &Arc<E
     }
 }
 
-fn answer(out: &mut Vec<u8>, id: u32, result: Result<floodgate_protocol::Decision, ErrorBody>) {
+fn answer(out: &mut Vec<u8>, id: u32, result: Result<floodgate_protocol::Decision, ErrorBody>, peer: u8) {
     match result {
-        Ok(d) => encode(out, Frame::new(id, Body::Decision(d))),
+        Ok(d) => encode_for(out, Frame::new(id, Body::Decision(d)), peer),
         Err(e) => encode(out, Frame::new(id, Body::Error(e))),
     }
 }
@@ -370,7 +381,12 @@ pub(super) fn error(out: &mut Vec<u8>, id: u32, code: ErrorCode, message: String
 }
 
 fn encode(out: &mut Vec<u8>, frame: Frame) {
-    if let Err(e) = frame.encode(out) {
+    encode_for(out, frame, 1);
+}
+
+/// Encodes a frame in the form a peer of version `peer` reads.
+fn encode_for(out: &mut Vec<u8>, frame: Frame, peer: u8) {
+    if let Err(e) = frame.encode_for(out, peer) {
         // Only a decision with more items than the protocol allows can fail; the engine caps items
         // at MAX_ITEMS, so this is a bug: say so to the client instead of dropping the request.
         tracing::error!(error = %e, "could not encode an answer");

@@ -664,6 +664,7 @@ fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -
                 reset_at_ms: o.reset_at_ms,
                 retry_after_ms: o.retry_after_ms,
             },
+            window_ms: p.rule.policy_window_ms(o.reset_at_ms),
         })
         .collect();
     // What decides the check: its consume items; a check without any, its peeks (a charge or a

@@ -318,6 +318,20 @@ impl Rule {
         }
     }
 
+    /// The window a decision names (`RateLimit-Policy`'s `w`), in ms: `windowSeconds`; a quota's
+    /// period that ends at `reset_at_ms` (its answers reset at their period's end), so a month is 28
+    /// to 31 days and a day across a DST change 23 or 25 hours; 0 for a concurrency rule.
+    pub fn policy_window_ms(&self, reset_at_ms: u64) -> u64 {
+        match self.algorithm {
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => self.window_ms(),
+            Algorithm::Concurrency => 0,
+            Algorithm::Quota => {
+                let (start, end) = self.quota_period(reset_at_ms.saturating_sub(1));
+                end.saturating_sub(start)
+            }
+        }
+    }
+
     /// The token-bucket capacity.
     pub fn burst(&self) -> u64 {
         self.burst.unwrap_or(self.limit).get()
@@ -690,6 +704,43 @@ mod tests {
         let (a, b) = (RuleSet::parse(toml).unwrap(), RuleSet::parse(json).unwrap());
         assert_eq!(a.get("a"), b.get("a"));
         assert_eq!(a.get("a").unwrap().window_ms(), 1000);
+    }
+
+    #[test]
+    fn a_decision_names_its_window_and_a_quota_its_own_period() {
+        let set = RuleSet::parse(
+            r#"{"rules":[
+              {"id":"w","dimension":"ip","limit":5,"windowSeconds":0.5},
+              {"id":"c","dimension":"ip","limit":5,"algorithm":"concurrency","leaseSeconds":30},
+              {"id":"d","dimension":"ip","limit":5,"algorithm":"quota","period":"day","timezone":"America/New_York"},
+              {"id":"m","dimension":"ip","limit":5,"algorithm":"quota","period":"month"}
+            ]}"#,
+        )
+        .unwrap();
+        let window = |id: &str, reset: &str| {
+            let reset = chrono::DateTime::parse_from_rfc3339(reset)
+                .unwrap()
+                .timestamp_millis() as u64;
+            set.get(id).unwrap().policy_window_ms(reset)
+        };
+        const HOUR: u64 = 3_600_000;
+        assert_eq!(window("w", "2024-03-10T12:00:00Z"), 500);
+        assert_eq!(
+            window("c", "2024-03-10T12:00:00Z"),
+            0,
+            "a concurrency rule has no window"
+        );
+        // New York's 10 March 2024 lost an hour, its 3 November gained one; the answers of a day
+        // reset at its end (local midnight).
+        assert_eq!(window("d", "2024-03-11T00:00:00-04:00"), 23 * HOUR);
+        assert_eq!(window("d", "2024-11-04T00:00:00-05:00"), 25 * HOUR);
+        assert_eq!(window("d", "2024-06-02T00:00:00-04:00"), 24 * HOUR);
+        assert_eq!(
+            window("m", "2024-03-01T00:00:00Z"),
+            29 * 24 * HOUR,
+            "February of a leap year"
+        );
+        assert_eq!(window("m", "2024-01-01T00:00:00Z"), 31 * 24 * HOUR);
     }
 
     #[test]

@@ -7,11 +7,12 @@ use crate::Decision;
 
 /// The headers for a decision (none when no enforced rule applied).
 pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderName, HeaderValue)> {
-    let Some(rule) = binding_rule(d) else {
+    let Some(binding) = binding_rule(d) else {
         return Vec::new();
     };
     let figures = floodgate_protocol::http::HeaderFigures {
-        rule,
+        rule: &binding.rule_id,
+        window_ms: binding.window_ms,
         limit: d.limit,
         remaining: d.remaining,
         reset_at_ms: d.reset_at_ms,
@@ -23,7 +24,7 @@ pub fn rate_limit_headers(d: &Decision, ietf: bool, now_ms: u64) -> Vec<(HeaderN
 }
 
 /// The enforced rule whose figures the decision carries, if any.
-fn binding_rule(d: &Decision) -> Option<&str> {
+fn binding_rule(d: &Decision) -> Option<&floodgate_protocol::ItemDecision> {
     floodgate_protocol::http::binding_rule(&d.items, d.limit, d.remaining, d.reset_at_ms)
 }
 
