@@ -65,7 +65,7 @@ async fn the_agent_speaks_both_versions_and_lists_its_closed_rules() {
     );
     conn.send(&hello(1, 3)).await.unwrap();
     assert_eq!(conn.recv().await.unwrap().body, Frame_::HelloOk { version: 3 });
-    conn.send(&hello(4, 9)).await.unwrap();
+    conn.send(&hello(5, 9)).await.unwrap();
     assert!(matches!(conn.recv().await.unwrap().body, Frame_::Error(_)));
 
     conn.send(&Frame::new(5, Frame_::FailModes)).await.unwrap();
@@ -99,6 +99,29 @@ async fn the_agent_speaks_both_versions_and_lists_its_closed_rules() {
         d.to_bytes().unwrap()
     };
     assert_eq!(bytes[4], 1, "a decision carries version byte 1");
+    let window = |d: Frame| match d.body {
+        Frame_::Decision(d) => d.items[0].window_ms,
+        other => panic!("not a decision: {other:?}"),
+    };
+    assert_eq!(
+        window(d_for(&mut conn, 7).await),
+        0,
+        "no window for a version-3 client"
+    );
+
+    // A version-4 client is told each rule's window.
+    conn.send(&hello(1, 4)).await.unwrap();
+    assert_eq!(conn.recv().await.unwrap().body, Frame_::HelloOk { version: 4 });
+    assert_eq!(window(d_for(&mut conn, 8).await), 60_000);
+}
+
+/// The decision for one more check of `search-per-ip`, under request id `id`.
+async fn d_for(conn: &mut RawConn, id: u32) -> Frame {
+    let check = Check::Items(vec![Item::new("ip:1", "search-per-ip", 1)]);
+    conn.send(&Frame::new(id, Frame_::Check(check))).await.unwrap();
+    let d = conn.recv().await.unwrap();
+    assert_eq!(d.request_id, id);
+    d
 }
 
 /// Waits until the client holds the agent's list of `n` fail-closed rules.
