@@ -13,7 +13,7 @@ from typing import Awaitable, Callable, Optional, TypeVar
 
 import pytest
 from conftest import unique
-from rules import CLIENT_RULES, FAIL_MODE_RULES, now_ms, window_reset_ms
+from rules import CLIENT_RULES, FAIL_MODE_RULES, WINDOW_S, now_ms, window_reset_ms
 
 from floodgate import AgentError, AsyncClient, Degraded, InvalidCheck, LocalLimit, Origin, Source
 
@@ -73,6 +73,7 @@ def test_allow_then_deny_with_figures(make_agent, store) -> None:  # noqa: ANN00
             assert d.reset_at_ms in (window_reset_ms(t0), window_reset_ms(t1))
             assert [i.rule_id for i in d.items] == ["r"]
             assert d.items[0].verdict.remaining == left
+            assert d.items[0].window_ms == WINDOW_S * 1000, "the rule's window (protocol version 4)"
         t0 = now_ms()
         d = await client.allow(key, "r", 1)
         assert not d.allowed and d.from_agent and (d.limit, d.remaining) == (3, 0)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 from conftest import eventually, unique
-from rules import LEASE_RULES, LEASE_SECONDS, now_ms
+from rules import LEASE_RULES, LEASE_SECONDS, WINDOW_S, now_ms
 
 from floodgate import (
     AsyncClient,
@@ -88,7 +88,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 def test_acquire_and_release_against_the_agent(make_agent, store, kind: str) -> None:  # noqa: ANN001
     agent = make_agent(LEASE_RULES, redis=store)
     with either(kind, agent.socket, timeout=2.0) as c:
-        assert c.protocol_version == 3
+        assert c.protocol_version == 4
         key = unique("user")
         t0 = now_ms()
         first, a = c.acquire(key, "slots")
@@ -298,6 +298,8 @@ def test_attribute_checks_carry_a_lease(make_agent, kind: str) -> None:  # noqa:
         assert d.allowed and d.holds_lease, d
         held = {i.rule_id: (i.holds_lease, i.verdict.remaining) for i in d.items}
         assert held == {"slots": (True, 1), "r": (False, 2)}, held
+        # Protocol version 4: the window's windowSeconds; a concurrency rule has no window.
+        assert {i.rule_id: i.window_ms for i in d.items} == {"slots": 0, "r": WINDOW_S * 1000}, d
         # Given back with the same attributes, cost and lease: the window is only peeked.
         d = c.check_attributes(endpoint="/items-only", user=user, lease=7, mode="release")
         assert {i.rule_id: i.verdict.remaining for i in d.items} == {"slots": 2, "r": 2}, d

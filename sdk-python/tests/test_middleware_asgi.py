@@ -168,7 +168,8 @@ def test_headers_costs_and_429s_over_http(make_agent) -> None:  # noqa: ANN001
     try:
         r = request(server.port, "POST", "/login", [("X-Forwarded-For", "9.9.9.9")])
         assert (r.status, r.num("x-ratelimit-remaining")) == (200, 1)
-        assert r.headers["ratelimit-policy"] == '"login";q=2'
+        # The login rule's hour-long window (MIDDLEWARE_RULES), from the agent's version-4 Decision.
+        assert r.headers["ratelimit-policy"] == '"login";q=2;w=3600'
         assert r.headers["ratelimit"].startswith('"login";r=1;t=')
         assert request(server.port, "POST", "/login").status == 200
         check_429(request(server.port, "POST", "/login"), limit=2)

@@ -1,8 +1,8 @@
 """The middleware's shared rules, as the Rust Layer's unit tests state them: X-Forwarded-For believed
 only from trusted proxies, IPv4-mapped addresses, routes without braces, Retry-After rounding, the
-binding rule's headers, wire-safe attribute values, the cost a response reports and when it is
-charged; and what only the Python servers need: a client address the server took from
-X-Forwarded-For, the WSGI path as apps route on it."""
+binding rule's headers (its window as RateLimit-Policy's w=), wire-safe attribute values, the cost a
+response reports and when it is charged; and what only the Python servers need: a client address
+the server took from X-Forwarded-For, the WSGI path as apps route on it."""
 
 from __future__ import annotations
 
@@ -163,6 +163,31 @@ def test_headers_come_from_the_binding_enforced_rule() -> None:
     # The SDK's own answers (fail open) carry none.
     fail_open = Decision(True, 0, 0, 5_000, None, Origin.FAIL_OPEN)
     assert rate_limit_headers(fail_open) == []
+
+
+def test_the_policy_names_the_binding_rules_window_in_whole_seconds_rounded_up() -> None:
+    api = verdict(True, False, 6, 5, 2_001)
+    dry = verdict(False, True, 1, 0, 9_000, 500)
+
+    def policy(window_ms: int, dry_window_ms: int = 30_000) -> str:
+        items = [ItemDecision("ip-dry-run", dry, dry_window_ms), ItemDecision("api", api, window_ms)]
+        h = dict(rate_limit_headers(agent_decision(api, items), ietf=True, now_ms=1_000))
+        assert h["ratelimit"] == '"api";r=5;t=2', "RateLimit is unchanged"
+        return h["ratelimit-policy"]
+
+    assert policy(60_000) == '"api";q=6;w=60'
+    assert policy(500) == '"api";q=6;w=1', "a 500 ms window is w=1, never w=0"
+    assert policy(1_001) == '"api";q=6;w=2'
+    assert policy(2_678_400_000) == '"api";q=6;w=2678400', "a 31-day month"
+    # No window (a concurrency rule, an agent older than version 4): no w=, whatever other items say.
+    assert policy(0) == '"api";q=6'
+    # The window is the binding rule's, not a log-mode rule's.
+    assert policy(3_600_000, dry_window_ms=1_000) == '"api";q=6;w=3600'
+    # Without ietf, no policy at all.
+    d = agent_decision(api, [ItemDecision("api", api, 60_000)])
+    assert [n for n, _ in rate_limit_headers(d, now_ms=1_000)] == [
+        "x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-reset"
+    ]
 
 
 def test_retry_after_is_whole_seconds_rounded_up_and_never_zero() -> None:

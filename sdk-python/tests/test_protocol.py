@@ -4,7 +4,7 @@ that never raises on any input, and version 2's fail-mode list (the page's endpo
 which checks a listed rule closes) and item modes (forms 2 and 3 only when an item does not consume,
 cost 0 only for a peek, an unknown mode refusing only its check), and version 3's leases and releases
 (the lease bit and its u64, mode release, the verdict's holds-lease flag, what version each check
-needs)."""
+needs), and version 4's rule windows (a Decision's layout read by its frame's version byte)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,8 @@ DENIED = Verdict(False, False, Source.CACHE, 5, 0, 1_700_000_060_000, 12_000)
 DRY = Verdict(False, True, Source.LOCAL, 600, 0, 1_700_000_030_000, 500)
 LEASE = 0x0123_4567_89AB_CDEF
 HELD = Verdict(True, False, Source.REDIS, 4, 2, 1_700_000_060_000, 0, holds_lease=True)
+MONTHLY = Verdict(True, False, Source.REDIS, 10_000_000, 9_999_000, 1_704_067_200_000, 0)
+DECEMBER_2023_MS = 31 * 86_400_000
 
 FRAMES = {
     "hello": Frame(0, Hello(1, 1)),
@@ -85,6 +87,12 @@ FRAMES = {
         15, Check(items=[Item.release("apikey:abc", "gpu-slots", 2, LEASE), Item.release("apikey:xyz", "gpu-slots", 1)])
     ),
     "check_attributes_lease": Frame(16, Check(attributes=Attributes(endpoint="/v1/chat", api_key="abc", cost=1, lease=42))),
+    "hello_v4": Frame(0, Hello(1, 4)),
+    "hello_ok_v4": Frame(0, HelloOk(4)),
+    "decision_windows": Frame(
+        17,
+        DecisionBody(ALLOWED, [ItemDecision("api", ALLOWED, 60_000), ItemDecision("monthly", MONTHLY, DECEMBER_2023_MS)]),
+    ),
     "fail_mode_list": Frame(
         11,
         FailModeList(
@@ -127,7 +135,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
     assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
-    assert p.HELLO_FRAME == vector("hello_v3")
+    assert p.HELLO_FRAME == vector("hello_v4")
     assert p.fail_modes_frame(11) == vector("fail_modes")
     modes = vector("check_modes")
     assert p.check_items_frame(12, [("user:123", "tokens", 0, "peek"), ("user:123", "llm", 1500, 2)]) == modes
@@ -142,7 +150,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
     # The client reads HelloOk of any version and the list; an agent never sends FailModes.
-    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "fail_mode_list"):
+    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "hello_ok_v4", "fail_mode_list"):
         data = vector(name)
         assert p.decode_reply(data, 0) == (1, (FRAMES[name].request_id, FRAMES[name].body), len(data))
     assert p.decode_reply(vector("fail_modes"), 0)[0] == 3
@@ -268,9 +276,9 @@ def test_decoding_rules() -> None:
     assert p.decode(v2) == Decoded(Frame(5, DecisionBody(ALLOWED, [])), len(v2))
     assert p.decode(_frame(0x09, 11, body, version=1)) == Decoded(FRAMES["fail_mode_list"], len(listed))
     # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
-    other_version = _frame(0x04, 5, verdict + b"\x00", version=4)
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=5)
     assert p.decode(other_version) == Rejected(
-        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 4; this peer speaks versions 1 to 3", len(other_version)
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 5; this peer speaks versions 1 to 4", len(other_version)
     )
     bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
     r = p.decode(bad_text)
@@ -527,3 +535,55 @@ def test_the_lease_bit_on_the_wire() -> None:
     for bad in (vector("check_acquire")[10:-1], vector("check_attributes_lease")[10:-8], vector("check_modes")[10:] + bytes(8)):
         r = p.decode(_frame(0x03, 1, bad))
         assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(" "), r)
+
+
+# --- version 4: rule windows ------------------------------------------------------------------------
+
+
+def test_a_decision_is_read_by_its_frames_version_byte() -> None:
+    # Version 1's layout: no window, read as 0, by both decoders.
+    for name in ("decision_allowed", "decision_denied", "decision_lease"):
+        data = vector(name)
+        assert data[4] == 1, name
+        r = p.decode(data)
+        assert isinstance(r, Decoded) and [it.window_ms for it in r.frame.body.items] == [0] * len(r.frame.body.items)
+        assert p.decode_reply(data, 0) == (1, (r.frame.request_id, r.frame.body), len(data))
+    # Version 4's: each item's window after its verdict, by both decoders.
+    data = vector("decision_windows")
+    assert data[4] == 4
+    body = FRAMES["decision_windows"].body
+    assert p.decode_reply(data, 0) == (1, (17, body), len(data))
+    assert [it.window_ms for it in body.items] == [60_000, 2_678_400_000]
+    # Versions 2 and 3 added no Decision field: their Decision is version 1's layout.
+    v1 = vector("decision_allowed")
+    for version in (2, 3):
+        data = v1[:4] + bytes((version,)) + v1[5:]
+        assert p.decode(data) == Decoded(FRAMES["decision_allowed"], len(data)), version
+        assert p.decode_reply(data, 0) == (1, (7, FRAMES["decision_allowed"].body), len(data)), version
+    # The same bytes under the other version byte: a window missing, or one too many (malformed).
+    windows = vector("decision_windows")
+    for bad in (v1[:4] + b"\x04" + v1[5:], windows[:4] + b"\x01" + windows[5:]):
+        r = p.decode(bad)
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(" "), r)
+        assert p.decode_reply(bad, 0)[0] == 3
+    # A window cut short.
+    short = _frame(0x04, 17, windows[10:-1], version=4)
+    assert isinstance(p.decode(short), Fatal) and p.decode_reply(short, 0)[0] == 3
+
+
+def test_windows_go_only_to_a_peer_of_version_4() -> None:
+    frame = FRAMES["decision_windows"]
+    old = p.encode(frame, peer_version=3)
+    assert old[4] == 1, "a version-3 peer gets version 1's decision"
+    assert len(old) + 2 * 8 == len(vector("decision_windows")), "a u64 per item"
+    r = p.decode(old)
+    assert isinstance(r, Decoded) and all(it.window_ms == 0 for it in r.frame.body.items)
+    assert p.encode(frame, peer_version=4) == p.encode(frame) == vector("decision_windows")
+    # No window to carry (no items, or only concurrency rules): still version 1's frame.
+    assert p.encode(FRAMES["decision_lease"]) == vector("decision_lease")
+    assert p.encode(Frame(5, DecisionBody(ALLOWED, [])))[4] == 1
+    # The largest window survives the trip.
+    top = Frame(18, DecisionBody(ALLOWED, [ItemDecision("api", ALLOWED, 2**64 - 1)]))
+    data = p.encode(top)
+    assert data[4] == 4 and p.decode(data) == Decoded(top, len(data))
+    assert p.decode_reply(data, 0) == (1, (18, top.body), len(data))

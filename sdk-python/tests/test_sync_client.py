@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import pytest
 from conftest import eventually, unique
-from rules import CLIENT_RULES, FAIL_MODE_RULES, now_ms, window_reset_ms
+from rules import CLIENT_RULES, FAIL_MODE_RULES, WINDOW_S, now_ms, window_reset_ms
 
 from floodgate import AgentError, Client, Decision, Degraded, InvalidCheck, Origin, Source
 
@@ -35,6 +35,7 @@ def test_allow_then_deny_with_figures(make_agent, store) -> None:  # noqa: ANN00
             assert d.allowed and d.origin is Origin.AGENT and (d.limit, d.remaining) == (3, left)
             assert d.source is (Source.REDIS if store else Source.LOCAL)
             assert d.reset_at_ms in (window_reset_ms(t0), window_reset_ms(t1))
+            assert [(i.rule_id, i.window_ms) for i in d.items] == [("r", WINDOW_S * 1000)], "protocol version 4"
         t0 = now_ms()
         d = client.allow(key, "r")
         assert not d.allowed and d.retry_after_ms is not None and 1 <= d.retry_after_ms <= d.reset_at_ms - t0

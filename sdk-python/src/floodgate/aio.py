@@ -252,7 +252,7 @@ class AsyncClient:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 3), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 4), ``None`` while there is
         no connection."""
         c = self._conn
         return c.version if self.is_connected() and c is not None else None

@@ -191,7 +191,7 @@ class Client:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 3), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 4), ``None`` while there is
         no connection."""
         return self._version if self._sock is not None else None
 

@@ -1,4 +1,4 @@
-"""Floodgate's wire protocol, versions 1 to 3: frames to bytes and bytes to frames.
+"""Floodgate's wire protocol, versions 1 to 4: frames to bytes and bytes to frames.
 
 ``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
 and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
@@ -17,9 +17,9 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, U
 from .errors import InvalidCheck
 from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
-VERSION = 3
+VERSION = 4
 """The highest protocol version this module speaks (2: the fail-mode list and item modes; 3: leases
-and releases of concurrency rules)."""
+and releases of concurrency rules; 4: each decided item's rule window)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -35,6 +35,9 @@ MAX_ATTRIBUTE = 256
 MAX_MESSAGE = 1024
 MAX_COST = 0xFFFF_FFFF
 VERDICT_LEN = 34
+WINDOWS = 4
+"""The version whose Decision frame carries each item's rule window (``window_ms u64`` after its
+verdict). A Decision's layout is read by its frame's version byte, not by the connection's."""
 
 
 class Kind(enum.IntEnum):
@@ -220,6 +223,10 @@ class ItemDecision:
 
     rule_id: str
     verdict: Verdict
+    window_ms: int = 0
+    """The rule's window in ms (version 4; 0 from an older agent): a sliding window's or token
+    bucket's ``windowSeconds`` (an override's, where the key has one), a calendar quota's current
+    period; 0 for a concurrency rule, which has none. The IETF ``RateLimit-Policy`` header's ``w``."""
 
     @property
     def holds_lease(self) -> bool:
@@ -400,6 +407,8 @@ _U32 = struct.Struct(">I")
 _VERDICT = struct.Struct(">BBQQQQ")
 _ERR = struct.Struct(">HH")
 _U64 = struct.Struct(">Q")
+_VERDICT_WINDOW = struct.Struct(">BBQQQQQ")
+"""A version-4 Decision item's verdict and its ``window_ms``."""
 _LIST_HEAD = struct.Struct(">QBH")
 _PREFIX_ITEMS = b"\x00"
 
@@ -505,9 +514,11 @@ def _verdict_bytes(v: Verdict) -> bytes:
     return _VERDICT.pack(flags, int(v.source), v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms)
 
 
-def encode(frame: Frame) -> bytes:
+def encode(frame: Frame, peer_version: int = VERSION) -> bytes:
     """The frame as bytes. Checks are validated (raises :class:`InvalidCheck`); the other kinds are
-    encoded as given (the agent-side kinds exist for tests and fake agents)."""
+    encoded as given (the agent-side kinds exist for tests and fake agents). A Decision whose items
+    carry a window is a version-4 frame for a ``peer_version`` of 4 or more (the default), else
+    version 1's form without the windows, as the agent writes it."""
     b = frame.body
     rid = frame.request_id
     if isinstance(b, Check):
@@ -520,11 +531,14 @@ def encode(frame: Frame) -> bytes:
     if isinstance(b, HelloOk):
         return _frame(Kind.HELLO_OK, rid, bytes((b.version,)))
     if isinstance(b, DecisionBody):
+        windows = peer_version >= WINDOWS and any(it.window_ms for it in b.items)
         parts = [_verdict_bytes(b.combined), bytes((len(b.items),))]
         for it in b.items:
             parts.append(_str8(it.rule_id))
             parts.append(_verdict_bytes(it.verdict))
-        return _frame(Kind.DECISION, rid, b"".join(parts))
+            if windows:
+                parts.append(_U64.pack(it.window_ms))
+        return _frame(Kind.DECISION, rid, b"".join(parts), WINDOWS if windows else 1)
     if isinstance(b, ErrorBody):
         return _frame(Kind.ERROR, rid, _STR16.pack(int(b.code)) + _str16(b.message, MAX_MESSAGE))
     if isinstance(b, Ping):
@@ -616,7 +630,7 @@ def check_version(frame: bytes) -> int:
 
 
 HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
-"""The Hello a client opens with: versions 1 to 3."""
+"""The Hello a client opens with: versions 1 to 4."""
 
 
 def fail_modes_frame(request_id: int) -> bytes:
@@ -721,16 +735,18 @@ class _Reader:
         return v
 
 
-def _body(kind: int, r: _Reader) -> Body:
+def _body(kind: int, version: int, r: _Reader) -> Body:
     if kind == Kind.DECISION:
         combined = r.verdict()
         n = r.u8()
         if n > MAX_ITEMS:
             raise _Malformed(f"a decision carries at most {MAX_ITEMS} items, not {n}")
+        windows = version >= WINDOWS
         items = []
         for _ in range(n):
             rule_id = r.str8()
-            items.append(ItemDecision(rule_id, r.verdict()))
+            verdict = r.verdict()
+            items.append(ItemDecision(rule_id, verdict, r.u64() if windows else 0))
         return DecisionBody(combined, items)
     if kind == Kind.ERROR:
         code = r.u16()
@@ -830,7 +846,7 @@ def decode(buf: Union[bytes, bytearray, memoryview], pos: int = 0) -> DecodeResu
         end = pos + frame_len
         r = _Reader(buf, pos + LEN_PREFIX + HEADER, end)
         try:
-            body = _body(kind, r)
+            body = _body(kind, version, r)
         except _Malformed as e:
             return Fatal(ErrorCode.MALFORMED_FRAME, rid, str(e))
         if r.pos != end:
@@ -870,28 +886,37 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
                 return (0, None, 0) if res is None else _slow(res)
         length, version, kind, rid = _HEAD.unpack_from(buf, pos)
         total = 4 + length
-        if kind == 4 and version == 1 and 45 <= total <= avail:
+        # Version 1's Decision, or version 4's (each item's window after its verdict).
+        if kind == 4 and (version == 1 or version == WINDOWS) and 45 <= total <= avail:
             end = pos + total
             flags, src, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, pos + 10)
             count = buf[pos + 44]
             off = pos + 45
             if flags < 8 and src < 4 and count <= MAX_ITEMS:
+                windows = version == WINDOWS
+                item_len = VERDICT_LEN + 8 if windows else VERDICT_LEN
                 items = []
                 for _ in range(count):
                     if off >= end:
                         break
                     n = buf[off]
                     off += 1
-                    if off + n + VERDICT_LEN > end:
+                    if off + n + item_len > end:
                         break
                     rule = bytes(buf[off : off + n]).decode("utf-8")
                     off += n
-                    f, s, li, re_, rs, rt = _VERDICT.unpack_from(buf, off)
+                    if windows:
+                        f, s, li, re_, rs, rt, w = _VERDICT_WINDOW.unpack_from(buf, off)
+                    else:
+                        f, s, li, re_, rs, rt = _VERDICT.unpack_from(buf, off)
+                        w = 0
                     if f >= 8 or s >= 4:
                         break
-                    off += VERDICT_LEN
+                    off += item_len
                     items.append(
-                        ItemDecision(rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt, bool(f & 4)))
+                        ItemDecision(
+                            rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt, bool(f & 4)), w
+                        )
                     )
                 else:
                     if off == end:
@@ -965,6 +990,7 @@ def parse_hex(text: str) -> bytes:
 __all__: Sequence[str] = [
     "VERSION",
     "MIN_VERSION",
+    "WINDOWS",
     "MAX_FRAME",
     "MAX_ITEMS",
     "MAX_KEY",

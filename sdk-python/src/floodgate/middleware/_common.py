@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from ..decision import Decision, FailPolicy, RareWarning
 from ..errors import UnsupportedByAgent
 from ..lease import new_lease_id, precaution_not_sent, release_failed, release_taken
-from ..protocol import _RULE_ID, Attributes, ItemMode, wire_safe
+from ..protocol import _RULE_ID, Attributes, ItemDecision, ItemMode, wire_safe
 
 log = logging.getLogger("floodgate")
 
@@ -273,24 +273,33 @@ def build_attributes(
     return Attributes(_safe(endpoint), _safe(tier), _safe(user), _safe(api_key), _safe(ip), cost)
 
 
-def binding_rule(d: Decision) -> Optional[str]:
-    """The enforced rule whose figures the decision carries, if any (none: no headers)."""
+def _binding_item(d: Decision) -> Optional[ItemDecision]:
+    """The enforced item whose figures the decision carries, if any."""
     if d.limit == 0:
         return None
     for it in d.items:
         v = it.verdict
         if not v.log_only and v.limit == d.limit and v.remaining == d.remaining and v.reset_at_ms == d.reset_at_ms:
-            return it.rule_id
+            return it
     return None
+
+
+def binding_rule(d: Decision) -> Optional[str]:
+    """The enforced rule whose figures the decision carries, if any (none: no headers)."""
+    it = _binding_item(d)
+    return None if it is None else it.rule_id
 
 
 def rate_limit_headers(d: Decision, ietf: bool = False, now_ms: Optional[int] = None) -> List[Tuple[str, str]]:
     """The headers for a decision, lower-case names: ``X-RateLimit-Limit``, ``-Remaining`` and
     ``-Reset`` (epoch seconds, rounded up) of the binding enforced rule, and with ``ietf`` the
-    draft's ``RateLimit-Policy`` and ``RateLimit``. None when no enforced rule applied."""
-    rule = binding_rule(d)
-    if rule is None:
+    draft's ``RateLimit-Policy`` (``"rule";q=<limit>;w=<window in seconds, rounded up>``, without
+    ``;w=`` when the rule names no window: a concurrency rule, or an agent older than protocol
+    version 4) and ``RateLimit``. None when no enforced rule applied."""
+    binding = _binding_item(d)
+    if binding is None:
         return []
+    rule = binding.rule_id
     reset_s = -(-d.reset_at_ms // 1000)
     h = [
         ("x-ratelimit-limit", str(d.limit)),
@@ -301,7 +310,10 @@ def rate_limit_headers(d: Decision, ietf: bool = False, now_ms: Optional[int] = 
     if ietf and _RULE_ID.fullmatch(rule):
         now = int(time.time() * 1000) if now_ms is None else now_ms
         t = -(-max(d.reset_at_ms - now, 0) // 1000)
-        h.append(("ratelimit-policy", f'"{rule}";q={d.limit}'))
+        policy = f'"{rule}";q={d.limit}'
+        if binding.window_ms > 0:
+            policy += f";w={-(-binding.window_ms // 1000)}"
+        h.append(("ratelimit-policy", policy))
         h.append(("ratelimit", f'"{rule}";r={d.remaining};t={t}'))
     return h
 
