@@ -504,7 +504,7 @@ export class Client {
   }
 
   /**
-   * The protocol version the agent chose for the connection (1 to 3), or 0 while there is none. A
+   * The protocol version the agent chose for the connection (1 to 4), or 0 while there is none. A
    * check needing a higher version ({@link checkVersion}) is refused before it is sent.
    */
   get protocolVersion(): number {

@@ -111,7 +111,8 @@ export function closedRuleDecision(rule: ClosedRule, why: Degraded, retryAfterMs
     origin: { kind: "failClosed", reason: why },
     source: "fallback",
     logOnly: false,
-    items: [{ ruleId: rule.ruleId, verdict }],
+    // The fail-mode list names no window: the headers' RateLimit-Policy carries none (no `w=`).
+    items: [{ ruleId: rule.ruleId, verdict, windowMs: 0 }],
   };
 }
 

@@ -9,7 +9,7 @@ import * as net from "node:net";
 
 import { newLeaseId, type Client, type FailPolicy } from "./client";
 import { fromAgent, type Decision } from "./decision";
-import { MAX_ATTRIBUTE, validateRuleId, type Attributes } from "./protocol";
+import { MAX_ATTRIBUTE, validateRuleId, type Attributes, type ItemDecision } from "./protocol";
 
 // ---------------------------------------------------------------------------------------------
 // Wire-safe values
@@ -199,8 +199,8 @@ function int(n: number): string {
   return Number.isSafeInteger(n) ? String(n) : BigInt(Math.floor(Math.max(0, n))).toString();
 }
 
-/** The enforced rule whose figures the decision carries, if any (none: no headers). */
-export function bindingRule(d: Decision): string | undefined {
+/** The enforced item whose figures the decision carries, if any (none: no headers). */
+function bindingItem(d: Decision): ItemDecision | undefined {
   if (d.limit === 0) return undefined;
   return d.items.find(
     (i) =>
@@ -208,17 +208,26 @@ export function bindingRule(d: Decision): string | undefined {
       i.verdict.limit === d.limit &&
       i.verdict.remaining === d.remaining &&
       i.verdict.resetAtMs === d.resetAtMs,
-  )?.ruleId;
+  );
+}
+
+/** The enforced rule whose figures the decision carries, if any (none: no headers). */
+export function bindingRule(d: Decision): string | undefined {
+  return bindingItem(d)?.ruleId;
 }
 
 /**
  * The headers for a decision: `X-RateLimit-Limit`, `-Remaining` and `-Reset` (epoch seconds, rounded
  * up) of the binding enforced rule, and with `ietf` the draft's `RateLimit-Policy` and `RateLimit`.
- * None when no enforced rule applied (no rule matched, only log-mode rules, or the SDK decided alone).
+ * `RateLimit-Policy` is `"rule";q=<limit>;w=<window>`, the binding rule's window in whole seconds
+ * rounded up (a 500 ms window is `w=1`), without `;w=` when the rule has none (a concurrency rule,
+ * an agent of protocol version 3 or older). None when no enforced rule applied (no rule matched,
+ * only log-mode rules, or the SDK decided alone).
  */
 export function rateLimitHeaders(d: Decision, ietf = false, nowMs = Date.now()): [string, string][] {
-  const rule = bindingRule(d);
-  if (rule === undefined) return [];
+  const binding = bindingItem(d);
+  if (binding === undefined) return [];
+  const rule = binding.ruleId;
   const h: [string, string][] = [
     ["X-RateLimit-Limit", int(d.limit)],
     ["X-RateLimit-Remaining", int(d.remaining)],
@@ -227,7 +236,9 @@ export function rateLimitHeaders(d: Decision, ietf = false, nowMs = Date.now()):
   // A rule id goes into the IETF headers quoted: one no agent sends (quotes, CR/LF) is left out.
   if (ietf && validateRuleId(rule) === null) {
     const t = Math.ceil(Math.max(0, d.resetAtMs - nowMs) / 1000);
-    h.push(["RateLimit-Policy", `"${rule}";q=${int(d.limit)}`]);
+    const windowMs = binding.windowMs ?? 0;
+    const w = windowMs > 0 ? `;w=${int(Math.ceil(windowMs / 1000))}` : "";
+    h.push(["RateLimit-Policy", `"${rule}";q=${int(d.limit)}${w}`]);
     h.push(["RateLimit", `"${rule}";r=${int(d.remaining)};t=${int(t)}`]);
   }
   return h;

@@ -1,20 +1,22 @@
 /**
- * Floodgate's wire protocol, versions 1 to 3 (`protocol/PROTOCOL.md`): frames to bytes and bytes
+ * Floodgate's wire protocol, versions 1 to 4 (`protocol/PROTOCOL.md`): frames to bytes and bytes
  * to frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
  *
  * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
  * counting everything after itself; a whole frame is at most 65,536 bytes. The version byte is the
  * version that introduced the frame's kind (2 for FailModes and FailModeList, else 1; Hello's is
- * `min(max_version, 3)`), so a version-1 peer reads every frame it knows.
+ * `min(max_version, 4)`), so a version-1 peer reads every frame it knows; except a Decision whose
+ * items carry rule windows, a version-4 frame sent only to a peer that negotiated 4. A Decision's
+ * layout is read by its own version byte, not by the connection's.
  */
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 
 /**
  * The highest protocol version this SDK speaks (2: the fail-mode list and item modes; 3: leases and
- * releases of concurrency rules).
+ * releases of concurrency rules; 4: each decided item's rule window).
  */
-export const VERSION = 3;
+export const VERSION = 4;
 /** The lowest protocol version this SDK speaks. */
 export const MIN_VERSION = 1;
 /** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
@@ -84,6 +86,9 @@ const FLAG_HOLDS_LEASE = 0b100;
 
 /** In a mode byte (version 3): a `lease u64` follows; bits 0 to 6 are the mode. */
 const MODE_LEASE = 0x80;
+
+/** The version whose Decision frames carry each item's rule window (`window_ms u64`). */
+const WINDOWS = 4;
 
 /** Check forms: 0 and 1 in version 1; 2 and 3, the same with item modes, in version 2. */
 const FORM_ITEMS = 0;
@@ -172,6 +177,14 @@ export interface ItemDecision {
   ruleId: string;
   /** Its verdict. */
   verdict: Verdict;
+  /**
+   * The rule's window in ms (protocol version 4; 0 from an older agent, and in a version-1 Decision
+   * frame): a sliding window's or token bucket's `windowSeconds` (an override's where the key has
+   * one), a calendar quota's current period (a month of 28 to 31 days, a day of 23 or 25 hours
+   * across a DST change); 0 for a concurrency rule, which has none. The IETF `RateLimit-Policy`
+   * header's `w`. A number, like the verdict's figures: exact up to 2⁵³ ms (285,000 years).
+   */
+  windowMs: number;
 }
 
 /** The check a Check frame carries. */
@@ -475,10 +488,13 @@ function putVerdict(w: Writer, v: Verdict): void {
 }
 
 /**
- * Encodes a frame. Throws {@link InvalidCheck} if a Check breaks a protocol limit or the frame
- * would exceed 64 KiB.
+ * Encodes a frame, each kind in the newest form a peer of `peerVersion` (default: this SDK's
+ * {@link VERSION}) reads. A Decision whose items carry a window (`windowMs` above 0) is a
+ * version-4 frame for a peer of version 4 or later, and for an older one the same without the
+ * windows; one with no window to carry is version 1's form, which every peer reads. Throws
+ * {@link InvalidCheck} if a Check breaks a protocol limit or the frame would exceed 64 KiB.
  */
-export function encodeFrame(frame: Frame): Buffer {
+export function encodeFrame(frame: Frame, peerVersion: number = VERSION): Buffer {
   const body = frame.body;
   if (body.kind === "check") {
     const why = validateCheck(body.check);
@@ -489,13 +505,18 @@ export function encodeFrame(frame: Frame): Buffer {
   }
   const w = new Writer();
   // Hello is understood by every version; its own version byte is min(max_version, ours). Any other
-  // frame carries the version that introduced its kind, so a version-1 peer reads all it knows.
+  // frame carries the version that introduced its kind, so a version-1 peer reads all it knows;
+  // but a Decision with windows to carry, to a peer that reads them, is version 4's.
+  const windows =
+    body.kind === "decision" && peerVersion >= WINDOWS && body.items.some((i) => (i.windowMs ?? 0) > 0);
   w.u8(
     body.kind === "hello"
       ? Math.min(body.maxVersion, VERSION)
       : body.kind === "failModes" || body.kind === "failModeList"
         ? 2
-        : 1,
+        : windows
+          ? WINDOWS
+          : 1,
   );
   w.u8(kindOf(body));
   w.u32(frame.requestId);
@@ -534,6 +555,7 @@ export function encodeFrame(frame: Frame): Buffer {
       for (const item of body.items) {
         w.str8(item.ruleId);
         putVerdict(w, item.verdict);
+        if (windows) w.u64(item.windowMs ?? 0);
       }
       break;
     case "error": {
@@ -674,7 +696,8 @@ class Reader {
   }
 }
 
-function decodeBody(kind: number, r: Reader): Body {
+/** Decodes the body of a frame of `kind` whose version byte is `version` (a Decision's layout depends on it). */
+function decodeBody(kind: number, version: number, r: Reader): Body {
   switch (kind) {
     case Kind.Hello:
       return { kind: "hello", minVersion: r.u8(), maxVersion: r.u8() };
@@ -717,7 +740,13 @@ function decodeBody(kind: number, r: Reader): Body {
       const n = r.u8();
       if (n > MAX_ITEMS) throw new Malformed(`a decision carries at most ${MAX_ITEMS} items, not ${n}`);
       const items: ItemDecision[] = [];
-      for (let i = 0; i < n; i++) items.push({ ruleId: r.str8(), verdict: r.verdict() });
+      // A version-4 frame carries each item's window after its verdict; an older one has none (0).
+      const windows = version >= WINDOWS;
+      for (let i = 0; i < n; i++) {
+        const ruleId = r.str8();
+        const verdict = r.verdict();
+        items.push({ ruleId, verdict, windowMs: windows ? r.u64() : 0 });
+      }
       return { kind: "decision", combined, items };
     }
     case Kind.Error:
@@ -803,7 +832,7 @@ function decodeUnsafe(buf: Buffer): DecodeResult {
   const r = new Reader(buf, LEN_PREFIX + HEADER, frameLen);
   let body: Body;
   try {
-    body = decodeBody(kind, r);
+    body = decodeBody(kind, version, r);
   } catch (e) {
     if (e instanceof Malformed) {
       return { ok: false, type: "fatal", code: ErrorCode.MalformedFrame, requestId, reason: e.message };

@@ -98,6 +98,7 @@ function suite(store: "embedded" | "redis"): void {
 
     it("allows up to the limit with the figures, then denies with a retry-after", async () => {
       assert.ok(client.isConnected());
+      assert.equal(client.protocolVersion, 4, "the agent speaks version 4: decisions name each rule's window");
       const key = `user:${unique()}`;
       const t0 = Date.now();
       const ds: Decision[] = [];
@@ -118,6 +119,7 @@ function suite(store: "embedded" | "redis"): void {
         assert.equal(d.logOnly, false);
         assert.equal(d.items.length, 1);
         assert.equal(d.items[0].ruleId, "t-window");
+        assert.equal(d.items[0].windowMs, 60_000, "windowSeconds = 60");
         // The sliding window's reset is the end of the window after the current one: within two
         // 60 s windows of now (the agent's clock is this machine's; 1 s for clock reads in between).
         assert.ok(d.resetAtMs > t0 && d.resetAtMs <= Date.now() + 120_000 + 1_000, `reset ${d.resetAtMs}`);
@@ -154,6 +156,7 @@ function suite(store: "embedded" | "redis"): void {
       const d = await client.allow(key, "t-bucket", 1, PATIENT);
       assert.equal(d.allowed, false);
       assert.equal(d.limit, 2, "a bucket's limit is its capacity (burst)");
+      assert.equal(d.items[0].windowMs, 10_000, "a bucket's window is its windowSeconds");
       // 10 per 10 s refills one unit a second: one missing unit is back within 1000 ms.
       assert.ok(d.retryAfterMs! >= 1 && d.retryAfterMs! <= 1000, `retry ${d.retryAfterMs}`);
     });
@@ -206,6 +209,8 @@ function suite(store: "embedded" | "redis"): void {
       assert.deepEqual([b.allowed, b.limit, b.remaining, b.logOnly], [true, 5, 2, false]);
       const dry = b.items.find((i) => i.ruleId === "t-attr-dry")!;
       assert.deepEqual([dry.verdict.allowed, dry.verdict.logOnly], [false, true]);
+      // Each matched rule names its own window, the log-mode one's too (windowSeconds = 60 both).
+      assert.deepEqual(b.items.map((i) => i.windowMs), [60_000, 60_000]);
       const none = await client.checkAttributes({ endpoint: "/elsewhere", user }, PATIENT);
       assert.deepEqual([none.allowed, none.limit, none.items.length], [true, 0, 0]);
     });

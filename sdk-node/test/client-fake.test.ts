@@ -15,7 +15,7 @@ import { after, describe, it } from "node:test";
 import { FAIL_MODES_EVERY_MS } from "../src/client";
 import { Client, FloodgateError, type ClosedRule, type Decision, type FailModeList } from "../src/index";
 import { encodeFrame, type Frame } from "../src/protocol";
-import { decisionFrame, eventually, FakeAgent, tempDir } from "./helpers";
+import { decisionFrame, eventually, FakeAgent, tempDir, verdict } from "./helpers";
 
 const execFileP = promisify(execFile);
 
@@ -149,7 +149,7 @@ describe("client against a fake agent", () => {
         sock.write(b);
       } else if (n === 2) {
         const b = decisionFrame(f.requestId, 1);
-        b[4] = 4; // version 4, which this SDK does not speak
+        b[4] = 5; // version 5, which this SDK does not speak
         sock.write(b);
       } else sock.write(decisionFrame(f.requestId, 9));
     };
@@ -161,6 +161,44 @@ describe("client against a fake agent", () => {
     const good = await client.allow("k", "rule");
     assert.equal(good.remaining, 9);
     assert.equal(fake.connections, 1, "the stream stayed in sync: no reconnection");
+  });
+
+  it("a version-4 Decision's windows reach the items; a version-1 Decision's items have window 0", async () => {
+    const fake = await FakeAgent.start();
+    fakes.push(fake);
+    fake.helloVersion = 4;
+    const client = await Client.connect(fake.path, { timeoutMs: LONG });
+    clients.push(client);
+    assert.equal(client.protocolVersion, 4);
+    let windowMs = 60_000;
+    fake.onCheck = (f, sock) =>
+      sock.write(
+        encodeFrame({
+          requestId: f.requestId,
+          body: {
+            kind: "decision",
+            combined: verdict(9),
+            items: [
+              { ruleId: "rule", verdict: verdict(9), windowMs },
+              { ruleId: "slots", verdict: verdict(3), windowMs: 0 },
+            ],
+          },
+        }),
+      );
+    const four = await client.allow("k", "rule");
+    assert.equal(four.origin.kind, "agent");
+    assert.equal(four.remaining, 9);
+    assert.deepEqual(
+      four.items.map((i) => [i.ruleId, i.windowMs]),
+      [
+        ["rule", 60_000],
+        ["slots", 0],
+      ],
+    );
+    windowMs = 0; // no window to carry: a version-1 frame
+    const one = await client.allow("k", "rule");
+    assert.deepEqual(one.items.map((i) => i.windowMs), [0, 0]);
+    assert.equal(fake.connections, 1, "both layouts read on one connection");
   });
 
   it("error codes: 4 and 5 reject the call; overload, internal and unknown codes answer by policy", async () => {
@@ -425,7 +463,7 @@ describe("the agent's fail-closed rules (fake agent)", () => {
       fake.received.map((f) => f.body.kind),
       ["hello", "check", "check"],
     );
-    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 3, "Hello offers 1..3");
+    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 4, "Hello offers 1..4");
     assert.equal(client.health().failClosedRules, 0);
     assert.ok(!("rulesVersion" in client.health()), "no list: no rules version");
     fake.goAway();

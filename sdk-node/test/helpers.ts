@@ -429,7 +429,7 @@ export function verdict(remaining: number, allowed = true): Verdict {
 /** A Decision frame answering `requestId` with one item `rule`. */
 export function decisionFrame(requestId: number, remaining: number, allowed = true): Buffer {
   const v = verdict(remaining, allowed);
-  return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: "rule", verdict: v }] } });
+  return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: "rule", verdict: v, windowMs: 0 }] } });
 }
 
 /** A verdict as the fake answers, holding the lease or not. */
@@ -449,7 +449,8 @@ export function leaseVerdict(holdsLease: boolean, remaining = 1): Verdict {
 /** A Decision frame answering `requestId` with one item `rule`, holding the lease or not. */
 export function leaseDecision(requestId: number, holdsLease: boolean, rule = "slots"): Buffer {
   const v = leaseVerdict(holdsLease);
-  return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: rule, verdict: v }] } });
+  // A concurrency rule has no window: a version-1 Decision frame, whatever the version.
+  return encodeFrame({ requestId, body: { kind: "decision", combined: v, items: [{ ruleId: rule, verdict: v, windowMs: 0 }] } });
 }
 
 /** The body of each Check the fake read, in hex (the request ids differ from run to run). */

@@ -128,17 +128,59 @@ describe("headers and Retry-After", () => {
       remaining: 7,
       resetAtMs: 1_700_000_000_001,
       items: [
-        { ruleId: "dry", verdict: verdict(100, 7, 1_700_000_000_001, true) },
-        { ruleId: "api", verdict: verdict(100, 7, 1_700_000_000_001) },
+        { ruleId: "dry", verdict: verdict(100, 7, 1_700_000_000_001, true), windowMs: 10_000 },
+        { ruleId: "api", verdict: verdict(100, 7, 1_700_000_000_001), windowMs: 60_000 },
       ],
     });
     assert.deepEqual(rateLimitHeaders(d, true, 1_699_999_998_500), [
       ["X-RateLimit-Limit", "100"],
       ["X-RateLimit-Remaining", "7"],
       ["X-RateLimit-Reset", "1700000001"],
-      ["RateLimit-Policy", '"api";q=100'],
+      ["RateLimit-Policy", '"api";q=100;w=60'],
       ["RateLimit", '"api";r=7;t=2'],
     ]);
+  });
+
+  it("RateLimit-Policy names the binding rule's window in whole seconds, rounded up; none for 0", () => {
+    const policy = (windowMs: number) => {
+      const d = decision({
+        limit: 10,
+        remaining: 3,
+        resetAtMs: 2_001,
+        items: [{ ruleId: "r", verdict: verdict(10, 3, 2_001), windowMs }],
+      });
+      const h = rateLimitHeaders(d, true, 1_000);
+      assert.deepEqual(h[4], ["RateLimit", '"r";r=3;t=2'], "RateLimit is unchanged by the window");
+      return h[3];
+    };
+    assert.deepEqual(policy(60_000), ["RateLimit-Policy", '"r";q=10;w=60']);
+    assert.deepEqual(policy(500), ["RateLimit-Policy", '"r";q=10;w=1'], "a 500 ms window is w=1, never w=0");
+    assert.deepEqual(policy(60_001), ["RateLimit-Policy", '"r";q=10;w=61']);
+    // A month's period (December: 31 days).
+    assert.deepEqual(policy(2_678_400_000), ["RateLimit-Policy", '"r";q=10;w=2678400']);
+    // No window (a concurrency rule, an agent of version 3 or older): no w= at all.
+    assert.deepEqual(policy(0), ["RateLimit-Policy", '"r";q=10']);
+    // Without ietf, no policy at all, window or not.
+    const d = decision({ limit: 10, remaining: 3, resetAtMs: 2_001, items: [{ ruleId: "r", verdict: verdict(10, 3, 2_001), windowMs: 60_000 }] });
+    assert.equal(rateLimitHeaders(d, false, 1_000).length, 3);
+  });
+
+  it("the window is the binding item's, not another item's", () => {
+    // The tighter item binds: its window is named, not the looser one's.
+    const d = decision({
+      limit: 5,
+      remaining: 1,
+      resetAtMs: 9_000,
+      items: [
+        { ruleId: "wide", verdict: verdict(1000, 900, 3_600_000), windowMs: 3_600_000 },
+        { ruleId: "slots", verdict: verdict(4, 2, 30_000), windowMs: 0 },
+        { ruleId: "narrow", verdict: verdict(5, 1, 9_000), windowMs: 10_000 },
+      ],
+    });
+    assert.deepEqual(rateLimitHeaders(d, true, 0)[3], ["RateLimit-Policy", '"narrow";q=5;w=10']);
+    // A concurrency rule binding: no window to name.
+    const held = decision({ ...d, limit: 4, remaining: 2, resetAtMs: 30_000 });
+    assert.deepEqual(rateLimitHeaders(held, true, 0)[3], ["RateLimit-Policy", '"slots";q=4']);
   });
 
   it("are absent when no enforced rule applied (no match, log mode only, SDK decided)", () => {
@@ -148,7 +190,7 @@ describe("headers and Retry-After", () => {
       remaining: 0,
       resetAtMs: 5,
       logOnly: true,
-      items: [{ ruleId: "dry", verdict: verdict(600, 0, 5, true) }],
+      items: [{ ruleId: "dry", verdict: verdict(600, 0, 5, true), windowMs: 60_000 }],
     });
     assert.deepEqual(rateLimitHeaders(logOnly), []);
     const failClosed = decision({ allowed: false, retryAfterMs: 1000, origin: { kind: "failClosed", reason: "timeout" } });

@@ -69,7 +69,7 @@ function clientSuite(store: "embedded" | "redis"): void {
     const free = async (key: string) => (await client.peek(key, "c-slots", 0)).remaining;
 
     it("two acquires hold a slot each; a third is denied within 1 s, without a lease; a release frees one", async () => {
-      assert.equal(client.protocolVersion, 3);
+      assert.equal(client.protocolVersion, 4);
       const key = `user:${unique()}`;
       const t0 = Date.now();
       const a = await client.acquire(key, "c-slots");
@@ -81,6 +81,7 @@ function clientSuite(store: "embedded" | "redis"): void {
         assert.deepEqual([x.decision.allowed, x.decision.limit, x.decision.remaining], [true, 2, left], show(x));
         assert.deepEqual(x.decision.origin, { kind: "agent", source });
         assert.equal(x.decision.items[0].verdict.holdsLease, true);
+        assert.equal(x.decision.items[0].windowMs, 0, "a concurrency rule has no window");
         assert.ok(x.lease, "the lease is returned");
         assert.deepEqual([x.lease.key, x.lease.ruleId, x.lease.cost], [key, "c-slots", 1]);
         assert.equal(typeof x.lease.id, "bigint");
@@ -158,6 +159,7 @@ function clientSuite(store: "embedded" | "redis"): void {
       const key = `user:${unique()}`;
       const a = await client.acquire(key, "c-window");
       assert.deepEqual([a.decision.allowed, a.decision.limit, a.decision.remaining, a.lease], [true, 5, 4, undefined]);
+      assert.equal(a.decision.items[0].windowMs, 60_000, "the rate rule's window (version 4)");
       // A release there is answered as a peek: nothing given back, nothing taken.
       const r = await client.release({ key, ruleId: "c-window", cost: 1, id: 7n });
       assert.deepEqual([r.allowed, r.remaining], [true, 4]);
@@ -203,9 +205,9 @@ describe("leases on a fake agent", () => {
     assert.deepEqual(checkBodies(fake), [`0201${item}80${id}`, `0201${item}83${id}`]);
     // Check frames carry version byte 1 whatever their form (the version that introduced the kind).
     assert.ok(fake.receivedBytes.filter((b) => b[5] === 0x03).every((b) => b[4] === 1));
-    // Hello offered 1..3.
+    // Hello offered 1..4 (the agent chose 3).
     const hello = fake.received[0];
-    assert.ok(hello.body.kind === "hello" && hello.body.minVersion === 1 && hello.body.maxVersion === 3);
+    assert.ok(hello.body.kind === "hello" && hello.body.minVersion === 1 && hello.body.maxVersion === 4);
   });
 
   it("no lease is returned when no item holds it, and nothing is released", async () => {

@@ -342,6 +342,47 @@ function middleware(store: "embedded" | "redis"): void {
 
     scenario("Express", () => expressBase, () => expressHandled);
     scenario("Fastify", () => fastifyBase, () => fastifyHandled);
+
+    describe("IETF headers (ietfHeaders) name the binding rule's window", () => {
+      const servers: Server[] = [];
+      let ietfFastify: FastifyInstance | undefined;
+      let expressIetf = "";
+      let fastifyIetf = "";
+
+      before(async () => {
+        const app = express();
+        app.get("/api/items/:id", floodgateExpress(client, { userHeader: "x-user", ietfHeaders: true }), (_req, res) =>
+          res.send("ok"),
+        );
+        expressIetf = await listen(app, servers);
+        ietfFastify = Fastify();
+        await ietfFastify.register(floodgateFastify, { client, userHeader: "x-user", ietfHeaders: true });
+        ietfFastify.get("/api/items/:id", async () => "ok");
+        await ietfFastify.listen({ port: 0, host: "127.0.0.1" });
+        fastifyIetf = `http://127.0.0.1:${(ietfFastify.server.address() as AddressInfo).port}`;
+      });
+      after(async () => {
+        for (const s of servers) await new Promise((r) => s.close(r));
+        await ietfFastify?.close();
+      });
+
+      for (const [name, base] of [
+        ["Express", () => expressIetf],
+        ["Fastify", () => fastifyIetf],
+      ] as const) {
+        it(`${name}: RateLimit-Policy "mw-user";q=2;w=60 (windowSeconds = 60), and RateLimit`, async () => {
+          const user = `ietf-${unique()}`;
+          const a = await get(base(), "/api/items/1", { "x-user": user });
+          assert.equal(a.status, 200, a.body);
+          assert.equal(a.headers.get("ratelimit-policy"), '"mw-user";q=2;w=60');
+          assert.match(a.headers.get("ratelimit") ?? "", /^"mw-user";r=1;t=[0-9]+$/);
+          await get(base(), "/api/items/1", { "x-user": user });
+          const denied = await get(base(), "/api/items/1", { "x-user": user });
+          assert.equal(denied.status, 429);
+          assert.equal(denied.headers.get("ratelimit-policy"), '"mw-user";q=2;w=60', "the window on a 429 too");
+        });
+      }
+    });
     chargeScenario("Express", () => expressBase, () => expressHandled, () => client, expressWarnings);
     chargeScenario("Fastify", () => fastifyBase, () => fastifyHandled, () => client, fastifyWarnings);
 

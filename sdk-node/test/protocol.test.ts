@@ -1,4 +1,7 @@
-/** The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, and a decoder that never throws. */
+/**
+ * The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, rule windows (version 4), and a
+ * decoder that never throws.
+ */
 
 import assert from "node:assert/strict";
 import * as fs from "node:fs";
@@ -81,7 +84,7 @@ const EXPECTED: Record<string, Frame> = {
     body: {
       kind: "decision",
       combined: v(true, "redis", 100, 99, 1700000120000, 0),
-      items: [{ ruleId: "api", verdict: v(true, "redis", 100, 99, 1700000120000, 0) }],
+      items: [{ ruleId: "api", verdict: v(true, "redis", 100, 99, 1700000120000, 0), windowMs: 0 }],
     },
   },
   decision_denied: {
@@ -90,8 +93,8 @@ const EXPECTED: Record<string, Frame> = {
       kind: "decision",
       combined: v(false, "cache", 5, 0, 1700000060000, 12000),
       items: [
-        { ruleId: "login", verdict: v(false, "cache", 5, 0, 1700000060000, 12000) },
-        { ruleId: "ip-dry-run", verdict: v(false, "local", 600, 0, 1700000030000, 500, true) },
+        { ruleId: "login", verdict: v(false, "cache", 5, 0, 1700000060000, 12000), windowMs: 0 },
+        { ruleId: "ip-dry-run", verdict: v(false, "local", 600, 0, 1700000030000, 500, true), windowMs: 0 },
       ],
     },
   },
@@ -146,7 +149,7 @@ const EXPECTED: Record<string, Frame> = {
     body: {
       kind: "decision",
       combined: v(true, "redis", 4, 2, 1700000060000, 0, false, true),
-      items: [{ ruleId: "gpu-slots", verdict: v(true, "redis", 4, 2, 1700000060000, 0, false, true) }],
+      items: [{ ruleId: "gpu-slots", verdict: v(true, "redis", 4, 2, 1700000060000, 0, false, true), windowMs: 0 }],
     },
   },
   check_release: {
@@ -179,6 +182,20 @@ const EXPECTED: Record<string, Frame> = {
           lease: 42n,
         },
       },
+    },
+  },
+  hello_v4: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 4 } },
+  hello_ok_v4: { requestId: 0, body: { kind: "helloOk", version: 4 } },
+  decision_windows: {
+    requestId: 17,
+    body: {
+      kind: "decision",
+      combined: v(true, "redis", 100, 99, 1700000120000, 0),
+      items: [
+        { ruleId: "api", verdict: v(true, "redis", 100, 99, 1700000120000, 0), windowMs: 60_000 },
+        // December 2023 in UTC: 31 days, its period ending at the reset (2024-01-01T00:00:00Z).
+        { ruleId: "monthly", verdict: v(true, "redis", 10_000_000, 9_999_000, 1704067200000, 0), windowMs: 2_678_400_000 },
+      ],
     },
   },
   fail_mode_list: {
@@ -265,8 +282,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
   });
 
   it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
-    const v4 = Buffer.from("00000006040700000003", "hex");
-    const r = decodeFrame(Buffer.concat([v4, pong]));
+    const v5 = Buffer.from("00000006050700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v5, pong]));
     assert.ok(!r.ok && r.type === "rejected");
     assert.equal(r.code, 3);
     assert.equal(r.frameLen, 10);
@@ -279,8 +296,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     assert.equal(bad.frameLen, vec.length);
   });
 
-  it("any version byte, 1 to 3, is read on any kind", () => {
-    for (const version of [2, 3]) {
+  it("any version byte, 1 to 4, is read on any kind", () => {
+    for (const version of [2, 3, 4]) {
       const pong2 = Buffer.from(pong);
       pong2[4] = version;
       const a = decodeFrame(pong2);
@@ -527,6 +544,103 @@ describe("leases and releases (version 3)", () => {
     );
     assert.equal(r.frame.body.items[0].verdict.holdsLease, true);
     assert.equal(encodeFrame(r.frame).toString("hex"), vec.toString("hex"));
+  });
+});
+
+describe("rule windows (version 4)", () => {
+  const vectors = vectorsFromDoc();
+  const windows = EXPECTED.decision_windows;
+  const pong = Buffer.from("00000006010700000003", "hex");
+  const items = (r: ReturnType<typeof decodeFrame>) => {
+    assert.ok(r.ok && r.frame.body.kind === "decision", show(r));
+    return r.frame.body.items;
+  };
+
+  it("a version-1 Decision has no window: its items decode with window 0", () => {
+    for (const name of ["decision_allowed", "decision_denied", "decision_lease"]) {
+      const b = vectors.get(name)!;
+      assert.equal(b[4], 1, `${name} is a version-1 frame`);
+      const got = items(decodeFrame(b));
+      assert.ok(got.length > 0);
+      for (const i of got) assert.equal(i.windowMs, 0, `${name}: ${i.ruleId}`);
+    }
+  });
+
+  it("the layout is read by the frame's version byte: 2 and 3 are version 1's, 4 carries windows", () => {
+    for (const version of [2, 3]) {
+      const b = Buffer.from(vectors.get("decision_allowed")!);
+      b[4] = version;
+      const r = decodeFrame(b);
+      assert.ok(r.ok, `version ${version}: ${show(r)}`);
+      assert.deepEqual(r.frame, EXPECTED.decision_allowed);
+    }
+    // Version 1's body under version byte 4 ends before the window: a body that does not parse.
+    const short = Buffer.from(vectors.get("decision_allowed")!);
+    short[4] = 4;
+    const s = decodeFrame(short);
+    assert.ok(!s.ok && s.type === "fatal" && s.code === 1, show(s));
+    // Version 4's body under version byte 1: 16 bytes of windows left over.
+    const long = Buffer.from(vectors.get("decision_windows")!);
+    long[4] = 1;
+    const l = decodeFrame(long);
+    assert.ok(!l.ok && l.type === "fatal" && l.code === 1, show(l));
+    // A window cut short is fatal too, wherever the cut.
+    const v = vectors.get("decision_windows")!;
+    const cut = Buffer.from(v.subarray(0, v.length - 1));
+    cut.writeUInt32BE(cut.length - 4, 0);
+    const c = decodeFrame(cut);
+    assert.ok(!c.ok && c.type === "fatal" && c.code === 1, show(c));
+  });
+
+  it("windows are written only as a version-4 frame to a peer of 4, else left out (version 1's form)", () => {
+    // To a peer of version 4 (the default): the page's bytes.
+    assert.equal(encodeFrame(windows, 4).toString("hex"), vectors.get("decision_windows")!.toString("hex"));
+    for (const peer of [1, 2, 3]) {
+      const b = encodeFrame(windows, peer);
+      assert.equal(b[4], 1, `peer ${peer}: a version-1 frame`);
+      assert.equal(b.length, vectors.get("decision_windows")!.length - 16, `peer ${peer}: no windows`);
+      const got = items(decodeFrame(b));
+      assert.deepEqual(
+        got.map((i) => [i.ruleId, i.windowMs]),
+        [
+          ["api", 0],
+          ["monthly", 0],
+        ],
+      );
+    }
+    // No window to carry (no items, or concurrency rules only): a version-1 frame even to a peer of 4.
+    const none: Frame = {
+      requestId: 1,
+      body: { kind: "decision", combined: v(true, "local", 0, 0, 0, 0), items: [] },
+    };
+    assert.equal(encodeFrame(none)[4], 1);
+    assert.equal(encodeFrame(EXPECTED.decision_lease).toString("hex"), vectors.get("decision_lease")!.toString("hex"));
+    // One window among several items is enough: every item then carries its own, 0 included.
+    const mixed: Frame = {
+      requestId: 2,
+      body: {
+        kind: "decision",
+        combined: v(true, "redis", 4, 2, 1700000060000, 0),
+        items: [
+          { ruleId: "gpu-slots", verdict: v(true, "redis", 4, 2, 1700000060000, 0), windowMs: 0 },
+          { ruleId: "api", verdict: v(true, "redis", 100, 99, 1700000120000, 0), windowMs: 500 },
+        ],
+      },
+    };
+    const m = encodeFrame(mixed);
+    assert.equal(m[4], 4);
+    const r = decodeFrame(m);
+    assert.ok(r.ok, show(r));
+    assert.deepEqual(r.frame, mixed);
+  });
+
+  it("a version-4 Decision is followed by the next frame, in sync", () => {
+    const both = Buffer.concat([vectors.get("decision_windows")!, pong]);
+    const r = decodeFrame(both);
+    assert.ok(r.ok, show(r));
+    assert.deepEqual(r.frame, windows);
+    const next = decodeFrame(both.subarray(r.used));
+    assert.ok(next.ok && next.frame.body.kind === "pong");
   });
 });
 
