@@ -26,7 +26,9 @@ use crate::targets::{Conn, Target};
 /// Rules of the scenarios: `bench` never rejects; `tight` rejects a key's second check for 10 minutes.
 const RULES: &str = r#"{"rules":[
  {"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60},
- {"id":"tight","dimension":"user","limit":1,"windowSeconds":600}
+ {"id":"tight","dimension":"user","limit":1,"windowSeconds":600},
+ {"id":"bench-envoy","dimension":"descriptor","limit":1000000000000,"windowSeconds":60,
+  "envoy":{"domain":"bench","descriptors":[{"key":"user"}]}}
 ]}"#;
 
 /// One path measured.
@@ -44,6 +46,9 @@ pub struct Scenario {
     pub in_flight: usize,
     /// Distinct keys the checks cycle through.
     pub keys: usize,
+    /// Over Envoy's RateLimitService (gRPC; a connection is an HTTP/2 channel and `rule` is
+    /// ignored: the `bench` domain's descriptor rule), else the frames protocol.
+    pub grpc: bool,
 }
 
 /// The scenarios (BENCHMARKS.md, "Instructions per check (callgrind)"): in-memory (one in flight and
@@ -56,6 +61,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 10_000,
+        grpc: false,
     },
     Scenario {
         name: "memory, 16 clients × 64 pipelined",
@@ -64,6 +70,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 64,
         keys: 10_000,
+        grpc: false,
     },
     Scenario {
         name: "redis sync, 16 clients × 1",
@@ -72,6 +79,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 10_000,
+        grpc: false,
     },
     Scenario {
         name: "redis sync, 64 clients × 1",
@@ -80,6 +88,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 64,
         in_flight: 1,
         keys: 10_000,
+        grpc: false,
     },
     Scenario {
         name: "redis, cache hit, 16 clients × 1",
@@ -88,6 +97,45 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 100,
+        grpc: false,
+    },
+    // The Envoy path against the frames path, both at 64 in flight on one connection (an HTTP/2
+    // channel multiplexing 64 streams, a socket pipelining 64 frames).
+    Scenario {
+        name: "memory, frames, 1 client × 64",
+        redis: false,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: false,
+    },
+    Scenario {
+        name: "memory, grpc, 1 channel × 64",
+        redis: false,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: true,
+    },
+    Scenario {
+        name: "redis, frames, 1 client × 64",
+        redis: true,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: false,
+    },
+    Scenario {
+        name: "redis, grpc, 1 channel × 64",
+        redis: true,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: true,
     },
 ];
 
@@ -168,8 +216,15 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
             .arg("--breaker-min-streak-ms")
             .arg("60000");
     }
+    if s.grpc {
+        b = b.arg("--grpc").arg("127.0.0.1:0");
+    }
     let mut agent = b.start().await;
-    let target = Target::Agent(agent.socket().to_path_buf());
+    let target = if s.grpc {
+        Target::Grpc(agent.logged_addr("RateLimitService (gRPC) listening").await.to_string())
+    } else {
+        Target::Agent(agent.socket().to_path_buf())
+    };
     let pid = agent.pid().context("agent pid")?.to_string();
     let mut conns = Vec::new();
     for _ in 0..s.clients {
