@@ -47,6 +47,11 @@ pub struct AgentConfig {
     )]
     pub grpc_headers: crate::envoy::GrpcHeaders,
 
+    /// Which gRPC server answers Envoy: `native` (the agent's own HTTP/2, about a fifth of tonic's
+    /// CPU per check) or `tonic` (hyper and tonic, as before; a fallback).
+    #[arg(long, env = "FLOODGATE_GRPC_SERVER", value_enum, default_value = "native")]
+    pub grpc_server: crate::envoy::GrpcServer,
+
     /// Most connections each listener (Unix socket, TCP, gRPC) holds open; past it a frames
     /// connection gets an Error (code 7, overloaded) and is closed, a gRPC one is closed.
     #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS", default_value_t = NonZeroUsize::new(crate::server::DEFAULT_MAX_CONNECTIONS).expect("non-zero"))]

@@ -221,7 +221,12 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
     }
     let mut agent = b.start().await;
     let target = if s.grpc {
-        Target::Grpc(agent.logged_addr("RateLimitService (gRPC) listening").await.to_string())
+        Target::Grpc(
+            agent
+                .logged_addr("RateLimitService (gRPC) listening")
+                .await
+                .to_string(),
+        )
     } else {
         Target::Agent(agent.socket().to_path_buf())
     };

@@ -55,9 +55,9 @@ impl Target {
                 buf: Vec::with_capacity(16 * 1024),
                 next_id: 1,
             },
-            Target::Grpc(addr) => {
-                Conn::Grpc(floodgate_agent::envoy::proto::RateLimitClient::connect(format!("http://{addr}")).await?)
-            }
+            Target::Grpc(addr) => Conn::Grpc(
+                floodgate_agent::envoy::proto::RateLimitClient::connect(format!("http://{addr}")).await?,
+            ),
             Target::Evalsha(url) => {
                 let client = redis::Client::open(url.as_str())?;
                 Conn::Redis {

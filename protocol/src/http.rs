@@ -24,22 +24,62 @@ pub struct HeaderFigures<'a> {
 /// plus, with `ietf`, draft-ietf-httpapi-ratelimit-headers' `RateLimit-Policy` and `RateLimit`
 /// (seconds until reset), as lower-case names and values.
 pub fn rate_limit_headers(f: HeaderFigures<'_>, ietf: bool, now_ms: u64) -> Vec<(&'static str, String)> {
-    let mut h = vec![
-        ("x-ratelimit-limit", f.limit.to_string()),
-        ("x-ratelimit-remaining", f.remaining.to_string()),
-        ("x-ratelimit-reset", f.reset_at_ms.div_ceil(1_000).to_string()),
-    ];
+    let mut h = Vec::with_capacity(if ietf { 5 } else { 3 });
+    write_rate_limit_headers(f, ietf, now_ms, |name, value| h.push((name, value.to_string())));
+    h
+}
+
+/// A header value as [`write_rate_limit_headers`] makes it: a number, or text to format.
+#[derive(Debug, Clone, Copy)]
+pub enum HeaderText<'a> {
+    /// A decimal number.
+    Number(u64),
+    /// Anything else.
+    Formatted(std::fmt::Arguments<'a>),
+}
+
+impl std::fmt::Display for HeaderText<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HeaderText::Number(n) => write!(f, "{n}"),
+            HeaderText::Formatted(a) => f.write_fmt(*a),
+        }
+    }
+}
+
+/// [`rate_limit_headers`], each name and value handed to `put` as it is made (no `String` of its
+/// own: the gRPC service writes them straight into its answer).
+pub fn write_rate_limit_headers(
+    f: HeaderFigures<'_>,
+    ietf: bool,
+    now_ms: u64,
+    mut put: impl FnMut(&'static str, HeaderText<'_>),
+) {
+    put("x-ratelimit-limit", HeaderText::Number(f.limit));
+    put("x-ratelimit-remaining", HeaderText::Number(f.remaining));
+    put(
+        "x-ratelimit-reset",
+        HeaderText::Number(f.reset_at_ms.div_ceil(1_000)),
+    );
     if ietf {
         // Rule ids are [A-Za-z0-9_.:-], safe in a quoted string.
         let t = f.reset_at_ms.saturating_sub(now_ms).div_ceil(1_000);
-        let policy = match f.window_ms {
-            0 => format!("\"{}\";q={}", f.rule, f.limit),
-            w => format!("\"{}\";q={};w={}", f.rule, f.limit, w.div_ceil(1_000)),
-        };
-        h.push(("ratelimit-policy", policy));
-        h.push(("ratelimit", format!("\"{}\";r={};t={t}", f.rule, f.remaining)));
+        let (rule, limit, remaining) = (f.rule, f.limit, f.remaining);
+        match f.window_ms.div_ceil(1_000) {
+            0 => put(
+                "ratelimit-policy",
+                HeaderText::Formatted(format_args!("\"{rule}\";q={limit}")),
+            ),
+            w => put(
+                "ratelimit-policy",
+                HeaderText::Formatted(format_args!("\"{rule}\";q={limit};w={w}")),
+            ),
+        }
+        put(
+            "ratelimit",
+            HeaderText::Formatted(format_args!("\"{rule}\";r={remaining};t={t}")),
+        );
     }
-    h
 }
 
 /// The enforced item whose figures a combined verdict (`limit`, `remaining`, `reset_at_ms`) carries:

@@ -147,10 +147,14 @@ impl Built {
             )));
         }
         let grpc = Arc::new(envoy::EnvoyService::new(engine.clone(), config.grpc_headers));
+        let grpc_serving = envoy::GrpcServing {
+            server: config.grpc_server,
+            frame_timeout: Duration::from_millis(config.frame_timeout_ms.get()),
+        };
         if let Some(tcp) = listeners.grpc_tcp {
             let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
             tasks.push(tokio::spawn(async move {
-                if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, stop).await {
+                if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, grpc_serving, stop).await {
                     tracing::error!(error = %e, "gRPC server failed");
                 }
             }));
@@ -161,7 +165,7 @@ impl Built {
             socket_files.push(path);
             let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
             tasks.push(tokio::spawn(async move {
-                if let Err(e) = envoy::serve_unix(unix, grpc, cap, stop).await {
+                if let Err(e) = envoy::serve_unix(unix, grpc, cap, grpc_serving, stop).await {
                     tracing::error!(error = %e, "gRPC server failed");
                 }
             }));

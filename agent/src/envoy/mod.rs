@@ -3,11 +3,16 @@
 //!
 //! - `proto`: the vendored messages, the tonic server and a client.
 //! - `service`: ShouldRateLimit answered by the engine.
+//! - `reply`: its RateLimitResponse written as protobuf bytes.
 //! - `serve`: the gRPC listeners (TCP, Unix socket) under the agent's connection cap.
+//! - `h2`: the agent's own HTTP/2 server for ShouldRateLimit (the default; `serve` also runs tonic's).
 
+mod h2;
 pub mod proto;
+mod reply;
 mod serve;
 mod service;
 
-pub use serve::{serve_tcp, serve_unix};
-pub use service::{descriptor_key, EnvoyService, GrpcHeaders};
+pub use reply::GrpcHeaders;
+pub use serve::{serve_tcp, serve_unix, GrpcServer, GrpcServing};
+pub use service::{descriptor_key, EnvoyService};

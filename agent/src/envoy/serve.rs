@@ -1,6 +1,7 @@
-//! The gRPC listeners: tonic over a TCP address or a Unix socket, each connection holding a slot of
-//! its listener's connection cap (past it a connection is closed at once: HTTP/2 has no place for the
-//! frames protocol's Error, so the refusal is logged and counted instead).
+//! The gRPC listeners over a TCP address or a Unix socket, served by the agent's own HTTP/2 (`h2`) or
+//! by tonic, each connection holding a slot of its listener's connection cap (past it a connection is
+//! closed at once: HTTP/2 has no place for the frames protocol's Error, so the refusal is logged and
+//! counted instead).
 
 use std::io;
 use std::pin::Pin;
@@ -93,11 +94,31 @@ where
     })
 }
 
+/// Which server speaks gRPC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GrpcServer {
+    /// The agent's own HTTP/2 server (`envoy::h2`): every stream answered in its connection's task.
+    #[default]
+    Native,
+    /// tonic on hyper: a task per stream.
+    Tonic,
+}
+
+/// How a gRPC listener serves.
+#[derive(Debug, Clone, Copy)]
+pub struct GrpcServing {
+    /// Which server.
+    pub server: GrpcServer,
+    /// A frame, or a request's frames, started and not completed within this are dropped (native).
+    pub frame_timeout: std::time::Duration,
+}
+
 /// Serves ShouldRateLimit on `listener` until `shutdown`.
 pub async fn serve_tcp(
     listener: TcpListener,
     service: Arc<EnvoyService>,
     cap: ConnectionCap,
+    serving: GrpcServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let stream = incoming(listener, cap, |l: Arc<TcpListener>| async move {
@@ -105,7 +126,10 @@ pub async fn serve_tcp(
         let _ = s.set_nodelay(true);
         Ok((s, Peer::Ip(addr.ip())))
     });
-    run(stream, service, shutdown).await
+    match serving.server {
+        GrpcServer::Native => Ok(native(stream, service, serving, shutdown).await),
+        GrpcServer::Tonic => run(stream, service, shutdown).await,
+    }
 }
 
 /// Serves ShouldRateLimit on a Unix socket until `shutdown`.
@@ -113,6 +137,7 @@ pub async fn serve_unix(
     listener: UnixListener,
     service: Arc<EnvoyService>,
     cap: ConnectionCap,
+    serving: GrpcServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
     let stream = incoming(listener, cap, |l: Arc<UnixListener>| async move {
@@ -120,7 +145,40 @@ pub async fn serve_unix(
         let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
         Ok((s, peer))
     });
-    run(stream, service, shutdown).await
+    match serving.server {
+        GrpcServer::Native => Ok(native(stream, service, serving, shutdown).await),
+        GrpcServer::Tonic => run(stream, service, shutdown).await,
+    }
+}
+
+/// The native server: a task per connection; on `shutdown`, no more accepts, and each connection
+/// sends GOAWAY, answers what it has and closes before this returns.
+async fn native<IO>(
+    stream: impl futures::Stream<Item = Result<Capped<IO>, io::Error>> + Send + 'static,
+    service: Arc<EnvoyService>,
+    serving: GrpcServing,
+    mut shutdown: watch::Receiver<bool>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    use futures::StreamExt;
+    let mut stream = std::pin::pin!(stream);
+    let mut conns = tokio::task::JoinSet::new();
+    let stop = shutdown.clone();
+    loop {
+        tokio::select! {
+            next = stream.next() => match next {
+                Some(Ok(io)) => {
+                    conns.spawn(super::h2::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
+                }
+                Some(Err(_)) | None => break,
+            },
+            // Finished connections' results, so the set does not grow.
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = stopped(&mut shutdown) => break,
+        }
+    }
+    while conns.join_next().await.is_some() {}
 }
 
 async fn run<IO>(

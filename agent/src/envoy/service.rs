@@ -6,29 +6,14 @@ use std::time::Instant;
 
 use floodgate_core::algo::Period;
 use floodgate_core::rules::{Algorithm, OverLimit, Rule};
-use floodgate_protocol::http::{binding_rule, rate_limit_headers, retry_after_seconds, HeaderFigures};
-use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, MAX_ITEMS};
+use floodgate_protocol::{Check, ErrorCode, Item, ItemMode, MAX_ITEMS};
+use prost::Message;
 use tonic::{Request, Response, Status};
 
-use super::proto::{
-    Code, DescriptorStatus, Duration, Entry, HeaderValue, RateLimit, RateLimitOverride, RateLimitRequest,
-    RateLimitResponse, RateLimitService, Unit,
-};
+use super::proto::{Entry, RateLimitOverride, RateLimitRequest, RateLimitResponse, RateLimitService, Unit};
+use super::reply::{self, GrpcHeaders, Slot};
 use floodgate_core::engine::{Answer, Engine};
 use floodgate_core::store::Clock;
-
-/// Which rate-limit headers go into `response_headers_to_add`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum GrpcHeaders {
-    /// None: Envoy's own `enable_x_ratelimit_headers` (or nothing) makes them.
-    None,
-    /// `X-RateLimit-Limit/Remaining/Reset` on every response a rule applied to, `Retry-After` on
-    /// every over-limit one (the SDK Layer's headers).
-    #[default]
-    XRatelimit,
-    /// Those and the IETF draft's `RateLimit` and `RateLimit-Policy`.
-    Both,
-}
 
 /// The agent's `envoy.service.ratelimit.v3.RateLimitService`.
 pub struct EnvoyService {
@@ -42,16 +27,28 @@ impl EnvoyService {
         EnvoyService { engine, headers }
     }
 
-    /// Decides one request (what the gRPC method calls). A rule set swapped between the descriptor
-    /// lookup and the check (a rule removed) is answered from the new set: one retry.
-    pub async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
-        match self.decide_once(&req).await {
-            Err(e) if e.code() == tonic::Code::Unavailable => self.decide_once(&req).await,
+    /// Decides one request: its RateLimitResponse as protobuf bytes (what the native server sends). A
+    /// rule set swapped between the descriptor lookup and the check (a rule removed) is answered from
+    /// the new set: one retry.
+    pub async fn decide_bytes(&self, req: RateLimitRequest) -> Result<Vec<u8>, Status> {
+        let mut out = Vec::with_capacity(256);
+        match self.decide_into(&req, &mut out).await {
+            Err(e) if e.code() == tonic::Code::Unavailable => {
+                out.clear();
+                self.decide_into(&req, &mut out).await
+            }
             other => other,
         }
+        .map(|()| out)
     }
 
-    async fn decide_once(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+    /// [`decide_bytes`](Self::decide_bytes) as the message (what the tonic server sends).
+    pub async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        let bytes = self.decide_bytes(req).await?;
+        RateLimitResponse::decode(&bytes[..]).map_err(|e| Status::internal(e.to_string()))
+    }
+
+    async fn decide_into(&self, req: &RateLimitRequest, out: &mut Vec<u8>) -> Result<(), Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("rate limit domain must not be empty"));
         }
@@ -69,7 +66,7 @@ impl EnvoyService {
         let rules = self.engine.rules();
         // What each descriptor became: an item of the check, or answered without one.
         let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
-        let mut items: Vec<Item> = Vec::new();
+        let mut items: Vec<Item> = Vec::with_capacity(req.descriptors.len());
         // Items checked under a descriptor's own limit (a rule with `limitOverride`).
         let mut under: Vec<(usize, Arc<Rule>)> = Vec::new();
         for d in &req.descriptors {
@@ -140,11 +137,8 @@ impl EnvoyService {
         }
         if items.is_empty() {
             floodgate_core::metrics::grpc_request("unmatched");
-            return Ok(RateLimitResponse {
-                overall_code: Code::Ok as i32,
-                statuses: slots.iter().map(|s| not_limited(*s)).collect(),
-                ..Default::default()
-            });
+            reply::write_unlimited(out, &slots);
+            return Ok(());
         }
         let start = Instant::now();
         // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
@@ -192,113 +186,18 @@ impl EnvoyService {
                 _ => Status::internal(e.message),
             }
         })?;
-        let response = self.response(&decision, &slots, &rules, &under);
-        floodgate_core::metrics::grpc_request(if response.overall_code == Code::Ok as i32 {
-            "ok"
-        } else {
-            "over_limit"
-        });
-        Ok(response)
-    }
-
-    fn response(
-        &self,
-        d: &Decision,
-        slots: &[Slot],
-        rules: &floodgate_core::rules::RuleSet,
-        under: &[(usize, Arc<Rule>)],
-    ) -> RateLimitResponse {
+        // The descriptor's own limit's unit, if it brought one; else its rule's.
+        let window_ms = |i: usize, item: &floodgate_protocol::ItemDecision| {
+            under
+                .iter()
+                .find(|(u, _)| *u == i)
+                .map(|(_, r)| r.window_ms())
+                .unwrap_or_else(|| rules.get(&item.rule_id).map_or(0, |r| r.window_ms()))
+        };
         let now = Clock::System.now_ms();
-        let statuses: Vec<DescriptorStatus> = slots
-            .iter()
-            .map(|slot| {
-                let item = match slot {
-                    Slot::Item(i) => d.items.get(*i),
-                    _ => None,
-                };
-                let Some(item) = item else {
-                    return not_limited(*slot);
-                };
-                let v = &item.verdict;
-                let over = !v.allowed && !v.log_only;
-                // The descriptor's own limit's unit, if it brought one.
-                let own = match slot {
-                    Slot::Item(i) => under.iter().find(|(u, _)| u == i).map(|(_, r)| r.window_ms()),
-                    _ => None,
-                };
-                let window_ms = own.unwrap_or_else(|| rules.get(&item.rule_id).map_or(0, |r| r.window_ms()));
-                DescriptorStatus {
-                    // Shadow (log) mode answers OK, as envoyproxy/ratelimit's shadow_mode does.
-                    code: if over { Code::OverLimit } else { Code::Ok } as i32,
-                    current_limit: Some(RateLimit {
-                        name: item.rule_id.to_string(),
-                        requests_per_unit: u32::try_from(v.limit).unwrap_or(u32::MAX),
-                        unit: unit(window_ms) as i32,
-                    }),
-                    // Over the limit is nothing left, whatever a larger cost would have found.
-                    limit_remaining: if over {
-                        0
-                    } else {
-                        u32::try_from(v.remaining).unwrap_or(u32::MAX)
-                    },
-                    // Over the limit: when this request could pass; else when the key is full again.
-                    duration_until_reset: Some(Duration::from_ms(if over {
-                        v.retry_after_ms
-                    } else {
-                        v.reset_at_ms.saturating_sub(now)
-                    })),
-                }
-            })
-            .collect();
-        // Envoy's overall code is OVER_LIMIT when any descriptor is: a hits_addend-0 descriptor past
-        // its limit too, though a peek does not decide the check's consume items.
-        let allowed = d.combined.allowed && statuses.iter().all(|s| s.code != Code::OverLimit as i32);
-        let mut headers = Vec::new();
-        if self.headers != GrpcHeaders::None {
-            let c = &d.combined;
-            if let Some(binding) = binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms) {
-                let figures = HeaderFigures {
-                    rule: &binding.rule_id,
-                    window_ms: binding.window_ms,
-                    limit: c.limit,
-                    remaining: c.remaining,
-                    reset_at_ms: c.reset_at_ms,
-                };
-                for (k, v) in rate_limit_headers(figures, self.headers == GrpcHeaders::Both, now) {
-                    headers.push(HeaderValue {
-                        key: k.into(),
-                        value: v,
-                    });
-                }
-            }
-            if !allowed {
-                headers.push(HeaderValue {
-                    key: "retry-after".into(),
-                    // The longest wait among the descriptors over the limit (the combined
-                    // verdict's, unless only a peek or a charge is over).
-                    value: retry_after_seconds(
-                        statuses
-                            .iter()
-                            .filter(|s| s.code == Code::OverLimit as i32)
-                            .filter_map(|s| s.duration_until_reset.as_ref())
-                            .map(|d| {
-                                u64::try_from(d.seconds).unwrap_or(0) * 1000
-                                    + u64::try_from(d.nanos).unwrap_or(0) / 1_000_000
-                            })
-                            .max()
-                            .unwrap_or(0)
-                            .max(d.combined.retry_after_ms),
-                    )
-                    .to_string(),
-                });
-            }
-        }
-        RateLimitResponse {
-            overall_code: if allowed { Code::Ok } else { Code::OverLimit } as i32,
-            statuses,
-            response_headers_to_add: headers,
-            request_headers_to_add: Vec::new(),
-        }
+        let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
+        floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
+        Ok(())
     }
 }
 
@@ -315,31 +214,6 @@ impl RateLimitService for EnvoyService {
 /// Most descriptors one request may carry (Envoy sends a handful; this bounds the work one request
 /// can ask for).
 pub const MAX_DESCRIPTORS: usize = 64;
-
-/// What one descriptor of a request became.
-#[derive(Debug, Clone, Copy)]
-enum Slot {
-    /// This item of the check.
-    Item(usize),
-    /// No rule answers it (or it asked for what cannot be done): OK, no limit.
-    NoRule,
-    /// An unlimited rule answers it: OK, no limit, all remaining.
-    Unlimited,
-}
-
-/// The status of a descriptor that is not counted, as envoyproxy/ratelimit answers one: OK without
-/// a limit, remaining 0 when no rule applies and the largest count when it is unlimited.
-fn not_limited(slot: Slot) -> DescriptorStatus {
-    DescriptorStatus {
-        code: Code::Ok as i32,
-        limit_remaining: if matches!(slot, Slot::Unlimited) {
-            u32::MAX
-        } else {
-            0
-        },
-        ..Default::default()
-    }
-}
 
 /// The rule a descriptor's own limit makes of `rule`, if the rule allows one (`limitOverride`):
 /// `requests_per_unit` per `unit` (a month or a year: a calendar quota; a concurrency rule takes
@@ -389,23 +263,11 @@ fn overridden(rule: &Arc<Rule>, o: RateLimitOverride) -> Option<Arc<Rule>> {
     Some(Arc::new(r))
 }
 
-/// Envoy's unit for a window that is exactly one; any other window is `UNKNOWN`.
-fn unit(window_ms: u64) -> Unit {
-    match window_ms {
-        1_000 => Unit::Second,
-        60_000 => Unit::Minute,
-        3_600_000 => Unit::Hour,
-        86_400_000 => Unit::Day,
-        604_800_000 => Unit::Week,
-        _ => Unit::Unknown,
-    }
-}
-
 /// The client key of a descriptor: its entries as `key=value` joined by `|`, with `%`, `|`, `=`,
 /// braces and control characters percent-encoded (so no two descriptors share a key, and no
 /// client-written value picks a Redis hash tag); over the wire's 256 bytes, `h:` and its FNV-1a hash.
 pub fn descriptor_key(entries: &[Entry]) -> String {
-    let mut key = String::new();
+    let mut key = String::with_capacity(entries.iter().map(|e| e.key.len() + e.value.len() + 2).sum());
     for (i, e) in entries.iter().enumerate() {
         if i > 0 {
             key.push('|');
@@ -421,6 +283,14 @@ pub fn descriptor_key(entries: &[Entry]) -> String {
 }
 
 fn escape(out: &mut String, s: &str) {
+    // Most values need no escape: copied whole.
+    if !s
+        .bytes()
+        .any(|b| matches!(b, b'%' | b'|' | b'=' | b'{' | b'}') || b.is_ascii_control() || b >= 0x80)
+    {
+        out.push_str(s);
+        return;
+    }
     for c in s.chars() {
         if matches!(c, '%' | '|' | '=' | '{' | '}') || c.is_control() {
             let mut buf = [0u8; 4];
@@ -439,6 +309,7 @@ fn escape(out: &mut String, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::envoy::proto::Duration;
 
     fn e(k: &str, v: &str) -> Entry {
         Entry {
@@ -471,7 +342,5 @@ mod tests {
             }
         );
         assert_eq!(Duration::from_ms(1_500).as_ms(), 1_500);
-        assert_eq!(unit(60_000), Unit::Minute);
-        assert_eq!(unit(5_000), Unit::Unknown);
     }
 }
