@@ -71,6 +71,14 @@ where
     })
 }
 
+/// How the agent measured runs.
+pub struct AgentArgs {
+    /// Its `--grpc-server`.
+    pub server: String,
+    /// Its `--threads`.
+    pub threads: usize,
+}
+
 /// `runs` runs at each level in `levels`, on the embedded store and on Redis, alternating which
 /// side goes first.
 pub async fn run(
@@ -78,11 +86,19 @@ pub async fn run(
     levels: &[usize],
     seconds: f64,
     stores: &[String],
+    agent_args: &AgentArgs,
 ) -> anyhow::Result<Vec<GrpcRun>> {
     let mut out = Vec::new();
     for store in stores {
         let redis = (store == "redis").then(RedisServer::start);
-        let mut b = Agent::builder().rules(RULES).arg("--grpc").arg("127.0.0.1:0");
+        let mut b = Agent::builder()
+            .rules(RULES)
+            .arg("--grpc")
+            .arg("127.0.0.1:0")
+            .arg("--grpc-server")
+            .arg(&agent_args.server)
+            .arg("--threads")
+            .arg(&agent_args.threads.to_string());
         if let Some(r) = &redis {
             // A patient store timeout: every answer is Redis's, none the fail mode's.
             b = b.redis(&r.url());

@@ -46,9 +46,9 @@ pub struct Scenario {
     pub in_flight: usize,
     /// Distinct keys the checks cycle through.
     pub keys: usize,
-    /// Over Envoy's RateLimitService (gRPC; a connection is an HTTP/2 channel and `rule` is
-    /// ignored: the `bench` domain's descriptor rule), else the frames protocol.
-    pub grpc: bool,
+    /// Over Envoy's RateLimitService, served by this `--grpc-server` (a connection is an HTTP/2
+    /// channel and `rule` is ignored: the `bench` domain's descriptor rule); else the frames protocol.
+    pub grpc: Option<&'static str>,
 }
 
 /// The scenarios (BENCHMARKS.md, "Instructions per check (callgrind)"): in-memory (one in flight and
@@ -61,7 +61,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "memory, 16 clients × 64 pipelined",
@@ -70,7 +70,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 64,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "redis sync, 16 clients × 1",
@@ -79,7 +79,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "redis sync, 64 clients × 1",
@@ -88,7 +88,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 64,
         in_flight: 1,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "redis, cache hit, 16 clients × 1",
@@ -97,7 +97,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 16,
         in_flight: 1,
         keys: 100,
-        grpc: false,
+        grpc: None,
     },
     // The Envoy path against the frames path, both at 64 in flight on one connection (an HTTP/2
     // channel multiplexing 64 streams, a socket pipelining 64 frames).
@@ -108,7 +108,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 1,
         in_flight: 64,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "memory, grpc, 1 channel × 64",
@@ -117,7 +117,16 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 1,
         in_flight: 64,
         keys: 10_000,
-        grpc: true,
+        grpc: Some("native"),
+    },
+    Scenario {
+        name: "memory, grpc tonic, 1 channel × 64",
+        redis: false,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: Some("tonic"),
     },
     Scenario {
         name: "redis, frames, 1 client × 64",
@@ -126,7 +135,7 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 1,
         in_flight: 64,
         keys: 10_000,
-        grpc: false,
+        grpc: None,
     },
     Scenario {
         name: "redis, grpc, 1 channel × 64",
@@ -135,7 +144,16 @@ pub const SCENARIOS: &[Scenario] = &[
         clients: 1,
         in_flight: 64,
         keys: 10_000,
-        grpc: true,
+        grpc: Some("native"),
+    },
+    Scenario {
+        name: "redis, grpc tonic, 1 channel × 64",
+        redis: true,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: Some("tonic"),
     },
 ];
 
@@ -216,11 +234,15 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
             .arg("--breaker-min-streak-ms")
             .arg("60000");
     }
-    if s.grpc {
-        b = b.arg("--grpc").arg("127.0.0.1:0");
+    if let Some(server) = s.grpc {
+        b = b
+            .arg("--grpc")
+            .arg("127.0.0.1:0")
+            .arg("--grpc-server")
+            .arg(server);
     }
     let mut agent = b.start().await;
-    let target = if s.grpc {
+    let target = if s.grpc.is_some() {
         Target::Grpc(
             agent
                 .logged_addr("RateLimitService (gRPC) listening")

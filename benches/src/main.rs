@@ -202,6 +202,12 @@ enum Command {
         /// Stores: memory, redis, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "memory,redis")]
         store: Vec<String>,
+        /// The agent's gRPC server: native or tonic.
+        #[arg(long, default_value = "native")]
+        grpc_server: String,
+        /// The agent's worker threads (its `--threads`).
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/grpc.json")]
         json: PathBuf,
@@ -429,9 +435,15 @@ fn main() -> anyhow::Result<()> {
             clients,
             seconds,
             store,
+            grpc_server,
+            threads,
             json,
         }) => {
-            let rows = runtime.block_on(grpc::run(runs, &clients, seconds, &store))?;
+            let agent = grpc::AgentArgs {
+                server: grpc_server,
+                threads,
+            };
+            let rows = runtime.block_on(grpc::run(runs, &clients, seconds, &store, &agent))?;
             write_json(&json, &rows)
         }
         Some(Command::Sdk {
