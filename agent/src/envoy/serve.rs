@@ -127,7 +127,10 @@ pub async fn serve_tcp(
         Ok((s, Peer::Ip(addr.ip())))
     });
     match serving.server {
-        GrpcServer::Native => Ok(native(stream, service, serving, shutdown).await),
+        GrpcServer::Native => {
+            native(stream, service, serving, shutdown).await;
+            Ok(())
+        }
         GrpcServer::Tonic => run(stream, service, shutdown).await,
     }
 }
@@ -146,7 +149,10 @@ pub async fn serve_unix(
         Ok((s, peer))
     });
     match serving.server {
-        GrpcServer::Native => Ok(native(stream, service, serving, shutdown).await),
+        GrpcServer::Native => {
+            native(stream, service, serving, shutdown).await;
+            Ok(())
+        }
         GrpcServer::Tonic => run(stream, service, shutdown).await,
     }
 }

@@ -170,7 +170,7 @@ pub fn unpadded(h: &Head, payload: &[u8]) -> Option<std::ops::Range<usize>> {
         return Some(0..payload.len());
     }
     let pad = usize::from(*payload.first()?);
-    (1 + pad <= payload.len()).then(|| 1..payload.len() - pad)
+    (pad < payload.len()).then(|| 1..payload.len() - pad)
 }
 
 #[cfg(test)]
