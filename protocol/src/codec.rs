@@ -19,6 +19,8 @@ const FORM_ITEMS: u8 = 0;
 const FORM_ATTRIBUTES: u8 = 1;
 const FORM_ITEMS_MODES: u8 = 2;
 const FORM_ATTRIBUTES_MODE: u8 = 3;
+/// Version 5: a trace context, then another form.
+const FORM_TRACED: u8 = 4;
 const LIST_TRUNCATED: u8 = 0b01;
 /// The version whose Decision carries each item's rule window.
 const WINDOWS: u8 = 4;
@@ -26,7 +28,11 @@ const WINDOWS: u8 = 4;
 impl Frame {
     /// A frame.
     pub fn new(request_id: u32, body: Body) -> Self {
-        Frame { request_id, body }
+        Frame {
+            request_id,
+            body,
+            trace: None,
+        }
     }
 
     /// Appends the encoded frame to `out`, each kind in the newest form it has. Fails, writing
@@ -106,36 +112,14 @@ impl Frame {
                 max_version,
             } => out.extend_from_slice(&[*min_version, *max_version]),
             Body::HelloOk { version } => out.push(*version),
-            Body::Check(Check::Items(items)) => {
-                // Every item consuming: version 1's form, which every agent reads.
-                let modes = items
-                    .iter()
-                    .any(|i| i.mode != ItemMode::Consume || i.lease.is_some());
-                out.push(if modes { FORM_ITEMS_MODES } else { FORM_ITEMS });
-                out.push(items.len() as u8);
-                for item in items {
-                    put_str16(out, &item.key);
-                    put_str8(out, &item.rule_id);
-                    out.extend_from_slice(&item.cost.to_be_bytes());
-                    if modes {
-                        put_mode(out, item.mode, item.lease);
-                    }
+            Body::Check(check) => {
+                if let Some(t) = &self.trace {
+                    out.push(FORM_TRACED);
+                    out.extend_from_slice(&t.trace_id);
+                    out.extend_from_slice(&t.span_id);
+                    out.push(t.flags);
                 }
-            }
-            Body::Check(Check::Attributes(a)) => {
-                let modes = a.mode != ItemMode::Consume || a.lease.is_some();
-                out.push(if modes {
-                    FORM_ATTRIBUTES_MODE
-                } else {
-                    FORM_ATTRIBUTES
-                });
-                for (_, value) in a.fields() {
-                    put_str16(out, value.as_deref().unwrap_or(""));
-                }
-                out.extend_from_slice(&a.cost.to_be_bytes());
-                if modes {
-                    put_mode(out, a.mode, a.lease);
-                }
+                encode_check(out, check);
             }
             Body::Decision(d) => {
                 put_verdict(out, &d.combined);
@@ -220,6 +204,25 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
         buf: &buf[LEN_PREFIX + HEADER..frame_len],
         bad_text: None,
     };
+    // Version 5: a check's form 4 carries a trace context before the check's own form.
+    let mut trace = None;
+    if frame_kind == kind::CHECK && r.buf.first() == Some(&FORM_TRACED) {
+        let Some(t) = r.buf.get(1..26) else {
+            return Err(DecodeError::Fatal {
+                code: ErrorCode::MalformedFrame,
+                request_id: Some(request_id),
+                reason: "a traced check ends inside its trace context".into(),
+            });
+        };
+        let t = crate::TraceContext {
+            trace_id: t[..16].try_into().expect("16 bytes"),
+            span_id: t[16..24].try_into().expect("8 bytes"),
+            flags: t[24],
+        };
+        // An invalid context (all-zero ids) is dropped, as a bad traceparent header is.
+        trace = t.is_valid().then_some(t);
+        r.buf = &r.buf[26..];
+    }
     let body = match decode_body(frame_kind, version, &mut r) {
         Ok(body) => body,
         Err(Problem::Malformed(reason)) => {
@@ -241,7 +244,14 @@ pub fn decode(buf: &[u8]) -> Result<(Frame, usize), DecodeError> {
     if let Some(reason) = r.bad_text {
         return Err(reject(ErrorCode::InvalidItem, reason));
     }
-    Ok((Frame { request_id, body }, frame_len))
+    Ok((
+        Frame {
+            request_id,
+            body,
+            trace,
+        },
+        frame_len,
+    ))
 }
 
 enum Problem {
@@ -472,6 +482,43 @@ impl<'a> Reader<'a> {
             reset_at_ms: self.u64()?,
             retry_after_ms: self.u64()?,
         })
+    }
+}
+
+/// A check's own form (0 to 3) and body.
+fn encode_check(out: &mut Vec<u8>, check: &Check) {
+    match check {
+        Check::Items(items) => {
+            // Every item consuming: version 1's form, which every agent reads.
+            let modes = items
+                .iter()
+                .any(|i| i.mode != ItemMode::Consume || i.lease.is_some());
+            out.push(if modes { FORM_ITEMS_MODES } else { FORM_ITEMS });
+            out.push(items.len() as u8);
+            for item in items {
+                put_str16(out, &item.key);
+                put_str8(out, &item.rule_id);
+                out.extend_from_slice(&item.cost.to_be_bytes());
+                if modes {
+                    put_mode(out, item.mode, item.lease);
+                }
+            }
+        }
+        Check::Attributes(a) => {
+            let modes = a.mode != ItemMode::Consume || a.lease.is_some();
+            out.push(if modes {
+                FORM_ATTRIBUTES_MODE
+            } else {
+                FORM_ATTRIBUTES
+            });
+            for (_, value) in a.fields() {
+                put_str16(out, value.as_deref().unwrap_or(""));
+            }
+            out.extend_from_slice(&a.cost.to_be_bytes());
+            if modes {
+                put_mode(out, a.mode, a.lease);
+            }
+        }
     }
 }
 

@@ -11,6 +11,8 @@ pub struct Frame {
     pub request_id: u32,
     /// The frame's content.
     pub body: Body,
+    /// A check's trace context (version 5: form 4 wraps the check's form); None on other frames.
+    pub trace: Option<crate::TraceContext>,
 }
 
 /// What a frame carries.

@@ -8,6 +8,7 @@
 //! - `codec`: [`Frame::encode`] and [`decode`]; decoding never panics on any input.
 //! - `error`: [`DecodeError`], [`EncodeError`] and the wire [`ErrorCode`]s.
 //! - `fail_modes`: version 2's [`FailModeList`], which checks it closes, and [`endpoint_matches`].
+//! - `trace`: version 5's [`TraceContext`] (W3C `traceparent`), carried by a check.
 //! - [`http`]: what a decision means at HTTP (the rate-limit headers, `Retry-After`, [`http::wire_safe`]).
 //!
 //! # Example
@@ -27,6 +28,7 @@ mod fail_modes;
 mod frame;
 pub mod http;
 pub mod limits;
+mod trace;
 
 pub use codec::{decode, VERDICT_LEN};
 pub use error::{DecodeError, EncodeError, ErrorCode, InvalidValue};
@@ -36,3 +38,4 @@ pub use frame::{
     ItemMode, Source, Verdict,
 };
 pub use limits::{MAX_ATTRIBUTE, MAX_FRAME, MAX_ITEMS, MAX_KEY, MAX_RULE_ID, MIN_VERSION, VERSION};
+pub use trace::{push_hex, TraceContext};

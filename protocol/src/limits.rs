@@ -1,8 +1,9 @@
 //! Protocol constants: the version, frame kinds and the size limits every peer enforces.
 
 /// The highest protocol version this crate speaks (2: the fail-mode list and item modes; 3: leases
-/// and releases of concurrency rules; 4: each decided item's rule window).
-pub const VERSION: u8 = 4;
+/// and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace
+/// context).
+pub const VERSION: u8 = 5;
 
 /// The lowest protocol version this crate speaks.
 pub const MIN_VERSION: u8 = 1;

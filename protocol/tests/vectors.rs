@@ -3,7 +3,7 @@
 
 use floodgate_protocol::{
     decode, Attributes, Body, Check, ClosedRule, Decision, ErrorBody, ErrorCode, FailModeList, Frame, Item,
-    ItemDecision, ItemMode, ListedDimension, Source, Verdict,
+    ItemDecision, ItemMode, ListedDimension, Source, TraceContext, Verdict,
 };
 
 const DOC: &str = include_str!("../PROTOCOL.md");
@@ -256,6 +256,34 @@ fn frames() -> Vec<(&'static str, Frame)> {
                     ],
                 }),
             ),
+        ),
+        (
+            "hello_v5",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 5,
+                },
+            ),
+        ),
+        ("hello_ok_v5", Frame::new(0, Body::HelloOk { version: 5 })),
+        (
+            "check_traced",
+            Frame {
+                trace: Some(TraceContext {
+                    trace_id: [
+                        0x4b, 0xf9, 0x2f, 0x35, 0x77, 0xb3, 0x4d, 0xa6, 0xa3, 0xce, 0x92, 0x9d, 0x0e, 0x0e,
+                        0x47, 0x36,
+                    ],
+                    span_id: [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7],
+                    flags: 1,
+                }),
+                ..Frame::new(
+                    18,
+                    Body::Check(Check::Items(vec![Item::new("user:123", "api", 1)])),
+                )
+            },
         ),
         (
             "check_release",
