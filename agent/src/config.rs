@@ -255,6 +255,10 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_THREADS", default_value_t = 1)]
     pub threads: usize,
 
+    /// OpenTelemetry traces (off unless `--otlp-endpoint`).
+    #[command(flatten)]
+    pub otlp: OtlpArgs,
+
     /// Log filter (tracing's env-filter syntax), e.g. `info`, or `info,floodgate_core=debug` (targets: `floodgate_core`, `floodgate_redis`, `floodgate_rules_service`, `floodgate_agent`).
     #[arg(long, env = "FLOODGATE_LOG", default_value = "info")]
     pub log: String,
@@ -343,6 +347,46 @@ pub struct RulesServerConfig {
     /// Log lines as text or as JSON objects.
     #[arg(long, env = "FLOODGATE_LOG_FORMAT", value_enum, default_value = "text")]
     pub log_format: LogFormat,
+
+    /// OpenTelemetry traces of the API's requests (off unless `--otlp-endpoint`).
+    #[command(flatten)]
+    pub otlp: OtlpArgs,
+}
+
+/// OpenTelemetry traces: where spans go, under which service name, and how many new traces are kept.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OtlpArgs {
+    /// Export traces to this OTLP/HTTP collector (`http://collector:4318`; spans are POSTed as
+    /// OTLP/JSON to `<endpoint>/v1/traces`): a span per check and per rules-API request. Off when unset.
+    #[arg(long, env = "FLOODGATE_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// The spans' `service.name`.
+    #[arg(long, env = "FLOODGATE_OTLP_SERVICE_NAME", default_value = "floodgate")]
+    pub otlp_service_name: String,
+
+    /// Share (0 to 1) of requests without a sampled trace context that start a recorded trace; a
+    /// request whose `traceparent` says sampled is always recorded, one that says not sampled never.
+    #[arg(long, env = "FLOODGATE_OTLP_SAMPLE_RATIO", default_value_t = 0.01, value_parser = parse_ratio)]
+    pub otlp_sample_ratio: f64,
+}
+
+impl OtlpArgs {
+    /// The tracer's configuration.
+    pub fn config(&self) -> crate::otel::Config {
+        crate::otel::Config {
+            endpoint: self.otlp_endpoint.clone(),
+            service_name: self.otlp_service_name.clone(),
+            sample_ratio: self.otlp_sample_ratio,
+        }
+    }
+}
+
+fn parse_ratio(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(r) if (0.0..=1.0).contains(&r) => Ok(r),
+        _ => Err(format!("{s:?}: a ratio from 0 to 1")),
+    }
 }
 
 impl RulesServerConfig {
@@ -356,6 +400,11 @@ impl RulesServerConfig {
             token_file: self.token_file.clone(),
             tls: self.tls_cert.clone().zip(self.tls_key.clone()),
             limits: http_limits(self.http_max_connections, self.http_header_timeout_ms),
+            wrap: self
+                .otlp
+                .otlp_endpoint
+                .is_some()
+                .then_some(crate::otel::wrap_router as fn(axum::Router) -> axum::Router),
         }
     }
 }

@@ -15,6 +15,7 @@
 //! - [`exporter`]: the Prometheus exporter and the gauges read at scrape time.
 //! - [`follow`]: following a rules service (pull, watch, the last good set cached on disk).
 //! - [`follow_overrides`]: following the per-client overrides' changes (service or embedded).
+//! - [`otel`]: OpenTelemetry traces, opt-in: spans of checks and rules-API requests, OTLP export.
 //!
 //! The engine, rules and algorithms are `floodgate-core`'s; the rules service is
 //! `floodgate-rules-service`'s.
@@ -27,6 +28,7 @@ pub mod envoy;
 pub mod exporter;
 pub mod follow;
 pub mod follow_overrides;
+pub mod otel;
 pub mod reload;
 pub mod server;
 pub mod settings;

@@ -261,6 +261,13 @@ pub fn connection_refused(listener: &'static str) {
     }
 }
 
+/// A trace span dropped: the exporter's queue was full, or its batch could not be sent.
+pub fn trace_span_dropped() {
+    if on() {
+        counter!("floodgate_trace_spans_dropped_total").increment(1);
+    }
+}
+
 /// A frames connection the agent closed: `reason` is `idle`, `frame_timeout` or `buffers`.
 pub fn connection_closed(reason: &'static str) {
     if on() {

@@ -30,6 +30,8 @@ pub struct ServeOptions {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// The connection cap and timeouts of its listener.
     pub limits: listen::Limits,
+    /// Wraps the API's router (the agent's request spans), if set.
+    pub wrap: Option<fn(axum::Router) -> axum::Router>,
 }
 
 impl ServeOptions {
@@ -82,6 +84,9 @@ pub async fn run(config: ServeOptions, mut shutdown: watch::Receiver<bool>) -> a
             json_bodies: true,
         }
         .layer(app);
+    }
+    if let Some(wrap) = config.wrap {
+        app = wrap(app);
     }
     let tls = match &config.tls {
         Some((cert, key)) => {

@@ -197,7 +197,10 @@ impl Client {
             )));
         }
         let id = self.shared.next_id();
-        let frame = Frame::new(id, Body::Check(check));
+        let mut frame = Frame::new(id, Body::Check(check));
+        if version >= 5 {
+            frame.trace = options.trace;
+        }
         let bytes = frame.to_bytes().map_err(|e| Error::Invalid(e.to_string()))?;
         let Body::Check(check) = frame.body else {
             unreachable!("built as a check above")

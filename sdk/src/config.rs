@@ -62,6 +62,12 @@ impl Default for ClientConfig {
 /// Per-call overrides of the client's configuration.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CallOptions {
+    /// The caller's W3C trace context (a `traceparent`, [`TraceContext::parse`]): sent with the
+    /// check to an agent of protocol version 5, whose span of the check (when it exports traces)
+    /// is then its child. Never sent to an older agent.
+    ///
+    /// [`TraceContext::parse`]: floodgate_protocol::TraceContext::parse
+    pub trace: Option<floodgate_protocol::TraceContext>,
     /// Overrides [`ClientConfig::timeout`].
     pub timeout: Option<Duration>,
     /// Decides alone when the agent cannot answer: overrides both the rules' fail modes the client

@@ -13,6 +13,7 @@
 //!    fallback admitted.
 //! 6. `events` (5 s, [`EVENTS`]): the rejection events' writer writes out its queue (every check is
 //!    answered by now, so it holds every event).
+//! 7. `traces` (6 s, [`TRACES`]): the trace exporter sends the spans it holds (with `--otlp-endpoint`).
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -34,6 +35,8 @@ pub const FLUSH: Duration = Duration::from_secs(2);
 pub const GUARD: Duration = Duration::from_secs(2);
 /// Step 6's bound: each of the writer's writes has a 2 s timeout, and the queue is bounded.
 pub const EVENTS: Duration = Duration::from_secs(5);
+/// Step 7's bound: one POST of the exporter (5 s timeout) and a little.
+pub const TRACES: Duration = Duration::from_secs(6);
 
 /// The running agent, as the drain needs it: the tasks to wait for, in the order they stop.
 pub(crate) struct Running {
@@ -46,6 +49,8 @@ pub(crate) struct Running {
     pub(super) guard: Option<JoinHandle<()>>,
     /// The events writer and its stop signal.
     pub(super) events: Option<(watch::Sender<bool>, JoinHandle<()>)>,
+    /// The trace exporter and its stop signal.
+    pub(super) traces: Option<(watch::Sender<bool>, JoinHandle<()>)>,
 }
 
 impl Running {
@@ -85,6 +90,10 @@ impl Running {
         if let Some((stop, task)) = self.events {
             let _ = stop.send(true);
             step(6, "events", Some(EVENTS), task).await;
+        }
+        if let Some((stop, task)) = self.traces {
+            let _ = stop.send(true);
+            step(7, "traces", Some(TRACES), task).await;
         }
         tracing::info!("floodgate agent stopped");
     }

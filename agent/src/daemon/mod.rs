@@ -9,6 +9,7 @@
 
 mod build;
 mod drain;
+pub use drain::TRACES;
 mod loops;
 mod rules_source;
 
@@ -67,6 +68,16 @@ impl Built {
             let (stop_tx, stop_rx) = watch::channel(false);
             let task = tokio::spawn(floodgate_redis::events::write_loop(shards, rx, stream, stop_rx));
             (stop_tx, task)
+        });
+        // Traces' exporter, stopped last (drain step 7), so it sends every check's span.
+        let traces = crate::otel::install(&config.otlp.config()).map(|exporter| {
+            tracing::info!(
+                endpoint = config.otlp.otlp_endpoint.as_deref().unwrap_or_default(),
+                sample_ratio = config.otlp.otlp_sample_ratio,
+                "exporting traces (OTLP/HTTP)"
+            );
+            let (stop_tx, stop_rx) = watch::channel(false);
+            (stop_tx, tokio::spawn(crate::otel::run_exporter(exporter, stop_rx)))
         });
         let rules_file = matches!(source, rules_source::RulesSource::File(_));
         source.start(&engine, &config, shutdown.clone());
@@ -184,6 +195,7 @@ impl Built {
             flusher,
             guard,
             events,
+            traces,
         }
     }
 }

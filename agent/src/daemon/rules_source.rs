@@ -178,7 +178,10 @@ impl RulesSource {
                         loopback_host: true,
                         json_bodies: true,
                     };
-                    let app = guard.layer(service::app(state.clone()));
+                    let mut app = guard.layer(service::app(state.clone()));
+                    if crate::otel::enabled() {
+                        app = crate::otel::wrap_router(app);
+                    }
                     let (mut stop, closing) = (shutdown.clone(), state.clone());
                     let limits = config.http_limits();
                     tokio::spawn(async move {

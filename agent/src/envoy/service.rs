@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use floodgate_core::algo::Period;
 use floodgate_core::rules::{Algorithm, OverLimit, Rule};
-use floodgate_protocol::{Check, ErrorCode, Item, ItemMode, MAX_ITEMS};
+use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, TraceContext, MAX_ITEMS};
 use prost::Message;
 use tonic::{Request, Response, Status};
 
@@ -30,25 +30,41 @@ impl EnvoyService {
     /// Decides one request: its RateLimitResponse as protobuf bytes (what the native server sends). A
     /// rule set swapped between the descriptor lookup and the check (a rule removed) is answered from
     /// the new set: one retry.
-    pub async fn decide_bytes(&self, req: RateLimitRequest) -> Result<Vec<u8>, Status> {
+    /// `trace` is the caller's trace context (`traceparent` metadata): with traces on, the request's
+    /// span is its child.
+    pub async fn decide_bytes(&self, req: RateLimitRequest, trace: Option<TraceContext>) -> Result<Vec<u8>, Status> {
+        let span = if crate::otel::enabled() {
+            crate::otel::start_check(trace)
+        } else {
+            None
+        };
         let mut out = Vec::with_capacity(256);
-        match self.decide_into(&req, &mut out).await {
+        let result = match self.decide_into(&req, &mut out).await {
             Err(e) if e.code() == tonic::Code::Unavailable => {
                 out.clear();
                 self.decide_into(&req, &mut out).await
             }
             other => other,
+        };
+        if let Some(span) = span {
+            let wait = span.elapsed();
+            match &result {
+                Ok(Some(d)) => crate::otel::end_check(span, "grpc", Ok(d), Some(wait)),
+                Ok(None) => crate::otel::end_check(span, "grpc", Err("no descriptor has a rule"), None),
+                Err(e) => crate::otel::end_check(span, "grpc", Err(e.message()), None),
+            }
         }
-        .map(|()| out)
+        result.map(|_| out)
     }
 
     /// [`decide_bytes`](Self::decide_bytes) as the message (what the tonic server sends).
-    pub async fn decide(&self, req: RateLimitRequest) -> Result<RateLimitResponse, Status> {
-        let bytes = self.decide_bytes(req).await?;
+    pub async fn decide(&self, req: RateLimitRequest, trace: Option<TraceContext>) -> Result<RateLimitResponse, Status> {
+        let bytes = self.decide_bytes(req, trace).await?;
         RateLimitResponse::decode(&bytes[..]).map_err(|e| Status::internal(e.to_string()))
     }
 
-    async fn decide_into(&self, req: &RateLimitRequest, out: &mut Vec<u8>) -> Result<(), Status> {
+    /// Writes the answer into `out`: the decision it came from, None when no descriptor had a rule.
+    async fn decide_into(&self, req: &RateLimitRequest, out: &mut Vec<u8>) -> Result<Option<Decision>, Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("rate limit domain must not be empty"));
         }
@@ -138,7 +154,7 @@ impl EnvoyService {
         if items.is_empty() {
             floodgate_core::metrics::grpc_request("unmatched");
             reply::write_unlimited(out, &slots);
-            return Ok(());
+            return Ok(None);
         }
         let start = Instant::now();
         // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
@@ -197,7 +213,7 @@ impl EnvoyService {
         let now = Clock::System.now_ms();
         let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
         floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
-        Ok(())
+        Ok(Some(decision))
     }
 }
 
@@ -207,7 +223,12 @@ impl RateLimitService for EnvoyService {
         &self,
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
-        self.decide(request.into_inner()).await.map(Response::new)
+        let trace = request
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .and_then(TraceContext::parse);
+        self.decide(request.into_inner(), trace).await.map(Response::new)
     }
 }
 

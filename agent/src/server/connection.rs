@@ -223,6 +223,8 @@ struct InFlight {
     start: Option<std::time::Instant>,
     /// Which items are charges (never counted as rejections; `metrics::charges`).
     charges: u32,
+    /// The check's trace span, when traces are on and it is sampled.
+    span: Option<Box<crate::otel::SpanStart>>,
     answer: std::pin::Pin<
         Box<dyn std::future::Future<Output = Result<floodgate_protocol::Decision, ErrorBody>> + Send>,
     >,
@@ -238,6 +240,10 @@ impl std::future::Future for InFlight {
         let result = std::task::ready!(self.answer.as_mut().poll(cx));
         if let Some(start) = self.start {
             floodgate_core::metrics::check_charged(&result, start.elapsed(), self.charges);
+        }
+        if let Some(span) = self.span.take() {
+            let wait = span.elapsed();
+            crate::otel::end_check(span, "frames", result.as_ref().map_err(|e| e.message.as_str()), Some(wait));
         }
         std::task::Poll::Ready((self.id, result))
     }
@@ -310,8 +316,15 @@ fn handle(
     peer: &mut u8,
 ) {
     let id = frame.request_id;
+    let trace = frame.trace;
     match frame.body {
         Body::Check(check) => {
+            // Off, one atomic load.
+            let span = if crate::otel::enabled() {
+                crate::otel::start_check(trace)
+            } else {
+                None
+            };
             // The check's time runs from its frame's read (one clock read per read, not per check):
             // the store's budget and the metric's duration both.
             let start = floodgate_core::metrics::on().then_some(received);
@@ -325,12 +338,16 @@ fn handle(
                     if let Some(start) = start {
                         floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
                     }
+                    if let Some(span) = span {
+                        crate::otel::end_check(span, "frames", result.as_ref().map_err(|e| e.message.as_str()), None);
+                    }
                     answer(out, id, result, *peer)
                 }
                 Answer::Pending(answer) => pending.push(InFlight {
                     id,
                     start,
                     charges,
+                    span,
                     answer,
                 }),
             }

@@ -73,8 +73,15 @@ where
             // Charged after the response, with the request's attributes.
             let charge = charge.map(|h| (h, attributes.clone()));
             let req = Request::from_parts(parts, body);
+            // The caller's trace context: the agent's span of this check becomes its child.
+            let trace = req
+                .headers()
+                .get("traceparent")
+                .and_then(|v| v.to_str().ok())
+                .and_then(floodgate_protocol::TraceContext::parse);
             let options = CallOptions {
                 fail,
+                trace,
                 ..CallOptions::default()
             };
             // Armed before the check is sent: if the request goes away mid-check, or the answer is

@@ -57,6 +57,8 @@ struct RequestHead {
     post: bool,
     path: bool,
     grpc: bool,
+    /// The caller's `traceparent`, read only when traces are on.
+    trace: Option<floodgate_protocol::TraceContext>,
 }
 
 impl RequestHead {
@@ -639,7 +641,7 @@ impl Conn {
             }
         };
         let service = self.service.clone();
-        let mut answering: Answering = Box::pin(async move { (id, service.decide_bytes(request).await) });
+        let mut answering: Answering = Box::pin(async move { (id, service.decide_bytes(request, head.trace).await) });
         match (&mut answering).now_or_never() {
             Some((id, result)) => self.answer(id, result),
             None => self.pending.push(answering),

@@ -1,0 +1,102 @@
+//! OpenTelemetry traces, opt-in (`--otlp-endpoint`): a span per check (frames and gRPC) and per
+//! rules-service request, each a child of the caller's W3C trace context when it sent one, sent in
+//! batches to an OTLP/HTTP collector as JSON.
+//!
+//! Off (the default) it costs a check one atomic load (`enabled`). On, a span is recorded when the
+//! caller's context says sampled, or, for a request without one, when its new trace id falls under
+//! the sampling ratio (OpenTelemetry's parent-based trace-id-ratio sampler); a recorded span is a
+//! clock read at each end and a message to the exporter's task, never an await on the request path:
+//! when the exporter's queue is full the span is dropped and counted.
+//!
+//! - `span`: ids, sampling, `SpanStart` and its end.
+//! - `export`: the exporter task: batches, OTLP/JSON, POST to `<endpoint>/v1/traces`.
+//! - `layer`: the rules service's HTTP requests as spans.
+
+mod export;
+mod layer;
+mod span;
+
+use std::sync::OnceLock;
+
+pub use export::{run_exporter, Exporter};
+pub use layer::http_spans;
+pub use span::{Attr, SpanData, SpanStart, Tracer};
+
+static TRACER: OnceLock<Tracer> = OnceLock::new();
+
+/// Whether traces are on (one atomic load).
+#[inline]
+pub fn enabled() -> bool {
+    TRACER.get().is_some()
+}
+
+/// The process's tracer, when traces are on.
+#[inline]
+pub fn tracer() -> Option<&'static Tracer> {
+    TRACER.get()
+}
+
+/// Turns traces on for the process (the first call wins) and returns the exporter to run.
+pub fn install(config: &Config) -> Option<Exporter> {
+    let endpoint = config.endpoint.as_ref()?;
+    let (tracer, exporter) = span::pair(endpoint, &config.service_name, config.sample_ratio);
+    TRACER.set(tracer).ok()?;
+    Some(exporter)
+}
+
+/// A router whose requests are recorded as spans.
+pub fn wrap_router(router: axum::Router) -> axum::Router {
+    router.layer(axum::middleware::from_fn(http_spans))
+}
+
+/// What `--otlp-*` say.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The collector's OTLP/HTTP base URL (spans go to `<endpoint>/v1/traces`); None: off.
+    pub endpoint: Option<String>,
+    /// `service.name` of the spans' resource.
+    pub service_name: String,
+    /// Share of requests without a sampled parent that start a recorded trace (0 to 1).
+    pub sample_ratio: f64,
+}
+
+/// Starts a check's span under the caller's context, if traces are on and it is sampled.
+#[inline]
+pub fn start_check(parent: Option<floodgate_protocol::TraceContext>) -> Option<Box<SpanStart>> {
+    tracer()?.start(parent, "check").map(Box::new)
+}
+
+/// Ends a check's span: its rules, verdict, source and items, and how long it waited on the store
+/// (`store_wait`: None when the engine answered at once).
+pub fn end_check(
+    span: Box<SpanStart>,
+    protocol: &'static str,
+    result: Result<&floodgate_protocol::Decision, &str>,
+    store_wait: Option<std::time::Duration>,
+) {
+    let mut attributes = vec![("floodgate.protocol", Attr::Str(protocol.into()))];
+    let error = match result {
+        Ok(d) => {
+            let rules: Vec<&str> = d.items.iter().map(|i| i.rule_id.as_str()).collect();
+            attributes.push(("floodgate.rules", Attr::Str(rules.join(","))));
+            attributes.push(("floodgate.items", Attr::Int(d.items.len() as i64)));
+            attributes.push(("floodgate.allowed", Attr::Bool(d.combined.allowed)));
+            attributes.push((
+                "floodgate.source",
+                Attr::Str(d.combined.source.as_str().into()),
+            ));
+            false
+        }
+        Err(message) => {
+            attributes.push(("floodgate.error", Attr::Str(message.into())));
+            true
+        }
+    };
+    if let Some(wait) = store_wait {
+        attributes.push((
+            "floodgate.store_wait_us",
+            Attr::Int(wait.as_micros().min(i64::MAX as u128) as i64),
+        ));
+    }
+    span.end(None, attributes, error);
+}
