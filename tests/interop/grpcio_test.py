@@ -501,36 +501,16 @@ def test_sigterm_with_the_channel_open_exits_0_promptly():
         a.close()
 
 
-# Found with this file (grpcio 1.76, agent of branch grpc-interop), not fixed here: the native
-# server's graceful shutdown closes the TCP connection the moment its last stream is answered
-# (agent/src/envoy/h2/conn.rs: `done` -> shutdown(SHUT_WR) -> close, ~70 us later), while the
-# client may still be sending: frames for streams past the GOAWAY's last stream id, WINDOW_UPDATEs,
-# PINGs. Closing a socket with unread input makes the kernel answer with RST, and grpcio, whose next
-# sendmsg then fails (EPIPE / ECONNRESET), fails the whole transport: calls whose answers the agent
-# had already written (and counted) come back UNAVAILABLE "sendmsg: Broken pipe (32)" instead of OK,
-# and refused streams whose RST_STREAM it never read are not retried either.
-# Traced with strace on the agent (three reproductions alike; the first): SIGTERM; 13 ms and 23
-# more admitted streams later (the connection loop's `biased` select polls the socket before the
-# stop signal, so the GOAWAY waits while input keeps arriving) GOAWAY(last_stream=67, NO_ERROR,
-# "the agent is stopping"); DATA of stream 67 read, HEADERS of 69 read and refused (RST_STREAM
-# REFUSED_STREAM); stream 67 answered (HEADERS, DATA, trailers grpc-status 0); shutdown(SHUT_WR);
-# close() with 6 KiB of the client's next frames unread. grpcio's trace shows no GOAWAY ever parsed,
-# and stream 67's call failed with "sendmsg: Broken pipe (32)". In each trace the lost call was the
-# GOAWAY's last stream, answered with grpc-status 0 and counted by the agent.
-# A lingering close (after the last answer, keep reading and dropping input until the client closes
-# or a short deadline passes) would let the client read the GOAWAY and the answers first. One
-# SIGTERM under load shows it in roughly one try in ten here (seen between the 1st and the 66th),
-# so this tries up to 300 times (about 35 ms each) and stops at the first lost call.
+# A stopping agent closes each gRPC connection gracefully: GOAWAY, the streams it took answered, its
+# FIN, then what the client still sends read and dropped (a lingering close) until the client closes
+# or a second passes. Closing with the client's frames unread would make the kernel reset the
+# connection, and grpcio fail calls the agent answered (UNAVAILABLE "Broken pipe"): before the
+# lingering close, one SIGTERM under load in about ten lost one. This tries 300 times (about 35 ms
+# each) and fails at the first lost call.
 class CallLost(AssertionError):
-    """The one failure the xfail below expects (any other failure of that test is a real one)."""
+    """A call that died on the stopping connection."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=CallLost,
-    reason="native h2 server closes right after its last answer with client input unread: "
-    "RST, and grpcio fails calls the agent answered with UNAVAILABLE 'Broken pipe'",
-)
 def test_sigterm_under_load_fails_no_call_with_a_connection_reset():
     req = encode_request("edge", [[("blob", "s" * 10_000)]])
     for attempt in range(300):

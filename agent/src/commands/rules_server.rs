@@ -10,7 +10,10 @@ pub(super) fn run(config: RulesServerConfig) -> anyhow::Result<()> {
         let shutdown = super::shutdown_on_signals()?;
         let traces = crate::otel::install(&config.otlp.config()).map(|exporter| {
             let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-            (stop_tx, tokio::spawn(crate::otel::run_exporter(exporter, stop_rx)))
+            (
+                stop_tx,
+                tokio::spawn(crate::otel::run_exporter(exporter, stop_rx)),
+            )
         });
         let served = floodgate_rules_service::run(config.serve_options(), shutdown).await;
         if let Some((stop, task)) = traces {

@@ -77,7 +77,10 @@ impl Built {
                 "exporting traces (OTLP/HTTP)"
             );
             let (stop_tx, stop_rx) = watch::channel(false);
-            (stop_tx, tokio::spawn(crate::otel::run_exporter(exporter, stop_rx)))
+            (
+                stop_tx,
+                tokio::spawn(crate::otel::run_exporter(exporter, stop_rx)),
+            )
         });
         let rules_file = matches!(source, rules_source::RulesSource::File(_));
         source.start(&engine, &config, shutdown.clone());

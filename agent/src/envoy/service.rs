@@ -32,7 +32,11 @@ impl EnvoyService {
     /// the new set: one retry.
     /// `trace` is the caller's trace context (`traceparent` metadata): with traces on, the request's
     /// span is its child.
-    pub async fn decide_bytes(&self, req: RateLimitRequest, trace: Option<TraceContext>) -> Result<Vec<u8>, Status> {
+    pub async fn decide_bytes(
+        &self,
+        req: RateLimitRequest,
+        trace: Option<TraceContext>,
+    ) -> Result<Vec<u8>, Status> {
         let span = if crate::otel::enabled() {
             crate::otel::start_check(trace)
         } else {
@@ -58,13 +62,21 @@ impl EnvoyService {
     }
 
     /// [`decide_bytes`](Self::decide_bytes) as the message (what the tonic server sends).
-    pub async fn decide(&self, req: RateLimitRequest, trace: Option<TraceContext>) -> Result<RateLimitResponse, Status> {
+    pub async fn decide(
+        &self,
+        req: RateLimitRequest,
+        trace: Option<TraceContext>,
+    ) -> Result<RateLimitResponse, Status> {
         let bytes = self.decide_bytes(req, trace).await?;
         RateLimitResponse::decode(&bytes[..]).map_err(|e| Status::internal(e.to_string()))
     }
 
     /// Writes the answer into `out`: the decision it came from, None when no descriptor had a rule.
-    async fn decide_into(&self, req: &RateLimitRequest, out: &mut Vec<u8>) -> Result<Option<Decision>, Status> {
+    async fn decide_into(
+        &self,
+        req: &RateLimitRequest,
+        out: &mut Vec<u8>,
+    ) -> Result<Option<Decision>, Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("rate limit domain must not be empty"));
         }

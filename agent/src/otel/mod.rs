@@ -81,10 +81,7 @@ pub fn end_check(
             attributes.push(("floodgate.rules", Attr::Str(rules.join(","))));
             attributes.push(("floodgate.items", Attr::Int(d.items.len() as i64)));
             attributes.push(("floodgate.allowed", Attr::Bool(d.combined.allowed)));
-            attributes.push((
-                "floodgate.source",
-                Attr::Str(d.combined.source.as_str().into()),
-            ));
+            attributes.push(("floodgate.source", Attr::Str(d.combined.source.as_str().into())));
             false
         }
         Err(message) => {

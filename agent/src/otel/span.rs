@@ -62,7 +62,8 @@ pub(super) fn pair(endpoint: &str, service: &str, ratio: f64) -> (Tracer, Export
     } else {
         (ratio * u64::MAX as f64) as u64
     };
-    let key = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), SystemTime::now());
+    let key =
+        std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), SystemTime::now());
     let tracer = Tracer {
         tx,
         threshold,
@@ -88,7 +89,10 @@ fn unix_ns() -> u64 {
 impl Tracer {
     fn next_id(&self) -> u64 {
         loop {
-            let id = splitmix64(self.key.wrapping_add(self.counter.fetch_add(1, Ordering::Relaxed)));
+            let id = splitmix64(
+                self.key
+                    .wrapping_add(self.counter.fetch_add(1, Ordering::Relaxed)),
+            );
             if id != 0 {
                 return id;
             }
@@ -188,13 +192,19 @@ mod tests {
             span_id: [9; 8],
             flags: 1,
         };
-        let span = never.start(Some(sampled), "check").expect("a sampled parent is followed");
+        let span = never
+            .start(Some(sampled), "check")
+            .expect("a sampled parent is followed");
         assert_eq!((span.trace_id, span.parent), ([7; 16], Some([9; 8])));
         assert_ne!(span.span_id, [9; 8]);
-        assert!(always.start(Some(TraceContext { flags: 0, ..sampled }), "check").is_none());
+        assert!(always
+            .start(Some(TraceContext { flags: 0, ..sampled }), "check")
+            .is_none());
         assert!((0..1_000).all(|_| never.start(None, "check").is_none()));
         assert!((0..1_000).all(|_| always.start(None, "check").is_some_and(|s| s.parent.is_none())));
-        let kept = (0..10_000).filter(|_| half.start(None, "check").is_some()).count();
+        let kept = (0..10_000)
+            .filter(|_| half.start(None, "check").is_some())
+            .count();
         assert!((4_000..6_000).contains(&kept), "{kept} of 10,000 at 0.5");
     }
 }

@@ -243,7 +243,12 @@ impl std::future::Future for InFlight {
         }
         if let Some(span) = self.span.take() {
             let wait = span.elapsed();
-            crate::otel::end_check(span, "frames", result.as_ref().map_err(|e| e.message.as_str()), Some(wait));
+            crate::otel::end_check(
+                span,
+                "frames",
+                result.as_ref().map_err(|e| e.message.as_str()),
+                Some(wait),
+            );
         }
         std::task::Poll::Ready((self.id, result))
     }
@@ -339,7 +344,12 @@ fn handle(
                         floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
                     }
                     if let Some(span) = span {
-                        crate::otel::end_check(span, "frames", result.as_ref().map_err(|e| e.message.as_str()), None);
+                        crate::otel::end_check(
+                            span,
+                            "frames",
+                            result.as_ref().map_err(|e| e.message.as_str()),
+                            None,
+                        );
                     }
                     answer(out, id, result, *peer)
                 }

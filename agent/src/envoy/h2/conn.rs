@@ -207,14 +207,21 @@ pub async fn serve<IO>(
     let mut fatal: Option<ConnError> = None;
     let timer = tokio::time::sleep(frame_timeout);
     tokio::pin!(timer);
+    // Shutdown is looked at every turn (one atomic load), since a client that keeps the socket
+    // readable would starve the select's branch for it; the branch wakes an idle connection.
+    let peek = shutdown.clone();
     let stop = floodgate_core::tasks::stopped(&mut shutdown);
     tokio::pin!(stop);
     loop {
+        if !c.going_away && peek.has_changed().unwrap_or(true) {
+            c.going_away = true;
+            frame::goaway(&mut c.out, c.last_stream, code::NO_ERROR, "the agent is stopping");
+        }
         if let Some(e) = fatal.take() {
             tracing::debug!(code = e.code, why = %e.why, "closing a gRPC connection");
             frame::goaway(&mut c.out, c.last_stream, e.code, &e.why);
             let _ = tokio::time::timeout(WRITE_TIMEOUT, io.write_all(&c.out)).await;
-            let _ = io.shutdown().await;
+            linger(&mut io).await;
             return;
         }
         if !c.out.is_empty() {
@@ -230,7 +237,7 @@ pub async fn serve<IO>(
             (c.going_away || c.peer_gone) && c.streams.is_empty() && c.pending.is_empty()
         };
         if done {
-            let _ = io.shutdown().await;
+            linger(&mut io).await;
             return;
         }
         if inbuf.capacity() - inbuf.len() < 4 * 1024 {
@@ -320,6 +327,21 @@ pub async fn serve<IO>(
             }
         }
     }
+}
+
+/// How long a closing connection reads what the client still sends.
+pub const LINGER: Duration = Duration::from_secs(1);
+
+/// Closes gracefully: our side's FIN, then what the client still sends is read and dropped until it
+/// closes too or [`LINGER`] passes. Closing a socket with unread bytes makes the kernel send a reset,
+/// which can reach the client before the answers and GOAWAY already sent, and lose them.
+async fn linger<IO: AsyncRead + AsyncWrite + Unpin>(io: &mut IO) {
+    let _ = io.shutdown().await;
+    let mut sink = [0u8; 4096];
+    let _ = tokio::time::timeout(LINGER, async {
+        while matches!(io.read(&mut sink).await, Ok(n) if n > 0) {}
+    })
+    .await;
 }
 
 impl Conn {
@@ -641,7 +663,8 @@ impl Conn {
             }
         };
         let service = self.service.clone();
-        let mut answering: Answering = Box::pin(async move { (id, service.decide_bytes(request, head.trace).await) });
+        let mut answering: Answering =
+            Box::pin(async move { (id, service.decide_bytes(request, head.trace).await) });
         match (&mut answering).now_or_never() {
             Some((id, result)) => self.answer(id, result),
             None => self.pending.push(answering),
