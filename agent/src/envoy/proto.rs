@@ -258,6 +258,14 @@ impl RateLimitClient {
         &mut self,
         request: RateLimitRequest,
     ) -> Result<RateLimitResponse, tonic::Status> {
+        self.call(tonic::Request::new(request)).await
+    }
+
+    /// Calls ShouldRateLimit with the request's metadata (a `traceparent`, say).
+    pub async fn call(
+        &mut self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<RateLimitResponse, tonic::Status> {
         self.inner
             .ready()
             .await
@@ -266,7 +274,7 @@ impl RateLimitClient {
         let codec = tonic_prost::ProstCodec::default();
         Ok(self
             .inner
-            .unary(tonic::Request::new(request), path, codec)
+            .unary(request, path, codec)
             .await?
             .into_inner())
     }

@@ -71,6 +71,12 @@ impl RequestHead {
                     .bytes(buf)
                     .is_some_and(|v| v.starts_with(b"application/grpc"))
             }
+            b"traceparent" if crate::otel::enabled() => {
+                self.trace = value
+                    .bytes(buf)
+                    .and_then(|v| std::str::from_utf8(v).ok())
+                    .and_then(floodgate_protocol::TraceContext::parse)
+            }
             _ => {}
         }
     }

@@ -1,0 +1,246 @@
+//! OpenTelemetry traces against an OTLP/HTTP receiver started by the test: with `--otlp-endpoint`,
+//! a check over the frames protocol (the SDK's trace context, the Layer's `traceparent` header),
+//! a ShouldRateLimit over gRPC (`traceparent` metadata) and a rules-API request each become a span
+//! whose trace and parent ids are the caller's; a context that says "not sampled" is not recorded,
+//! and a check without one starts a trace of its own at the sampling ratio.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::routing::post;
+use axum::Router;
+use floodgate_agent::envoy::proto::{Entry, RateLimitClient, RateLimitDescriptor, RateLimitRequest};
+use floodgate_protocol::{Check, Item, TraceContext};
+use floodgate_sdk::CallOptions;
+use floodgate_tests::{eventually, patient_client, Agent, RulesServer};
+use serde_json::Value;
+
+const RULES: &str = r#"{"rules":[
+  {"id":"api","dimension":"user","limit":100,"windowSeconds":60},
+  {"id":"edge-ip","dimension":"descriptor","limit":100,"windowSeconds":60,
+   "envoy":{"domain":"edge","descriptors":[{"key":"remote_address"}]}}]}"#;
+
+/// Every span the receiver was sent.
+#[derive(Clone, Default)]
+struct Received(Arc<Mutex<Vec<Value>>>);
+
+impl Received {
+    async fn start() -> (Received, SocketAddr) {
+        let got = Received::default();
+        let store = got.clone();
+        let app = Router::new().route(
+            "/v1/traces",
+            post(move |body: String| {
+                let store = store.clone();
+                async move {
+                    let v: Value = serde_json::from_str(&body).expect("OTLP/JSON");
+                    let mut spans = store.0.lock().unwrap();
+                    for rs in v["resourceSpans"].as_array().unwrap() {
+                        let service = rs["resource"]["attributes"][0]["value"]["stringValue"].clone();
+                        for ss in rs["scopeSpans"].as_array().unwrap() {
+                            for s in ss["spans"].as_array().unwrap() {
+                                let mut s = s.clone();
+                                s["service"] = service.clone();
+                                spans.push(s);
+                            }
+                        }
+                    }
+                    "{}"
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (got, addr)
+    }
+
+    /// The span of trace `trace` (hex), once it arrives.
+    async fn span_of(&self, trace: &str) -> Value {
+        let got = self.clone();
+        let trace = trace.to_string();
+        eventually("the span reaches the receiver", Duration::from_secs(10), move || {
+            let spans = got.0.lock().unwrap();
+            std::future::ready(spans.iter().find(|s| s["traceId"] == trace.as_str()).cloned())
+        })
+        .await
+    }
+
+    fn all(&self) -> Vec<Value> {
+        self.0.lock().unwrap().clone()
+    }
+}
+
+fn attr<'a>(span: &'a Value, key: &str) -> &'a Value {
+    let a = span["attributes"].as_array().unwrap();
+    &a.iter().find(|a| a["key"] == key).unwrap_or_else(|| panic!("no {key} in {span}"))["value"]
+}
+
+fn context(n: u8, sampled: bool) -> TraceContext {
+    TraceContext {
+        trace_id: [n; 16],
+        span_id: [n.wrapping_add(1); 8],
+        flags: u8::from(sampled),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let mut s = String::new();
+    floodgate_protocol::push_hex(&mut s, bytes);
+    s
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_and_rules_api_requests_become_child_spans() {
+    let (got, addr) = Received::start().await;
+    let endpoint = format!("http://{addr}");
+    let agent = Agent::builder()
+        .rules(RULES)
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .arg("--otlp-endpoint")
+        .arg(&endpoint)
+        .arg("--otlp-sample-ratio")
+        .arg("1")
+        .arg("--otlp-service-name")
+        .arg("edge-agent")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+
+    // The SDK's context: the agent's span is its child, in its trace.
+    let parent = context(0x11, true);
+    let check = |t: Option<TraceContext>| {
+        let client = client.clone();
+        async move {
+            client
+                .check_with(
+                    Check::Items(vec![Item::new("user:1", "api", 1)]),
+                    CallOptions {
+                        trace: t,
+                        ..CallOptions::default()
+                    },
+                )
+                .await
+                .unwrap()
+        }
+    };
+    assert!(check(Some(parent)).await.allowed);
+    let span = got.span_of(&hex(&parent.trace_id)).await;
+    assert_eq!(span["parentSpanId"], hex(&parent.span_id));
+    assert_ne!(span["spanId"], hex(&parent.span_id));
+    assert_eq!(span["name"], "check");
+    assert_eq!(span["service"], "edge-agent");
+    assert_eq!(attr(&span, "floodgate.protocol")["stringValue"], "frames");
+    assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "api");
+    assert_eq!(attr(&span, "floodgate.allowed")["boolValue"], true);
+    assert_eq!(attr(&span, "floodgate.source")["stringValue"], "local");
+    let (start, end): (u64, u64) = (
+        span["startTimeUnixNano"].as_str().unwrap().parse().unwrap(),
+        span["endTimeUnixNano"].as_str().unwrap().parse().unwrap(),
+    );
+    assert!(end >= start && start > 1_600_000_000_000_000_000, "{start}..{end}");
+
+    // Not sampled by the caller: not recorded. Without a context: a trace of its own (ratio 1).
+    let unsampled = context(0x22, false);
+    check(Some(unsampled)).await;
+    let before = got.all().len();
+    check(None).await;
+    let root = eventually("a root span arrives", Duration::from_secs(10), || {
+        let spans = got.all();
+        std::future::ready((spans.len() > before).then(|| spans[before].clone()))
+    })
+    .await;
+    assert!(root.get("parentSpanId").is_none(), "{root}");
+    assert_eq!(root["name"], "check");
+
+    // gRPC: the traceparent metadata Envoy forwards.
+    let grpc = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut g = RateLimitClient::connect(format!("http://{grpc}")).await.unwrap();
+    let via_grpc = context(0x33, true);
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "remote_address".into(),
+                value: "203.0.113.1".into(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    });
+    request
+        .metadata_mut()
+        .insert("traceparent", via_grpc.traceparent().parse().unwrap());
+    g.call(request).await.unwrap();
+    let span = got.span_of(&hex(&via_grpc.trace_id)).await;
+    assert_eq!(span["parentSpanId"], hex(&via_grpc.span_id));
+    assert_eq!(attr(&span, "floodgate.protocol")["stringValue"], "grpc");
+    assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "edge-ip");
+
+    // A rules-API request, on the rules service run with the same flags.
+    let dir = tempfile::tempdir().unwrap();
+    let rules = RulesServer::start_with(
+        &format!("sqlite://{}", dir.path().join("r.db").display()),
+        &[],
+        &["--otlp-endpoint", &endpoint, "--otlp-sample-ratio", "0"],
+    )
+    .await;
+    let via_http = context(0x44, true);
+    let r = floodgate_rules_service::http::request(
+        &rules.url(),
+        "GET",
+        "/v1/rules",
+        None,
+        &[("traceparent", via_http.traceparent())],
+        None,
+        Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    assert_eq!(r.status, 200);
+    let span = got.span_of(&hex(&via_http.trace_id)).await;
+    assert_eq!(span["parentSpanId"], hex(&via_http.span_id));
+    assert_eq!(span["name"], "GET /v1/rules");
+    assert_eq!(attr(&span, "http.response.status_code")["intValue"], "200");
+    assert_eq!(span["service"], "floodgate");
+
+    // The unsampled check never arrived (every span sent after it has).
+    assert!(
+        got.all()
+            .iter()
+            .all(|s| s["traceId"] != hex(&unsampled.trace_id).as_str()),
+        "a context that says not sampled is not recorded"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_layer_forwards_the_request_traceparent() {
+    use floodgate_sdk::middleware::{PeerAddr, RateLimitLayer};
+    use tower::ServiceExt;
+    let (got, addr) = Received::start().await;
+    let agent = Agent::builder()
+        .rules(r#"{"rules":[{"id":"per-ip","dimension":"ip","limit":100,"windowSeconds":60}]}"#)
+        .arg("--otlp-endpoint")
+        .arg(&format!("http://{addr}"))
+        .arg("--otlp-sample-ratio")
+        .arg("0")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let app = Router::new()
+        .route("/", axum::routing::get(|| async { "ok" }))
+        .layer(RateLimitLayer::new(client));
+    let caller = context(0x55, true);
+    let req = http::Request::builder()
+        .uri("/")
+        .header("traceparent", caller.traceparent())
+        .extension(PeerAddr("10.0.0.1:5".parse().unwrap()))
+        .body(axum::body::Body::empty())
+        .unwrap();
+    assert_eq!(app.oneshot(req).await.unwrap().status(), 200);
+    let span = got.span_of(&hex(&caller.trace_id)).await;
+    assert_eq!(span["parentSpanId"], hex(&caller.span_id));
+    assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "per-ip");
+}
