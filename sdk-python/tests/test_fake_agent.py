@@ -6,7 +6,10 @@ reconnects after a broken stream, or keeps the connection after a frame it could
 an agent that answers HelloOk 1 is never asked for the fail-mode list, a refreshed list replaces the
 old one whole and is kept once the agent is gone, and a truncated list is used and warned about once;
 peek and charge go out as forms 2 and 3 to a version-2 agent only (a version-1 agent's client raises
-instead of sending them), and answer by the fail policy like any check when the agent cannot."""
+instead of sending them), and answer by the fail policy like any check when the agent cannot.
+Version 5: every check call's ``traceparent`` goes out as form 4 with its ids to a version-5 agent
+only (never to an older one, nor after a reconnection to one), a check without one or with one that
+does not parse as before."""
 
 from __future__ import annotations
 
@@ -17,12 +20,22 @@ import socket
 import tempfile
 import threading
 import time
-from typing import Callable, List, Optional, Union
+from typing import Any, Callable, List, Optional, Union
 
 import pytest
 from conftest import eventually
 
-from floodgate import AgentError, AsyncClient, Client, Decision, Degraded, InvalidCheck, Origin, UnsupportedByAgent
+from floodgate import (
+    AgentError,
+    AsyncClient,
+    Client,
+    Decision,
+    Degraded,
+    InvalidCheck,
+    Lease,
+    Origin,
+    UnsupportedByAgent,
+)
 from floodgate import fail_modes as fm
 from floodgate import protocol as p
 
@@ -43,7 +56,8 @@ def raw(kind: int, rid: int, body: bytes, version: int = 1, length: int = -1) ->
 
 
 class FakeAgent:
-    """A Unix-socket server that answers Hello with ``hello`` and each Check with what
+    """A Unix-socket server that answers Hello with ``hello`` (or ``hello(connection_number)``) and
+    each Check with what
     ``respond(connection_number, request_id)`` gives: bytes, a list of chunks sent one by one, or
     None (no answer); the n-th FailModes (from 1, over all connections) with what
     ``fail_modes(n, request_id)`` gives. ``kinds`` lists the kind of every frame received, in order;
@@ -52,7 +66,7 @@ class FakeAgent:
     def __init__(
         self,
         respond: Callable[[int, int], Reply],
-        hello: Optional[bytes] = None,
+        hello: Union[bytes, Callable[[int], bytes], None] = None,
         fail_modes: Optional[Callable[[int, int], Optional[bytes]]] = None,
     ) -> None:
         self.path = os.path.join(tempfile.mkdtemp(prefix="fg-fake-"), "fake.sock")
@@ -107,7 +121,8 @@ class FakeAgent:
                         if answer:
                             conn.sendall(answer)
                     elif isinstance(f.body, p.Hello):
-                        conn.sendall(self.hello if self.hello is not None else p.encode(p.Frame(f.request_id, p.HelloOk(1))))
+                        hello = self.hello(n) if callable(self.hello) else self.hello
+                        conn.sendall(hello if hello is not None else p.encode(p.Frame(f.request_id, p.HelloOk(1))))
                     elif isinstance(f.body, p.Check):
                         out = self.respond(n, f.request_id)
                         if isinstance(out, list):
@@ -346,12 +361,12 @@ def test_the_agents_refusals_raise_only_for_the_callers_mistakes(kind: str) -> N
 @pytest.mark.parametrize(
     "hello",
     [
-        p.encode(p.Frame(0, p.HelloOk(5))),
+        p.encode(p.Frame(0, p.HelloOk(6))),
         p.encode(p.Frame(0, p.ErrorBody(p.ErrorCode.UNSUPPORTED_VERSION, "no"))),
         p.encode(p.Frame(0, p.Pong())),
         b"\x00\x00\x00\x01x",
     ],
-    ids=["version 5", "error", "pong", "garbage"],
+    ids=["version 6", "error", "pong", "garbage"],
 )
 def test_a_refused_handshake_leaves_the_client_answering_by_policy(kind: str, hello: bytes) -> None:
     fake = FakeAgent(lambda conn, rid: decision(rid), hello=hello)
@@ -590,6 +605,162 @@ def test_peek_and_charge_answer_by_policy_when_the_agent_cannot(kind: str) -> No
         d = c.call("charge", "k", "other", 3)
         assert d.allowed and d.origin is Origin.FAIL_OPEN and d.degraded is Degraded.TIMEOUT
         assert all(check[10] == 2 for check in fake.checks), "each was sent, as form 2"
+    finally:
+        c.close()
+        fake.close()
+
+
+# --- version 5: trace context -------------------------------------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACE = p.TraceContext(bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736"), bytes.fromhex("00f067aa0ba902b7"), 1)
+# What the callers' headers may carry instead: none of them is a context, none fails a check.
+NOT_TRACEPARENTS = [
+    "",
+    "garbage",
+    TRACEPARENT.upper(),
+    "ff" + TRACEPARENT[2:],
+    TRACEPARENT + "-more",
+    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+]
+
+
+def hello_ok(version: int) -> bytes:
+    return p.encode(p.Frame(0, p.HelloOk(version)))
+
+
+def holding(rid: int) -> bytes:
+    """Allowed, and the concurrency rule "slots" holds the check's lease (if it had one)."""
+    v = p.Verdict(True, False, p.Source.LOCAL, 2, 1, 1_700_000_000_000, 0, holds_lease=True)
+    return p.encode(p.Frame(rid, p.DecisionBody(v, [p.ItemDecision("slots", v)])))
+
+
+def hold(c: Either, *args: Any, **kw: Any) -> Decision:
+    """``hold``'s block, empty, on either client: an acquire, then its release."""
+    if c.kind == "sync":
+        with c.sync.hold(*args, **kw) as d:
+            return d
+
+    async def block() -> Decision:
+        async with c.aio.hold(*args, **kw) as d:
+            return d
+
+    return c._run(block())
+
+
+# Every check call: its name, its arguments, the least version it needs, how many checks it sends,
+# and whether they carry a fresh lease (random: compared without their last 8 bytes).
+TRACED_CALLS = [
+    ("allow", ("user:1", "slots"), {}, 1, 1, False),
+    ("check", ([("user:1", "slots", 1), ("user:1", "api", 2)],), {}, 1, 1, False),
+    ("check_attributes", (), {"endpoint": "/v1/chat", "user": "u", "cost": 3}, 1, 1, False),
+    ("check_request", (p.Attributes(endpoint="/v1/chat", api_key="abc"),), {}, 1, 1, False),
+    ("peek", ("user:1", "slots"), {}, 2, 1, False),
+    ("charge", ("user:1", "llm", 1500), {}, 2, 1, False),
+    ("check", ([("user:1", "tokens", 0, "peek"), ("user:1", "llm", 9, "charge")],), {}, 2, 1, False),
+    ("check_attributes", (), {"endpoint": "/v1/chat", "cost": 900, "mode": "charge"}, 2, 1, False),
+    ("acquire", ("apikey:abc", "slots", 2), {}, 3, 1, True),
+    ("release", (Lease("apikey:abc", "slots", 2, 42),), {}, 3, 1, False),
+    ("hold", ("apikey:abc", "slots"), {}, 3, 2, True),
+    ("check_request", (p.Attributes(endpoint="/v1/chat", user="u", cost=0, mode=p.ItemMode.PEEK, lease=7),), {}, 3, 1,
+     False),
+    ("check_attributes", (), {"endpoint": "/v1/chat", "user": "u", "mode": "release", "lease": 7}, 3, 1, False),
+]
+
+
+def sent_by(c: Either, fake: FakeAgent, method: str, args: Any, kw: Any, count: int) -> List[bytes]:
+    """The Check frames one call puts on the wire (answered by the agent)."""
+    before = len(fake.checks)
+    d = hold(c, *args, **kw) if method == "hold" else c.call(method, *args, **kw)
+    d = d[0] if isinstance(d, tuple) else d  # acquire: (decision, lease)
+    assert d.from_agent and d.allowed, (method, d)
+    return fake.wait_checks(before + count)[before:]
+
+
+def test_a_version_5_agent_is_sent_each_calls_trace_context(kind: str) -> None:
+    fake = FakeAgent(lambda conn, rid: holding(rid), hello=hello_ok(5))
+    c = Either(kind, fake.path, timeout=2.0)
+    try:
+        for method, args, kw, _, count, leased in TRACED_CALLS:
+            traced = sent_by(c, fake, method, args, {**kw, "traceparent": TRACEPARENT}, count)
+            plain = sent_by(c, fake, method, args, kw, count)
+            for t, q in zip(traced, plain):
+                # Form 4 with the header's ids and flags, around the very check sent without it.
+                assert t[10:36] == b"\x04" + TRACE.trace_id + TRACE.span_id + b"\x01", (method, t.hex(" "))
+                assert q[10] in (0, 1, 2, 3), (method, q.hex(" "))
+                assert int.from_bytes(t[:4], "big") == int.from_bytes(q[:4], "big") + 26 and t[4:6] == q[4:6] == b"\x01\x03"
+                end = -8 if leased else None
+                assert t[36:end] == q[10:end], (method, t.hex(" "), q.hex(" "))
+                decoded = p.decode(t)
+                assert isinstance(decoded, p.Decoded) and decoded.frame.body.trace == TRACE, (method, decoded)
+                assert p.decode(q).frame.body.trace is None  # type: ignore[union-attr]
+        # A header that does not parse is no error: the check goes out as if there were none.
+        for bad in NOT_TRACEPARENTS:
+            [q] = sent_by(c, fake, "allow", ("user:1", "slots"), {"traceparent": bad}, 1)
+            assert q[10] == 0 and p.decode(q).frame.body == p.Check(items=[p.Item("user:1", "slots", 1)]), bad  # type: ignore[union-attr]
+        # Surrounding white space is no part of it (a header value may carry some).
+        [t] = sent_by(c, fake, "allow", ("user:1", "slots"), {"traceparent": f" {TRACEPARENT}\t"}, 1)
+        assert p.decode(t).frame.body.trace == TRACE  # type: ignore[union-attr]
+        assert fake.connections == 1 and c.stats().connects == 1 and c.stats().unavailable == 0
+    finally:
+        c.close()
+        fake.close()
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_an_agent_older_than_version_5_is_never_sent_a_trace_context(kind: str, version: int) -> None:
+    fake = FakeAgent(lambda conn, rid: holding(rid), hello=hello_ok(version))
+    c = Either(kind, fake.path, timeout=2.0)
+    try:
+        for method, args, kw, need, count, leased in TRACED_CALLS:
+            if need > version:
+                continue
+            traced = sent_by(c, fake, method, args, {**kw, "traceparent": TRACEPARENT}, count)
+            plain = sent_by(c, fake, method, args, kw, count)
+            for t, q in zip(traced, plain):
+                # The same check as without the header, the same length: no form 4.
+                assert t[10] != 4 and len(t) == len(q), (method, t.hex(" "))
+                end = -8 if leased else None
+                assert t[:6] == q[:6] and t[10:end] == q[10:end], (method, t.hex(" "), q.hex(" "))
+                assert p.decode(t).frame.body.trace is None  # type: ignore[union-attr]
+        assert all(check[10] != 4 for check in fake.checks)
+        # Nothing made the agent drop the connection.
+        assert fake.connections == 1 and c.stats().connects == 1 and c.stats().unavailable == 0
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_a_client_reconnected_to_an_older_agent_sends_no_trace_context(kind: str) -> None:
+    # The first connection's agent speaks 5, the next one's (an agent rolled back) 4: the version is
+    # that of the connection the check goes to, not of the one before.
+    fake = FakeAgent(lambda conn, rid: decision(rid), hello=lambda n: hello_ok(5 if n == 1 else 4))
+    c = Either(kind, fake.path, timeout=2.0, reconnect_min=0.005)
+    try:
+        assert c.allow(traceparent=TRACEPARENT).from_agent and fake.checks[-1][10] == 4
+        fake.socks[0].shutdown(socket.SHUT_RDWR)
+        eventually("the client reconnects", lambda: fake.connections == 2 and c.connected())
+        assert c.allow(traceparent=TRACEPARENT).from_agent
+        assert fake.checks[-1][10] == 0 and len(fake.checks) == 2, [ch.hex(" ") for ch in fake.checks]
+    finally:
+        c.close()
+        fake.close()
+
+
+def test_the_precautionary_release_carries_the_trace_context(kind: str) -> None:
+    # A version-5 agent that never answers: the acquire times out, and its release goes at once,
+    # with the acquire's trace context.
+    fake = FakeAgent(lambda conn, rid: None, hello=hello_ok(5))
+    c = Either(kind, fake.path, timeout=0.05)
+    try:
+        d, lease = c.call("acquire", "apikey:abc", "slots", traceparent=TRACEPARENT)
+        assert d.degraded is Degraded.TIMEOUT and lease is None
+        acquire, release = fake.wait_checks(2)
+        for sent, mode in ((acquire, p.ItemMode.CONSUME), (release, p.ItemMode.RELEASE)):
+            body = p.decode(sent).frame.body  # type: ignore[union-attr]
+            assert body.trace == TRACE and body.items[0].mode == mode, body
+        assert acquire[-8:] == release[-8:], "the same lease"
     finally:
         c.close()
         fake.close()

@@ -3,7 +3,8 @@ embedded store and on Redis, acquire, release and hold (a third unit denied with
 1 s, a release freeing a slot, lease ids that differ, a hold given back however its block ends);
 against fake agents, the bytes acquire and release put on the wire, an agent of version 1 or 2 never
 sent them (the call raises), and an agent that cannot answer (no lease; the fallback limit counts an
-acquire as a consume, never a release)."""
+acquire as a consume, never a release). And a version-5 agent answers every call that carries the
+caller's trace context as it answers the same call without one."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 def test_acquire_and_release_against_the_agent(make_agent, store, kind: str) -> None:  # noqa: ANN001
     agent = make_agent(LEASE_RULES, redis=store)
     with either(kind, agent.socket, timeout=2.0) as c:
-        assert c.protocol_version == 4
+        assert c.protocol_version == 5
         key = unique("user")
         t0 = now_ms()
         first, a = c.acquire(key, "slots")
@@ -355,3 +356,39 @@ def test_a_peek_with_a_lease_holds_one_unit_only_when_its_rate_rules_pass(make_a
         d = release(12)
         assert d.from_agent and not d.allowed and figures(d) == {"slots": (False, 2), "r": (False, 0)}, d
         assert slots() == 2
+
+
+# --- the caller's trace context (protocol version 5) ------------------------------------------------
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_a_version_5_agent_answers_traced_checks_as_any(make_agent, store, kind: str) -> None:  # noqa: ANN001
+    # The agent reads form 4 (it exports no span here: it was not given an OTLP endpoint); the
+    # context changes nothing in the decision, and the connection stays.
+    agent = make_agent(LEASE_RULES, redis=store)
+    with either(kind, agent.socket, timeout=2.0) as c:
+        assert c.protocol_version == 5
+        key = unique("user")
+        traced = {"traceparent": TRACEPARENT}
+        for left in (2, 1):
+            d = c.allow(key, "r", **traced)
+            assert d.from_agent and d.allowed and (d.limit, d.remaining) == (3, left), d
+        assert c.peek(key, "r", **traced).remaining == 1
+        d = c.charge(key, "r", 2, **traced)
+        assert d.from_agent and d.allowed and d.remaining == 0 and not d.items[0].verdict.allowed, "a debt"
+        d = c.check([(key, "r", 1)], traceparent=TRACEPARENT[:-2] + "00")  # not sampled
+        assert d.from_agent and not d.allowed and d.retry_after_ms, d
+        d, lease = c.acquire(key, "slots", **traced)
+        assert d.allowed and d.holds_lease and lease is not None and d.remaining == 1, d
+        with c.hold(key, "slots", **traced) as h:
+            assert h.allowed and h.holds_lease and h.remaining == 0
+            assert not c.acquire(key, "slots", **traced)[0].allowed
+        assert c.release(lease, **traced).remaining == 2
+        d = c.check_attributes(endpoint="/items-only", user=unique("u"), cost=2, **traced)
+        assert d.from_agent and d.allowed and {i.rule_id: i.verdict.remaining for i in d.items} == {"slots": 0, "r": 1}
+        # A header that does not parse: the same check, without it.
+        d = c.allow(unique("user"), "r", traceparent="00-not-a-trace")
+        assert d.from_agent and d.remaining == 2
+        s = c.stats()
+        assert (s.connects, s.unavailable, s.timeouts) == (1, 0, 0), s

@@ -7,7 +7,8 @@ closed without an agent, a fail-closed rule (or a route's fail_for) once the age
 cost a streamed response reports charged after it (a charge no agent takes is logged, the response
 stands), and a concurrency rule's lease released when the response ends (completed, the handler
 raised, a stream ended, the client gone mid-response), with the bytes a fake agent of version 2 or 3
-receives."""
+receives, and the request's traceparent header forwarded with its check, release and charge to a
+fake agent of version 5 (not 4)."""
 
 from __future__ import annotations
 
@@ -610,3 +611,52 @@ def test_asgi_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent) 
     finally:
         server.close()
         reader.close()
+
+
+# --- the request's trace context (protocol version 5) -------------------------------------------------
+
+
+def traces_on_the_wire(port: int, fake, version: int) -> None:  # noqa: ANN001
+    """What a middleware at ``port`` (``/v1/chat`` charged from X-LLM-Tokens) sends a fake agent of
+    ``version`` (4 or more) that says every check holds its lease: for a request with a
+    ``traceparent`` header, its check (a peek with a lease), then, once the response has ended, its
+    release and its charge, all three with the header's trace context (form 4) when the agent speaks
+    version 5, and without it to an older one; for a request without the header, or with one that
+    does not parse, the same checks without it (form 3)."""
+    from test_fake_agent import TRACE, TRACEPARENT
+
+    def sent(headers: list) -> list:
+        before = len(fake.checks)
+        r = request(port, "POST", "/v1/chat", [("X-User-Id", "u"), ("X-Want", "7"), *headers])
+        assert (r.status, r.body) == (200, b"an answer"), r
+        eventually("the check, its release and its charge are sent", lambda: len(fake.checks) >= before + 3)
+        frames = fake.checks[before:]
+        modes = sorted(p.decode(f).frame.body.attributes.mode for f in frames)
+        assert modes == [p.ItemMode.PEEK, p.ItemMode.CHARGE, p.ItemMode.RELEASE], modes
+        return frames
+
+    for f in sent([("traceparent", TRACEPARENT)]):
+        body = p.decode(f).frame.body
+        if version >= 5:
+            assert f[10] == p.FORM_TRACED and body.trace == TRACE, f.hex(" ")
+        else:
+            assert f[10] == p.FORM_ATTRIBUTES_MODE and body.trace is None, f.hex(" ")
+        assert (body.attributes.endpoint, body.attributes.user) == ("/v1/chat", "u")
+    for headers in ([], [("traceparent", TRACEPARENT.upper())], [("traceparent", "00-garbage")]):
+        for f in sent(headers):
+            assert f[10] == p.FORM_ATTRIBUTES_MODE and p.decode(f).frame.body.trace is None, (headers, f.hex(" "))
+    assert fake.connections == 1
+
+
+@pytest.mark.parametrize("version", [5, 4])
+def test_asgi_forwards_the_requests_traceparent(version: int) -> None:
+    from test_fake_agent import FakeAgent, hello_ok
+
+    fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=hello_ok(version))
+    app = chat_app(socket=fake.path, timeout=2.0, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    server = UvicornServer(app)
+    try:
+        traces_on_the_wire(server.port, fake, version)
+    finally:
+        server.close()
+        fake.close()

@@ -4,7 +4,8 @@ resolved route, a 200 with headers, then a 429 with Retry-After and the JSON bod
 proxy headers, X-Forwarded-For does not choose the IP key; a fail-closed rule (or a route's
 fail_for) once the agent is killed; a cost the response reports charged when the server closes the
 response, under both handlers; a concurrency rule's lease released when the response is closed
-(completed, the view raised, a streamed response ended)."""
+(completed, the view raised, a streamed response ended); the request's traceparent header forwarded
+with its check, release and charge to a fake agent of version 5."""
 
 from __future__ import annotations
 
@@ -304,3 +305,27 @@ def test_django_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent
     finally:
         server.close()
         reader.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_forwards_the_requests_traceparent(handler: str) -> None:
+    from types import SimpleNamespace
+
+    from test_fake_agent import FakeAgent, hello_ok
+    from test_middleware_asgi import leased_decision, traces_on_the_wire
+
+    fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=hello_ok(5))
+    configure(SimpleNamespace(socket=fake.path), charge_headers={"v1/chat": "X-LLM-Tokens"})
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    try:
+        traces_on_the_wire(server.port, fake, 5)
+    finally:
+        server.close()
+        fake.close()

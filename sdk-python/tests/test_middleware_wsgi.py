@@ -6,7 +6,8 @@ fail-closed rule (or a route's fail_for) once the agent is killed, a cost the re
 charged when the server closes the response (a charge no agent takes is logged, the response
 stands), and a concurrency rule's lease released when the response ends (completed, the app raised,
 a streamed body ended or was abandoned by its client), with the bytes a fake agent of version 2 or 3
-receives."""
+receives, and the request's traceparent header forwarded with its check, release and charge to a
+fake agent of version 5 (not 4)."""
 
 from __future__ import annotations
 
@@ -373,3 +374,23 @@ def test_wsgi_a_charge_route_refused_by_its_rate_rule_holds_no_unit(make_agent) 
     finally:
         server.close()
         client.close()
+
+
+# --- the request's trace context (protocol version 5) -------------------------------------------------
+
+
+@pytest.mark.parametrize("version", [5, 4])
+def test_wsgi_forwards_the_requests_traceparent(version: int) -> None:
+    from test_fake_agent import FakeAgent, hello_ok
+    from test_middleware_asgi import leased_decision, traces_on_the_wire
+
+    fake = FakeAgent(lambda conn, rid: leased_decision(rid), hello=hello_ok(version))
+    client = Client(fake.path, timeout=2.0)
+    mw = FloodgateWSGIMiddleware(chat_app, client=client, user_header="x-user-id", charge_headers=CHARGE_HEADERS)
+    server = WsgiServer(mw)
+    try:
+        traces_on_the_wire(server.port, fake, version)
+    finally:
+        server.close()
+        client.close()
+        fake.close()

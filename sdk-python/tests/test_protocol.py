@@ -4,7 +4,9 @@ that never raises on any input, and version 2's fail-mode list (the page's endpo
 which checks a listed rule closes) and item modes (forms 2 and 3 only when an item does not consume,
 cost 0 only for a peek, an unknown mode refusing only its check), and version 3's leases and releases
 (the lease bit and its u64, mode release, the verdict's holds-lease flag, what version each check
-needs), and version 4's rule windows (a Decision's layout read by its frame's version byte)."""
+needs), version 4's rule windows (a Decision's layout read by its frame's version byte), and version
+5's trace context (form 4 around any other form, traceparent parsing as the Rust crate does it, only
+to a peer of version 5)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from floodgate.protocol import (
     Pong,
     Rejected,
     Source,
+    TraceContext,
     Verdict,
 )
 
@@ -60,6 +63,8 @@ LEASE = 0x0123_4567_89AB_CDEF
 HELD = Verdict(True, False, Source.REDIS, 4, 2, 1_700_000_060_000, 0, holds_lease=True)
 MONTHLY = Verdict(True, False, Source.REDIS, 10_000_000, 9_999_000, 1_704_067_200_000, 0)
 DECEMBER_2023_MS = 31 * 86_400_000
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+TRACE = TraceContext(bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736"), bytes.fromhex("00f067aa0ba902b7"), 1)
 
 FRAMES = {
     "hello": Frame(0, Hello(1, 1)),
@@ -89,6 +94,9 @@ FRAMES = {
     "check_attributes_lease": Frame(16, Check(attributes=Attributes(endpoint="/v1/chat", api_key="abc", cost=1, lease=42))),
     "hello_v4": Frame(0, Hello(1, 4)),
     "hello_ok_v4": Frame(0, HelloOk(4)),
+    "hello_v5": Frame(0, Hello(1, 5)),
+    "hello_ok_v5": Frame(0, HelloOk(5)),
+    "check_traced": Frame(18, Check(items=[Item("user:123", "api", 1)], trace=TRACE)),
     "decision_windows": Frame(
         17,
         DecisionBody(ALLOWED, [ItemDecision("api", ALLOWED, 60_000), ItemDecision("monthly", MONTHLY, DECEMBER_2023_MS)]),
@@ -135,7 +143,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
     assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
-    assert p.HELLO_FRAME == vector("hello_v4")
+    assert p.HELLO_FRAME == vector("hello_v5")
     assert p.fail_modes_frame(11) == vector("fail_modes")
     modes = vector("check_modes")
     assert p.check_items_frame(12, [("user:123", "tokens", 0, "peek"), ("user:123", "llm", 1500, 2)]) == modes
@@ -150,7 +158,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
     # The client reads HelloOk of any version and the list; an agent never sends FailModes.
-    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "hello_ok_v4", "fail_mode_list"):
+    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "hello_ok_v4", "hello_ok_v5", "fail_mode_list"):
         data = vector(name)
         assert p.decode_reply(data, 0) == (1, (FRAMES[name].request_id, FRAMES[name].body), len(data))
     assert p.decode_reply(vector("fail_modes"), 0)[0] == 3
@@ -276,9 +284,9 @@ def test_decoding_rules() -> None:
     assert p.decode(v2) == Decoded(Frame(5, DecisionBody(ALLOWED, [])), len(v2))
     assert p.decode(_frame(0x09, 11, body, version=1)) == Decoded(FRAMES["fail_mode_list"], len(listed))
     # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
-    other_version = _frame(0x04, 5, verdict + b"\x00", version=5)
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=6)
     assert p.decode(other_version) == Rejected(
-        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 5; this peer speaks versions 1 to 4", len(other_version)
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 6; this peer speaks versions 1 to 5", len(other_version)
     )
     bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
     r = p.decode(bad_text)
@@ -460,8 +468,8 @@ def test_an_unknown_mode_on_the_wire_refuses_only_its_check() -> None:
         body = cut[10:]
         r = p.decode(_frame(0x03, 1, body))
         assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, r
-    r = p.decode(_frame(0x03, 1, b"\x04" + vector("check_modes")[11:]))
-    assert isinstance(r, Fatal) and "unknown check form 4" in r.reason
+    r = p.decode(_frame(0x03, 1, b"\x05" + vector("check_modes")[11:]))
+    assert isinstance(r, Fatal) and "unknown check form 5" in r.reason
 
 
 # --- version 3: leases and releases -----------------------------------------------------------------
@@ -587,3 +595,116 @@ def test_windows_go_only_to_a_peer_of_version_4() -> None:
     data = p.encode(top)
     assert data[4] == 4 and p.decode(data) == Decoded(top, len(data))
     assert p.decode_reply(data, 0) == (1, (18, top.body), len(data))
+
+
+# --- version 5: trace context -----------------------------------------------------------------------
+
+
+def test_traceparents_round_trip_and_bad_ones_are_refused() -> None:
+    # As floodgate_protocol::trace's test.
+    t = TraceContext.parse(TRACEPARENT)
+    assert t == TRACE and t.sampled and t.is_valid()
+    assert t.span_id == bytes([0x00, 0xF0, 0x67, 0xAA, 0x0B, 0xA9, 0x02, 0xB7])
+    assert t.traceparent() == TRACEPARENT
+    # A later version, read by its first fields (with more after a dash, or none).
+    assert TraceContext.parse("cc" + TRACEPARENT[2:] + "-what-comes-next") == TRACE
+    assert TraceContext.parse("cc" + TRACEPARENT[2:]) == TRACE
+    for bad in [
+        "",
+        TRACEPARENT + "-extra",
+        "ff" + TRACEPARENT[2:],
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0x",
+        # And more: a later version's fields run on without a dash; a field too short; upper-case
+        # in the version, span or flags; a non-hex version; not a str at all.
+        "cc" + TRACEPARENT[2:] + "x",
+        TRACEPARENT[:-1],
+        "0A" + TRACEPARENT[2:],
+        TRACEPARENT.replace("00f067aa", "00F067AA"),
+        TRACEPARENT[:-2] + "0A",
+        "zz" + TRACEPARENT[2:],
+        TRACEPARENT.replace("-", "_"),
+        None,
+        TRACEPARENT.encode(),
+        42,
+    ]:
+        assert TraceContext.parse(bad) is None, bad  # type: ignore[arg-type]
+    # Surrounding white space is trimmed, as Rust's str::trim does (Unicode White_Space, which
+    # U+001C, a Python str.isspace() character, is not).
+    assert TraceContext.parse(f" \t{TRACEPARENT}\r\n\u3000") == TRACE
+    assert TraceContext.parse(TRACEPARENT + "\x1c") is None
+    # Flags are kept whole, whatever their bits; unsampled is flags 0.
+    assert TraceContext.parse(TRACEPARENT[:-2] + "ff").flags == 0xFF  # type: ignore[union-attr]
+    unsampled = TraceContext.parse(TRACEPARENT[:-2] + "00")
+    assert unsampled is not None and not unsampled.sampled and unsampled.traceparent() == TRACEPARENT[:-2] + "00"
+
+
+def test_a_trace_context_is_16_and_8_bytes_and_a_flag_byte() -> None:
+    for trace_id, span_id, flags in (
+        (bytes(15), bytes(8), 0),
+        (bytes(16), bytes(9), 0),
+        ("4bf92f3577b34da6a3ce929d0e0e4736", bytes(8), 0),
+        (bytes(16), bytes(8), 256),
+        (bytes(16), bytes(8), -1),
+        (bytes(16), bytes(8), True),
+    ):
+        with pytest.raises(InvalidCheck):
+            TraceContext(trace_id, span_id, flags)  # type: ignore[arg-type]
+    # All-zero ids make a context, an invalid one (the decoder and the agent drop it).
+    assert not TraceContext(bytes(16), bytes(8)).is_valid()
+
+
+def test_the_client_fast_path_wraps_any_check_in_form_4() -> None:
+    # The clients build the plain frame, then wrap it for a version-5 connection.
+    assert p.traced(p.check_one_frame(18, "user:123", "api", 1), TRACE) == vector("check_traced")
+    assert p.traced(p.check_items_frame(18, [("user:123", "api")]), TRACE) == vector("check_traced")
+    assert p.check_version(vector("check_traced")) == 5
+    # Around every other form, both ways; the check's own version needs stay behind the context.
+    for name in ("check_two_items", "check_attributes", "check_modes", "check_attributes_charge", "check_acquire",
+                 "check_release", "check_attributes_lease"):
+        plain = vector(name)
+        wrapped = p.traced(plain, TRACE)
+        assert wrapped[:4] == (len(plain) - 4 + 26).to_bytes(4, "big") and wrapped[4:10] == plain[4:10], name
+        assert wrapped[10:36] == b"\x04" + TRACE.trace_id + TRACE.span_id + b"\x01" and wrapped[36:] == plain[10:]
+        check = FRAMES[name].body
+        want = Check(check.items, check.attributes, TRACE)
+        assert p.decode(wrapped) == Decoded(Frame(FRAMES[name].request_id, want), len(wrapped)), name
+        assert p.encode(Frame(FRAMES[name].request_id, want)) == wrapped, name
+        assert p.check_version(wrapped) == 5
+
+
+def test_a_trace_context_goes_only_to_a_peer_of_version_5() -> None:
+    frame = FRAMES["check_traced"]
+    assert p.encode(frame) == p.encode(frame, peer_version=5) == vector("check_traced")
+    for older in (1, 2, 3, 4):
+        assert p.encode(frame, peer_version=older) == vector("check_one_item")[:6] + vector("check_traced")[6:10] + (
+            vector("check_one_item")[10:]
+        ), older
+    # A check without a context is its own form to every peer.
+    plain = Frame(18, Check(items=[Item("user:123", "api", 1)]))
+    assert p.encode(plain) == p.encode(plain, peer_version=4)
+    assert p.encode(plain)[10] == 0
+
+
+def test_form_4_on_the_wire() -> None:
+    traced = vector("check_traced")
+    body = traced[10:]
+    # A Check frame's version byte stays 1: form 4 is what needs version 5, not the frame.
+    assert traced[4] == 1
+    # All-zero ids: the context is dropped (as the agent drops it), the check decoded as usual.
+    for zero in (body[:1] + bytes(16) + body[17:], body[:17] + bytes(8) + body[25:]):
+        r = p.decode(_frame(0x03, 18, zero))
+        assert r == Decoded(Frame(18, Check(items=[Item("user:123", "api", 1)])), len(zero) + 10), r
+    # A context cut short, form 4 twice, or no form after it: malformed.
+    for bad in (body[:20], body[:26], body[:1] + body[1:26] + body):
+        r = p.decode(_frame(0x03, 18, bad))
+        assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME, (bad.hex(" "), r)
+    # Form 4 around a check that breaks a limit refuses that check only (error 5), as without it.
+    r = p.decode(_frame(0x03, 3, body[:26] + b"\x00\x01\x00\x03a{b\x01r\x00\x00\x00\x01") + vector("ping"))
+    assert isinstance(r, Rejected) and (r.code, r.request_id) == (ErrorCode.INVALID_ITEM, 3)
+    # Only a Check has forms: a Decision starting with 4 is a Decision (flags 4: holds lease).
+    lease = vector("decision_lease")
+    assert p.decode(lease) == Decoded(FRAMES["decision_lease"], len(lease))

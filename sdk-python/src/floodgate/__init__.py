@@ -32,7 +32,7 @@ from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy,
 from .errors import AgentError, FloodgateError, InvalidCheck, UnsupportedByAgent
 from .health import Health
 from .lease import Lease
-from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, Verdict, wire_safe
+from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, TraceContext, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
 __version__ = "0.1.0"
@@ -58,6 +58,7 @@ __all__ = [
     "ItemDecision",
     "ItemMode",
     "Source",
+    "TraceContext",
     "Verdict",
     "wire_safe",
     "DEFAULT_SOCKET",

@@ -154,6 +154,14 @@ class AsyncClient:
     :meth:`start`), and remade in the background whenever it breaks. :meth:`connect` creates one and
     waits up to ``connect_timeout`` for the first connection, so the first calls reach the agent.
     Keyword arguments override fields of :class:`~floodgate.ClientConfig`.
+
+    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``, ``check``,
+    ``check_attributes``, ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
+    of the request being served (``00-<trace id>-<span id>-<flags>``). To an agent speaking protocol
+    version 5 the check then carries that trace context, so that the agent's span of the check (an
+    agent exporting traces, ``--otlp-endpoint``) is a child of the caller's span; an older agent is
+    sent the check without it. A value that does not parse is ignored: it never fails a check. It
+    never changes the decision.
     """
 
     def __init__(
@@ -252,7 +260,7 @@ class AsyncClient:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 4), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 5), ``None`` while there is
         no connection."""
         c = self._conn
         return c.version if self.is_connected() and c is not None else None
@@ -278,11 +286,12 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
-        return await self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
+        return await self._call(rid, data, timeout, fail, ((key, rule_id, cost),), 1, traceparent)
 
     async def peek(
         self,
@@ -292,6 +301,7 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Whether ``cost`` would pass now, changing nothing: ``remaining`` is what is left now, and
         a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
@@ -299,7 +309,7 @@ class AsyncClient:
         otherwise); when the agent cannot answer, the fail policy decides as for any check."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
-        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2)
+        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2, traceparent)
 
     async def charge(
         self,
@@ -309,6 +319,7 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Takes ``cost`` whatever the limit says, for a cost known only after the response (tokens,
         bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
@@ -316,7 +327,7 @@ class AsyncClient:
         protocol version 2, as :meth:`peek` does."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
-        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2)
+        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2, traceparent)
 
     async def acquire(
         self,
@@ -326,6 +337,7 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Tuple[Decision, Optional[Lease]]:
         """Takes ``cost`` units of a concurrency rule under a fresh lease: the decision, and the
         :class:`~floodgate.Lease` to :meth:`release` when the work ends, if the rule now holds it
@@ -340,15 +352,15 @@ class AsyncClient:
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
         try:
-            d = await self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+            d = await self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3, traceparent)
         except asyncio.CancelledError:
             # The acquire may be on its way, or taken already: nobody would release it.
-            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease), traceparent)
             raise
         if not d.from_agent:
             # Late or lost: the agent may still have taken the lease. Released at once, without
             # waiting for the answer (a release of a lease not held changes nothing).
-            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease), traceparent)
         return d, held(d, key, rule_id, cost, lease)
 
     async def release(
@@ -357,6 +369,7 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Gives back what :meth:`acquire` took: allowed, with the units left after it (a lease no
         longer held changes nothing). Never raises for an agent that cannot answer: the decision is
@@ -365,7 +378,7 @@ class AsyncClient:
         rid = self._next_id()
         item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
         data = p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease)
-        return await self._call(rid, data, timeout, fail, (item,), 3)
+        return await self._call(rid, data, timeout, fail, (item,), 3, traceparent)
 
     @contextlib.asynccontextmanager
     async def hold(
@@ -376,19 +389,20 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> AsyncIterator[Decision]:
         """``async with client.hold(key, rule_id) as d:`` :meth:`acquire`, the block (check
         ``d.allowed``), then :meth:`release` of the lease, if one was taken, however the block ends
         (an exception or a cancellation too). A release the agent cannot take, or that raises (an
         agent replaced by an older one meanwhile), is logged, not raised: the lease runs out by
         itself."""
-        d, lease = await self.acquire(key, rule_id, cost, timeout=timeout, fail=fail)
+        d, lease = await self.acquire(key, rule_id, cost, timeout=timeout, fail=fail, traceparent=traceparent)
         try:
             yield d
         finally:
             if lease is not None:
                 try:
-                    release_taken(await self.release(lease, timeout=timeout), lease.id)
+                    release_taken(await self.release(lease, timeout=timeout, traceparent=traceparent), lease.id)
                 except Exception as e:  # noqa: BLE001 - the block's own outcome is the one to keep
                     release_failed(e, lease.id)
 
@@ -398,6 +412,7 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Up to 16 items at once: allowed only if every enforced item is; a denial consumes
         nothing. Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples;
@@ -405,7 +420,7 @@ class AsyncClient:
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        return await self._call(rid, data, timeout, fail, items, p.check_version(data))
+        return await self._call(rid, data, timeout, fail, items, p.check_version(data), traceparent)
 
     async def check_attributes(
         self,
@@ -420,6 +435,7 @@ class AsyncClient:
         lease: Optional[int] = None,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Request attributes (``None`` = absent) for the agent to match against its rules; every
         matching rule is checked, all or nothing. ``mode`` is what every matched rule does with
@@ -427,7 +443,10 @@ class AsyncClient:
         concurrency rules hold ``cost`` under, or give back with ``mode="release"``
         (``decision.holds_lease`` says whether one now holds it)."""
         return await self.check_request(
-            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease), timeout=timeout, fail=fail
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease),
+            timeout=timeout,
+            fail=fail,
+            traceparent=traceparent,
         )
 
     async def check_request(
@@ -436,13 +455,14 @@ class AsyncClient:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        return await self._call(rid, data, timeout, fail, attributes, p.check_version(data))
+        return await self._call(rid, data, timeout, fail, attributes, p.check_version(data), traceparent)
 
-    def _release_unanswered(self, release: Union[p.Attributes, p.Item]) -> None:
+    def _release_unanswered(self, release: Union[p.Attributes, p.Item], traceparent: Optional[str] = None) -> None:
         """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
         timed out, the connection went, or its caller was cancelled while waiting) on the connection
         at hand, after any check still queued for it, without waiting for its answer (dropped when
@@ -465,6 +485,10 @@ class AsyncClient:
         except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
             precaution_not_sent(release.lease, e)
             return
+        if traceparent is not None and conn.version >= p.TRACE_CONTEXT:
+            trace = p.TraceContext.parse(traceparent)
+            if trace is not None:
+                data = p.traced(data, trace)
         if self._out:
             # Behind the checks queued for the next flush (the released check may be among them).
             self._out.append(data)
@@ -488,9 +512,12 @@ class AsyncClient:
         fail: Union[FailPolicy, str, None],
         subject: Subject,
         need: int = 1,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Sends a check and waits for its answer. ``need``: the protocol version the connection
-        must speak to be sent it (:func:`~floodgate.protocol.check_version`)."""
+        must speak to be sent it (:func:`~floodgate.protocol.check_version`). ``traceparent``: the
+        caller's trace context, added (form 4) only on a connection of version 5; one that does not
+        parse is left out."""
         core = self._core
         policy = core.policy(fail)
         loop = self._ensure_started()
@@ -519,6 +546,11 @@ class AsyncClient:
         if need > conn.version:
             # A version-1 agent cannot parse the check and would close the connection.
             raise UnsupportedByAgent(need, conn.version, self.path)
+        if traceparent is not None and conn.version >= p.TRACE_CONTEXT:
+            # Only to this connection's agent (version 5): an older one cannot parse form 4.
+            trace = p.TraceContext.parse(traceparent)
+            if trace is not None:
+                data = p.traced(data, trace)
         fut = loop.create_future()
         if not pending and not self._out:
             # Nothing in flight: write now (a lone caller pays no extra loop iteration).

@@ -102,6 +102,14 @@ class Client:
     connection (it is not an error if the agent is not there). Keyword arguments override fields of
     :class:`~floodgate.ClientConfig`. A process forked after the client was made (a pre-forking
     server) gets a fresh connection of its own on its first call.
+
+    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``, ``check``,
+    ``check_attributes``, ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
+    of the request being served (``00-<trace id>-<span id>-<flags>``). To an agent speaking protocol
+    version 5 the check then carries that trace context, so that the agent's span of the check (an
+    agent exporting traces, ``--otlp-endpoint``) is a child of the caller's span; an older agent is
+    sent the check without it. A value that does not parse is ignored: it never fails a check. It
+    never changes the decision.
     """
 
     def __init__(self, path: Optional[str] = None, config: Optional[ClientConfig] = None, **overrides: Any):
@@ -191,7 +199,7 @@ class Client:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 4), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 5), ``None`` while there is
         no connection."""
         return self._version if self._sock is not None else None
 
@@ -216,11 +224,12 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost)
-        return self._call(rid, data, timeout, fail, ((key, rule_id, cost),))
+        return self._call(rid, data, timeout, fail, ((key, rule_id, cost),), 1, traceparent)
 
     def peek(
         self,
@@ -230,6 +239,7 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Whether ``cost`` would pass now, changing nothing: ``remaining`` is what is left now, and
         a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
@@ -237,7 +247,7 @@ class Client:
         otherwise); when the agent cannot answer, the fail policy decides as for any check."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
-        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2)
+        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2, traceparent)
 
     def charge(
         self,
@@ -247,6 +257,7 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Takes ``cost`` whatever the limit says, for a cost known only after the response (tokens,
         bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
@@ -254,7 +265,7 @@ class Client:
         protocol version 2, as :meth:`peek` does."""
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
-        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2)
+        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2, traceparent)
 
     def acquire(
         self,
@@ -264,6 +275,7 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Tuple[Decision, Optional[Lease]]:
         """Takes ``cost`` units of a concurrency rule under a fresh lease: the decision, and the
         :class:`~floodgate.Lease` to :meth:`release` when the work ends, if the rule now holds it
@@ -277,11 +289,11 @@ class Client:
         lease = new_lease_id()
         rid = self._next_id()
         data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
-        d = self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3)
+        d = self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3, traceparent)
         if not d.from_agent:
             # Late or lost: the agent may still have taken the lease. Released at once, without
             # waiting for the answer (a release of a lease not held changes nothing).
-            self._release_unanswered(p.Item.release(key, rule_id, cost, lease))
+            self._release_unanswered(p.Item.release(key, rule_id, cost, lease), traceparent)
         return d, held(d, key, rule_id, cost, lease)
 
     def release(
@@ -290,6 +302,7 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Gives back what :meth:`acquire` took: allowed, with the units left after it (a lease no
         longer held changes nothing). Never raises for an agent that cannot answer: the decision is
@@ -298,7 +311,7 @@ class Client:
         rid = self._next_id()
         item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
         data = p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease)
-        return self._call(rid, data, timeout, fail, (item,), 3)
+        return self._call(rid, data, timeout, fail, (item,), 3, traceparent)
 
     @contextlib.contextmanager
     def hold(
@@ -309,18 +322,19 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Iterator[Decision]:
         """``with client.hold(key, rule_id) as d:`` :meth:`acquire`, the block (check
         ``d.allowed``), then :meth:`release` of the lease, if one was taken, however the block ends
         (an exception too). A release the agent cannot take, or that raises (an agent replaced by an
         older one meanwhile), is logged, not raised: the lease runs out by itself."""
-        d, lease = self.acquire(key, rule_id, cost, timeout=timeout, fail=fail)
+        d, lease = self.acquire(key, rule_id, cost, timeout=timeout, fail=fail, traceparent=traceparent)
         try:
             yield d
         finally:
             if lease is not None:
                 try:
-                    release_taken(self.release(lease, timeout=timeout), lease.id)
+                    release_taken(self.release(lease, timeout=timeout, traceparent=traceparent), lease.id)
                 except Exception as e:  # noqa: BLE001 - the block's own outcome is the one to keep
                     release_failed(e, lease.id)
 
@@ -330,6 +344,7 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Up to 16 items at once: allowed only if every enforced item is; a denial consumes nothing.
         Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples; peek and
@@ -337,7 +352,7 @@ class Client:
         items = list(items)
         rid = self._next_id()
         data = p.check_items_frame(rid, items)
-        return self._call(rid, data, timeout, fail, items, p.check_version(data))
+        return self._call(rid, data, timeout, fail, items, p.check_version(data), traceparent)
 
     def check_attributes(
         self,
@@ -352,13 +367,17 @@ class Client:
         lease: Optional[int] = None,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Request attributes (``None`` = absent) for the agent to match against its rules; ``mode``
         is what every matched rule does with ``cost`` (peek and charge need version 2); ``lease``
         (version 3) is the lease the matched concurrency rules hold ``cost`` under, or give back
         with ``mode="release"`` (``decision.holds_lease`` says whether one now holds it)."""
         return self.check_request(
-            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease), timeout=timeout, fail=fail
+            p.Attributes(endpoint, tier, user, api_key, ip, cost, p.item_mode(mode), lease),
+            timeout=timeout,
+            fail=fail,
+            traceparent=traceparent,
         )
 
     def check_request(
@@ -367,20 +386,22 @@ class Client:
         *,
         timeout: Optional[float] = None,
         fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
         rid = self._next_id()
         data = p.check_attributes_frame(rid, attributes)
-        return self._call(rid, data, timeout, fail, attributes, p.check_version(data))
+        return self._call(rid, data, timeout, fail, attributes, p.check_version(data), traceparent)
 
-    def _release_unanswered(self, release: Union[p.Attributes, p.Item]) -> None:
+    def _release_unanswered(self, release: Union[p.Attributes, p.Item], traceparent: Optional[str] = None) -> None:
         """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
         timed out, or the connection went) on the connection at hand, without waiting for its
         answer (dropped when it comes, as a late answer is). Never raises: one that cannot be sent
         (no connection, an agent older than version 3) is logged at debug, since the agent may
         never have taken the lease."""
         try:
-            sent = self._send(release_frame(self._next_id(), release), 3)
+            trace = None if traceparent is None else p.TraceContext.parse(traceparent)
+            sent = self._send(release_frame(self._next_id(), release), 3, trace)
         except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
             precaution_not_sent(release.lease, e)
             return
@@ -401,9 +422,12 @@ class Client:
         fail: Union[FailPolicy, str, None],
         subject: Subject,
         need: int = 1,
+        traceparent: Optional[str] = None,
     ) -> Decision:
         """Sends a check and waits for its answer. ``need``: the protocol version the connection
-        must speak to be sent it (:func:`~floodgate.protocol.check_version`)."""
+        must speak to be sent it (:func:`~floodgate.protocol.check_version`). ``traceparent``: the
+        caller's trace context, added (form 4) only on a connection of version 5; one that does not
+        parse is left out."""
         if self._forked:
             self._restart_after_fork()
         core = self._core
@@ -415,7 +439,7 @@ class Client:
         pending[rid] = w
         core.note_in_flight(len(pending))
         try:
-            sent = self._send(data, need)
+            sent = self._send(data, need, None if traceparent is None else p.TraceContext.parse(traceparent))
         except UnsupportedByAgent:
             pending.pop(rid, None)
             raise
@@ -427,17 +451,20 @@ class Client:
         reply = w.reply
         return core.result(TIMEOUT if reply is None else reply, policy, subject)
 
-    def _send(self, data: bytes, need: int = 1) -> bool:
+    def _send(self, data: bytes, need: int = 1, trace: Optional[p.TraceContext] = None) -> bool:
         """Writes a frame now if the socket takes it, else queues it for the I/O thread. False when
         there is no connection or the queue is full (an agent that stopped reading). Raises
-        :class:`~floodgate.UnsupportedByAgent` when the connection's version is below ``need``:
-        checked under the lock, so against the very connection the frame would go to."""
+        :class:`~floodgate.UnsupportedByAgent` when the connection's version is below ``need``, and
+        wraps a check in ``trace`` (form 4) only when it is 5 or more: both checked under the lock,
+        so against the very connection the frame goes to (a queued frame never outlives it)."""
         with self._lock:
             sock = self._sock
             if sock is None or self._out_len > _MAX_OUT:
                 return False
             if need > self._version:
                 raise UnsupportedByAgent(need, self._version, self.path)
+            if trace is not None and self._version >= p.TRACE_CONTEXT:
+                data = p.traced(data, trace)
             if self._out:
                 self._out.append(data)
                 self._out_len += len(data)

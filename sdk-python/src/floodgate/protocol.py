@@ -1,4 +1,4 @@
-"""Floodgate's wire protocol, versions 1 to 4: frames to bytes and bytes to frames.
+"""Floodgate's wire protocol, versions 1 to 5: frames to bytes and bytes to frames.
 
 ``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
 and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
@@ -17,9 +17,9 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, U
 from .errors import InvalidCheck
 from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
-VERSION = 4
+VERSION = 5
 """The highest protocol version this module speaks (2: the fail-mode list and item modes; 3: leases
-and releases of concurrency rules; 4: each decided item's rule window)."""
+and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -38,6 +38,10 @@ VERDICT_LEN = 34
 WINDOWS = 4
 """The version whose Decision frame carries each item's rule window (``window_ms u64`` after its
 verdict). A Decision's layout is read by its frame's version byte, not by the connection's."""
+TRACE_CONTEXT = 5
+"""The version whose Check may carry the caller's trace context (form 4): a client sends it only on
+a connection whose HelloOk said this or more (an older agent cannot parse it and closes the
+connection)."""
 
 
 class Kind(enum.IntEnum):
@@ -115,10 +119,86 @@ FORM_ITEMS_MODES = 2
 """Items each followed by its mode (version 2)."""
 FORM_ATTRIBUTES_MODE = 3
 """Attributes followed by one mode (version 2)."""
+FORM_TRACED = 4
+"""A trace context (trace id, parent span id, flags), then the check's own form (version 5)."""
+TRACE_LEN = 1 + 16 + 8 + 1
+"""Bytes form 4 puts before the check's own form: its form byte and the context."""
 LIST_TRUNCATED = 0x01
 
 
 # --- frame bodies ---------------------------------------------------------------------------------
+
+
+# What Rust's str::trim strips (Unicode White_Space); str.strip() would strip U+001C to U+001F too.
+_WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+    "\u2028\u2029\u202f\u205f\u3000"
+)
+# A traceparent: version, trace id, parent span id and flags in lower-case hex; a later version may
+# add fields after a dash.
+_TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?", re.DOTALL)
+_NO_TRACE = bytes(16)
+_NO_SPAN = bytes(8)
+
+
+@dataclass(frozen=True)
+class TraceContext:
+    """The caller's W3C trace context (version 5): the trace, the caller's span (the parent of the
+    agent's span of the check) and the trace flags (bit 0: sampled). A check carries it as form 4,
+    to an agent whose HelloOk said 5 or more; it never changes the decision."""
+
+    trace_id: bytes
+    """The trace's 16 bytes (never all zero in a valid context)."""
+    span_id: bytes
+    """The parent span's 8 bytes (never all zero in a valid context)."""
+    flags: int = 0
+    """Trace flags: bit 0 says the caller records (samples) this trace."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.trace_id, bytes) or len(self.trace_id) != 16:
+            raise InvalidCheck(f"a trace id is 16 bytes, not {self.trace_id!r}")
+        if not isinstance(self.span_id, bytes) or len(self.span_id) != 8:
+            raise InvalidCheck(f"a span id is 8 bytes, not {self.span_id!r}")
+        if isinstance(self.flags, bool) or not isinstance(self.flags, int) or not 0 <= self.flags <= 0xFF:
+            raise InvalidCheck(f"trace flags are an int from 0 to 255, not {self.flags!r}")
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the caller records (samples) this trace."""
+        return bool(self.flags & 1)
+
+    def is_valid(self) -> bool:
+        """Whether both ids are valid (not all zero)."""
+        return self.trace_id != _NO_TRACE and self.span_id != _NO_SPAN
+
+    @classmethod
+    def parse(cls, traceparent: object) -> Optional["TraceContext"]:
+        """A ``traceparent`` header's value (``00-<32 hex>-<16 hex>-<2 hex>``, surrounding white space
+        ignored) as a context, else ``None``. A later version's value is read by its first four
+        fields, as the W3C recommendation says; version ``ff``, all-zero ids, upper-case hex, and
+        anything that is not a ``str`` give ``None``. As the Rust ``TraceContext::parse``."""
+        if not isinstance(traceparent, str):
+            return None
+        m = _TRACEPARENT.fullmatch(traceparent.strip(_WHITE_SPACE))
+        if m is None:
+            return None
+        version, trace, span, flags, more = m.groups()
+        # Version 00 has exactly four fields; ff is invalid; a later one may have more.
+        if version == "ff" or (version == "00" and more is not None):
+            return None
+        t = cls(bytes.fromhex(trace), bytes.fromhex(span), int(flags, 16))
+        return t if t.is_valid() else None
+
+    def traceparent(self) -> str:
+        """The ``traceparent`` value naming ``span_id`` as the parent (version 00)."""
+        return f"00-{self.trace_id.hex()}-{self.span_id.hex()}-{self.flags:02x}"
+
+    def wire(self) -> bytes:
+        """Form 4's prefix: its form byte, the trace id, the span id and the flags."""
+        return b"".join((_FORM_TRACED_BYTE, self.trace_id, self.span_id, bytes((self.flags,))))
+
+
+_FORM_TRACED_BYTE = bytes((FORM_TRACED,))
 
 
 class Item(NamedTuple):
@@ -195,10 +275,14 @@ class HelloOk:
 @dataclass
 class Check:
     """A check: ``items`` (form 0, or 2 when an item does not consume) or ``attributes`` (form 1,
-    or 3), exactly one of them."""
+    or 3), exactly one of them; with a ``trace`` context, wrapped in form 4 (version 5)."""
 
     items: Optional[List[Item]] = None
     attributes: Optional[Attributes] = None
+    trace: Optional[TraceContext] = None
+    """The caller's trace context (version 5), written only for a peer of version 5 or more. A
+    decoded check's is ``None`` without one, and for one with an all-zero id (dropped, as the agent
+    drops it)."""
 
 
 @dataclass
@@ -516,8 +600,9 @@ def _verdict_bytes(v: Verdict) -> bytes:
 
 def encode(frame: Frame, peer_version: int = VERSION) -> bytes:
     """The frame as bytes. Checks are validated (raises :class:`InvalidCheck`); the other kinds are
-    encoded as given (the agent-side kinds exist for tests and fake agents). A Decision whose items
-    carry a window is a version-4 frame for a ``peer_version`` of 4 or more (the default), else
+    encoded as given (the agent-side kinds exist for tests and fake agents). A check's trace context
+    is written (form 4) for a ``peer_version`` of 5 or more (the default), else left out. A Decision
+    whose items carry a window is a version-4 frame for a ``peer_version`` of 4 or more, else
     version 1's form without the windows, as the agent writes it."""
     b = frame.body
     rid = frame.request_id
@@ -525,6 +610,8 @@ def encode(frame: Frame, peer_version: int = VERSION) -> bytes:
         if (b.items is None) == (b.attributes is None):
             raise InvalidCheck("a check carries items or attributes, exactly one of them")
         body = items_body(b.items) if b.items is not None else attributes_body(b.attributes)  # type: ignore[arg-type]
+        if b.trace is not None and peer_version >= TRACE_CONTEXT:
+            body = b.trace.wire() + body
         return _frame(Kind.CHECK, rid, body)
     if isinstance(b, Hello):
         return _frame(Kind.HELLO, rid, bytes((b.min_version, b.max_version)), min(b.max_version, VERSION))
@@ -598,18 +685,32 @@ def check_attributes_frame(request_id: int, attributes: Attributes) -> bytes:
     return _frame(Kind.CHECK, request_id, attributes_body(attributes))
 
 
+def traced(frame: bytes, trace: TraceContext) -> bytes:
+    """A Check frame this module encoded (forms 0 to 3) wrapped in form 4 with ``trace``: send it
+    only on a connection whose HelloOk said 5 or more (:data:`TRACE_CONTEXT`). The clients build the
+    plain frame and wrap it once they know the connection it goes to. A check is far below the frame
+    limit, so the 26 bytes always fit."""
+    return b"".join(
+        (_U32.pack(len(frame) - LEN_PREFIX + TRACE_LEN), frame[LEN_PREFIX : LEN_PREFIX + HEADER], trace.wire(),
+         frame[LEN_PREFIX + HEADER :])
+    )
+
+
 def _mode_version(mode: int) -> int:
     return 3 if mode & MODE_LEASE or mode == ItemMode.RELEASE else 2
 
 
 def check_version(frame: bytes) -> int:
-    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 3
-    for a lease or a release, 2 for forms 2 and 3 otherwise (an item that peeks or charges), else 1.
-    A version-1 agent cannot parse forms 2 and 3 and closes the connection, and a version-2 agent
-    refuses a lease or a release, so a client sends them only on a connection whose HelloOk said as
-    much."""
+    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 5
+    for a trace context (form 4), else 3 for a lease or a release, 2 for forms 2 and 3 otherwise (an
+    item that peeks or charges), else 1. A version-1 agent cannot parse forms 2 and 3 and closes the
+    connection, and a version-2 agent refuses a lease or a release, so a client sends them only on a
+    connection whose HelloOk said as much. (The clients never need it for form 4: they add a trace
+    context only on a connection of version 5, and leave it out on older ones.)"""
     off = LEN_PREFIX + HEADER
     form = frame[off]
+    if form == FORM_TRACED:
+        return TRACE_CONTEXT
     if form < FORM_ITEMS_MODES:
         return 1
     if form == FORM_ATTRIBUTES_MODE:
@@ -630,7 +731,7 @@ def check_version(frame: bytes) -> int:
 
 
 HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
-"""The Hello a client opens with: versions 1 to 4."""
+"""The Hello a client opens with: versions 1 to 5."""
 
 
 def fail_modes_frame(request_id: int) -> bytes:
@@ -761,6 +862,13 @@ def _body(kind: int, version: int, r: _Reader) -> Body:
         return Hello(r.u8(), r.u8())
     if kind == Kind.CHECK:
         form = r.u8()
+        trace = None
+        if form == FORM_TRACED:
+            # Version 5: the context, then the check's own form (not 4 again).
+            t = TraceContext(r.take(16), r.take(8), r.u8())
+            # One with an all-zero id is dropped, as the agent drops it (and a bad traceparent).
+            trace = t if t.is_valid() else None
+            form = r.u8()
         if form == FORM_ITEMS or form == FORM_ITEMS_MODES:
             n = r.u8()
             check_items: List[Item] = []
@@ -770,12 +878,12 @@ def _body(kind: int, version: int, r: _Reader) -> Body:
                 cost = r.u32()
                 mode, lease = r.mode() if form == FORM_ITEMS_MODES else (ItemMode.CONSUME, None)
                 check_items.append(Item(key, rule_id, cost, mode, lease))
-            return Check(items=check_items)
+            return Check(items=check_items, trace=trace)
         if form == FORM_ATTRIBUTES or form == FORM_ATTRIBUTES_MODE:
             v = [r.str16() or None for _ in range(5)]
             cost = r.u32()
             mode, lease = r.mode() if form == FORM_ATTRIBUTES_MODE else (ItemMode.CONSUME, None)
-            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost, mode, lease))
+            return Check(attributes=Attributes(v[0], v[1], v[2], v[3], v[4], cost, mode, lease), trace=trace)
         raise _Malformed(f"unknown check form {form}")
     if kind == Kind.FAIL_MODE_LIST:
         return _fail_mode_list(r)
@@ -991,6 +1099,7 @@ __all__: Sequence[str] = [
     "VERSION",
     "MIN_VERSION",
     "WINDOWS",
+    "TRACE_CONTEXT",
     "MAX_FRAME",
     "MAX_ITEMS",
     "MAX_KEY",
@@ -1002,6 +1111,7 @@ __all__: Sequence[str] = [
     "ItemMode",
     "Item",
     "Attributes",
+    "TraceContext",
     "Hello",
     "HelloOk",
     "Check",
@@ -1025,6 +1135,7 @@ __all__: Sequence[str] = [
     "check_items_frame",
     "check_attributes_frame",
     "check_version",
+    "traced",
     "item_mode",
     "fail_modes_frame",
     "wire_safe",

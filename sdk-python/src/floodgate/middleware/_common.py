@@ -1,6 +1,7 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
 (``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values, costs charged after the
-response, concurrency leases released when it ends."""
+response, concurrency leases released when it ends, the request's trace context forwarded with its
+check, charge and releases."""
 
 from __future__ import annotations
 
@@ -586,14 +587,33 @@ def charge_failed(e: BaseException) -> None:
     CHARGE_LOST.warn("floodgate: a response's charge failed; it is not counted (said at most once a minute): %s", e)
 
 
-def charge_now(client: Any, attributes: Attributes, cost: int, timeout: Optional[float]) -> None:
+def charge_now(
+    client: Any, attributes: Attributes, cost: int, timeout: Optional[float], traceparent: Optional[str] = None
+) -> None:
     """Charges ``cost`` with a request's attributes through the threaded ``client``, waiting at most
-    ``timeout`` (the client's when ``None``). Never raises: a charge the agent cannot take is logged
-    at most once a minute."""
+    ``timeout`` (the client's when ``None``), with the request's ``traceparent``
+    (:func:`request_traceparent`). Never raises: a charge the agent cannot take is logged at most
+    once a minute."""
     try:
-        charge_taken(client.check_request(charge_attributes(attributes, cost), timeout=timeout, fail="open"))
+        charge = charge_attributes(attributes, cost)
+        charge_taken(client.check_request(charge, timeout=timeout, fail="open", traceparent=traceparent))
     except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
         charge_failed(e)
+
+
+# --- trace context (protocol version 5) -----------------------------------------------------------
+
+TRACEPARENT = "traceparent"
+"""The W3C Trace Context request header the middleware forwards."""
+
+
+def request_traceparent(request: Any, header: Callable[[Any, str], Optional[str]]) -> Optional[str]:
+    """The request's ``traceparent`` header (``header(request, name)`` reads one, as for
+    :func:`request_check`), which the middleware passes to the request's check, its charge and its
+    releases, so that the agent's spans of them (an agent exporting traces) are children of the
+    caller's span; ``None`` when absent. Not parsed here: the client sends a value that parses as
+    the check's trace context to an agent speaking protocol version 5, and ignores any other."""
+    return header(request, TRACEPARENT)
 
 
 # --- concurrency leases (protocol version 3) ------------------------------------------------------
@@ -623,20 +643,25 @@ def without_lease(e: UnsupportedByAgent, attributes: Attributes) -> Attributes:
 
 
 def check_leased(
-    client: Any, attributes: Attributes, timeout: Optional[float], fail: Optional[FailPolicy]
+    client: Any,
+    attributes: Attributes,
+    timeout: Optional[float],
+    fail: Optional[FailPolicy],
+    traceparent: Optional[str] = None,
 ) -> Tuple[Attributes, Decision]:
     """A request's check through the threaded ``client``, with a fresh lease when its connection
-    speaks version 3 (:func:`with_lease`): the attributes sent (with the lease, if any) and the
-    decision. A check with a lease the agent did not answer (late, or gone) may have been taken all
-    the same: its release goes at once (:func:`release_unanswered`)."""
+    speaks version 3 (:func:`with_lease`) and the request's ``traceparent``: the attributes sent
+    (with the lease, if any) and the decision. A check with a lease the agent did not answer (late,
+    or gone) may have been taken all the same: its release goes at once
+    (:func:`release_unanswered`)."""
     attributes = with_lease(attributes, getattr(client, "protocol_version", None))
     try:
-        d = client.check_request(attributes, timeout=timeout, fail=fail)
+        d = client.check_request(attributes, timeout=timeout, fail=fail, traceparent=traceparent)
     except UnsupportedByAgent as e:
         attributes = without_lease(e, attributes)
-        d = client.check_request(attributes, timeout=timeout, fail=fail)
+        d = client.check_request(attributes, timeout=timeout, fail=fail, traceparent=traceparent)
     if not d.from_agent:
-        release_unanswered(client, attributes)
+        release_unanswered(client, attributes, traceparent)
     return attributes, d
 
 
@@ -655,24 +680,28 @@ def releases(d: Decision, attributes: Attributes) -> Optional[Attributes]:
     return None
 
 
-def release_now(client: Any, release: Attributes, timeout: Optional[float]) -> None:
+def release_now(
+    client: Any, release: Attributes, timeout: Optional[float], traceparent: Optional[str] = None
+) -> None:
     """Sends ``release`` through the threaded ``client``, waiting at most ``timeout`` (the client's
-    when ``None``). Never raises: a release the agent cannot take, or that fails, is logged (its
-    units stay held until the lease runs out)."""
+    when ``None``), with the request's ``traceparent``. Never raises: a release the agent cannot
+    take, or that fails, is logged (its units stay held until the lease runs out)."""
     try:
-        release_taken(client.check_request(release, timeout=timeout, fail="open"), release.lease)
+        d = client.check_request(release, timeout=timeout, fail="open", traceparent=traceparent)
+        release_taken(d, release.lease)
     except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
         release_failed(e, release.lease)
 
 
-def release_unanswered(client: Any, attributes: Attributes) -> None:
+def release_unanswered(client: Any, attributes: Attributes, traceparent: Optional[str] = None) -> None:
     """The precaution for a check with a lease whose answer is not the agent's (the call timed out,
     the connection went, or, ASGI, the request was cancelled while it waited): the agent may have
     taken the lease all the same, and nobody would release it for the rule's ``leaseSeconds``. The
     release (:func:`release_attributes`: the same attributes and lease, cost ``max(cost, 1)``) goes
     at once on the connection at hand, without waiting for an answer, so it never holds the request
     back; one that cannot be sent is logged at debug only (a release of a lease not held changes
-    nothing). Nothing for a check without a lease."""
+    nothing). It carries the request's ``traceparent`` as the check did. Nothing for a check without a
+    lease."""
     if attributes.lease is None:
         return
     let_go = getattr(client, "_release_unanswered", None)
@@ -680,4 +709,4 @@ def release_unanswered(client: Any, attributes: Attributes) -> None:
         # A stand-in for the SDK's client: nothing to send it through.
         precaution_not_sent(attributes.lease, f"{type(client).__name__} is not a floodgate client")
         return
-    let_go(release_attributes(attributes))
+    let_go(release_attributes(attributes), traceparent)

@@ -29,6 +29,11 @@ sent, the number in that response header is charged with the request's attribute
 own task (bounded by the client's timeout), so the client has its response before the charge goes. A
 route in ``charge_with`` is charged what its callable returns for the response's status and headers.
 
+The request's W3C ``traceparent`` header goes with its check, its charge and its releases: to an
+agent that speaks protocol version 5 they carry that trace context, so that the agent's spans of them
+(an agent started with ``--otlp-endpoint``) are children of the caller's span. A header that does not
+parse is ignored.
+
 On a connection to an agent that speaks protocol version 3, every consuming check carries a fresh
 lease; when a concurrency rule holds it, the lease is released (the same attributes, cost and lease,
 mode release) once the response's last body part is sent, or the app returns or raises without one
@@ -68,6 +73,7 @@ from ._common import (
     release_unanswered,
     releases,
     request_check,
+    request_traceparent,
     rejection_body,
     response_cost,
     retry_after_seconds,
@@ -297,22 +303,27 @@ class FloodgateMiddleware:
         s = self.settings
         try:
             attributes, fail, charge = self._check(scope)
+            traceparent = request_traceparent(scope, scope_header)
             client = await self._get_client()
             attributes = with_lease(attributes, getattr(client, "protocol_version", None))
             try:
                 try:
-                    decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+                    decision = await client.check_request(
+                        attributes, timeout=s.timeout, fail=fail, traceparent=traceparent
+                    )
                 except UnsupportedByAgent as e:
                     attributes = without_lease(e, attributes)
-                    decision = await client.check_request(attributes, timeout=s.timeout, fail=fail)
+                    decision = await client.check_request(
+                        attributes, timeout=s.timeout, fail=fail, traceparent=traceparent
+                    )
             except asyncio.CancelledError:
                 # The request went away with its check in flight: the agent may take the lease.
-                release_unanswered(client, attributes)
+                release_unanswered(client, attributes, traceparent)
                 raise
             if not decision.from_agent:
                 # Late or lost: the agent may have taken the lease all the same (nothing held when
                 # it answered; else the release is owed below).
-                release_unanswered(client, attributes)
+                release_unanswered(client, attributes, traceparent)
         except FloodgateError as e:
             # Values are made wire-safe, so this is a bug or an SDK/agent mismatch (e.g. more than 16
             # rules matched), not something a client can cause: the request passes.
@@ -324,7 +335,7 @@ class FloodgateMiddleware:
         headers = [(n.encode(), v.encode()) for n, v in rate_limit_headers(decision, s.ietf)]
         if not decision.allowed:
             if release is not None:  # a denied check holds nothing; given back should it ever
-                _release_soon(client, release, s.timeout)
+                _release_soon(client, release, s.timeout, traceparent)
             secs = retry_after_seconds(decision)
             body = rejection_body(secs)
             await send(
@@ -355,15 +366,16 @@ class FloodgateMiddleware:
             nonlocal release
             if release is not None:
                 held, release = release, None
-                _release_soon(client, held, s.timeout)
+                _release_soon(client, held, s.timeout, traceparent)
 
         async def settle() -> None:
             nonlocal owed
             if owed is not None:
                 cost, owed = owed, None
                 try:
+                    charged = charge_attributes(attributes, cost)
                     charge_taken(
-                        await client.check_request(charge_attributes(attributes, cost), timeout=s.timeout, fail="open")
+                        await client.check_request(charged, timeout=s.timeout, fail="open", traceparent=traceparent)
                     )
                 except Exception as e:  # noqa: BLE001 - the response is sent; a charge never fails it
                     charge_failed(e)
@@ -418,18 +430,23 @@ class FloodgateMiddleware:
 _releasing: Set["asyncio.Task[None]"] = set()
 
 
-def _release_soon(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+def _release_soon(
+    client: AsyncClient, release: Attributes, timeout: Optional[float], traceparent: Optional[str] = None
+) -> None:
     """Sends ``release`` in a task of its own: it holds back neither the request's task nor the
     app's return, and a request cancelled meanwhile (its cancel scope would cancel every await in
     it) still gives its units back."""
-    task = asyncio.get_running_loop().create_task(_release(client, release, timeout))
+    task = asyncio.get_running_loop().create_task(_release(client, release, timeout, traceparent))
     _releasing.add(task)
     task.add_done_callback(_releasing.discard)
 
 
-async def _release(client: AsyncClient, release: Attributes, timeout: Optional[float]) -> None:
+async def _release(
+    client: AsyncClient, release: Attributes, timeout: Optional[float], traceparent: Optional[str] = None
+) -> None:
     try:
-        release_taken(await client.check_request(release, timeout=timeout, fail="open"), release.lease)
+        d = await client.check_request(release, timeout=timeout, fail="open", traceparent=traceparent)
+        release_taken(d, release.lease)
     except Exception as e:  # noqa: BLE001 - the response is sent; a release never fails it
         release_failed(e, release.lease)
 

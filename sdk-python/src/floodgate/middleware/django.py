@@ -25,7 +25,8 @@ or Django's ASGI handler once the body is sent or the client is gone), a blockin
 client's timeout after the client has the body. On a connection to an agent that speaks protocol
 version 3, a concurrency rule's lease taken by the request is released at the same moment, or at
 once when the view raises past Django's own error handling; the lease of a check whose answer is not
-the agent's (late, or the agent gone) is released at once, without waiting for an answer.
+the agent's (late, or the agent gone) is released at once, without waiting for an answer. The
+request's ``traceparent`` header goes with its check, charge and releases (protocol version 5).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ._common import (
     releases,
     reported_cost,
     request_check,
+    request_traceparent,
     rejection_body,
     retry_after_seconds,
     scope_took_forwarded_for,
@@ -168,7 +170,8 @@ class FloodgateDjangoMiddleware:
         client = self.client
         try:
             attributes, fail, charge = self._check(request)
-            attributes, decision = check_leased(client, attributes, s.timeout, fail)
+            traceparent = request_traceparent(request, _header)
+            attributes, decision = check_leased(client, attributes, s.timeout, fail, traceparent)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.get_response(request)
@@ -180,7 +183,7 @@ class FloodgateDjangoMiddleware:
             except BaseException:
                 # Past Django's own handling (which makes a view's error a 500 response).
                 if release is not None:
-                    release_now(client, release, s.timeout)
+                    release_now(client, release, s.timeout, traceparent)
                 raise
             cost = None
             if isinstance(charge, str):
@@ -188,10 +191,10 @@ class FloodgateDjangoMiddleware:
             elif charge is not None:
                 cost = called_cost(charge, response)
             if cost is not None or release is not None:
-                self._settle_on_close(response, attributes, cost, release)
+                self._settle_on_close(response, attributes, cost, release, traceparent)
         else:
             if release is not None:  # a denied check holds nothing; given back should it ever
-                release_now(client, release, s.timeout)
+                release_now(client, release, s.timeout, traceparent)
             secs = retry_after_seconds(decision)
             response = HttpResponse(rejection_body(secs), status=429, content_type="application/json")
             response["Retry-After"] = str(secs)
@@ -200,11 +203,17 @@ class FloodgateDjangoMiddleware:
         return response
 
     def _settle_on_close(
-        self, response: HttpResponse, attributes: Attributes, cost: Optional[int], release: Optional[Attributes]
+        self,
+        response: HttpResponse,
+        attributes: Attributes,
+        cost: Optional[int],
+        release: Optional[Attributes],
+        traceparent: Optional[str] = None,
     ) -> None:
         """Releases the request's lease (``release``) and charges ``cost`` when the server closes
         ``response`` (after its body is sent, or once the client is gone), after Django's own
-        ``close`` (which ends the request: files closed, ``request_finished`` sent)."""
+        ``close`` (which ends the request: files closed, ``request_finished`` sent); both with the
+        request's ``traceparent``."""
         close = response.close
         timeout = self.settings.timeout
         client = self.client
@@ -218,8 +227,8 @@ class FloodgateDjangoMiddleware:
                 if owes:
                     owed, held = owes.pop()
                     if held is not None:
-                        release_now(client, held, timeout)
+                        release_now(client, held, timeout, traceparent)
                     if owed is not None:
-                        charge_now(client, attributes, owed, timeout)
+                        charge_now(client, attributes, owed, timeout, traceparent)
 
         response.close = close_then_settle  # type: ignore[method-assign]

@@ -19,6 +19,10 @@ instead of returning a body. A check whose answer is not the agent's (it timed o
 away mid-call) may have taken its lease all the same: its release is sent at once, without waiting
 for an answer (logged at debug if it cannot be sent).
 
+The request's W3C ``traceparent`` header goes with its check, its charge and its releases: to an
+agent that speaks protocol version 5 they carry that trace context (a header that does not parse is
+ignored).
+
 Example::
 
     # The agent's default socket, or $FLOODGATE_SOCKET; socket="..." names another.
@@ -45,6 +49,7 @@ from ._common import (
     release_now,
     releases,
     request_check,
+    request_traceparent,
     rejection_body,
     response_cost,
     retry_after_seconds,
@@ -158,7 +163,8 @@ class FloodgateWSGIMiddleware:
         client = self.client
         try:
             attributes, fail, charge = self._check(environ)
-            attributes, decision = check_leased(client, attributes, s.timeout, fail)
+            traceparent = request_traceparent(environ, environ_header)
+            attributes, decision = check_leased(client, attributes, s.timeout, fail, traceparent)
         except FloodgateError as e:
             CHECK_FAILED.warn("floodgate: the check failed; the request passes: %s", e)
             return self.app(environ, start_response)
@@ -167,7 +173,7 @@ class FloodgateWSGIMiddleware:
         headers = rate_limit_headers(decision, s.ietf)
         if not decision.allowed:
             if release is not None:  # a denied check holds nothing; given back should it ever
-                release_now(client, release, s.timeout)
+                release_now(client, release, s.timeout, traceparent)
             secs = retry_after_seconds(decision)
             body = rejection_body(secs)
             start_response(
@@ -199,7 +205,7 @@ class FloodgateWSGIMiddleware:
             body = self.app(environ, start_with_headers)
         except BaseException:
             if release is not None:
-                release_now(client, release, s.timeout)
+                release_now(client, release, s.timeout, traceparent)
             raise
         if charge is None and release is None:
             return body
@@ -209,10 +215,10 @@ class FloodgateWSGIMiddleware:
             # Once, however many times the body is closed.
             held, owes[0] = owes[0], None
             if held is not None:
-                release_now(client, held, s.timeout)
+                release_now(client, held, s.timeout, traceparent)
             cost, owed[0] = owed[0], None
             if cost is not None:
-                charge_now(client, attributes, cost, s.timeout)
+                charge_now(client, attributes, cost, s.timeout, traceparent)
 
         return SettleOnClose(body, settle)
 
