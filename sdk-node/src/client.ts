@@ -26,8 +26,11 @@ import {
   ErrorCode,
   InvalidCheck,
   MIN_VERSION,
+  parseTraceparent,
+  TRACE_VERSION,
   VERSION,
   type Attributes,
+  type Body,
   type Check,
   type Item,
 } from "./protocol";
@@ -102,6 +105,15 @@ export interface CallOptions {
    * {@link ClientConfig.fail} say.
    */
   fail?: FailPolicy;
+  /**
+   * The caller's W3C trace context, a `traceparent` header's value
+   * (`00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`): sent with the check (protocol version
+   * 5) so that the agent's span of it, when the agent exports traces, is a child of the caller's
+   * span. It changes nothing in the decision. A value that is not a valid `traceparent` (it came
+   * from an HTTP header) is ignored, and so is any on a connection to an agent of version 4 or
+   * older: the check goes as it would without it.
+   */
+  traceparent?: string;
 }
 
 /** Counts of calls the SDK answered by itself, for the service's own metrics. */
@@ -393,22 +405,26 @@ export class Client {
     const sent = { written: false };
     const decision = await this.send({ form: "items", items: [{ key, ruleId, cost, lease: id }] }, options, sent);
     if (sent.written && !fromAgent(decision)) {
-      this.releaseUnanswered({
-        form: "items",
-        items: [{ key, ruleId, cost: Math.max(cost, 1), mode: "release", lease: id }],
-      });
+      this.releaseUnanswered(
+        {
+          form: "items",
+          items: [{ key, ruleId, cost: Math.max(cost, 1), mode: "release", lease: id }],
+        },
+        options?.traceparent,
+      );
     }
     if (!decision.items.some((i) => i.verdict.holdsLease)) return { decision };
     return { decision, lease: { key, ruleId, cost, id } };
   }
 
   /**
-   * Sends `release` (a check of mode release with the lease of a check the agent did not answer)
-   * and forgets it: the agent may have taken the lease after all, and otherwise the release changes
-   * nothing, so a release that fails too is only logged at debug level.
+   * Sends `release` (a check of mode release with the lease of a check the agent did not answer,
+   * and that check's trace context) and forgets it: the agent may have taken the lease after all,
+   * and otherwise the release changes nothing, so a release that fails too is only logged at debug
+   * level.
    */
-  private releaseUnanswered(release: Check): void {
-    this.send(release).then(
+  private releaseUnanswered(release: Check, traceparent: string | undefined): void {
+    this.send(release, traceparent === undefined ? undefined : { traceparent }).then(
       (d) => {
         if (!fromAgent(d)) {
           this.debug(
@@ -504,8 +520,9 @@ export class Client {
   }
 
   /**
-   * The protocol version the agent chose for the connection (1 to 4), or 0 while there is none. A
-   * check needing a higher version ({@link checkVersion}) is refused before it is sent.
+   * The protocol version the agent chose for the connection (1 to 5), or 0 while there is none. A
+   * check needing a higher version ({@link checkVersion}) is refused before it is sent; a
+   * `traceparent` is sent only at 5.
    */
   get protocolVersion(): number {
     return this.version;
@@ -569,9 +586,15 @@ export class Client {
     const fail: FailPolicy | null =
       options?.fail === undefined || options.fail === null ? null : options.fail === "closed" ? "closed" : "open";
     const id = this.allocateId();
+    // The caller's trace context, only for an agent that reads it (version 5: form 4); parsed only
+    // when there is one. Read and written in this one synchronous run, on the connection of this
+    // version.
+    const trace =
+      options?.traceparent !== undefined && this.version >= TRACE_VERSION ? parseTraceparent(options.traceparent) : undefined;
+    const body: Body = trace === undefined ? { kind: "check", check } : { kind: "check", check, trace };
     let bytes: Buffer;
     try {
-      bytes = encodeFrame({ requestId: id, body: { kind: "check", check } });
+      bytes = encodeFrame({ requestId: id, body }, this.version);
     } catch (e) {
       const message = e instanceof InvalidCheck ? e.message : String(e);
       return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));

@@ -13,7 +13,8 @@
  * lease, mode release) once the response is finished or its connection closed, whichever first:
  * after a normal answer, a handler's error, a streamed body, or a client that went away. A check
  * whose answer is not the agent's (late, connection lost mid-call) is released the same way, as a
- * precaution: the agent may still have taken its lease.
+ * precaution: the agent may still have taken its lease. The request's `traceparent` header, when it
+ * has one, goes with its check, charge and release (protocol version 5; an invalid one is ignored).
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path

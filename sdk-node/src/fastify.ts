@@ -13,6 +13,8 @@
  * raw response is finished or closed, whichever first (a thrown handler error is answered, and so
  * finished, by Fastify; a client that went away closes it): once per request. A check whose answer
  * is not the agent's (late, connection lost mid-call) is released the same way, as a precaution.
+ * The request's `traceparent` header, when it has one, goes with its check, charge and release
+ * (protocol version 5; an invalid one is ignored).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket

@@ -1,13 +1,13 @@
 /**
  * What the Express and Fastify middleware share, mirroring the Rust tower Layer
  * (`sdk/src/middleware/`): the request's attributes (endpoint, tier, user, API key, client IP),
- * values made wire-safe, the client IP through trusted proxies only, and the headers and 429 body
- * of a decision.
+ * values made wire-safe, the client IP through trusted proxies only, the request's `traceparent`
+ * header forwarded with its checks, and the headers and 429 body of a decision.
  */
 
 import * as net from "node:net";
 
-import { newLeaseId, type Client, type FailPolicy } from "./client";
+import { newLeaseId, type CallOptions, type Client, type FailPolicy } from "./client";
 import { fromAgent, type Decision } from "./decision";
 import { MAX_ATTRIBUTE, validateRuleId, type Attributes, type ItemDecision } from "./protocol";
 
@@ -410,6 +410,8 @@ export interface PendingCharge {
   attributes: Attributes;
   /** The endpoint's `failFor`, if any. */
   fail?: FailPolicy;
+  /** The request's `traceparent` header, forwarded with the charge as with the request's check. */
+  traceparent?: string;
 }
 
 /**
@@ -424,6 +426,8 @@ export interface PendingRelease {
    * level only (a release of a lease not held changes nothing).
    */
   sure: boolean;
+  /** The request's `traceparent` header, forwarded with the release as with the request's check. */
+  traceparent?: string;
 }
 
 /** The most a check may cost: the wire's u32. */
@@ -507,6 +511,22 @@ export function firstHeader(req: RequestView, name: string): string | undefined 
 
 function headerExtractor(name: string): Extractor {
   return (req) => firstHeader(req, name);
+}
+
+/**
+ * The request's W3C `traceparent` header as received, if it has one: forwarded with its checks for
+ * the client to parse (a value that is not a valid traceparent is ignored there). Node joins a
+ * repeated header's lines with ", ", which no valid traceparent is.
+ */
+export function traceparentOf(req: RequestView): string | undefined {
+  const v = req.headers.traceparent;
+  return typeof v === "string" ? v : undefined;
+}
+
+/** A call's options: the endpoint's `failFor` and the request's `traceparent`; none when neither. */
+function callOptions(fail: FailPolicy | undefined, traceparent: string | undefined): CallOptions | undefined {
+  if (traceparent === undefined) return fail === undefined ? undefined : { fail };
+  return fail === undefined ? { traceparent } : { fail, traceparent };
 }
 
 /** What reports a charge's cost, for warnings: the header's name, or `chargeWith`. */
@@ -651,14 +671,17 @@ export class Limiter {
     let release: PendingRelease | undefined;
     try {
       const { attributes, fail, chargeHeader, chargeFn } = this.prepare(req);
+      // The caller's trace context goes with the check, and with the charge and release after it.
+      const traceparent = traceparentOf(req);
       // Read and sent in one synchronous run: the check goes on the connection whose version this
       // is (an older agent, or none, gets no lease and holds nothing).
       if (this.client.protocolVersion >= 3) attributes.lease = newLeaseId();
-      decision = await this.client.checkAttributes(attributes, fail === undefined ? undefined : { fail });
+      decision = await this.client.checkAttributes(attributes, callOptions(fail, traceparent));
       if (chargeHeader !== undefined || chargeFn !== undefined) {
         // A charge holds nothing: it goes without the lease (and so to a version-2 agent as well).
         const { lease: _lease, ...rest } = attributes;
         charge = { header: chargeHeader, fn: chargeFn, attributes: rest, fail };
+        if (traceparent !== undefined) charge.traceparent = traceparent;
       }
       // A charge endpoint's peek (cost 0) holds one unit of each concurrency rule: released as 1.
       // An answer that is not the agent's (late, the connection lost mid-call) says nothing of the
@@ -670,6 +693,7 @@ export class Limiter {
           attributes: { ...attributes, cost: Math.max(attributes.cost ?? 1, 1), mode: "release" },
           sure: held,
         };
+        if (traceparent !== undefined) release.traceparent = traceparent;
       }
     } catch (e) {
       // Attributes are wire-safe, so this is a bug or an SDK/agent mismatch, not something a client
@@ -759,7 +783,7 @@ export class Limiter {
         // nothing else to tell
       }
     };
-    this.client.checkAttributes(pending.attributes).then(
+    this.client.checkAttributes(pending.attributes, callOptions(undefined, pending.traceparent)).then(
       (d) => {
         if (fromAgent(d)) return;
         const reason = "reason" in d.origin ? d.origin.reason : "unavailable";
@@ -789,7 +813,7 @@ export class Limiter {
         `floodgate: the charge of ${cost} on ${endpoint} ${why} (at most one such warning a minute)`,
       );
     this.client
-      .checkAttributes({ ...pending.attributes, cost, mode: "charge" }, pending.fail ? { fail: pending.fail } : undefined)
+      .checkAttributes({ ...pending.attributes, cost, mode: "charge" }, callOptions(pending.fail, pending.traceparent))
       .then(
         (d) => {
           if (fromAgent(d)) {

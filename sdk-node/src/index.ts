@@ -9,12 +9,14 @@
  * background.
  *
  * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `acquire`, `release`,
- *   `hold` (leases of concurrency rules), `health`. `new Client()`
+ *   `hold` (leases of concurrency rules), `health`; each call may carry the caller's W3C
+ *   `traceparent` (protocol version 5). `new Client()`
  *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
  *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
  *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
  *   reach it.
- * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin.
+ * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin. Both
+ *   forward the request's `traceparent` header with its checks.
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
 
@@ -38,8 +40,11 @@ export {
   checkVersion,
   decodeFrame,
   encodeFrame,
+  formatTraceparent,
+  parseTraceparent,
   validateCheck,
   validateRuleId,
+  validateTrace,
   ErrorCode,
   InvalidCheck,
   Kind,
@@ -50,6 +55,7 @@ export {
   MAX_LEASE,
   MAX_RULE_ID,
   MIN_VERSION,
+  TRACE_VERSION,
   VERSION,
 } from "./protocol";
 export type {
@@ -62,6 +68,7 @@ export type {
   ItemDecision,
   ItemMode,
   Source,
+  TraceContext,
   Verdict,
 } from "./protocol";
 export { closing, endpointMatches, touches } from "./fail-modes";

@@ -1,22 +1,24 @@
 /**
- * Floodgate's wire protocol, versions 1 to 4 (`protocol/PROTOCOL.md`): frames to bytes and bytes
+ * Floodgate's wire protocol, versions 1 to 5 (`protocol/PROTOCOL.md`): frames to bytes and bytes
  * to frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
  *
  * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
  * counting everything after itself; a whole frame is at most 65,536 bytes. The version byte is the
  * version that introduced the frame's kind (2 for FailModes and FailModeList, else 1; Hello's is
- * `min(max_version, 4)`), so a version-1 peer reads every frame it knows; except a Decision whose
+ * `min(max_version, 5)`), so a version-1 peer reads every frame it knows; except a Decision whose
  * items carry rule windows, a version-4 frame sent only to a peer that negotiated 4. A Decision's
- * layout is read by its own version byte, not by the connection's.
+ * layout is read by its own version byte, not by the connection's. A Check that carries the
+ * caller's trace context (form 4, version 5) keeps version byte 1 and is sent only to a peer that
+ * negotiated 5.
  */
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 
 /**
  * The highest protocol version this SDK speaks (2: the fail-mode list and item modes; 3: leases and
- * releases of concurrency rules; 4: each decided item's rule window).
+ * releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context).
  */
-export const VERSION = 4;
+export const VERSION = 5;
 /** The lowest protocol version this SDK speaks. */
 export const MIN_VERSION = 1;
 /** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
@@ -95,6 +97,15 @@ const FORM_ITEMS = 0;
 const FORM_ATTRIBUTES = 1;
 const FORM_ITEMS_MODES = 2;
 const FORM_ATTRIBUTES_MODE = 3;
+/** Version 5: a trace context (trace id, span id, flags), then one of the forms above. */
+const FORM_TRACED = 4;
+
+/** The version whose Check may carry a trace context (form 4). */
+export const TRACE_VERSION = 5;
+/** Bytes of a trace id, of a span id, and of form 4's whole context (ids and flags). */
+const TRACE_ID_LEN = 16;
+const SPAN_ID_LEN = 8;
+const TRACE_LEN = TRACE_ID_LEN + SPAN_ID_LEN + 1;
 
 /**
  * What an item does with its cost (protocol version 2; version 1 knows only `consume`):
@@ -192,11 +203,34 @@ export type Check =
   | { form: "items"; items: Item[] }
   | { form: "attributes"; attributes: Attributes };
 
+/**
+ * A W3C trace context as a check carries it (protocol version 5, form 4): the caller's trace and
+ * span, so that the agent's span of the check is a child of the request that asked. It changes
+ * nothing in the decision.
+ */
+export interface TraceContext {
+  /** The trace's 16 bytes (never all zero): a `traceparent`'s trace-id. */
+  traceId: Uint8Array;
+  /** The caller's span, the parent of the agent's: 8 bytes (never all zero), a `traceparent`'s parent-id. */
+  spanId: Uint8Array;
+  /** Trace flags, 0 to 255: bit 0 says the caller records (samples) this trace. */
+  flags: number;
+}
+
 /** A decoded frame body. */
 export type Body =
   | { kind: "hello"; minVersion: number; maxVersion: number }
   | { kind: "helloOk"; version: number }
-  | { kind: "check"; check: Check }
+  | {
+      kind: "check";
+      check: Check;
+      /**
+       * The caller's trace context (version 5): written as form 4 only to a peer of version 5 or
+       * later, left out for an older one. Absent when the check carries none (a decoded context
+       * whose ids are all zero is dropped, as the agent drops it).
+       */
+      trace?: TraceContext;
+    }
   | { kind: "decision"; combined: Verdict; items: ItemDecision[] }
   | { kind: "error"; code: number; message: string }
   | { kind: "ping" }
@@ -361,6 +395,65 @@ export function attributeFields(a: Attributes): [string, string | null | undefin
 }
 
 // ---------------------------------------------------------------------------------------------
+// Trace context (version 5)
+
+function allZero(b: Uint8Array): boolean {
+  for (let i = 0; i < b.length; i++) if (b[i] !== 0) return false;
+  return true;
+}
+
+/**
+ * Why a trace context cannot be sent, or null when it can: a 16-byte trace id and an 8-byte span
+ * id (`Uint8Array`s, `Buffer`s included), neither all zero, and flags an integer 0 to 255.
+ */
+export function validateTrace(trace: unknown): string | null {
+  if (trace === null || typeof trace !== "object") return "a trace context must be an object";
+  const t = trace as Partial<TraceContext>;
+  if (!(t.traceId instanceof Uint8Array) || t.traceId.length !== TRACE_ID_LEN) {
+    return `a trace id must be ${TRACE_ID_LEN} bytes (a Uint8Array)`;
+  }
+  if (!(t.spanId instanceof Uint8Array) || t.spanId.length !== SPAN_ID_LEN) {
+    return `a span id must be ${SPAN_ID_LEN} bytes (a Uint8Array)`;
+  }
+  if (allZero(t.traceId) || allZero(t.spanId)) return "a trace context's ids may not be all zero";
+  if (typeof t.flags !== "number" || !Number.isInteger(t.flags) || t.flags < 0 || t.flags > 0xff) {
+    return `trace flags must be an integer from 0 to 255, not ${String(t.flags)}`;
+  }
+  return null;
+}
+
+/** `version-traceid-parentid-flags`, lower-case hex; a later version may add `-` and more fields. */
+const TRACEPARENT = /^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[\s\S]*)?$/;
+
+/**
+ * A W3C `traceparent` header's value as a {@link TraceContext}, or undefined when it is not one:
+ * `00-<32 hex>-<16 hex>-<2 hex>`, surrounding whitespace ignored. A later version's value is read
+ * by its first four fields, as the W3C recommendation says; version `ff`, all-zero ids, upper-case
+ * hex and anything else are refused (as `TraceContext::parse` in the Rust protocol crate).
+ */
+export function parseTraceparent(value: string): TraceContext | undefined {
+  if (typeof value !== "string") return undefined;
+  const m = TRACEPARENT.exec(value.trim());
+  if (m === null) return undefined;
+  const version = parseInt(m[1], 16);
+  if (version === 0xff || (version === 0 && m[5] !== undefined)) return undefined;
+  const traceId = Buffer.from(m[2], "hex");
+  const spanId = Buffer.from(m[3], "hex");
+  if (allZero(traceId) || allZero(spanId)) return undefined;
+  return { traceId, spanId, flags: parseInt(m[4], 16) };
+}
+
+/** Lower-case hex of a `Uint8Array` (a `Buffer` or not). */
+function hex(b: Uint8Array): string {
+  return Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString("hex");
+}
+
+/** The `traceparent` value (version 00) naming `trace.spanId` as the parent. */
+export function formatTraceparent(trace: TraceContext): string {
+  return `00-${hex(trace.traceId)}-${hex(trace.spanId)}-${(trace.flags & 0xff).toString(16).padStart(2, "0")}`;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Encoding
 
 /** Writes a frame into one growing buffer, the 4-byte length prefix reserved at the front. */
@@ -375,9 +468,9 @@ class Writer {
     this.buf.copy(grown, 0, 0, this.len);
     this.buf = grown;
   }
-  bytes(b: Buffer): void {
+  bytes(b: Uint8Array): void {
     this.ensure(b.length);
-    b.copy(this.buf, this.len);
+    this.buf.set(b, this.len);
     this.len += b.length;
   }
   u8(n: number): void {
@@ -491,13 +584,16 @@ function putVerdict(w: Writer, v: Verdict): void {
  * Encodes a frame, each kind in the newest form a peer of `peerVersion` (default: this SDK's
  * {@link VERSION}) reads. A Decision whose items carry a window (`windowMs` above 0) is a
  * version-4 frame for a peer of version 4 or later, and for an older one the same without the
- * windows; one with no window to carry is version 1's form, which every peer reads. Throws
- * {@link InvalidCheck} if a Check breaks a protocol limit or the frame would exceed 64 KiB.
+ * windows; one with no window to carry is version 1's form, which every peer reads. A Check's
+ * trace context is written (form 4, then the check's own form) for a peer of version 5 or later,
+ * and left out for an older one, which could not parse it. Throws {@link InvalidCheck} if a Check
+ * breaks a protocol limit, its trace context is not one ({@link validateTrace}), or the frame would
+ * exceed 64 KiB.
  */
 export function encodeFrame(frame: Frame, peerVersion: number = VERSION): Buffer {
   const body = frame.body;
   if (body.kind === "check") {
-    const why = validateCheck(body.check);
+    const why = validateCheck(body.check) ?? (body.trace === undefined ? null : validateTrace(body.trace));
     if (why) throw new InvalidCheck(why);
   }
   if (body.kind === "decision" && body.items.length > MAX_ITEMS) {
@@ -529,6 +625,12 @@ export function encodeFrame(frame: Frame, peerVersion: number = VERSION): Buffer
       w.u8(body.version);
       break;
     case "check": {
+      if (body.trace !== undefined && peerVersion >= TRACE_VERSION) {
+        w.u8(FORM_TRACED);
+        w.bytes(body.trace.traceId);
+        w.bytes(body.trace.spanId);
+        w.u8(body.trace.flags);
+      }
       // Every item consuming without a lease: version 1's forms 0 and 1, which every agent reads.
       const modes = hasModes(body.check);
       if (body.check.form === "items") {
@@ -675,6 +777,17 @@ class Reader {
   str16(): string {
     return this.string(this.u16());
   }
+  /** Form 4's trace context (version 5); undefined for one whose ids are all zero, which is dropped. */
+  trace(): TraceContext | undefined {
+    if (this.left() < TRACE_LEN) throw new Malformed("a traced check ends inside its trace context");
+    const at = this.take(TRACE_LEN);
+    // Copied: the frame's bytes are the connection's read buffer.
+    const traceId = Buffer.from(this.buf.subarray(at, at + TRACE_ID_LEN));
+    const spanId = Buffer.from(this.buf.subarray(at + TRACE_ID_LEN, at + TRACE_ID_LEN + SPAN_ID_LEN));
+    const flags = this.buf[at + TRACE_ID_LEN + SPAN_ID_LEN];
+    // An invalid context (all-zero ids) is dropped, as a bad traceparent header is.
+    return allZero(traceId) || allZero(spanId) ? undefined : { traceId, spanId, flags };
+  }
   verdict(): Verdict {
     const flags = this.u8();
     if (flags & ~(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE)) {
@@ -704,7 +817,14 @@ function decodeBody(kind: number, version: number, r: Reader): Body {
     case Kind.HelloOk:
       return { kind: "helloOk", version: r.u8() };
     case Kind.Check: {
-      const form = r.u8();
+      let form = r.u8();
+      // Version 5: form 4 carries a trace context before the check's own form (never form 4 again).
+      let trace: TraceContext | undefined;
+      if (form === FORM_TRACED) {
+        trace = r.trace();
+        form = r.u8();
+      }
+      const body = (check: Check): Body => (trace === undefined ? { kind: "check", check } : { kind: "check", check, trace });
       if (form === FORM_ITEMS || form === FORM_ITEMS_MODES) {
         const n = r.u8();
         const items: Item[] = [];
@@ -717,7 +837,7 @@ function decodeBody(kind: number, version: number, r: Reader): Body {
           }
           items.push(item);
         }
-        return { kind: "check", check: { form: "items", items } };
+        return body({ form: "items", items });
       }
       if (form === FORM_ATTRIBUTES || form === FORM_ATTRIBUTES_MODE) {
         const v = () => {
@@ -731,7 +851,7 @@ function decodeBody(kind: number, version: number, r: Reader): Body {
           attributes.mode = mode;
           if (lease !== undefined) attributes.lease = lease;
         }
-        return { kind: "check", check: { form: "attributes", attributes } };
+        return body({ form: "attributes", attributes });
       }
       throw new Malformed(`unknown check form ${form}`);
     }

@@ -1,6 +1,6 @@
 /**
- * The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, rule windows (version 4), and a
- * decoder that never throws.
+ * The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, rule windows (version 4), trace
+ * contexts (version 5) and `traceparent` parsing, and a decoder that never throws.
  */
 
 import assert from "node:assert/strict";
@@ -12,10 +12,14 @@ import {
   checkVersion,
   decodeFrame,
   encodeFrame,
+  formatTraceparent,
   InvalidCheck,
   MAX_FRAME,
+  parseTraceparent,
+  validateTrace,
   type Check,
   type Frame,
+  type TraceContext,
   type Verdict,
 } from "../src/index";
 import { REPO } from "./helpers";
@@ -47,6 +51,15 @@ const show = (x: unknown) => JSON.stringify(x, (_k, y: unknown) => (typeof y ===
 
 /** The lease of the page's version-3 vectors. */
 const LEASE = 0x0123456789abcdefn;
+
+/** The trace context of the page's version-5 vector (and of the W3C recommendation's example). */
+const TRACE: TraceContext = {
+  traceId: Buffer.from("4bf92f3577b34da6a3ce929d0e0e4736", "hex"),
+  spanId: Buffer.from("00f067aa0ba902b7", "hex"),
+  flags: 1,
+};
+/** Its `traceparent` header. */
+const TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /** The frames PROTOCOL.md describes in words, built here independently of the hex. */
 const EXPECTED: Record<string, Frame> = {
@@ -186,6 +199,16 @@ const EXPECTED: Record<string, Frame> = {
   },
   hello_v4: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 4 } },
   hello_ok_v4: { requestId: 0, body: { kind: "helloOk", version: 4 } },
+  hello_v5: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 5 } },
+  hello_ok_v5: { requestId: 0, body: { kind: "helloOk", version: 5 } },
+  check_traced: {
+    requestId: 18,
+    body: {
+      kind: "check",
+      check: { form: "items", items: [{ key: "user:123", ruleId: "api", cost: 1 }] },
+      trace: TRACE,
+    },
+  },
   decision_windows: {
     requestId: 17,
     body: {
@@ -282,8 +305,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
   });
 
   it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
-    const v5 = Buffer.from("00000006050700000003", "hex");
-    const r = decodeFrame(Buffer.concat([v5, pong]));
+    const v6 = Buffer.from("00000006060700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v6, pong]));
     assert.ok(!r.ok && r.type === "rejected");
     assert.equal(r.code, 3);
     assert.equal(r.frameLen, 10);
@@ -296,8 +319,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     assert.equal(bad.frameLen, vec.length);
   });
 
-  it("any version byte, 1 to 4, is read on any kind", () => {
-    for (const version of [2, 3, 4]) {
+  it("any version byte, 1 to 5, is read on any kind", () => {
+    for (const version of [2, 3, 4, 5]) {
       const pong2 = Buffer.from(pong);
       pong2[4] = version;
       const a = decodeFrame(pong2);
@@ -641,6 +664,180 @@ describe("rule windows (version 4)", () => {
     assert.deepEqual(r.frame, windows);
     const next = decodeFrame(both.subarray(r.used));
     assert.ok(next.ok && next.frame.body.kind === "pong");
+  });
+});
+
+describe("trace context (version 5)", () => {
+  const vectors = vectorsFromDoc();
+  const pong = Buffer.from("00000006010700000003", "hex");
+  const traced = EXPECTED.check_traced;
+  const withTrace = (requestId: number, check: Check, trace: TraceContext = TRACE): Frame => ({
+    requestId,
+    body: { kind: "check", check, trace },
+  });
+  const plain = (requestId: number, check: Check): Frame => ({ requestId, body: { kind: "check", check } });
+
+  it("traceparents round-trip, and bad ones are refused (as the Rust TraceContext::parse)", () => {
+    const t = parseTraceparent(TRACEPARENT);
+    assert.ok(t);
+    assert.equal(t.flags & 1, 1, "sampled");
+    assert.deepEqual([...t.spanId], [0x00, 0xf0, 0x67, 0xaa, 0x0b, 0xa9, 0x02, 0xb7]);
+    assert.deepEqual(t, TRACE);
+    assert.equal(formatTraceparent(t), TRACEPARENT);
+    // A later version, read by its first fields (exactly four of them too).
+    const later = parseTraceparent(`cc${TRACEPARENT.slice(2)}-what-comes-next`);
+    assert.deepEqual(later, TRACE);
+    assert.deepEqual(parseTraceparent(`cc${TRACEPARENT.slice(2)}`), TRACE);
+    // Whitespace around the value is not part of it.
+    assert.deepEqual(parseTraceparent(` ${TRACEPARENT}\t`), TRACE);
+    // Not sampled: flags 00; unknown flag bits are kept.
+    assert.equal(parseTraceparent(`${TRACEPARENT.slice(0, -2)}00`)?.flags, 0);
+    assert.equal(parseTraceparent(`${TRACEPARENT.slice(0, -2)}ff`)?.flags, 0xff);
+    for (const bad of [
+      "",
+      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",
+      "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+      "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+      "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+      "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+      "00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0x",
+      // And a few more: a later version's fifth field must follow a dash; an upper-case version or
+      // flags; a short value; Node's join of a repeated header.
+      "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",
+      "0A-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0A",
+      "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-1",
+      `${TRACEPARENT}, ${TRACEPARENT}`,
+    ]) {
+      assert.equal(parseTraceparent(bad), undefined, JSON.stringify(bad));
+    }
+    // What a header may be besides a string: nothing to parse.
+    for (const odd of [undefined, null, 42, [TRACEPARENT]]) {
+      assert.equal(parseTraceparent(odd as unknown as string), undefined, String(odd));
+    }
+  });
+
+  it("the formatter takes any Uint8Array, a view into a larger buffer included", () => {
+    const big = Buffer.concat([Buffer.from("ffff", "hex"), Buffer.from(TRACE.traceId), Buffer.from(TRACE.spanId)]);
+    const view: TraceContext = {
+      traceId: new Uint8Array(big.buffer, big.byteOffset + 2, 16),
+      spanId: big.subarray(18, 26),
+      flags: 0,
+    };
+    assert.equal(formatTraceparent(view), `${TRACEPARENT.slice(0, -2)}00`);
+  });
+
+  it("form 4 is written only to a peer of version 5; an older one gets the check as before", () => {
+    const page = vectors.get("check_traced")!;
+    assert.equal(encodeFrame(traced, 5).toString("hex"), page.toString("hex"));
+    // Version byte 1 (the version that introduced Check), form 4, the context, then form 0.
+    assert.deepEqual([page[4], page[10], page[36]], [1, 4, 0]);
+    const untraced = plain(18, { form: "items", items: [{ key: "user:123", ruleId: "api", cost: 1 }] });
+    for (const peer of [0, 1, 2, 3, 4]) {
+      assert.equal(encodeFrame(traced, peer).toString("hex"), encodeFrame(untraced).toString("hex"), `peer ${peer}`);
+    }
+    // The page's check_one_item is the same check: the traced vector is it with 26 bytes inserted.
+    const one = vectors.get("check_one_item")!;
+    assert.equal(page.length, one.length + 26);
+    assert.equal(page.subarray(36).toString("hex"), one.subarray(10).toString("hex"));
+  });
+
+  it("form 4 wraps every other form: items with modes and leases, attributes with a lease", () => {
+    const checks: Check[] = [
+      { form: "items", items: [{ key: "k", ruleId: "r", cost: 2 }] },
+      {
+        form: "items",
+        items: [
+          { key: "k", ruleId: "a", cost: 0, mode: "peek" },
+          { key: "k", ruleId: "b", cost: 3, mode: "release", lease: LEASE },
+        ],
+      },
+      {
+        form: "attributes",
+        attributes: { endpoint: "/v1/chat", tier: undefined, user: "u", apiKey: undefined, ip: "203.0.113.5", cost: 1 },
+      },
+      {
+        form: "attributes",
+        attributes: { endpoint: undefined, tier: "free", user: undefined, apiKey: "abc", ip: undefined, cost: 0, mode: "peek", lease: 42n },
+      },
+    ];
+    const unsampled: TraceContext = { ...TRACE, flags: 0 };
+    for (const [i, check] of checks.entries()) {
+      const f = withTrace(100 + i, check, unsampled);
+      const b = encodeFrame(f);
+      const without = encodeFrame(plain(100 + i, check));
+      assert.equal(b[10], 4);
+      assert.equal(b.subarray(11, 36).toString("hex"), "4bf92f3577b34da6a3ce929d0e0e4736" + "00f067aa0ba902b7" + "00");
+      assert.equal(b.subarray(36).toString("hex"), without.subarray(10).toString("hex"), `check ${i}: the form after the context`);
+      assert.equal(b.readUInt32BE(0), without.readUInt32BE(0) + 26);
+      const r = decodeFrame(Buffer.concat([b, pong]));
+      assert.ok(r.ok, show(r));
+      assert.deepEqual(r.frame, f);
+      const next = decodeFrame(Buffer.concat([b, pong]).subarray(r.used));
+      assert.ok(next.ok && next.frame.body.kind === "pong", "in sync after a traced check");
+    }
+  });
+
+  it("a plain Uint8Array is written as a Buffer is; an invalid context is refused before sending", () => {
+    const check: Check = { form: "items", items: [{ key: "user:123", ruleId: "api", cost: 1 }] };
+    const typed: TraceContext = { traceId: new Uint8Array(TRACE.traceId), spanId: new Uint8Array(TRACE.spanId), flags: 1 };
+    assert.equal(encodeFrame(withTrace(18, check, typed)).toString("hex"), vectors.get("check_traced")!.toString("hex"));
+    const bad: [string, unknown][] = [
+      ["a 15-byte trace id", { ...TRACE, traceId: Buffer.alloc(15, 1) }],
+      ["a 9-byte span id", { ...TRACE, spanId: Buffer.alloc(9, 1) }],
+      ["a trace id in hex", { ...TRACE, traceId: "4bf92f3577b34da6a3ce929d0e0e4736" }],
+      ["an all-zero trace id", { ...TRACE, traceId: Buffer.alloc(16) }],
+      ["an all-zero span id", { ...TRACE, spanId: Buffer.alloc(8) }],
+      ["flags 256", { ...TRACE, flags: 256 }],
+      ["flags 1.5", { ...TRACE, flags: 1.5 }],
+      ["no flags", { traceId: TRACE.traceId, spanId: TRACE.spanId }],
+      ["a string", TRACEPARENT],
+    ];
+    for (const [name, trace] of bad) {
+      assert.ok(validateTrace(trace) !== null, name);
+      // Refused whatever the peer: it is the caller's mistake, not the agent's version.
+      for (const peer of [4, 5]) {
+        assert.throws(() => encodeFrame(withTrace(1, check, trace as TraceContext), peer), InvalidCheck, `${name}, peer ${peer}`);
+      }
+    }
+    assert.equal(validateTrace(TRACE), null);
+  });
+
+  it("decoding: an all-zero context is dropped, the check kept; a context cut short, or form 4 twice, is fatal", () => {
+    const page = vectors.get("check_traced")!;
+    const one = decodeFrame(vectors.get("check_one_item")!);
+    assert.ok(one.ok && one.frame.body.kind === "check");
+    for (const [at, len] of [
+      [11, 16],
+      [27, 8],
+    ]) {
+      const zero = Buffer.from(page);
+      zero.fill(0, at, at + len);
+      const r = decodeFrame(zero);
+      assert.ok(r.ok, show(r));
+      assert.deepEqual(r.frame, { requestId: 18, body: one.frame.body }, `ids zeroed at ${at}`);
+      assert.ok(!("trace" in r.frame.body), "no trace key at all");
+    }
+    // A frame that ends inside the context, or right after it (no form), or with form 4 again.
+    for (const keep of [11, 20, 35, 36]) {
+      const cut = Buffer.from(page.subarray(0, keep));
+      cut.writeUInt32BE(keep - 4, 0);
+      const r = decodeFrame(cut);
+      assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `cut at ${keep}: ${show(r)}`);
+      assert.equal(r.requestId, 18);
+    }
+    const twice = Buffer.concat([page.subarray(0, 36), page.subarray(10)]);
+    twice.writeUInt32BE(twice.length - 4, 0);
+    const t = decodeFrame(twice);
+    assert.ok(!t.ok && t.type === "fatal" && t.code === 1, show(t));
+    assert.match(t.reason, /unknown check form 4/);
+    // The decoded ids are copies: reusing the read buffer does not change them.
+    const buf = Buffer.from(page);
+    const r = decodeFrame(buf);
+    buf.fill(0);
+    assert.ok(r.ok && r.frame.body.kind === "check");
+    assert.deepEqual(r.frame.body.trace, TRACE);
   });
 });
 
