@@ -135,14 +135,16 @@ async fn hello_negotiates_or_refuses() {
         0,
         Body::Hello {
             min_version: 1,
-            max_version: 4,
+            max_version: 9,
         },
     ))
     .await
     .unwrap();
     assert_eq!(
         conn.recv().await.unwrap().body,
-        Body::HelloOk { version: 3 },
+        Body::HelloOk {
+            version: floodgate_protocol::VERSION
+        },
         "the highest version both speak"
     );
     conn.send(&Frame::new(1, Body::Ping)).await.unwrap();
@@ -150,8 +152,8 @@ async fn hello_negotiates_or_refuses() {
     conn.send(&Frame::new(
         2,
         Body::Hello {
-            min_version: 4,
-            max_version: 5,
+            min_version: floodgate_protocol::VERSION + 1,
+            max_version: 9,
         },
     ))
     .await

@@ -60,10 +60,14 @@ impl Received {
     async fn span_of(&self, trace: &str) -> Value {
         let got = self.clone();
         let trace = trace.to_string();
-        eventually("the span reaches the receiver", Duration::from_secs(10), move || {
-            let spans = got.0.lock().unwrap();
-            std::future::ready(spans.iter().find(|s| s["traceId"] == trace.as_str()).cloned())
-        })
+        eventually(
+            "the span reaches the receiver",
+            Duration::from_secs(10),
+            move || {
+                let spans = got.0.lock().unwrap();
+                std::future::ready(spans.iter().find(|s| s["traceId"] == trace.as_str()).cloned())
+            },
+        )
         .await
     }
 
@@ -74,7 +78,9 @@ impl Received {
 
 fn attr<'a>(span: &'a Value, key: &str) -> &'a Value {
     let a = span["attributes"].as_array().unwrap();
-    &a.iter().find(|a| a["key"] == key).unwrap_or_else(|| panic!("no {key} in {span}"))["value"]
+    &a.iter()
+        .find(|a| a["key"] == key)
+        .unwrap_or_else(|| panic!("no {key} in {span}"))["value"]
 }
 
 fn context(n: u8, sampled: bool) -> TraceContext {
@@ -140,7 +146,10 @@ async fn checks_and_rules_api_requests_become_child_spans() {
         span["startTimeUnixNano"].as_str().unwrap().parse().unwrap(),
         span["endTimeUnixNano"].as_str().unwrap().parse().unwrap(),
     );
-    assert!(end >= start && start > 1_600_000_000_000_000_000, "{start}..{end}");
+    assert!(
+        end >= start && start > 1_600_000_000_000_000_000,
+        "{start}..{end}"
+    );
 
     // Not sampled by the caller: not recorded. Without a context: a trace of its own (ratio 1).
     let unsampled = context(0x22, false);

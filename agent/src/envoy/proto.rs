@@ -272,10 +272,6 @@ impl RateLimitClient {
             .map_err(|e| tonic::Status::unavailable(format!("service not ready: {e}")))?;
         let path = http::uri::PathAndQuery::from_static(SHOULD_RATE_LIMIT);
         let codec = tonic_prost::ProstCodec::default();
-        Ok(self
-            .inner
-            .unary(request, path, codec)
-            .await?
-            .into_inner())
+        Ok(self.inner.unary(request, path, codec).await?.into_inner())
     }
 }

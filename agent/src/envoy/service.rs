@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use floodgate_core::algo::Period;
 use floodgate_core::rules::{Algorithm, OverLimit, Rule};
-use floodgate_protocol::{Check, Decision, ErrorCode, Item, ItemMode, TraceContext, MAX_ITEMS};
+use floodgate_protocol::{Check, ErrorCode, Item, ItemMode, TraceContext, MAX_ITEMS};
 use prost::Message;
 use tonic::{Request, Response, Status};
 
@@ -37,28 +37,24 @@ impl EnvoyService {
         req: RateLimitRequest,
         trace: Option<TraceContext>,
     ) -> Result<Vec<u8>, Status> {
-        let span = if crate::otel::enabled() {
+        // Off, one atomic load and an empty Option carried along.
+        let mut span = if crate::otel::enabled() {
             crate::otel::start_check(trace)
         } else {
             None
         };
         let mut out = Vec::with_capacity(256);
-        let result = match self.decide_into(&req, &mut out).await {
+        let result = match self.decide_into(&req, &mut out, &mut span).await {
             Err(e) if e.code() == tonic::Code::Unavailable => {
                 out.clear();
-                self.decide_into(&req, &mut out).await
+                self.decide_into(&req, &mut out, &mut span).await
             }
             other => other,
         };
-        if let Some(span) = span {
-            let wait = span.elapsed();
-            match &result {
-                Ok(Some(d)) => crate::otel::end_check(span, "grpc", Ok(d), Some(wait)),
-                Ok(None) => crate::otel::end_check(span, "grpc", Err("no descriptor has a rule"), None),
-                Err(e) => crate::otel::end_check(span, "grpc", Err(e.message()), None),
-            }
+        if let (Some(span), Err(e)) = (span, &result) {
+            crate::otel::end_check(*span, "grpc", Err(e.message()), None);
         }
-        result.map(|_| out)
+        result.map(|()| out)
     }
 
     /// [`decide_bytes`](Self::decide_bytes) as the message (what the tonic server sends).
@@ -71,12 +67,13 @@ impl EnvoyService {
         RateLimitResponse::decode(&bytes[..]).map_err(|e| Status::internal(e.to_string()))
     }
 
-    /// Writes the answer into `out`: the decision it came from, None when no descriptor had a rule.
+    /// Writes the answer into `out`, and ends `span` (if traced) with the decision.
     async fn decide_into(
         &self,
         req: &RateLimitRequest,
         out: &mut Vec<u8>,
-    ) -> Result<Option<Decision>, Status> {
+        span: &mut Option<Box<crate::otel::SpanStart>>,
+    ) -> Result<(), Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument("rate limit domain must not be empty"));
         }
@@ -166,7 +163,10 @@ impl EnvoyService {
         if items.is_empty() {
             floodgate_core::metrics::grpc_request("unmatched");
             reply::write_unlimited(out, &slots);
-            return Ok(None);
+            if let Some(span) = span.take() {
+                crate::otel::end_check(*span, "grpc", Ok(None), None);
+            }
+            return Ok(());
         }
         let start = Instant::now();
         // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
@@ -225,7 +225,11 @@ impl EnvoyService {
         let now = Clock::System.now_ms();
         let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
         floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
-        Ok(Some(decision))
+        if let Some(span) = span.take() {
+            let wait = span.elapsed();
+            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), Some(wait));
+        }
+        Ok(())
     }
 }
 

@@ -66,17 +66,24 @@ pub fn start_check(parent: Option<floodgate_protocol::TraceContext>) -> Option<B
     tracer()?.start(parent, "check").map(Box::new)
 }
 
-/// Ends a check's span: its rules, verdict, source and items, and how long it waited on the store
-/// (`store_wait`: None when the engine answered at once).
+/// Ends a check's span: its rules, verdict, source and items (`Ok(None)`: a gRPC request none of
+/// whose descriptors has a rule), and how long it waited on the store (`store_wait`: None when the
+/// engine answered at once).
 pub fn end_check(
-    span: Box<SpanStart>,
+    span: SpanStart,
     protocol: &'static str,
-    result: Result<&floodgate_protocol::Decision, &str>,
+    result: Result<Option<&floodgate_protocol::Decision>, &str>,
     store_wait: Option<std::time::Duration>,
 ) {
     let mut attributes = vec![("floodgate.protocol", Attr::Str(protocol.into()))];
     let error = match result {
-        Ok(d) => {
+        // No descriptor had a rule (gRPC): nothing decided, allowed.
+        Ok(None) => {
+            attributes.push(("floodgate.items", Attr::Int(0)));
+            attributes.push(("floodgate.allowed", Attr::Bool(true)));
+            false
+        }
+        Ok(Some(d)) => {
             let rules: Vec<&str> = d.items.iter().map(|i| i.rule_id.as_str()).collect();
             attributes.push(("floodgate.rules", Attr::Str(rules.join(","))));
             attributes.push(("floodgate.items", Attr::Int(d.items.len() as i64)));

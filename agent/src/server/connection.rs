@@ -244,9 +244,9 @@ impl std::future::Future for InFlight {
         if let Some(span) = self.span.take() {
             let wait = span.elapsed();
             crate::otel::end_check(
-                span,
+                *span,
                 "frames",
-                result.as_ref().map_err(|e| e.message.as_str()),
+                result.as_ref().map(Some).map_err(|e| e.message.as_str()),
                 Some(wait),
             );
         }
@@ -345,9 +345,9 @@ fn handle(
                     }
                     if let Some(span) = span {
                         crate::otel::end_check(
-                            span,
+                            *span,
                             "frames",
-                            result.as_ref().map_err(|e| e.message.as_str()),
+                            result.as_ref().map(Some).map_err(|e| e.message.as_str()),
                             None,
                         );
                     }

@@ -52,13 +52,14 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 type Answering = Pin<Box<dyn Future<Output = (u32, Result<Vec<u8>, tonic::Status>)> + Send>>;
 
 /// What the server reads of a request's headers.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct RequestHead {
     post: bool,
     path: bool,
     grpc: bool,
-    /// The caller's `traceparent`, read only when traces are on.
-    trace: Option<floodgate_protocol::TraceContext>,
+    /// The caller's `traceparent`, read only when traces are on (boxed: the head is copied per
+    /// request, and a context is 25 bytes).
+    trace: Option<Box<floodgate_protocol::TraceContext>>,
 }
 
 impl RequestHead {
@@ -76,6 +77,7 @@ impl RequestHead {
                     .bytes(buf)
                     .and_then(|v| std::str::from_utf8(v).ok())
                     .and_then(floodgate_protocol::TraceContext::parse)
+                    .map(Box::new)
             }
             _ => {}
         }
@@ -645,7 +647,7 @@ impl Conn {
         self.uncredited += std::mem::take(&mut s.uncredited) as i64;
         let gathered = std::mem::take(&mut s.body);
         let body = whole.unwrap_or(&gathered);
-        let head = s.head;
+        let head = std::mem::take(&mut s.head);
         if !(head.post && head.grpc) {
             let mut block = Vec::with_capacity(8);
             block.extend_from_slice(grpc::NOT_GRPC);
@@ -670,7 +672,7 @@ impl Conn {
         };
         let service = self.service.clone();
         let mut answering: Answering =
-            Box::pin(async move { (id, service.decide_bytes(request, head.trace).await) });
+            Box::pin(async move { (id, service.decide_bytes(request, head.trace.map(|t| *t)).await) });
         match (&mut answering).now_or_never() {
             Some((id, result)) => self.answer(id, result),
             None => self.pending.push(answering),
