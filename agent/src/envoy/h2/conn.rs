@@ -707,15 +707,7 @@ impl Conn {
             self.send_window -= len as i64;
             frame::head(&mut self.out, len, kind::DATA, 0, id);
             message_into(&mut self.out, &response, len);
-            frame::head(
-                &mut self.out,
-                grpc::OK_TRAILERS.len(),
-                kind::HEADERS,
-                flag::END_HEADERS | flag::END_STREAM,
-                id,
-            );
-            self.out.extend_from_slice(grpc::OK_TRAILERS);
-            self.streams.remove(&id);
+            self.ok_trailers(id);
         } else {
             s.data = Vec::with_capacity(len);
             message_into(&mut s.data, &response, len);
@@ -746,17 +738,22 @@ impl Conn {
                 self.send_window -= n as i64;
                 s.send_window -= n as i64;
             }
-            frame::head(
-                &mut self.out,
-                grpc::OK_TRAILERS.len(),
-                kind::HEADERS,
-                flag::END_HEADERS | flag::END_STREAM,
-                id,
-            );
-            self.out.extend_from_slice(grpc::OK_TRAILERS);
-            self.streams.remove(&id);
+            self.ok_trailers(id);
             self.blocked.pop_front();
         }
+    }
+
+    /// The trailers of an answered call (`grpc-status: 0`), which end its stream.
+    fn ok_trailers(&mut self, id: u32) {
+        frame::head(
+            &mut self.out,
+            grpc::OK_TRAILERS.len(),
+            kind::HEADERS,
+            flag::END_HEADERS | flag::END_STREAM,
+            id,
+        );
+        self.out.extend_from_slice(grpc::OK_TRAILERS);
+        self.streams.remove(&id);
     }
 
     /// A response of headers only: gRPC's Trailers-Only, with a status other than OK; the stream

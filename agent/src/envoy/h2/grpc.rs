@@ -137,20 +137,10 @@ pub fn declared_len(body: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envoy::h2::hpack::Decoder;
+    use crate::envoy::h2::hpack::{tests::fields, Decoder};
 
     fn decoded(block: &[u8]) -> Vec<(String, String)> {
-        let mut out = Vec::new();
-        let mut buf = Vec::new();
-        Decoder::default()
-            .decode(block, |n, v| {
-                out.push((
-                    String::from_utf8_lossy(n).into_owned(),
-                    String::from_utf8_lossy(v.bytes(&mut buf).unwrap()).into_owned(),
-                ))
-            })
-            .unwrap();
-        out
+        fields(&mut Decoder::default(), block)
     }
 
     #[test]

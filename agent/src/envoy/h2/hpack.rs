@@ -345,10 +345,11 @@ fn string<'a>(block: &'a [u8], pos: &mut usize, buf: &'a mut Vec<u8>) -> Result<
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
+    /// A block's fields as strings (the grpc module's tests read its constant blocks with it).
+    pub(in crate::envoy::h2) fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
         let mut out = Vec::new();
         let mut buf = Vec::new();
         d.decode(block, |n, v| {
