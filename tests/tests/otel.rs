@@ -1,5 +1,6 @@
 //! OpenTelemetry traces against an OTLP/HTTP receiver started by the test: with `--otlp-endpoint`,
-//! a check over the frames protocol (the SDK's trace context, the Layer's `traceparent` header),
+//! a check over the frames protocol (the SDK's trace context, the Layer's `traceparent` header, on
+//! the request's check and on its lease's release),
 //! a ShouldRateLimit over gRPC (`traceparent` metadata) and a rules-API request each become a span
 //! whose trace and parent ids are the caller's; a context that says "not sampled" is not recorded,
 //! and a check without one starts a trace of its own at the sampling ratio.
@@ -230,7 +231,10 @@ async fn the_layer_forwards_the_request_traceparent() {
     use tower::ServiceExt;
     let (got, addr) = Received::start().await;
     let agent = Agent::builder()
-        .rules(r#"{"rules":[{"id":"per-ip","dimension":"ip","limit":100,"windowSeconds":60}]}"#)
+        .rules(
+            r#"{"rules":[{"id":"per-ip","dimension":"ip","limit":100,"windowSeconds":60},
+                {"id":"in-flight","dimension":"ip","limit":10,"algorithm":"concurrency"}]}"#,
+        )
         .arg("--otlp-endpoint")
         .arg(&format!("http://{addr}"))
         .arg("--otlp-sample-ratio")
@@ -251,5 +255,20 @@ async fn the_layer_forwards_the_request_traceparent() {
     assert_eq!(app.oneshot(req).await.unwrap().status(), 200);
     let span = got.span_of(&hex(&caller.trace_id)).await;
     assert_eq!(span["parentSpanId"], hex(&caller.span_id));
-    assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "per-ip");
+    assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "per-ip,in-flight");
+    // The lease the Layer held while the request ran is released with the same context: a second
+    // span in the caller's trace, under the caller's span.
+    let trace = hex(&caller.trace_id);
+    let spans = eventually("the release's span arrives", Duration::from_secs(10), || {
+        let spans: Vec<Value> = got
+            .all()
+            .into_iter()
+            .filter(|s| s["traceId"] == trace.as_str())
+            .collect();
+        std::future::ready((spans.len() >= 2).then_some(spans))
+    })
+    .await;
+    assert!(spans
+        .iter()
+        .all(|s| s["parentSpanId"] == hex(&caller.span_id).as_str()));
 }

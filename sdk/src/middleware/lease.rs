@@ -81,6 +81,8 @@ pub(super) struct LeaseGuard {
     /// The agent said it holds the lease (else the release is a precaution: a failure to send it
     /// is logged at debug, not warned about).
     pub(super) sure: bool,
+    /// The request's trace context, sent with the release.
+    pub(super) trace: Option<floodgate_protocol::TraceContext>,
 }
 
 static RELEASE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -100,8 +102,12 @@ impl Drop for LeaseGuard {
         });
         let client = self.client.clone();
         let sure = self.sure;
+        let options = CallOptions {
+            trace: self.trace,
+            ..CallOptions::default()
+        };
         runtime.spawn(async move {
-            match client.check_with(check, CallOptions::default()).await {
+            match client.check_with(check, options).await {
                 Ok(d) if d.from_agent_answer() => {}
                 Ok(_) | Err(_) if !sure => {
                     tracing::debug!("floodgate: a precautionary lease release did not reach the agent")

@@ -95,6 +95,7 @@ where
                 },
                 armed: true,
                 sure: false,
+                trace,
             });
             let check = floodgate_protocol::Check::Attributes(attributes);
             let decision = match config.client.check_with(check, options).await {
@@ -129,7 +130,7 @@ where
             let mut response = if decision.allowed {
                 let response = inner.call(req).await?;
                 if let Some((from, attributes)) = charge {
-                    charge_after(&config.client, &response, &from, attributes);
+                    charge_after(&config.client, &response, &from, attributes, trace);
                 }
                 response.map(|body| match lease {
                     Some(lease) => Released::holding(body, lease),
@@ -166,6 +167,7 @@ fn charge_after<RB>(
     response: &Response<RB>,
     from: &ChargeFrom,
     attributes: crate::Attributes,
+    trace: Option<floodgate_protocol::TraceContext>,
 ) {
     let cost = match from {
         ChargeFrom::Header(header) => {
@@ -204,8 +206,12 @@ fn charge_after<RB>(
         ..attributes
     });
     let client = client.clone();
+    let options = CallOptions {
+        trace,
+        ..CallOptions::default()
+    };
     tokio::spawn(async move {
-        match client.check_with(check, CallOptions::default()).await {
+        match client.check_with(check, options).await {
             Ok(d) if d.from_agent_answer() => {}
             Ok(d) => warn_rarely(
                 &CHARGE_FAILED,
