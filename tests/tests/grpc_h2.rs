@@ -445,6 +445,14 @@ async fn an_answer_waits_for_window_and_is_sent_as_it_comes() {
     c.call(1, "203.0.113.10").await;
     let head = c.next_on(1, HEADERS).await;
     assert_eq!(head.flags & END_STREAM, 0);
+    // A stream given window is answered whole while stream 1 still waits for its own.
+    c.call(3, "203.0.113.10").await;
+    c.frame(WINDOW_UPDATE, 0, 3, &10_000u32.to_be_bytes()).await;
+    let (_, m, status) = c.answer(3).await;
+    assert_eq!(
+        (status.as_str(), m.unwrap().statuses[0].limit_remaining),
+        ("0", 998)
+    );
     // A PING after the request is answered while the DATA is held back.
     c.frame(PING, 0, 0, b"window?!").await;
     loop {
@@ -475,6 +483,44 @@ async fn an_answer_waits_for_window_and_is_sent_as_it_comes() {
     );
     let m = RateLimitResponse::decode(&body[5..]).unwrap();
     assert_eq!(m.statuses[0].limit_remaining, 999);
+}
+
+/// A busy connection's reads end mid-frame again and again; as long as frames complete, that is
+/// progress, not a half-sent frame (a 300 ms frame timeout, 1.5 s of such writes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reads_that_end_mid_frame_while_frames_complete_keep_the_connection() {
+    let agent = agent(300).await;
+    let mut c = Raw::open(&agent, &[]).await;
+    // 150 calls' frames, written 5 ms apart, each write ending in the middle of a frame.
+    let mut bytes = Vec::new();
+    let mut cuts = Vec::new();
+    for i in 0..150u32 {
+        let block = block(&[
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", PATH),
+            (":authority", "agent"),
+            ("content-type", "application/grpc"),
+        ]);
+        let data = grpc_message(&request("203.0.113.20"));
+        for (kind, flags, payload) in [(HEADERS, END_HEADERS, &block), (DATA, END_STREAM, &data)] {
+            let len = payload.len() as u32;
+            cuts.push(bytes.len() + 9 + payload.len() / 2);
+            bytes.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
+            bytes.extend_from_slice(&(2 * i + 1).to_be_bytes());
+            bytes.extend_from_slice(payload);
+        }
+    }
+    cuts.push(bytes.len());
+    let mut from = 0;
+    for to in cuts {
+        c.write(&bytes[from..to]).await;
+        from = to;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for i in 0..150u32 {
+        assert_eq!(c.answer(2 * i + 1).await.2, "0", "call {i}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

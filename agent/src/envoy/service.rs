@@ -198,9 +198,16 @@ impl EnvoyService {
         }
         let check = Check::Items(items);
         let charges = floodgate_core::metrics::charges(&check);
+        // How long the check waited on the store (None: answered at once), for its span.
+        let mut waited = None;
         let result = match self.engine.check_under(check, &under, Instant::now()) {
             Answer::Ready(r) => r,
-            Answer::Pending(f) => f.await,
+            Answer::Pending(f) => {
+                let asked = Instant::now();
+                let r = f.await;
+                waited = Some(asked.elapsed());
+                r
+            }
         };
         floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
         let decision = result.map_err(|e| {
@@ -226,8 +233,7 @@ impl EnvoyService {
         let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
         floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
         if let Some(span) = span.take() {
-            let wait = span.elapsed();
-            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), Some(wait));
+            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), waited);
         }
         Ok(())
     }

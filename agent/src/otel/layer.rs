@@ -22,10 +22,12 @@ pub async fn http_spans(request: Request, next: Next) -> Response {
         return next.run(request).await;
     };
     let method = request.method().as_str().to_string();
+    // The route's template (`/v1/rules/{id}`); a path no route matched is not named (it is the
+    // client's to choose, and span names must stay few).
     let route = request
         .extensions()
         .get::<MatchedPath>()
-        .map_or_else(|| request.uri().path().to_string(), |m| m.as_str().to_string());
+        .map_or_else(|| "(unmatched)".to_string(), |m| m.as_str().to_string());
     let response = next.run(request).await;
     let status = response.status().as_u16();
     span.end(

@@ -160,6 +160,8 @@ struct Conn {
     receiving: usize,
     /// GOAWAY sent (the agent is stopping): streams past `last_stream` are refused.
     going_away: bool,
+    /// The last stream id the first GOAWAY named (a later one never names a higher one).
+    goaway_last: Option<u32>,
     /// The client sent GOAWAY: no new streams will come.
     peer_gone: bool,
     out: Vec<u8>,
@@ -191,6 +193,7 @@ pub async fn serve<IO>(
         blocked: VecDeque::new(),
         receiving: 0,
         going_away: false,
+        goaway_last: None,
         peer_gone: false,
         out: Vec::with_capacity(4 * 1024),
         pending: FuturesUnordered::new(),
@@ -223,11 +226,11 @@ pub async fn serve<IO>(
     loop {
         if !c.going_away && peek.has_changed().unwrap_or(true) {
             c.going_away = true;
-            frame::goaway(&mut c.out, c.last_stream, code::NO_ERROR, "the agent is stopping");
+            c.goaway(code::NO_ERROR, "the agent is stopping");
         }
         if let Some(e) = fatal.take() {
             tracing::debug!(code = e.code, why = %e.why, "closing a gRPC connection");
-            frame::goaway(&mut c.out, c.last_stream, e.code, &e.why);
+            c.goaway(e.code, &e.why);
             let _ = tokio::time::timeout(WRITE_TIMEOUT, io.write_all(&c.out)).await;
             linger(&mut io).await;
             return;
@@ -266,7 +269,9 @@ pub async fn serve<IO>(
                         // decided are answered if the socket still takes it.
                         closing = true;
                         c.streams.retain(|_, s| s.state == State::Answering);
+                        c.blocked.clear();
                         c.receiving = 0;
+                        partial_since = None;
                     }
                     Ok(_) => {
                         let now = Instant::now();
@@ -292,7 +297,15 @@ pub async fn serve<IO>(
                             Err(e) => fatal = Some(e),
                         }
                         inbuf.drain(..pos);
-                        partial_since = (!inbuf.is_empty() || c.continuing.is_some()).then(|| partial_since.unwrap_or(now));
+                        // Since when the head of the buffer has been waiting: a read that completed
+                        // a frame starts the wait again (a busy connection's reads end mid-frame
+                        // every time, and that is progress), one that did not keeps it.
+                        let waiting = !inbuf.is_empty() || c.continuing.is_some();
+                        partial_since = match (waiting, pos > 0) {
+                            (false, _) => None,
+                            (true, true) => Some(now),
+                            (true, false) => partial_since.or(Some(now)),
+                        };
                         c.credit();
                         // Something incomplete: the timer fires by the time it may be stale.
                         if (partial_since.is_some() || c.receiving > 0) && timer.deadline() > now + frame_timeout {
@@ -303,7 +316,7 @@ pub async fn serve<IO>(
             }
             _ = &mut stop, if !c.going_away => {
                 c.going_away = true;
-                frame::goaway(&mut c.out, c.last_stream, code::NO_ERROR, "the agent is stopping");
+                c.goaway(code::NO_ERROR, "the agent is stopping");
             }
             _ = &mut timer => {
                 let now = Instant::now();
@@ -477,7 +490,9 @@ impl Conn {
         }
         if id > self.last_stream {
             self.last_stream = id;
-            if self.going_away || self.streams.len() >= MAX_STREAMS {
+            // Checks still being decided count too: a stream reset while its check runs (the rapid
+            // reset pattern) leaves the stream map, not the store.
+            if self.going_away || self.streams.len().max(self.pending.len()) >= MAX_STREAMS {
                 frame::rst_stream(&mut self.out, id, code::REFUSED_STREAM);
                 return Ok(());
             }
@@ -619,8 +634,11 @@ impl Conn {
         let inc =
             i64::from(u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) & 0x7fff_ffff);
         if h.stream == 0 {
+            if inc == 0 {
+                return conn_error(code::PROTOCOL_ERROR, "a connection window update of 0");
+            }
             self.send_window += inc;
-            if inc == 0 || self.send_window > MAX_WINDOW {
+            if self.send_window > MAX_WINDOW {
                 return conn_error(
                     code::FLOW_CONTROL_ERROR,
                     "a connection window update of 0 or past 2^31-1",
@@ -628,7 +646,9 @@ impl Conn {
             }
         } else if let Some(s) = self.streams.get_mut(&h.stream) {
             s.send_window += inc;
-            if inc == 0 || s.send_window > MAX_WINDOW {
+            if inc == 0 {
+                self.reset(h.stream, code::PROTOCOL_ERROR);
+            } else if s.send_window > MAX_WINDOW {
                 self.reset(h.stream, code::FLOW_CONTROL_ERROR);
             }
         }
@@ -700,9 +720,7 @@ impl Conn {
             id,
         );
         self.out.extend_from_slice(grpc::RESPONSE_HEAD);
-        let fits = len as i64 <= self.send_window.min(s.send_window)
-            && len <= MAX_PAYLOAD
-            && self.blocked.is_empty();
+        let fits = len as i64 <= self.send_window.min(s.send_window) && len <= MAX_PAYLOAD;
         if fits {
             self.send_window -= len as i64;
             frame::head(&mut self.out, len, kind::DATA, 0, id);
@@ -717,11 +735,14 @@ impl Conn {
         }
     }
 
-    /// Sends what the windows allow of the answers waiting for them, in order.
+    /// Sends what the windows allow of the answers waiting for them, oldest first; a stream out of
+    /// its own window is passed over, not waited on.
     fn flush_blocked(&mut self) {
-        while let Some(&id) = self.blocked.front() {
+        let mut i = 0;
+        while i < self.blocked.len() && self.send_window > 0 {
+            let id = self.blocked[i];
             let Some(s) = self.streams.get_mut(&id).filter(|s| s.state == State::Sending) else {
-                self.blocked.pop_front();
+                self.blocked.remove(i);
                 continue;
             };
             while s.sent < s.data.len() {
@@ -730,7 +751,7 @@ impl Conn {
                     .min(self.send_window.max(0) as usize)
                     .min(s.send_window.max(0) as usize);
                 if n == 0 {
-                    return;
+                    break;
                 }
                 frame::head(&mut self.out, n, kind::DATA, 0, id);
                 self.out.extend_from_slice(&s.data[s.sent..s.sent + n]);
@@ -738,9 +759,19 @@ impl Conn {
                 self.send_window -= n as i64;
                 s.send_window -= n as i64;
             }
-            self.ok_trailers(id);
-            self.blocked.pop_front();
+            if s.sent == s.data.len() {
+                self.blocked.remove(i);
+                self.ok_trailers(id);
+            } else {
+                i += 1;
+            }
         }
+    }
+
+    /// A GOAWAY with `code`: the last stream id is the first GOAWAY's, if one was sent.
+    fn goaway(&mut self, code: u32, why: &str) {
+        let last = *self.goaway_last.get_or_insert(self.last_stream);
+        frame::goaway(&mut self.out, last, code, why);
     }
 
     /// The trailers of an answered call (`grpc-status: 0`), which end its stream.
@@ -796,15 +827,18 @@ impl Conn {
     fn remove(&mut self, id: u32) {
         if let Some(s) = self.streams.remove(&id) {
             self.uncredited += s.uncredited as i64;
-            if s.state == State::Receiving {
-                self.receiving -= 1;
+            match s.state {
+                State::Receiving => self.receiving -= 1,
+                State::Sending => self.blocked.retain(|&b| b != id),
+                State::Answering => {}
             }
         }
     }
 
-    /// Gives the client back the window its used bytes took, once they are a quarter of it.
+    /// Gives the client back the window its used bytes took, once they are a quarter of it or the
+    /// window is half gone.
     fn credit(&mut self) {
-        if self.uncredited >= CONN_WINDOW / 4 {
+        if self.uncredited >= CONN_WINDOW / 4 || (self.uncredited > 0 && self.recv_window < CONN_WINDOW / 2) {
             frame::window_update(&mut self.out, 0, self.uncredited as u32);
             self.recv_window += self.uncredited;
             self.uncredited = 0;
