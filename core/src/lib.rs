@@ -9,6 +9,7 @@
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).
 //! - [`rules`]: the rule model, rules files (TOML/JSON, Envoy YAML), attribute and descriptor matching.
 //! - [`batch`]: batched execution (local counters, flushes, hot keys).
+//! - [`call_trace`]: which checks a coalesced store call served, for traces.
 //! - [`overrides`]: per-client overrides of a rule's limit, as agents follow them.
 //! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, membership (N).
@@ -37,6 +38,7 @@ pub mod admission;
 pub mod algo;
 pub mod batch;
 pub mod cache;
+pub mod call_trace;
 pub mod dryrun;
 pub mod engine;
 pub mod events;

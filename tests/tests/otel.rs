@@ -66,7 +66,13 @@ impl Received {
             Duration::from_secs(10),
             move || {
                 let spans = got.0.lock().unwrap();
-                std::future::ready(spans.iter().find(|s| s["traceId"] == trace.as_str()).cloned())
+                // A check's or a request's span, not a store call's.
+                std::future::ready(
+                    spans
+                        .iter()
+                        .find(|s| s["traceId"] == trace.as_str() && s["name"] != "redis.call")
+                        .cloned(),
+                )
             },
         )
         .await
@@ -271,4 +277,65 @@ async fn the_layer_forwards_the_request_traceparent() {
     assert!(spans
         .iter()
         .all(|s| s["parentSpanId"] == hex(&caller.span_id).as_str()));
+}
+
+/// On Redis, the script call a check waited on is a span too: the child of the first traced check it
+/// served, linked to every traced check it served (several when checks were coalesced into it), with
+/// how many checks it carried in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_call_a_check_shared_is_a_linked_span() {
+    let redis = floodgate_tests::RedisServer::start();
+    let (got, addr) = Received::start().await;
+    let agent = Agent::builder()
+        .rules(RULES)
+        .redis(&redis.url())
+        .arg("--otlp-endpoint")
+        .arg(&format!("http://{addr}"))
+        .arg("--otlp-sample-ratio")
+        .arg("0")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let callers: Vec<TraceContext> = (0..8).map(|n| context(0x60 + n, true)).collect();
+    let checks = callers.iter().map(|t| {
+        let client = client.clone();
+        let t = *t;
+        async move {
+            let options = CallOptions {
+                trace: Some(t),
+                ..CallOptions::default()
+            };
+            let check = Check::Items(vec![Item::new("user:9", "api", 1)]);
+            client.check_with(check, options).await.unwrap()
+        }
+    });
+    for d in futures::future::join_all(checks).await {
+        assert!(d.allowed && d.from_agent_answer(), "{d:?}");
+    }
+    for caller in &callers {
+        let check = got.span_of(&hex(&caller.trace_id)).await;
+        assert_eq!(attr(&check, "floodgate.source")["stringValue"], "redis");
+        let check_id = check["spanId"].as_str().unwrap().to_string();
+        let call = eventually("the call that served it arrives", Duration::from_secs(10), || {
+            let spans = got.all();
+            std::future::ready(spans.into_iter().find(|s| {
+                s["name"] == "redis.call"
+                    && s["links"]
+                        .as_array()
+                        .is_some_and(|l| l.iter().any(|l| l["spanId"] == check_id.as_str()))
+            }))
+        })
+        .await;
+        let coalesced: u64 = attr(&call, "floodgate.coalesced_checks")["intValue"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let traced = call["links"].as_array().unwrap().len() as u64;
+        assert!(coalesced >= traced && traced >= 1, "{call}");
+        // Its parent is the first check it served: a check span of one of the callers' traces.
+        let first = &call["links"][0];
+        assert_eq!(call["traceId"], first["traceId"]);
+        assert_eq!(call["parentSpanId"], first["spanId"]);
+    }
 }

@@ -204,7 +204,11 @@ impl EnvoyService {
             Answer::Ready(r) => r,
             Answer::Pending(f) => {
                 let asked = Instant::now();
-                let r = f.await;
+                // A traced check names its span to the store call it may join (`call_trace`).
+                let r = match span.as_ref().map(|s| s.name()) {
+                    Some(name) => floodgate_core::call_trace::Traced::new(name, f).await,
+                    None => f.await,
+                };
                 waited = Some(asked.elapsed());
                 r
             }

@@ -140,6 +140,14 @@ pub fn otlp_json(service: &str, spans: &[SpanData]) -> Value {
             if let Some(p) = s.parent {
                 span["parentSpanId"] = json!(hex(&p));
             }
+            if !s.links.is_empty() {
+                let links: Vec<Value> = s
+                    .links
+                    .iter()
+                    .map(|(t, sp)| json!({ "traceId": hex(t), "spanId": hex(sp) }))
+                    .collect();
+                span["links"] = json!(links);
+            }
             span
         })
         .collect();

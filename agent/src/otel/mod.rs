@@ -41,7 +41,37 @@ pub fn install(config: &Config) -> Option<Exporter> {
     let endpoint = config.endpoint.as_ref()?;
     let (tracer, exporter) = span::pair(endpoint, &config.service_name, config.sample_ratio);
     TRACER.set(tracer).ok()?;
+    floodgate_core::call_trace::install(report_call);
     Some(exporter)
+}
+
+/// A coalesced Redis script call as a span: the child of the first traced check it served, linked
+/// to every traced check it served, with how many checks and items it carried in all.
+fn report_call(call: floodgate_core::call_trace::CallReport) {
+    let Some(tracer) = tracer() else {
+        return;
+    };
+    let Some(&(trace_id, parent)) = call.served.first() else {
+        return;
+    };
+    let (now_ns, now) = (span::unix_ns(), std::time::Instant::now());
+    let ago = |t: std::time::Instant| now.saturating_duration_since(t).as_nanos() as u64;
+    tracer.send(SpanData {
+        trace_id,
+        span_id: tracer.next_id().to_be_bytes(),
+        parent: Some(parent),
+        name: "redis.call".into(),
+        start_ns: now_ns.saturating_sub(ago(call.sent)),
+        end_ns: now_ns.saturating_sub(ago(call.answered)),
+        attributes: vec![
+            ("floodgate.shard", Attr::Int(call.shard as i64)),
+            ("floodgate.coalesced_checks", Attr::Int(call.checks as i64)),
+            ("floodgate.traced_checks", Attr::Int(call.served.len() as i64)),
+            ("floodgate.items", Attr::Int(call.items as i64)),
+        ],
+        error: !call.ok,
+        links: call.served,
+    });
 }
 
 /// A router whose requests are recorded as spans.

@@ -42,6 +42,8 @@ pub struct SpanData {
     pub attributes: Vec<(&'static str, Attr)>,
     /// Whether it ended in an error.
     pub error: bool,
+    /// Spans it is linked to (a store call: the checks it served).
+    pub links: Vec<([u8; 16], [u8; 8])>,
 }
 
 /// The process's tracer: the sampler and the queue to the exporter.
@@ -80,14 +82,14 @@ fn splitmix64(mut z: u64) -> u64 {
     z ^ (z >> 31)
 }
 
-fn unix_ns() -> u64 {
+pub(super) fn unix_ns() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
 impl Tracer {
-    fn next_id(&self) -> u64 {
+    pub(super) fn next_id(&self) -> u64 {
         loop {
             let id = splitmix64(
                 self.key
@@ -126,7 +128,7 @@ impl Tracer {
         })
     }
 
-    fn send(&self, span: SpanData) {
+    pub(super) fn send(&self, span: SpanData) {
         if self.tx.try_send(span).is_err() {
             floodgate_core::metrics::trace_span_dropped();
         }
@@ -174,7 +176,13 @@ impl SpanStart {
             end_ns,
             attributes,
             error,
+            links: Vec::new(),
         });
+    }
+
+    /// This span's trace and span ids (what a store call it waits on names it by).
+    pub fn name(&self) -> floodgate_core::call_trace::SpanName {
+        (self.trace_id, self.span_id)
     }
 }
 

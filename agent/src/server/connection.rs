@@ -237,7 +237,14 @@ impl std::future::Future for InFlight {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Self::Output> {
-        let result = std::task::ready!(self.answer.as_mut().poll(cx));
+        // A traced check names its span to the store call it may join (`call_trace`).
+        let result = match self.span.as_ref().map(|s| s.name()) {
+            Some(name) => std::task::ready!(floodgate_core::call_trace::poll_named(name, || self
+                .answer
+                .as_mut()
+                .poll(cx))),
+            None => std::task::ready!(self.answer.as_mut().poll(cx)),
+        };
         if let Some(start) = self.start {
             floodgate_core::metrics::check_charged(&result, start.elapsed(), self.charges);
         }

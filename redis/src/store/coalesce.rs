@@ -28,6 +28,8 @@ pub struct Job {
     pub reply: oneshot::Sender<Result<Vec<Outcome>, StoreError>>,
     /// When its budget ends (its frame's read plus the store timeout).
     pub deadline: std::time::Instant,
+    /// Its check's span, when traced (`floodgate_core::call_trace`).
+    pub span: Option<floodgate_core::call_trace::SpanName>,
 }
 
 /// Starts the worker of one call group; it ends when the store is dropped.

@@ -64,6 +64,8 @@ impl RedisStore {
                     items,
                     reply,
                     deadline,
+                    // The Cluster's and Sentinel's calls (redis-rs) are not reported.
+                    span: None,
                 })
                 .is_ok()
         })
@@ -94,6 +96,7 @@ impl RedisStore {
             items,
             reply,
             deadline,
+            span: floodgate_core::call_trace::current(),
         };
         let shed = pipe.send_check(job, left).is_err();
         let closed = shed && pipe.tx.is_closed();

@@ -35,6 +35,14 @@ pub(super) struct Pending {
     pub(super) cmd: Vec<u8>,
     /// Whether it was sent again after NOSCRIPT (it is not sent a third time).
     pub(super) resent: bool,
+    /// The traced checks it serves (`floodgate_core::call_trace`), and how many checks in all.
+    pub(super) traced: Option<
+        Box<(
+            Vec<floodgate_core::call_trace::SpanName>,
+            usize,
+            std::time::Instant,
+        )>,
+    >,
 }
 
 /// Fails whoever waits for a call with `e`.

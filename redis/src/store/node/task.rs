@@ -196,13 +196,13 @@ impl Node {
                     return;
                 }
             }
-            let (cmd, waiter, items, timeout) = match self.waiting.pop_front() {
+            let (cmd, waiter, items, timeout, traced) = match self.waiting.pop_front() {
                 Some(Request::Raw {
                     cmd,
                     items,
                     timeout,
                     reply,
-                }) => (cmd, Waiter::Raw(reply), items, timeout),
+                }) => (cmd, Waiter::Raw(reply), items, timeout, None),
                 Some(Request::Check(first)) => {
                     // Three quarters of its budget gone before it is even sent: the store sheds new
                     // checks for half a store timeout, or until the queue drains. One whose budget is
@@ -242,8 +242,15 @@ impl Node {
                     let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
                     call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
                     drop(call_items);
+                    // The traced checks it serves, when traces are on.
+                    let traced = if floodgate_core::call_trace::enabled() {
+                        let served: Vec<_> = jobs.iter().filter_map(|j| j.span).collect();
+                        (!served.is_empty()).then(|| Box::new((served, jobs.len(), now)))
+                    } else {
+                        None
+                    };
                     let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
-                    (cmd, waiter, items, self.task.timeout)
+                    (cmd, waiter, items, self.task.timeout, traced)
                 }
                 None => return,
             };
@@ -253,6 +260,7 @@ impl Node {
                 deadline: now + timeout,
                 cmd,
                 resent: false,
+                traced,
             };
             self.send(pending).await;
         }
@@ -343,6 +351,7 @@ impl Node {
                 deadline: p.deadline,
                 cmd: self.load.clone(),
                 resent: true,
+                traced: None,
             };
             self.send(load).await;
             self.send(p).await;
@@ -379,6 +388,18 @@ impl Node {
         if !matches!(waiter, Waiter::Load) {
             // A reply past its deadline came too late for its callers: counted as the failure it was.
             metrics::redis_call(self.task.shard, result.is_ok() && Instant::now() <= p.deadline);
+        }
+        if let Some(t) = p.traced.take() {
+            let (served, checks, sent) = *t;
+            floodgate_core::call_trace::report(floodgate_core::call_trace::CallReport {
+                shard: self.task.shard,
+                checks,
+                items: p.items,
+                sent,
+                answered: Instant::now(),
+                ok: result.is_ok(),
+                served,
+            });
         }
         match (waiter, result) {
             (Waiter::Load, _) => {}
