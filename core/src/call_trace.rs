@@ -71,32 +71,48 @@ pub fn report(call: CallReport) {
 /// A future polled with its check's span as the thread's current one.
 pub struct Traced<F> {
     span: SpanName,
-    inner: Pin<Box<F>>,
+    inner: F,
 }
 
-impl<F: Future> Traced<F> {
-    /// `inner`, named `span` while it is polled.
+impl<F: Future + Unpin> Traced<F> {
+    /// `inner` (a boxed future, say), named `span` while it is polled.
     pub fn new(span: SpanName, inner: F) -> Self {
-        Traced {
-            span,
-            inner: Box::pin(inner),
-        }
+        Traced { span, inner }
     }
 }
 
-impl<F: Future> Future for Traced<F> {
+impl<F: Future + Unpin> Future for Traced<F> {
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
         let span = self.span;
-        poll_named(span, || self.inner.as_mut().poll(cx))
+        poll_named(span, || Pin::new(&mut self.inner).poll(cx))
     }
 }
 
-/// Runs `f` with `span` as the thread's current check span.
+/// Runs `f` with `span` as the thread's current check span; the one before is put back however `f`
+/// ends (a panic too), so no later check on this thread is named after this one.
 pub fn poll_named<R>(span: SpanName, f: impl FnOnce() -> R) -> R {
-    let before = CURRENT.with(|c| c.replace(Some(span)));
-    let out = f();
-    CURRENT.with(|c| c.set(before));
-    out
+    struct Restore(Option<SpanName>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            CURRENT.with(|c| c.set(self.0));
+        }
+    }
+    let _restore = Restore(CURRENT.with(|c| c.replace(Some(span))));
+    f()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_name_is_put_back_after_a_panic() {
+        let a: SpanName = ([1; 16], [2; 8]);
+        let caught = std::panic::catch_unwind(|| poll_named(a, || panic!("a check panicked")));
+        assert!(caught.is_err());
+        assert_eq!(CURRENT.with(Cell::get), None);
+        assert_eq!(poll_named(a, || CURRENT.with(Cell::get)), Some(a));
+    }
 }
