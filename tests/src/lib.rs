@@ -9,6 +9,7 @@
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
+//! - [`raw_h2`]: hand-made HTTP/2 frames to the agent's gRPC listener, and its answers read back.
 //! - [`raw_http`]: hand-made HTTP/1.1 from a chosen loopback address: half-sent requests, one
 //!   exchange on a kept-alive connection, whether the server closed it.
 //!
@@ -27,6 +28,7 @@
 mod agent;
 mod cluster;
 mod proxy;
+pub mod raw_h2;
 pub mod raw_http;
 mod redis;
 mod rules;

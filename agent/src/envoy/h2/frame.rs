@@ -57,6 +57,8 @@ pub mod code {
     pub const FLOW_CONTROL_ERROR: u32 = 0x3;
     /// A frame of the wrong size.
     pub const FRAME_SIZE_ERROR: u32 = 0x6;
+    /// A frame on a stream already closed.
+    pub const STREAM_CLOSED: u32 = 0x5;
     /// Past the streams the server allows at once.
     pub const REFUSED_STREAM: u32 = 0x7;
     /// The stream is no longer needed.

@@ -68,7 +68,7 @@ fn string(out: &mut Vec<u8>, s: &[u8]) {
 
 /// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`, as `%XX`; cut
 /// at a character boundary before `max` bytes.
-fn percent_encode(message: &str, max: usize) -> Vec<u8> {
+pub fn percent_encode(message: &str, max: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(message.len());
     for c in message.chars() {
         let mut buf = [0; 4];

@@ -32,6 +32,9 @@ pub enum HpackError {
     Overflow,
     /// A size update past the announced table size.
     TableTooLarge(usize),
+    /// A header list past the given size, counted as RFC 9113 §6.5.2 does (names and values as
+    /// sent, plus 32 a field): its size when it passed.
+    ListTooLarge(usize),
 }
 
 impl std::fmt::Display for HpackError {
@@ -43,6 +46,9 @@ impl std::fmt::Display for HpackError {
             HpackError::Overflow => write!(f, "a header block integer overflows"),
             HpackError::TableTooLarge(n) => {
                 write!(f, "a dynamic table size of {n} past the {TABLE_SIZE} announced")
+            }
+            HpackError::ListTooLarge(n) => {
+                write!(f, "a header list of {n} bytes or more, past the size announced")
             }
         }
     }
@@ -123,6 +129,13 @@ pub enum Value<'a> {
 }
 
 impl Value<'_> {
+    /// Its length as sent (a Huffman-coded value's code: at most its decoded length).
+    pub fn sent_len(&self) -> usize {
+        match self {
+            Value::Plain(v) | Value::Huffman(v) => v.len(),
+        }
+    }
+
     /// Whether the value is `plain`, whose Huffman code is `coded` (`huffman::encode(plain)`).
     pub fn is(&self, plain: &[u8], coded: &[u8]) -> bool {
         match self {
@@ -186,15 +199,23 @@ impl Default for Decoder {
 }
 
 impl Decoder {
-    /// Decodes a whole header block, calling `field(name, value)` for each field in order.
+    /// Decodes a whole header block, calling `field(name, value)` for each field in order; a list
+    /// past `max_list` bytes (names, values as sent, 32 a field) is an error when it passes it.
     pub fn decode(
         &mut self,
         block: &[u8],
+        max_list: usize,
         mut field: impl FnMut(&[u8], Value<'_>),
     ) -> Result<(), HpackError> {
         let mut name_buf = std::mem::take(&mut self.name_buf);
         let mut value_buf = std::mem::take(&mut self.value_buf);
-        let result = self.decode_with(block, &mut field, &mut name_buf, &mut value_buf);
+        let mut list = 0;
+        let mut counted = |name: &[u8], value: Value<'_>| {
+            list += name.len() + value.sent_len() + 32;
+            field(name, value);
+            list
+        };
+        let result = self.decode_with(block, max_list, &mut counted, &mut name_buf, &mut value_buf);
         self.name_buf = name_buf;
         self.value_buf = value_buf;
         result
@@ -203,18 +224,23 @@ impl Decoder {
     fn decode_with(
         &mut self,
         block: &[u8],
-        field: &mut impl FnMut(&[u8], Value<'_>),
+        max_list: usize,
+        field: &mut impl FnMut(&[u8], Value<'_>) -> usize,
         name_buf: &mut Vec<u8>,
         value_buf: &mut Vec<u8>,
     ) -> Result<(), HpackError> {
         let mut pos = 0;
+        let mut list = 0;
         while pos < block.len() {
+            if list > max_list {
+                return Err(HpackError::ListTooLarge(list));
+            }
             let b = block[pos];
             if b & 0x80 != 0 {
                 // Indexed field.
                 let i = integer(block, &mut pos, 7)?;
                 let (name, value) = self.get(i)?;
-                field(name, Value::Plain(value));
+                list = field(name, Value::Plain(value));
             } else if b & 0xc0 == 0x40 {
                 // Literal with incremental indexing.
                 let i = integer(block, &mut pos, 6)?;
@@ -230,7 +256,7 @@ impl Decoder {
                     bytes: bytes.into_boxed_slice(),
                     name_len,
                 };
-                field(entry.name(), Value::Plain(entry.value()));
+                list = field(entry.name(), Value::Plain(entry.value()));
                 self.insert(entry);
             } else if b & 0xe0 == 0x20 {
                 // Dynamic table size update.
@@ -246,13 +272,16 @@ impl Decoder {
                 if i == 0 {
                     let name = string(block, &mut pos, name_buf)?;
                     let value = raw_string(block, &mut pos)?;
-                    field(name, value);
+                    list = field(name, value);
                 } else {
                     let value = raw_string(block, &mut pos)?;
                     let (name, _) = self.get(i)?;
-                    field(name, value);
+                    list = field(name, value);
                 }
             }
+        }
+        if list > max_list {
+            return Err(HpackError::ListTooLarge(list));
         }
         Ok(())
     }
@@ -352,7 +381,7 @@ pub(super) mod tests {
     pub(in crate::envoy::h2) fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
         let mut out = Vec::new();
         let mut buf = Vec::new();
-        d.decode(block, |n, v| {
+        d.decode(block, usize::MAX, |n, v| {
             out.push((
                 String::from_utf8_lossy(n).into_owned(),
                 String::from_utf8_lossy(v.bytes(&mut buf).unwrap()).into_owned(),
@@ -371,7 +400,7 @@ pub(super) mod tests {
         block.extend_from_slice(&coded);
         let mut seen = 0;
         Decoder::default()
-            .decode(&block, |n, v| {
+            .decode(&block, usize::MAX, |n, v| {
                 assert_eq!(n, b":path");
                 assert!(matches!(v, Value::Huffman(_)));
                 assert!(v.is(path, &coded));
@@ -468,7 +497,7 @@ pub(super) mod tests {
             (vec![0x00, 0x81, 0x00, 0x00], HpackError::BadHuffman),
         ] {
             let mut d = Decoder::default();
-            assert_eq!(d.decode(&block, |_, _| {}), Err(want), "{block:02x?}");
+            assert_eq!(d.decode(&block, usize::MAX, |_, _| {}), Err(want), "{block:02x?}");
         }
     }
 }

@@ -9,12 +9,18 @@
 //! - `frame`: frame headers, kinds, flags, error codes and the frames a server writes.
 //! - `hpack`: the request header block decoder, and `huffman` its string code.
 //! - `grpc`: the request's message framing, the response's constant header blocks and statuses.
-//! - `conn`: one connection: streams, flow control, settings, keepalive, shutdown.
+//! - `conn`: one connection: its loop, streams, timers, keepalive, shutdown.
+//! - `recv`: the frames a client sends, and what each does.
+//! - `send`: the answers, resets and window credits the server writes.
+//! - `budget`: what a connection may make the agent hold: parked answers, resets, settings.
 
+mod budget;
 mod conn;
 mod frame;
-mod grpc;
+pub(crate) mod grpc;
 mod hpack;
 mod huffman;
+mod recv;
+mod send;
 
-pub use conn::serve;
+pub use conn::{serve, CONN_WINDOW, MAX_HEADER_BLOCK, MAX_STREAMS};

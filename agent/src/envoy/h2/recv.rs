@@ -1,0 +1,378 @@
+//! The frames a client sends, handled in the order they arrive: what each does to the streams, the
+//! windows and the budgets, and which are connection errors (RFC 9113 §5 and §6).
+
+use tokio::time::Instant;
+
+use super::budget::Closed;
+use super::conn::{
+    conn_error, Conn, ConnError, Continuing, RequestHead, State, Stream, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
+    MAX_STREAMS, STREAM_WINDOW,
+};
+use super::frame::{self, code, flag, kind, setting, Head, HEAD, MAX_PAYLOAD, MAX_WINDOW};
+use super::grpc::{self, status};
+
+impl Conn {
+    /// Handles every complete frame in `buf`: the bytes used.
+    pub(super) fn process(&mut self, buf: &[u8]) -> Result<usize, ConnError> {
+        let mut pos = 0;
+        while let Some(h) = Head::parse(&buf[pos..]) {
+            if h.len > MAX_PAYLOAD {
+                return conn_error(
+                    code::FRAME_SIZE_ERROR,
+                    format!("a frame of {} bytes; at most {MAX_PAYLOAD}", h.len),
+                );
+            }
+            let Some(payload) = buf.get(pos + HEAD..pos + HEAD + h.len) else {
+                break;
+            };
+            pos += HEAD + h.len;
+            self.frame(h, payload)?;
+        }
+        Ok(pos)
+    }
+
+    fn frame(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if let Some(b) = &self.continuing {
+            if h.kind != kind::CONTINUATION || h.stream != b.stream {
+                return conn_error(code::PROTOCOL_ERROR, "a header block interrupted");
+            }
+        }
+        match h.kind {
+            kind::DATA => self.data(h, payload),
+            kind::HEADERS => self.headers(h, payload),
+            kind::CONTINUATION => self.continuation(h, payload),
+            kind::RST_STREAM => {
+                if h.len != 4 {
+                    return conn_error(code::FRAME_SIZE_ERROR, "RST_STREAM of a length other than 4");
+                }
+                if h.stream == 0 || h.stream > self.last_stream {
+                    return conn_error(code::PROTOCOL_ERROR, "RST_STREAM of an idle stream");
+                }
+                // A stream reset before its answer was written: work the client did not wait for.
+                if self.remove(h.stream, Closed::Done) {
+                    self.spend_calm();
+                }
+                Ok(())
+            }
+            kind::SETTINGS => self.settings(h, payload),
+            kind::PING => {
+                if h.len != 8 {
+                    return conn_error(code::FRAME_SIZE_ERROR, "PING of a length other than 8");
+                }
+                if h.stream != 0 {
+                    return conn_error(code::PROTOCOL_ERROR, "PING on a stream");
+                }
+                if !h.has(flag::ACK) {
+                    let mut p = [0; 8];
+                    p.copy_from_slice(payload);
+                    frame::ping(&mut self.out, p, true);
+                }
+                Ok(())
+            }
+            kind::GOAWAY => {
+                self.peer_gone = true;
+                Ok(())
+            }
+            kind::WINDOW_UPDATE => self.window_update(h, payload),
+            kind::PUSH_PROMISE => conn_error(code::PROTOCOL_ERROR, "a client sent PUSH_PROMISE"),
+            // PRIORITY and unknown kinds: ignored.
+            _ => Ok(()),
+        }
+    }
+
+    fn headers(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if h.stream == 0 || h.stream % 2 == 0 {
+            return conn_error(code::PROTOCOL_ERROR, "HEADERS on stream 0 or a server's stream");
+        }
+        let Some(mut range) = frame::unpadded(&h, payload) else {
+            return conn_error(code::PROTOCOL_ERROR, "padding longer than its frame");
+        };
+        if h.has(flag::PRIORITY) {
+            range.start += 5;
+            if range.start > range.end {
+                return conn_error(code::FRAME_SIZE_ERROR, "HEADERS too short for its priority");
+            }
+        }
+        self.block.clear();
+        self.fragment(&payload[range])?;
+        let end_stream = h.has(flag::END_STREAM);
+        if h.has(flag::END_HEADERS) {
+            self.end_headers(h.stream, end_stream)
+        } else {
+            self.continuing = Some(Continuing {
+                stream: h.stream,
+                end_stream,
+                started: Instant::now(),
+                frames: 0,
+            });
+            Ok(())
+        }
+    }
+
+    fn continuation(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        let Some(b) = &mut self.continuing else {
+            return conn_error(code::PROTOCOL_ERROR, "CONTINUATION without HEADERS");
+        };
+        b.frames += 1;
+        if b.frames > MAX_CONTINUATIONS {
+            return conn_error(
+                code::ENHANCE_YOUR_CALM,
+                format!("a header block in more than {MAX_CONTINUATIONS} CONTINUATION frames"),
+            );
+        }
+        let (stream, end_stream) = (b.stream, b.end_stream);
+        self.fragment(payload)?;
+        if h.has(flag::END_HEADERS) {
+            self.continuing = None;
+            self.end_headers(stream, end_stream)?;
+        }
+        Ok(())
+    }
+
+    fn fragment(&mut self, bytes: &[u8]) -> Result<(), ConnError> {
+        if self.block.len() + bytes.len() > MAX_HEADER_BLOCK {
+            return conn_error(
+                code::ENHANCE_YOUR_CALM,
+                format!("a header block past {MAX_HEADER_BLOCK} bytes"),
+            );
+        }
+        self.block.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    /// A whole header block: a new request, a request's trailers, or (decoded, for the HPACK
+    /// table's sake, and dropped) one of a stream this server reset.
+    fn end_headers(&mut self, id: u32, end_stream: bool) -> Result<(), ConnError> {
+        let mut head = RequestHead::default();
+        let block = std::mem::take(&mut self.block);
+        let mut buf = std::mem::take(&mut self.scratch);
+        let decoded = self
+            .hpack
+            .decode(&block, MAX_HEADER_BLOCK, |n, v| head.field(n, v, &mut buf));
+        self.scratch = buf;
+        self.block = block;
+        if let Err(e) = decoded {
+            let code = match e {
+                super::hpack::HpackError::ListTooLarge(_) => code::ENHANCE_YOUR_CALM,
+                _ => code::COMPRESSION_ERROR,
+            };
+            return conn_error(code, e.to_string());
+        }
+        if id > self.last_stream {
+            self.last_stream = id;
+            // Checks still being decided count too: a stream reset while its check runs (the rapid
+            // reset pattern) leaves the stream map, not the store.
+            if self.going_away || self.streams.len().max(self.pending.len()) >= MAX_STREAMS {
+                if !self.going_away {
+                    self.spend_calm();
+                }
+                frame::rst_stream(&mut self.out, id, code::REFUSED_STREAM);
+                self.closed.push(id, Closed::ByUs);
+                return Ok(());
+            }
+            self.streams.insert(
+                id,
+                Stream {
+                    state: State::Receiving,
+                    head,
+                    body: Vec::new(),
+                    received: 0,
+                    uncredited: 0,
+                    send_window: self.peer_initial,
+                    since: Instant::now(),
+                    data: Vec::new(),
+                    sent: 0,
+                },
+            );
+            self.receiving += 1;
+            if end_stream {
+                self.dispatch(id, None);
+            }
+            return Ok(());
+        }
+        match self.streams.get(&id).map(|s| s.state) {
+            // Trailers end a request.
+            Some(State::Receiving) if end_stream => self.dispatch(id, None),
+            Some(State::Receiving) => self.reset(id, code::PROTOCOL_ERROR),
+            // The client ended its side already (half-closed, §5.1).
+            Some(State::Answering | State::Sending) => self.reset(id, code::STREAM_CLOSED),
+            None => return self.on_closed(id, "HEADERS"),
+        }
+        Ok(())
+    }
+
+    /// A HEADERS or DATA frame on stream `id`, which is not open and not idle: ignored if this
+    /// server reset it (the client may have sent it before it knew), else a connection error.
+    fn on_closed(&mut self, id: u32, what: &str) -> Result<(), ConnError> {
+        match self.closed.get(id) {
+            Some(Closed::ByUs) => Ok(()),
+            Some(Closed::Done) => conn_error(
+                code::STREAM_CLOSED,
+                format!("{what} on stream {id}, which is closed"),
+            ),
+            // Never opened (skipped over), or closed too long ago to tell (§5.1.1).
+            None => conn_error(
+                code::PROTOCOL_ERROR,
+                format!(
+                    "{what} on stream {id}, lower than stream {} already opened",
+                    self.last_stream
+                ),
+            ),
+        }
+    }
+
+    fn data(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if h.stream == 0 || h.stream > self.last_stream {
+            return conn_error(code::PROTOCOL_ERROR, "DATA on stream 0 or an idle stream");
+        }
+        self.recv_window -= h.len as i64;
+        if self.recv_window < 0 {
+            return conn_error(code::FLOW_CONTROL_ERROR, "DATA past the connection's window");
+        }
+        let Some(range) = frame::unpadded(&h, payload) else {
+            return conn_error(code::PROTOCOL_ERROR, "padding longer than its frame");
+        };
+        // Bytes of a stream not receiving are credited back at once.
+        match self.streams.get(&h.stream).map(|s| s.state) {
+            Some(State::Receiving) => {}
+            Some(State::Answering | State::Sending) => {
+                self.uncredited += h.len as i64;
+                self.reset(h.stream, code::STREAM_CLOSED);
+                return Ok(());
+            }
+            None => {
+                self.uncredited += h.len as i64;
+                return self.on_closed(h.stream, "DATA");
+            }
+        }
+        let Some(s) = self.streams.get_mut(&h.stream) else {
+            return Ok(());
+        };
+        s.received += h.len;
+        s.uncredited += h.len;
+        if s.received > STREAM_WINDOW {
+            self.reset(h.stream, code::FLOW_CONTROL_ERROR);
+            return Ok(());
+        }
+        let chunk = &payload[range];
+        // A request in one DATA frame (the usual) is decoded from the frame; else it is gathered.
+        let whole = s.body.is_empty() && h.has(flag::END_STREAM);
+        if !whole {
+            if s.body.is_empty() {
+                s.body
+                    .reserve(grpc::declared_len(chunk).map_or(0, |n| 5 + n.min(grpc::MAX_MESSAGE)));
+            }
+            s.body.extend_from_slice(chunk);
+        }
+        let declared = grpc::declared_len(if whole { chunk } else { &s.body }).unwrap_or(0);
+        if declared > grpc::MAX_MESSAGE {
+            let why = format!(
+                "a request message of {declared} bytes; at most {}",
+                grpc::MAX_MESSAGE
+            );
+            self.trailers_only(h.stream, status::RESOURCE_EXHAUSTED, &why);
+            // Answered: the client may stop sending.
+            frame::rst_stream(&mut self.out, h.stream, code::NO_ERROR);
+            self.closed.push(h.stream, Closed::ByUs);
+            return Ok(());
+        }
+        if h.has(flag::END_STREAM) {
+            self.dispatch(h.stream, whole.then_some(chunk));
+        }
+        Ok(())
+    }
+
+    /// A SETTINGS frame: its entries read in order, a new initial window applied to the streams
+    /// once (its last value), the acknowledgement queued. Each costs the client a unit of calm.
+    fn settings(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if h.stream != 0 {
+            return conn_error(code::PROTOCOL_ERROR, "SETTINGS on a stream");
+        }
+        if h.has(flag::ACK) {
+            return if h.len == 0 {
+                Ok(())
+            } else {
+                conn_error(
+                    code::FRAME_SIZE_ERROR,
+                    "a SETTINGS acknowledgement with a payload",
+                )
+            };
+        }
+        if h.len % 6 != 0 {
+            return conn_error(code::FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6");
+        }
+        let mut initial = None;
+        for entry in payload.chunks_exact(6) {
+            let id = u16::from_be_bytes([entry[0], entry[1]]);
+            let v = u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]);
+            match id {
+                setting::INITIAL_WINDOW_SIZE => {
+                    if i64::from(v) > MAX_WINDOW {
+                        return conn_error(code::FLOW_CONTROL_ERROR, "an initial window past 2^31-1");
+                    }
+                    initial = Some(i64::from(v));
+                }
+                setting::ENABLE_PUSH if v > 1 => {
+                    return conn_error(code::PROTOCOL_ERROR, "ENABLE_PUSH other than 0 or 1")
+                }
+                setting::MAX_FRAME_SIZE if !(16_384..=16_777_215).contains(&v) => {
+                    return conn_error(code::PROTOCOL_ERROR, "MAX_FRAME_SIZE out of range")
+                }
+                // The rest change nothing here: this server never pushes, sends frames of at most
+                // 16 KiB, and encodes without the dynamic table.
+                _ => {}
+            }
+        }
+        // The first SETTINGS is the client's preface, and costs nothing.
+        if self.settled {
+            self.spend_calm();
+        }
+        self.settled = true;
+        if let Some(v) = initial.filter(|v| *v != self.peer_initial) {
+            let delta = v - self.peer_initial;
+            self.peer_initial = v;
+            for s in self.streams.values_mut() {
+                s.send_window += delta;
+                if s.send_window > MAX_WINDOW {
+                    return conn_error(code::FLOW_CONTROL_ERROR, "a stream's window past 2^31-1");
+                }
+            }
+            self.window_changed |= delta > 0;
+        }
+        frame::settings_ack(&mut self.out);
+        Ok(())
+    }
+
+    fn window_update(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if h.len != 4 {
+            return conn_error(code::FRAME_SIZE_ERROR, "WINDOW_UPDATE of a length other than 4");
+        }
+        let inc =
+            i64::from(u32::from_be_bytes([payload[0], payload[1], payload[2], payload[3]]) & 0x7fff_ffff);
+        if h.stream == 0 {
+            if inc == 0 {
+                return conn_error(code::PROTOCOL_ERROR, "a connection window update of 0");
+            }
+            self.send_window += inc;
+            if self.send_window > MAX_WINDOW {
+                return conn_error(
+                    code::FLOW_CONTROL_ERROR,
+                    "a connection window update of 0 or past 2^31-1",
+                );
+            }
+            self.window_changed = true;
+        } else if let Some(s) = self.streams.get_mut(&h.stream) {
+            s.send_window += inc;
+            if inc == 0 {
+                self.reset(h.stream, code::PROTOCOL_ERROR);
+            } else if s.send_window > MAX_WINDOW {
+                self.reset(h.stream, code::FLOW_CONTROL_ERROR);
+            } else {
+                self.window_changed |= s.state == State::Sending;
+            }
+        } else if h.stream > self.last_stream {
+            return conn_error(code::PROTOCOL_ERROR, "WINDOW_UPDATE on an idle stream");
+        }
+        Ok(())
+    }
+}
