@@ -102,6 +102,8 @@ pub enum GrpcServer {
     Native,
     /// tonic on hyper: a task per stream.
     Tonic,
+    /// The `h2` crate used directly: every stream answered in its connection's task.
+    H2,
 }
 
 /// How a gRPC listener serves.
@@ -127,7 +129,7 @@ pub async fn serve_tcp(
         Ok((s, Peer::Ip(addr.ip())))
     });
     match serving.server {
-        GrpcServer::Native => {
+        GrpcServer::Native | GrpcServer::H2 => {
             native(stream, service, serving, shutdown).await;
             Ok(())
         }
@@ -149,7 +151,7 @@ pub async fn serve_unix(
         Ok((s, peer))
     });
     match serving.server {
-        GrpcServer::Native => {
+        GrpcServer::Native | GrpcServer::H2 => {
             native(stream, service, serving, shutdown).await;
             Ok(())
         }
@@ -174,9 +176,14 @@ async fn native<IO>(
     loop {
         tokio::select! {
             next = stream.next() => match next {
-                Some(Ok(io)) => {
-                    conns.spawn(super::h2::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
-                }
+                Some(Ok(io)) => match serving.server {
+                    GrpcServer::H2 => {
+                        conns.spawn(super::h2_crate::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
+                    }
+                    GrpcServer::Native | GrpcServer::Tonic => {
+                        conns.spawn(super::h2::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
+                    }
+                },
                 Some(Err(_)) | None => break,
             },
             // Finished connections' results, so the set does not grow.
