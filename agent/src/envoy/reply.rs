@@ -71,8 +71,9 @@ pub fn write(
     now: u64,
 ) -> bool {
     let mut over_any = false;
-    // The longest wait among the descriptors over the limit.
+    // The longest wait among the descriptors over the limit, and that descriptor's item.
     let mut longest = 0;
+    let mut worst: Option<usize> = None;
     for slot in slots {
         let item = match slot {
             Slot::Item(i) => d.items.get(*i).map(|item| (*i, item)),
@@ -93,6 +94,9 @@ pub fn write(
         };
         if over {
             over_any = true;
+            if worst.is_none() || until > longest {
+                worst = Some(i);
+            }
             longest = longest.max(until);
         }
         let window = window_ms(i, item);
@@ -124,14 +128,32 @@ pub fn write(
     let allowed = d.combined.allowed && !over_any;
     if headers != GrpcHeaders::None {
         let c = &d.combined;
-        if let Some(binding) = binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms) {
-            let figures = HeaderFigures {
-                rule: &binding.rule_id,
-                window_ms: binding.window_ms,
-                limit: c.limit,
-                remaining: c.remaining,
-                reset_at_ms: c.reset_at_ms,
-            };
+        // Refused: the headers name the descriptor that refused (the longest wait), with nothing
+        // remaining and its reset no sooner than the wait, so the 429 Envoy writes agrees with the
+        // status (a peek over its limit refuses a check whose combined verdict allowed it).
+        let figures = match worst.and_then(|i| d.items.get(i)).filter(|_| !allowed) {
+            Some(item) => Some(HeaderFigures {
+                rule: &item.rule_id,
+                window_ms: item.window_ms,
+                limit: item.verdict.limit,
+                remaining: 0,
+                reset_at_ms: item.verdict.reset_at_ms.max(now + longest),
+            }),
+            None => {
+                binding_rule(&d.items, c.limit, c.remaining, c.reset_at_ms).map(|binding| HeaderFigures {
+                    rule: &binding.rule_id,
+                    window_ms: binding.window_ms,
+                    limit: c.limit,
+                    remaining: if allowed { c.remaining } else { 0 },
+                    reset_at_ms: if allowed {
+                        c.reset_at_ms
+                    } else {
+                        c.reset_at_ms.max(now + c.retry_after_ms)
+                    },
+                })
+            }
+        };
+        if let Some(figures) = figures {
             write_rate_limit_headers(figures, headers == GrpcHeaders::Both, now, |name, value| {
                 header(out, name, value)
             });
@@ -341,6 +363,57 @@ mod tests {
         write_unlimited(&mut out, &[Slot::NoRule]);
         let r = RateLimitResponse::decode(&out[..]).unwrap();
         assert_eq!((r.overall_code, r.statuses.len()), (Code::Ok as i32, 1));
+    }
+
+    /// A peek over its budget refuses a check whose consume items passed: the headers Envoy copies
+    /// into the 429 name the peeked rule, nothing remaining, and its reset, not the passed item's.
+    #[test]
+    fn a_refusal_s_headers_agree_with_its_status() {
+        let passed = verdict(true, false, 20, 1_000, 0);
+        let d = Decision {
+            combined: passed,
+            items: vec![
+                ItemDecision {
+                    rule_id: "per-user".into(),
+                    verdict: passed,
+                    window_ms: 60_000,
+                },
+                ItemDecision {
+                    rule_id: "budget".into(),
+                    verdict: verdict(false, false, 0, 31_000, 30_000),
+                    window_ms: 60_000,
+                },
+            ],
+        };
+        let mut out = Vec::new();
+        let slots = [Slot::Item(0), Slot::Item(1)];
+        assert!(!write(
+            &mut out,
+            &d,
+            &slots,
+            |_, i| i.window_ms,
+            GrpcHeaders::Both,
+            1_000
+        ));
+        let r = RateLimitResponse::decode(&out[..]).unwrap();
+        assert_eq!(r.overall_code, Code::OverLimit as i32);
+        let headers: Vec<(String, String)> = r
+            .response_headers_to_add
+            .into_iter()
+            .map(|h| (h.key, h.value))
+            .collect();
+        let h = |k: &str, v: &str| (k.to_string(), v.to_string());
+        assert_eq!(
+            headers,
+            vec![
+                h("x-ratelimit-limit", "10"),
+                h("x-ratelimit-remaining", "0"),
+                h("x-ratelimit-reset", "31"),
+                h("ratelimit-policy", "\"budget\";q=10;w=60"),
+                h("ratelimit", "\"budget\";r=0;t=30"),
+                h("retry-after", "30"),
+            ]
+        );
     }
 
     #[test]
