@@ -760,3 +760,70 @@ async fn a_descriptor_limit_override_applies_where_the_rule_allows_it() {
     let l = r.statuses[0].current_limit.as_ref().unwrap();
     assert_eq!((l.requests_per_unit, r.statuses[0].limit_remaining), (1000, 999));
 }
+
+/// grpc.health.v1 Check, as Kubernetes' gRPC probe and Envoy's gRPC health check ask it, from
+/// tonic-health's client: SERVING for the server and for the rate-limit service on every server
+/// choice, NOT_FOUND for another service; Watch is served by tonic only (the native server refuses
+/// it with UNIMPLEMENTED, docs/envoy.md).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_health_check_answers_serving() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    for server in ["native", "h2", "tonic"] {
+        let agent = Agent::builder()
+            .envoy_config(CONFIG)
+            .arg("--grpc")
+            .arg("127.0.0.1:0")
+            .arg("--grpc-server")
+            .arg(server)
+            .start()
+            .await;
+        let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut health = HealthClient::new(channel);
+        for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+            let r = health
+                .check(HealthCheckRequest {
+                    service: service.into(),
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{server} {service:?}: {e}"));
+            assert_eq!(
+                r.into_inner().status,
+                ServingStatus::Serving as i32,
+                "{server} {service:?}"
+            );
+        }
+        let e = health
+            .check(HealthCheckRequest {
+                service: "no.such.Service".into(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::NotFound, "{server}");
+        let watch = health
+            .watch(HealthCheckRequest {
+                service: String::new(),
+            })
+            .await;
+        match server {
+            "tonic" => assert!(watch.is_ok()),
+            _ => assert_eq!(watch.unwrap_err().code(), tonic::Code::Unimplemented, "{server}"),
+        }
+        // ShouldRateLimit on the same connection still answers.
+        let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+        let r = client
+            .should_rate_limit(request(
+                "edge",
+                vec![descriptor(&[("remote_address", "10.0.0.1")])],
+            ))
+            .await
+            .unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32, "{server}");
+    }
+}

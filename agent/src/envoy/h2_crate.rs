@@ -17,7 +17,9 @@ use prost::Message;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::watch;
 
-use super::h2::{grpc, CONN_WINDOW, MAX_HEADER_BLOCK, MAX_STREAMS};
+use floodgate_h2::{grpc, CONN_WINDOW, MAX_HEADER_BLOCK, MAX_STREAMS};
+
+use super::native::{HEALTH_SERVICE, SHOULD_RATE_LIMIT};
 use super::proto::RateLimitRequest;
 use super::EnvoyService;
 
@@ -86,7 +88,8 @@ async fn call(
         let _ = respond.send_response(head, true);
         return;
     }
-    if parts.uri.path().as_bytes() != grpc::PATH {
+    let health = parts.uri.path().as_bytes() == grpc::HEALTH_CHECK;
+    if parts.uri.path().as_bytes() != SHOULD_RATE_LIMIT && !health {
         return trailers_only(
             &mut respond,
             grpc::status::UNIMPLEMENTED,
@@ -114,6 +117,25 @@ async fn call(
             return;
         }
     }
+    if health {
+        let answer = match grpc::message(&buf).map(grpc::health_service) {
+            Ok(Some(service)) if service.is_empty() || service == HEALTH_SERVICE => {
+                grpc::health_response(true)
+            }
+            Ok(Some(_)) => {
+                return trailers_only(&mut respond, grpc::status::NOT_FOUND, "no such service here")
+            }
+            Ok(None) => {
+                return trailers_only(
+                    &mut respond,
+                    grpc::status::INTERNAL,
+                    "the request does not decode",
+                )
+            }
+            Err(bad) => return trailers_only(&mut respond, bad.code, &bad.message),
+        };
+        return send_answer(respond, &answer);
+    }
     let request = match grpc::message(&buf).map(RateLimitRequest::decode) {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
@@ -138,6 +160,11 @@ async fn call(
         Ok(answer) => answer,
         Err(e) => return trailers_only(&mut respond, e.code() as i32, e.message()),
     };
+    send_answer(respond, &answer);
+}
+
+/// An answer's message, then `grpc-status: 0`.
+fn send_answer(mut respond: SendResponse<Bytes>, answer: &[u8]) {
     let head = http::Response::builder()
         .status(200)
         .header(http::header::CONTENT_TYPE, "application/grpc")
@@ -149,7 +176,7 @@ async fn call(
     let mut data = Vec::with_capacity(5 + answer.len());
     data.push(0);
     data.extend_from_slice(&(answer.len() as u32).to_be_bytes());
-    data.extend_from_slice(&answer);
+    data.extend_from_slice(answer);
     if send.send_data(Bytes::from(data), false).is_err() {
         return;
     }

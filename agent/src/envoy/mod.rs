@@ -5,11 +5,12 @@
 //! - `service`: ShouldRateLimit answered by the engine.
 //! - `reply`: its RateLimitResponse written as protobuf bytes.
 //! - `serve`: the gRPC listeners (TCP, Unix socket) under the agent's connection cap.
-//! - `h2`: the agent's own HTTP/2 server for ShouldRateLimit (the default; `serve` also runs tonic's).
+//! - `native`: ShouldRateLimit as a `floodgate-h2` service (the default server; `serve` also runs
+//!   tonic's).
 //! - `h2_crate`: the same served by the `h2` crate directly (`--grpc-server h2`), to measure against.
 
-mod h2;
 mod h2_crate;
+mod native;
 pub mod proto;
 mod reply;
 mod serve;

@@ -94,10 +94,13 @@ where
     })
 }
 
+/// GOAWAY's code for a peer that spent a budget (RFC 9113 §7).
+const ENHANCE_YOUR_CALM: u32 = 0xb;
+
 /// Which server speaks gRPC.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum GrpcServer {
-    /// The agent's own HTTP/2 server (`envoy::h2`): every stream answered in its connection's task.
+    /// Floodgate's own HTTP/2 server (`floodgate-h2`): every stream answered in its connection's task.
     #[default]
     Native,
     /// tonic on hyper: a task per stream.
@@ -173,6 +176,8 @@ async fn native<IO>(
     let mut stream = std::pin::pin!(stream);
     let mut conns = tokio::task::JoinSet::new();
     let stop = shutdown.clone();
+    let calls = Arc::new(super::native::Calls(service.clone()));
+    let config = super::native::config(serving.frame_timeout);
     loop {
         tokio::select! {
             next = stream.next() => match next {
@@ -181,7 +186,15 @@ async fn native<IO>(
                         conns.spawn(super::h2_crate::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
                     }
                     GrpcServer::Native | GrpcServer::Tonic => {
-                        conns.spawn(super::h2::serve(io, service.clone(), serving.frame_timeout, stop.clone()));
+                        let (calls, config, stop) = (calls.clone(), config.clone(), stop.clone());
+                        conns.spawn(async move {
+                            if let floodgate_h2::Ended::Error { code, why } = floodgate_h2::serve(io, calls, config, stop).await {
+                                tracing::debug!(code, why, "closed a gRPC connection");
+                                if code == ENHANCE_YOUR_CALM {
+                                    floodgate_core::metrics::connection_closed("grpc_calm");
+                                }
+                            }
+                        });
                     }
                 },
                 Some(Err(_)) | None => break,
@@ -202,10 +215,21 @@ async fn run<IO>(
 where
     IO: AsyncRead + AsyncWrite + Connected + Unpin + Send + 'static,
 {
+    // grpc.health.v1, as the native server answers it (tonic-health also serves Watch).
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health.set_serving::<RateLimitServiceServer<EnvoyService>>().await;
     tonic::transport::Server::builder()
         // A peer that vanished without closing (its node gone) is found and its slot freed.
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
+        // The native server's budgets where hyper has a knob for them (docs/envoy.md): streams at
+        // once, a header list, streams reset before they were served (h2's default, 20), and a
+        // stream's answer bytes buffered; hyper has no deadline for an answer held by flow control.
+        .max_concurrent_streams(Some(floodgate_h2::MAX_STREAMS as u32))
+        .http2_max_header_list_size(Some(floodgate_h2::MAX_HEADER_BLOCK as u32))
+        .http2_max_pending_accept_reset_streams(Some(20))
+        .initial_connection_window_size(Some(floodgate_h2::CONN_WINDOW as u32))
+        .add_service(health_service)
         .add_service(RateLimitServiceServer::from_arc(service))
         .serve_with_incoming_shutdown(stream, async move { stopped(&mut shutdown).await })
         .await

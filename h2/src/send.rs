@@ -4,19 +4,18 @@
 use std::time::Duration;
 
 use futures::FutureExt;
-use prost::Message;
 use tokio::time::Instant;
 
-use super::budget::{Closed, CALM};
-use super::conn::{Answering, Conn, State, CONN_WINDOW};
-use super::frame::{self, code, flag, kind, MAX_PAYLOAD};
-use super::grpc::{self, status};
-use crate::envoy::proto::RateLimitRequest;
+use crate::budget::{Closed, CALM};
+use crate::conn::{Answering, Conn, Method, State, CONN_WINDOW};
+use crate::frame::{self, code, flag, kind, MAX_PAYLOAD};
+use crate::grpc::{self, status};
+use crate::service::{Service, Status};
 
-impl Conn {
+impl<S: Service> Conn<S> {
     /// A complete request (its body in `whole`, or gathered in the stream): refused at once, or
     /// its check started (and answered at once when the store answers at once).
-    pub(super) fn dispatch(&mut self, id: u32, whole: Option<&[u8]>) {
+    pub(crate) fn dispatch(&mut self, id: u32, whole: Option<&[u8]>) {
         let Some(s) = self.streams.get_mut(&id).filter(|s| s.state == State::Receiving) else {
             return;
         };
@@ -33,41 +32,55 @@ impl Conn {
             self.remove(id, Closed::Done);
             return;
         }
-        if !head.path {
-            self.trailers_only(id, status::UNIMPLEMENTED, "this server has only ShouldRateLimit");
-            return;
-        }
-        let request = match grpc::message(body).map(RateLimitRequest::decode) {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                self.trailers_only(id, status::INTERNAL, &format!("the request does not decode: {e}"));
-                return;
+        let method = match head.method {
+            Method::Call(m) => m,
+            Method::HealthCheck => return self.health_check(id, body),
+            Method::HealthWatch => {
+                let why = "Watch is not served: poll grpc.health.v1.Health/Check";
+                return self.trailers_only(id, status::UNIMPLEMENTED, why);
             }
-            Err(bad) => {
-                self.trailers_only(id, bad.code, &bad.message);
-                return;
+            Method::Other => {
+                return self.trailers_only(id, status::UNIMPLEMENTED, "no such method here");
             }
         };
-        let service = self.service.clone();
-        let mut answering: Answering =
-            Box::pin(async move { (id, service.decide_bytes(request, head.trace.map(|t| *t)).await) });
-        match (&mut answering).now_or_never() {
-            Some((id, result)) => self.answer(id, result),
-            None => self.pending.push(answering),
+        let message = match grpc::message(body) {
+            Ok(m) => m,
+            Err(bad) => return self.trailers_only(id, bad.code, &bad.message),
+        };
+        let mut answer = self.service.call(method, message, head.trace.as_deref());
+        match (&mut answer).now_or_never() {
+            Some(result) => self.answer(id, result),
+            None => self.pending.push(Answering { id, answer }),
         }
+    }
+
+    /// grpc.health.v1 Check: SERVING for the server and the rate-limit service while the agent
+    /// runs, NOT_SERVING once it is stopping (so a probe sees the drain), NOT_FOUND for another
+    /// service.
+    fn health_check(&mut self, id: u32, body: &[u8]) {
+        let service = match grpc::message(body).map(grpc::health_service) {
+            Ok(Some(service)) => service,
+            Ok(None) => return self.trailers_only(id, status::INTERNAL, "the request does not decode"),
+            Err(bad) => return self.trailers_only(id, bad.code, &bad.message),
+        };
+        if !self.config.has_health(service) {
+            let why = format!("no service {:?} here", String::from_utf8_lossy(service));
+            return self.trailers_only(id, status::NOT_FOUND, &why);
+        }
+        self.answer(id, Ok(grpc::health_response(!self.going_away)));
     }
 
     /// Writes the answer to stream `id` (if the client has not reset it meanwhile). One that does
     /// not fit the windows waits for them, if the parked budgets have room; else it is dropped and
     /// the stream reset (ENHANCE_YOUR_CALM).
-    pub(super) fn answer(&mut self, id: u32, result: Result<Vec<u8>, tonic::Status>) {
+    pub(crate) fn answer(&mut self, id: u32, result: Result<Vec<u8>, Status>) {
         let Some(s) = self.streams.get_mut(&id) else {
             return;
         };
         let response = match result {
             Ok(r) => r,
             Err(e) => {
-                self.trailers_only(id, e.code() as i32, e.message());
+                self.trailers_only(id, e.code, &e.message);
                 return;
             }
         };
@@ -102,14 +115,14 @@ impl Conn {
     }
 
     /// Gives the window that came since the last look to the answers waiting for it.
-    pub(super) fn flush_if_changed(&mut self) {
+    pub(crate) fn flush_if_changed(&mut self) {
         if std::mem::take(&mut self.window_changed) {
             self.flush_blocked();
         }
     }
 
     /// Sends what the windows allow of the answers waiting for them, oldest first; a stream out of
-    /// its own window is passed over, not waited on. At most [`super::budget::MAX_PARKED_STREAMS`]
+    /// its own window is passed over, not waited on. At most [`crate::budget::MAX_PARKED_STREAMS`]
     /// wait, so a pass is bounded however the client spends its frames.
     fn flush_blocked(&mut self) {
         let mut i = 0;
@@ -146,7 +159,7 @@ impl Conn {
     }
 
     /// A GOAWAY with `code`: the last stream id is the first GOAWAY's, if one was sent.
-    pub(super) fn goaway(&mut self, code: u32, why: &str) {
+    pub(crate) fn goaway(&mut self, code: u32, why: &str) {
         let last = *self.goaway_last.get_or_insert(self.last_stream);
         frame::goaway(&mut self.out, last, code, why);
     }
@@ -169,7 +182,7 @@ impl Conn {
 
     /// A response of headers only: gRPC's Trailers-Only, with a status other than OK; the stream
     /// is done.
-    pub(super) fn trailers_only(&mut self, id: u32, code: i32, message: &str) {
+    pub(crate) fn trailers_only(&mut self, id: u32, code: i32, message: &str) {
         let mut block = Vec::with_capacity(64 + message.len());
         block.extend_from_slice(grpc::RESPONSE_HEAD);
         grpc::status_fields(&mut block, code, message);
@@ -198,7 +211,7 @@ impl Conn {
     }
 
     /// Ends a stream with RST_STREAM, for a fault of the client's (a unit of calm) or its own.
-    pub(super) fn reset(&mut self, id: u32, code: u32) {
+    pub(crate) fn reset(&mut self, id: u32, code: u32) {
         frame::rst_stream(&mut self.out, id, code);
         if self.remove(id, Closed::ByUs) && code != code::CANCEL {
             self.spend_calm();
@@ -207,7 +220,7 @@ impl Conn {
 
     /// Forgets a stream, crediting back its unused bytes and its parked answer, and remembers how
     /// it closed. Whether it was open.
-    pub(super) fn remove(&mut self, id: u32, how: Closed) -> bool {
+    pub(crate) fn remove(&mut self, id: u32, how: Closed) -> bool {
         let Some(s) = self.streams.remove(&id) else {
             return false;
         };
@@ -225,13 +238,13 @@ impl Conn {
     }
 
     /// One unit of the client's calm spent (at 0 the connection ends).
-    pub(super) fn spend_calm(&mut self) {
+    pub(crate) fn spend_calm(&mut self) {
         self.calm = self.calm.saturating_sub(1);
     }
 
     /// Gives the client back the window its used bytes took, once they are a quarter of it or the
     /// window is half gone.
-    pub(super) fn credit(&mut self) {
+    pub(crate) fn credit(&mut self) {
         if self.uncredited >= CONN_WINDOW / 4 || (self.uncredited > 0 && self.recv_window < CONN_WINDOW / 2) {
             frame::window_update(&mut self.out, 0, self.uncredited as u32);
             self.recv_window += self.uncredited;
@@ -241,7 +254,7 @@ impl Conn {
 
     /// Resets the requests that did not arrive whole, and the answers that found no window, within
     /// the frame timeout (CANCEL).
-    pub(super) fn drop_stale(&mut self, now: Instant, frame_timeout: Duration) {
+    pub(crate) fn drop_stale(&mut self, now: Instant, frame_timeout: Duration) {
         if self.receiving == 0 && self.blocked.is_empty() {
             return;
         }

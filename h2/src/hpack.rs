@@ -12,7 +12,7 @@
 
 use std::collections::VecDeque;
 
-use super::huffman;
+use crate::huffman;
 
 /// The table size this server announces (SETTINGS_HEADER_TABLE_SIZE, the default): the most a
 /// client's size update may ask for.
@@ -378,7 +378,7 @@ pub(super) mod tests {
     use super::*;
 
     /// A block's fields as strings (the grpc module's tests read its constant blocks with it).
-    pub(in crate::envoy::h2) fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
+    pub(crate) fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
         let mut out = Vec::new();
         let mut buf = Vec::new();
         d.decode(block, usize::MAX, |n, v| {

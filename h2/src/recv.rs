@@ -3,17 +3,18 @@
 
 use tokio::time::Instant;
 
-use super::budget::Closed;
-use super::conn::{
+use crate::budget::Closed;
+use crate::conn::{
     conn_error, Conn, ConnError, Continuing, RequestHead, State, Stream, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
     MAX_STREAMS, STREAM_WINDOW,
 };
-use super::frame::{self, code, flag, kind, setting, Head, HEAD, MAX_PAYLOAD, MAX_WINDOW};
-use super::grpc::{self, status};
+use crate::frame::{self, code, flag, kind, setting, Head, HEAD, MAX_PAYLOAD, MAX_WINDOW};
+use crate::grpc::{self, status};
+use crate::service::Service;
 
-impl Conn {
+impl<S: Service> Conn<S> {
     /// Handles every complete frame in `buf`: the bytes used.
-    pub(super) fn process(&mut self, buf: &[u8]) -> Result<usize, ConnError> {
+    pub(crate) fn process(&mut self, buf: &[u8]) -> Result<usize, ConnError> {
         let mut pos = 0;
         while let Some(h) = Head::parse(&buf[pos..]) {
             if h.len > MAX_PAYLOAD {
@@ -146,14 +147,15 @@ impl Conn {
         let mut head = RequestHead::default();
         let block = std::mem::take(&mut self.block);
         let mut buf = std::mem::take(&mut self.scratch);
-        let decoded = self
-            .hpack
-            .decode(&block, MAX_HEADER_BLOCK, |n, v| head.field(n, v, &mut buf));
+        let (config, trace) = (&*self.config, self.trace);
+        let decoded = self.hpack.decode(&block, MAX_HEADER_BLOCK, |n, v| {
+            head.field(n, v, &mut buf, config, trace)
+        });
         self.scratch = buf;
         self.block = block;
         if let Err(e) = decoded {
             let code = match e {
-                super::hpack::HpackError::ListTooLarge(_) => code::ENHANCE_YOUR_CALM,
+                crate::hpack::HpackError::ListTooLarge(_) => code::ENHANCE_YOUR_CALM,
                 _ => code::COMPRESSION_ERROR,
             };
             return conn_error(code, e.to_string());

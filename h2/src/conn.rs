@@ -1,5 +1,5 @@
-//! One HTTP/2 connection serving ShouldRateLimit: frames read and answered in the connection's own
-//! task, each request decided as soon as its last frame is read, answers written together.
+//! One HTTP/2 connection serving unary gRPC calls: frames read and answered in the connection's own
+//! task, each call handed to the service as soon as its last frame is read, answers written together.
 //!
 //! What it keeps per stream is a request head (three flags), its body until complete, and a send
 //! window; nothing is spawned per request and nothing is locked. The frames read are handled in
@@ -12,13 +12,14 @@
 //! timeout is dropped (the connection, for a frame); an answer waiting for flow-control window past
 //! the frame timeout, or past the parked budgets, is dropped and its stream reset; streams reset or
 //! refused and SETTINGS frames spend a budget that ends in GOAWAY ENHANCE_YOUR_CALM; a peer that
-//! stops reading is closed after [`WRITE_TIMEOUT`]; and a connection that keeps the worker busy
+//! stops reading is closed after the write timeout; and a connection that keeps the worker busy
 //! yields it every [`TURN`]. A connection error is a GOAWAY naming it, then the close.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
@@ -27,12 +28,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 use tokio::time::Instant;
 
-use super::budget::{ClosedStreams, Parked, CALM};
-use super::frame::{self, code, setting, HEAD, MAX_PAYLOAD, PREFACE};
-use super::grpc;
-use super::hpack;
-use crate::envoy::EnvoyService;
-use crate::server::WRITE_TIMEOUT;
+use crate::budget::{ClosedStreams, Parked, CALM};
+use crate::frame::{self, code, setting, HEAD, MAX_PAYLOAD, PREFACE};
+use crate::grpc;
+use crate::hpack;
+use crate::service::{Config, Service};
 
 /// Streams a client may have open at once (announced as SETTINGS_MAX_CONCURRENT_STREAMS).
 pub const MAX_STREAMS: usize = 1_024;
@@ -42,7 +42,7 @@ pub const CONN_WINDOW: i64 = 1 << 20;
 
 /// Each stream's receive window (the default, never credited back: a request message is at most
 /// [`grpc::MAX_MESSAGE`], well within it).
-pub(super) const STREAM_WINDOW: usize = 65_535;
+pub(crate) const STREAM_WINDOW: usize = 65_535;
 
 /// The largest header block (HEADERS and its CONTINUATIONs, compressed), and the largest header
 /// list decoded from one (announced as SETTINGS_MAX_HEADER_LIST_SIZE).
@@ -62,36 +62,73 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// of valid requests delays another's by about this much, not by its whole backlog.
 pub const TURN: Duration = Duration::from_micros(500);
 
-pub(super) type Answering = Pin<Box<dyn Future<Output = (u32, Result<Vec<u8>, tonic::Status>)> + Send>>;
+/// A call being answered, and its stream.
+pub(crate) struct Answering<F> {
+    pub id: u32,
+    pub answer: F,
+}
+
+impl<F: Future + Unpin> Future for Answering<F> {
+    type Output = (u32, F::Output);
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let id = self.id;
+        Pin::new(&mut self.answer).poll(cx).map(|a| (id, a))
+    }
+}
+
+/// Which method a request's `:path` names.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Method {
+    /// None this server has.
+    #[default]
+    Other,
+    /// The service's method of this index in [`Config`].
+    Call(usize),
+    /// grpc.health.v1 Check.
+    HealthCheck,
+    /// grpc.health.v1 Watch (refused: probes poll Check).
+    HealthWatch,
+}
 
 /// What the server reads of a request's headers.
 #[derive(Debug, Default, Clone)]
-pub(super) struct RequestHead {
+pub(crate) struct RequestHead {
     pub post: bool,
-    pub path: bool,
+    pub method: Method,
     pub grpc: bool,
-    /// The caller's `traceparent`, read only when traces are on (boxed: the head is copied per
-    /// request, and a context is 25 bytes).
-    pub trace: Option<Box<floodgate_protocol::TraceContext>>,
+    /// The caller's `traceparent`, read only when the service asks for it.
+    pub trace: Option<Box<[u8]>>,
 }
 
 impl RequestHead {
-    pub fn field(&mut self, name: &[u8], value: hpack::Value<'_>, buf: &mut Vec<u8>) {
+    pub fn field(
+        &mut self,
+        name: &[u8],
+        value: hpack::Value<'_>,
+        buf: &mut Vec<u8>,
+        config: &Config,
+        trace: bool,
+    ) {
         match name {
             b":method" => self.post = value.is(b"POST", &coded().post),
-            b":path" => self.path = value.is(grpc::PATH, &coded().path),
+            b":path" => {
+                let c = coded();
+                self.method = if let Some(m) = config.method(&value) {
+                    Method::Call(m)
+                } else if value.is(grpc::HEALTH_CHECK, &c.health_check) {
+                    Method::HealthCheck
+                } else if value.is(grpc::HEALTH_WATCH, &c.health_watch) {
+                    Method::HealthWatch
+                } else {
+                    Method::Other
+                }
+            }
             b"content-type" => {
                 self.grpc = value
                     .bytes(buf)
                     .is_some_and(|v| v.starts_with(b"application/grpc"))
             }
-            b"traceparent" if crate::otel::enabled() => {
-                self.trace = value
-                    .bytes(buf)
-                    .and_then(|v| std::str::from_utf8(v).ok())
-                    .and_then(floodgate_protocol::TraceContext::parse)
-                    .map(Box::new)
-            }
+            b"traceparent" if trace => self.trace = value.bytes(buf).map(Box::from),
             _ => {}
         }
     }
@@ -100,19 +137,21 @@ impl RequestHead {
 /// The Huffman codes of the values compared.
 struct Coded {
     post: Vec<u8>,
-    path: Vec<u8>,
+    health_check: Vec<u8>,
+    health_watch: Vec<u8>,
 }
 
 fn coded() -> &'static Coded {
     static CODED: std::sync::OnceLock<Coded> = std::sync::OnceLock::new();
     CODED.get_or_init(|| Coded {
-        post: super::huffman::encode(b"POST"),
-        path: super::huffman::encode(grpc::PATH),
+        post: crate::huffman::encode(b"POST"),
+        health_check: crate::huffman::encode(grpc::HEALTH_CHECK),
+        health_watch: crate::huffman::encode(grpc::HEALTH_WATCH),
     })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum State {
+pub(crate) enum State {
     /// The request's frames are arriving.
     Receiving,
     /// Decided by the engine; the answer is on its way.
@@ -121,7 +160,7 @@ pub(super) enum State {
     Sending,
 }
 
-pub(super) struct Stream {
+pub(crate) struct Stream {
     pub state: State,
     pub head: RequestHead,
     pub body: Vec<u8>,
@@ -139,7 +178,7 @@ pub(super) struct Stream {
 }
 
 /// A header block arriving in CONTINUATIONs.
-pub(super) struct Continuing {
+pub(crate) struct Continuing {
     pub stream: u32,
     /// Whether its HEADERS ended the stream.
     pub end_stream: bool,
@@ -150,20 +189,23 @@ pub(super) struct Continuing {
 }
 
 /// A connection error: GOAWAY with this code, then close.
-pub(super) struct ConnError {
+pub(crate) struct ConnError {
     pub code: u32,
     pub why: String,
 }
 
-pub(super) fn conn_error<T>(code: u32, why: impl Into<String>) -> Result<T, ConnError> {
+pub(crate) fn conn_error<T>(code: u32, why: impl Into<String>) -> Result<T, ConnError> {
     Err(ConnError {
         code,
         why: why.into(),
     })
 }
 
-pub(super) struct Conn {
-    pub service: Arc<EnvoyService>,
+pub(crate) struct Conn<S: Service> {
+    pub service: Arc<S>,
+    pub config: Arc<Config>,
+    /// Whether the service reads `traceparent`.
+    pub trace: bool,
     pub hpack: hpack::Decoder,
     pub streams: HashMap<u32, Stream, foldhash::fast::FixedState>,
     /// The highest stream id the client opened.
@@ -200,21 +242,45 @@ pub(super) struct Conn {
     /// The client sent GOAWAY: no new streams will come.
     pub peer_gone: bool,
     pub out: Vec<u8>,
-    pub pending: FuturesUnordered<Answering>,
+    pub pending: FuturesUnordered<Answering<S::Future>>,
+}
+
+/// How a connection ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ended {
+    /// The peer closed it, or it drained after a shutdown, or a write timed out.
+    Closed,
+    /// This server sent GOAWAY with this error code (ENHANCE_YOUR_CALM: a budget was spent).
+    Error {
+        /// The GOAWAY's code (RFC 9113 §7).
+        code: u32,
+        /// Why, as the GOAWAY's debug data says it.
+        why: String,
+    },
+}
+
+/// Resolves once `shutdown` says true (or its sender is gone).
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|s| *s).await;
 }
 
 /// Serves one connection until the client closes it, an error closes it, or `shutdown` (then a
 /// GOAWAY, the streams in flight answered, and the close).
-pub async fn serve<IO>(
+pub async fn serve<IO, S>(
     mut io: IO,
-    service: Arc<EnvoyService>,
-    frame_timeout: Duration,
+    service: Arc<S>,
+    config: Arc<Config>,
     mut shutdown: watch::Receiver<bool>,
-) where
+) -> Ended
+where
     IO: AsyncRead + AsyncWrite + Unpin,
+    S: Service,
 {
+    let (frame_timeout, write_timeout) = (config.frame_timeout, config.write_timeout);
     let mut c = Conn {
+        trace: service.read_traceparent(),
         service,
+        config,
         hpack: hpack::Decoder::default(),
         streams: HashMap::with_hasher(foldhash::fast::FixedState::default()),
         last_stream: 0,
@@ -262,7 +328,7 @@ pub async fn serve<IO>(
     // Shutdown is looked at every turn (one atomic load), since a client that keeps the socket
     // readable would starve the select's branch for it; the branch wakes an idle connection.
     let peek = shutdown.clone();
-    let stop = floodgate_core::tasks::stopped(&mut shutdown);
+    let stop = stopped(&mut shutdown);
     tokio::pin!(stop);
     loop {
         if !c.going_away && peek.has_changed().unwrap_or(true) {
@@ -270,20 +336,19 @@ pub async fn serve<IO>(
             c.goaway(code::NO_ERROR, "the agent is stopping");
         }
         if let Some(e) = fatal.take() {
-            tracing::debug!(code = e.code, why = %e.why, "closing a gRPC connection");
-            if e.code == code::ENHANCE_YOUR_CALM {
-                floodgate_core::metrics::connection_closed("grpc_calm");
-            }
             c.goaway(e.code, &e.why);
-            let _ = tokio::time::timeout(WRITE_TIMEOUT, io.write_all(&c.out)).await;
+            let _ = tokio::time::timeout(write_timeout, io.write_all(&c.out)).await;
             linger(&mut io).await;
-            return;
+            return Ended::Error {
+                code: e.code,
+                why: e.why,
+            };
         }
         if !c.out.is_empty() {
-            match tokio::time::timeout(WRITE_TIMEOUT, io.write_all(&c.out)).await {
+            match tokio::time::timeout(write_timeout, io.write_all(&c.out)).await {
                 Ok(Ok(())) if c.out.capacity() > 64 * 1024 => c.out = Vec::with_capacity(4 * 1024),
                 Ok(Ok(())) => c.out.clear(),
-                _ => return,
+                _ => return Ended::Closed,
             }
         }
         let done = if closing {
@@ -293,7 +358,7 @@ pub async fn serve<IO>(
         };
         if done {
             linger(&mut io).await;
-            return;
+            return Ended::Closed;
         }
         if inbuf.capacity() - inbuf.len() < 4 * 1024 {
             inbuf.reserve(HEAD + MAX_PAYLOAD);
@@ -385,8 +450,7 @@ pub async fn serve<IO>(
                     continue;
                 }
                 if ping_sent.is_some_and(|t| now >= t + KEEPALIVE_TIMEOUT) {
-                    tracing::debug!("closing a gRPC connection whose peer did not answer a PING");
-                    return;
+                    return Ended::Closed;
                 }
                 if ping_sent.is_none() && now >= last_read + KEEPALIVE {
                     frame::ping(&mut c.out, [0; 8], false);
@@ -415,7 +479,7 @@ pub async fn serve<IO>(
     }
 }
 
-impl Conn {
+impl<S: Service> Conn<S> {
     /// Whether something waits on the frame timeout: a frame or header block half-sent, a request
     /// still arriving, or an answer waiting for window.
     fn incomplete(&self, partial_since: Option<Instant>) -> bool {

@@ -1,15 +1,66 @@
-//! gRPC over HTTP/2 for one unary method: the request's message framing, and the response's header
-//! blocks (written without the dynamic table or Huffman coding, so each is a few constant bytes).
+//! gRPC over HTTP/2 for unary methods: the request's message framing, the response's header blocks
+//! (written without the dynamic table or Huffman coding, so each is a few constant bytes), statuses,
+//! and grpc.health.v1's messages.
 
-/// The one method served.
-pub const PATH: &[u8] = b"/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+/// gRPC's health service (grpc.health.v1), as Kubernetes' gRPC probes and Envoy's gRPC health
+/// checks ask it.
+pub const HEALTH_CHECK: &[u8] = b"/grpc.health.v1.Health/Check";
 
-/// The largest request message accepted: a RateLimitRequest of 64 descriptors with long values
-/// is a few KiB; past this the call is refused (RESOURCE_EXHAUSTED) before its body arrives.
+/// Its streaming method, refused (UNIMPLEMENTED): probes and Envoy poll `Check`.
+pub const HEALTH_WATCH: &[u8] = b"/grpc.health.v1.Health/Watch";
+
+/// A HealthCheckResponse: `status` (field 1) SERVING (1) or NOT_SERVING (2).
+pub fn health_response(serving: bool) -> Vec<u8> {
+    vec![0x08, if serving { 1 } else { 2 }]
+}
+
+/// The `service` (field 1) of a HealthCheckRequest; None if the message does not decode as one.
+pub fn health_service(m: &[u8]) -> Option<&[u8]> {
+    let mut service: &[u8] = &[];
+    let mut pos = 0;
+    while pos < m.len() {
+        let (key, n) = varint(&m[pos..])?;
+        pos += n;
+        match key & 7 {
+            0 => pos += varint(m.get(pos..)?)?.1,
+            1 => pos += 8,
+            2 => {
+                let (len, n) = varint(m.get(pos..)?)?;
+                let start = pos + n;
+                let end = start.checked_add(usize::try_from(len).ok()?)?;
+                let bytes = m.get(start..end)?;
+                if key >> 3 == 1 {
+                    service = bytes;
+                }
+                pos = end;
+            }
+            5 => pos += 4,
+            _ => return None,
+        }
+    }
+    (pos == m.len()).then_some(service)
+}
+
+/// A protobuf varint at the start of `b`: its value and length.
+fn varint(b: &[u8]) -> Option<(u64, usize)> {
+    let mut v = 0u64;
+    for (i, byte) in b.iter().enumerate().take(10) {
+        v |= u64::from(byte & 0x7f) << (7 * i);
+        if byte & 0x80 == 0 {
+            return Some((v, i + 1));
+        }
+    }
+    None
+}
+
+/// The largest request message accepted (a RateLimitRequest of 64 descriptors with long values is a
+/// few KiB); past this the call is refused (RESOURCE_EXHAUSTED) before its body arrives.
 pub const MAX_MESSAGE: usize = 16 * 1024;
 
 /// gRPC status codes used here.
 pub mod status {
+    /// A health check of a service this server does not have.
+    pub const NOT_FOUND: i32 = 5;
     /// Too large, or the agent is overloaded.
     pub const RESOURCE_EXHAUSTED: i32 = 8;
     /// Unknown method, or a compressed message.
@@ -137,7 +188,7 @@ pub fn declared_len(body: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::envoy::h2::hpack::{tests::fields, Decoder};
+    use crate::hpack::{tests::fields, Decoder};
 
     fn decoded(block: &[u8]) -> Vec<(String, String)> {
         fields(&mut Decoder::default(), block)
@@ -161,6 +212,24 @@ mod tests {
             "{}",
             fields[1].1
         );
+    }
+
+    #[test]
+    fn a_health_request_names_its_service() {
+        assert_eq!(health_service(&[]), Some(&b""[..]));
+        assert_eq!(health_service(&[0x0a, 2, b'a', b'b']), Some(&b"ab"[..]));
+        // Other fields are skipped; a truncated string or a bad wire type does not decode.
+        assert_eq!(
+            health_service(&[0x10, 0x96, 0x01, 0x0a, 1, b'x']),
+            Some(&b"x"[..])
+        );
+        assert_eq!(health_service(&[0x0a, 5, b'a']), None);
+        assert_eq!(health_service(&[0x0f]), None);
+        assert_eq!(
+            health_service(&[0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01]),
+            None
+        );
+        assert_eq!(health_response(true), [0x08, 1]);
     }
 
     #[test]
