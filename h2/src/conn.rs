@@ -30,7 +30,7 @@ use tokio::time::Instant;
 
 use crate::budget::{ClosedStreams, Parked, CALM};
 use crate::frame::{self, code, setting, HEAD, MAX_PAYLOAD, PREFACE};
-use crate::grpc;
+use crate::head::RequestHead;
 use crate::hpack;
 use crate::service::{Config, Service};
 
@@ -41,7 +41,7 @@ pub const MAX_STREAMS: usize = 1_024;
 pub const CONN_WINDOW: i64 = 1 << 20;
 
 /// Each stream's receive window (the default, never credited back: a request message is at most
-/// [`grpc::MAX_MESSAGE`], well within it).
+/// [`crate::grpc::MAX_MESSAGE`], well within it).
 pub(crate) const STREAM_WINDOW: usize = 65_535;
 
 /// The largest header block (HEADERS and its CONTINUATIONs, compressed), and the largest header
@@ -74,80 +74,6 @@ impl<F: Future + Unpin> Future for Answering<F> {
         let id = self.id;
         Pin::new(&mut self.answer).poll(cx).map(|a| (id, a))
     }
-}
-
-/// Which method a request's `:path` names.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Method {
-    /// None this server has.
-    #[default]
-    Other,
-    /// The service's method of this index in [`Config`].
-    Call(usize),
-    /// grpc.health.v1 Check.
-    HealthCheck,
-    /// grpc.health.v1 Watch (refused: probes poll Check).
-    HealthWatch,
-}
-
-/// What the server reads of a request's headers.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct RequestHead {
-    pub post: bool,
-    pub method: Method,
-    pub grpc: bool,
-    /// The caller's `traceparent`, read only when the service asks for it.
-    pub trace: Option<Box<[u8]>>,
-}
-
-impl RequestHead {
-    pub fn field(
-        &mut self,
-        name: &[u8],
-        value: hpack::Value<'_>,
-        buf: &mut Vec<u8>,
-        config: &Config,
-        trace: bool,
-    ) {
-        match name {
-            b":method" => self.post = value.is(b"POST", &coded().post),
-            b":path" => {
-                let c = coded();
-                self.method = if let Some(m) = config.method(&value) {
-                    Method::Call(m)
-                } else if value.is(grpc::HEALTH_CHECK, &c.health_check) {
-                    Method::HealthCheck
-                } else if value.is(grpc::HEALTH_WATCH, &c.health_watch) {
-                    Method::HealthWatch
-                } else {
-                    Method::Other
-                }
-            }
-            b"content-type" => {
-                self.grpc = value
-                    .bytes(buf)
-                    .is_some_and(|v| v.starts_with(b"application/grpc"))
-            }
-            b"traceparent" if trace => self.trace = value.bytes(buf).map(Box::from),
-            _ => {}
-        }
-    }
-}
-
-/// The Huffman codes of the values compared.
-struct Coded {
-    post: Vec<u8>,
-    health_check: Vec<u8>,
-    health_watch: Vec<u8>,
-}
-
-fn coded() -> &'static Coded {
-    static CODED: std::sync::OnceLock<Coded> = std::sync::OnceLock::new();
-    CODED.get_or_init(|| Coded {
-        post: crate::huffman::encode(b"POST"),
-        health_check: crate::huffman::encode(grpc::HEALTH_CHECK),
-        health_watch: crate::huffman::encode(grpc::HEALTH_WATCH),
-    })
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -211,6 +137,9 @@ pub(crate) struct Conn<S: Service> {
     /// The highest stream id the client opened.
     pub last_stream: u32,
     pub continuing: Option<Continuing>,
+    /// The header block being read opened a stream that depends on itself (a stream error once the
+    /// block is decoded).
+    pub self_dependent: Option<u32>,
     pub block: Vec<u8>,
     /// Where a Huffman-coded value read is decoded.
     pub scratch: Vec<u8>,
@@ -285,6 +214,7 @@ where
         streams: HashMap::with_hasher(foldhash::fast::FixedState::default()),
         last_stream: 0,
         continuing: None,
+        self_dependent: None,
         block: Vec::new(),
         scratch: Vec::new(),
         peer_initial: 65_535,

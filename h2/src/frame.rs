@@ -17,6 +17,8 @@ pub mod kind {
     pub const DATA: u8 = 0x0;
     /// A header block's start.
     pub const HEADERS: u8 = 0x1;
+    /// A stream's priority (deprecated; read for its faults only).
+    pub const PRIORITY: u8 = 0x2;
     /// Ends a stream at once.
     pub const RST_STREAM: u8 = 0x3;
     /// Connection settings, or their acknowledgement.

@@ -32,6 +32,8 @@ pub enum HpackError {
     Overflow,
     /// A size update past the announced table size.
     TableTooLarge(usize),
+    /// A dynamic table size update after a field of the block.
+    LateSizeUpdate,
     /// A header list past the given size, counted as RFC 9113 §6.5.2 does (names and values as
     /// sent, plus 32 a field): its size when it passed.
     ListTooLarge(usize),
@@ -47,6 +49,7 @@ impl std::fmt::Display for HpackError {
             HpackError::TableTooLarge(n) => {
                 write!(f, "a dynamic table size of {n} past the {TABLE_SIZE} announced")
             }
+            HpackError::LateSizeUpdate => write!(f, "a dynamic table size update after a field"),
             HpackError::ListTooLarge(n) => {
                 write!(f, "a header list of {n} bytes or more, past the size announced")
             }
@@ -259,7 +262,10 @@ impl Decoder {
                 list = field(entry.name(), Value::Plain(entry.value()));
                 self.insert(entry);
             } else if b & 0xe0 == 0x20 {
-                // Dynamic table size update.
+                // Dynamic table size update: only before the block's first field (§4.2).
+                if list > 0 {
+                    return Err(HpackError::LateSizeUpdate);
+                }
                 let n = integer(block, &mut pos, 5)?;
                 if n > TABLE_SIZE {
                     return Err(HpackError::TableTooLarge(n));
@@ -493,6 +499,8 @@ pub(super) mod tests {
             (vec![0x41, 0x05, b'a'], HpackError::Truncated),
             (vec![0xff, 0xff, 0xff, 0xff, 0xff, 0xff], HpackError::Overflow),
             (vec![0x3f, 0xe2, 0x1f], HpackError::TableTooLarge(4_097)),
+            // A size update after a field.
+            (vec![0x82, 0x20], HpackError::LateSizeUpdate),
             // A Huffman-coded name that does not decode.
             (vec![0x00, 0x81, 0x00, 0x00], HpackError::BadHuffman),
         ] {

@@ -11,7 +11,7 @@
 //! # Layout
 //! - `service`: [`Service`] (the application: one call in, an answer's future out), [`Config`].
 //! - `conn`: [`serve`], one connection: its loop, streams, timers, keepalive, shutdown.
-//! - `recv`: the frames a client sends, and what each does.
+//! - `recv`: the frames a client sends, and what each does; `head`: a request's header block read.
 //! - `send`: the answers, resets and window credits the server writes.
 //! - `budget`: what a connection may make the server hold: parked answers, resets, settings.
 //! - `frame`: frame headers, kinds, flags, error codes and the frames a server writes.
@@ -49,6 +49,7 @@ mod budget;
 mod conn;
 mod frame;
 pub mod grpc;
+mod head;
 mod hpack;
 mod huffman;
 mod recv;

@@ -5,11 +5,12 @@ use tokio::time::Instant;
 
 use crate::budget::Closed;
 use crate::conn::{
-    conn_error, Conn, ConnError, Continuing, RequestHead, State, Stream, MAX_CONTINUATIONS, MAX_HEADER_BLOCK,
-    MAX_STREAMS, STREAM_WINDOW,
+    conn_error, Conn, ConnError, Continuing, State, Stream, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_STREAMS,
+    STREAM_WINDOW,
 };
 use crate::frame::{self, code, flag, kind, setting, Head, HEAD, MAX_PAYLOAD, MAX_WINDOW};
 use crate::grpc::{self, status};
+use crate::head::RequestHead;
 use crate::service::Service;
 
 impl<S: Service> Conn<S> {
@@ -76,8 +77,35 @@ impl<S: Service> Conn<S> {
             }
             kind::WINDOW_UPDATE => self.window_update(h, payload),
             kind::PUSH_PROMISE => conn_error(code::PROTOCOL_ERROR, "a client sent PUSH_PROMISE"),
-            // PRIORITY and unknown kinds: ignored.
+            kind::PRIORITY => self.priority(h, payload),
+            // Unknown kinds: ignored (§5.5).
             _ => Ok(()),
+        }
+    }
+
+    /// PRIORITY: read for its faults only (this server does not prioritize; §5.3.2 deprecates it).
+    fn priority(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
+        if h.stream == 0 {
+            return conn_error(code::PROTOCOL_ERROR, "PRIORITY on stream 0");
+        }
+        if h.len != 5 {
+            frame::rst_stream(&mut self.out, h.stream, code::FRAME_SIZE_ERROR);
+            self.remove(h.stream, Closed::ByUs);
+            return Ok(());
+        }
+        if depends_on_itself(h.stream, payload) {
+            self.reset_any(h.stream, code::PROTOCOL_ERROR);
+        }
+        Ok(())
+    }
+
+    /// A stream error on `id`, open or not.
+    fn reset_any(&mut self, id: u32, code: u32) {
+        if self.streams.contains_key(&id) {
+            self.reset(id, code);
+        } else {
+            frame::rst_stream(&mut self.out, id, code);
+            self.closed.push(id, Closed::ByUs);
         }
     }
 
@@ -93,9 +121,21 @@ impl<S: Service> Conn<S> {
             if range.start > range.end {
                 return conn_error(code::FRAME_SIZE_ERROR, "HEADERS too short for its priority");
             }
+            if depends_on_itself(h.stream, &payload[range.start - 5..]) {
+                // A stream error, though the block is still decoded for the HPACK table's sake.
+                self.block.clear();
+                self.fragment(&payload[range])?;
+                self.self_dependent = Some(h.stream);
+                return self.headers_end_or_continue(h);
+            }
         }
         self.block.clear();
         self.fragment(&payload[range])?;
+        self.headers_end_or_continue(h)
+    }
+
+    /// A HEADERS frame's fragment is in `block`: the block ends here or CONTINUATIONs follow.
+    fn headers_end_or_continue(&mut self, h: Head) -> Result<(), ConnError> {
         let end_stream = h.has(flag::END_STREAM);
         if h.has(flag::END_HEADERS) {
             self.end_headers(h.stream, end_stream)
@@ -160,6 +200,11 @@ impl<S: Service> Conn<S> {
             };
             return conn_error(code, e.to_string());
         }
+        if self.self_dependent.take() == Some(id) {
+            self.last_stream = self.last_stream.max(id);
+            self.reset_any(id, code::PROTOCOL_ERROR);
+            return Ok(());
+        }
         if id > self.last_stream {
             self.last_stream = id;
             // Checks still being decided count too: a stream reset while its check runs (the rapid
@@ -170,6 +215,13 @@ impl<S: Service> Conn<S> {
                 }
                 frame::rst_stream(&mut self.out, id, code::REFUSED_STREAM);
                 self.closed.push(id, Closed::ByUs);
+                return Ok(());
+            }
+            // A malformed request (RFC 9113 §8.1.1): a stream error, and a unit of calm.
+            if head.request_fault().is_some() {
+                frame::rst_stream(&mut self.out, id, code::PROTOCOL_ERROR);
+                self.closed.push(id, Closed::ByUs);
+                self.spend_calm();
                 return Ok(());
             }
             self.streams.insert(
@@ -193,8 +245,10 @@ impl<S: Service> Conn<S> {
             return Ok(());
         }
         match self.streams.get(&id).map(|s| s.state) {
-            // Trailers end a request.
-            Some(State::Receiving) if end_stream => self.dispatch(id, None),
+            // Trailers end a request; they carry no pseudo-header field.
+            Some(State::Receiving) if end_stream && head.trailers_fault().is_none() => {
+                self.dispatch(id, None)
+            }
             Some(State::Receiving) => self.reset(id, code::PROTOCOL_ERROR),
             // The client ended its side already (half-closed, §5.1).
             Some(State::Answering | State::Sending) => self.reset(id, code::STREAM_CLOSED),
@@ -377,4 +431,10 @@ impl<S: Service> Conn<S> {
         }
         Ok(())
     }
+}
+
+/// Whether a priority block (stream dependency, weight) names its own stream (§5.3.1: a stream error).
+fn depends_on_itself(stream: u32, priority: &[u8]) -> bool {
+    priority.len() >= 4
+        && u32::from_be_bytes([priority[0], priority[1], priority[2], priority[3]]) & 0x7fff_ffff == stream
 }

@@ -7,9 +7,10 @@ use futures::FutureExt;
 use tokio::time::Instant;
 
 use crate::budget::{Closed, CALM};
-use crate::conn::{Answering, Conn, Method, State, CONN_WINDOW};
+use crate::conn::{Answering, Conn, State, CONN_WINDOW};
 use crate::frame::{self, code, flag, kind, MAX_PAYLOAD};
 use crate::grpc::{self, status};
+use crate::head::Method;
 use crate::service::{Service, Status};
 
 impl<S: Service> Conn<S> {
@@ -25,6 +26,10 @@ impl<S: Service> Conn<S> {
         let gathered = std::mem::take(&mut s.body);
         let body = whole.unwrap_or(&gathered);
         let head = std::mem::take(&mut s.head);
+        // DATA that does not add up to the request's content-length: malformed (§8.1.1).
+        if head.content_length.is_some_and(|n| n != body.len() as u64) {
+            return self.reset(id, code::PROTOCOL_ERROR);
+        }
         if !(head.post && head.grpc) {
             let mut block = Vec::with_capacity(8);
             block.extend_from_slice(grpc::NOT_GRPC);

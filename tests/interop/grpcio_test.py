@@ -354,7 +354,7 @@ def test_64_concurrent_calls_on_one_channel_are_all_answered_and_counted_exactly
 
 def test_unknown_method_is_unimplemented_and_bad_requests_are_refused(channel):
     req = encode_request("edge", [[("remote_address", "198.51.100.1")]])
-    for path in ("/envoy.service.ratelimit.v3.RateLimitService/Nope", "/grpc.health.v1.Health/Check"):
+    for path in ("/envoy.service.ratelimit.v3.RateLimitService/Nope", "/grpc.health.v1.Health/Watch"):
         e = rpc_error(lambda: method(channel, path)(req, timeout=10))
         assert e.code() == grpc.StatusCode.UNIMPLEMENTED, (path, e.code(), e.details())
     e = rpc_error(lambda: method(channel)(encode_request("", [[("remote_address", "198.51.100.1")]]), timeout=10))
@@ -365,6 +365,16 @@ def test_unknown_method_is_unimplemented_and_bad_requests_are_refused(channel):
     assert e.code() == grpc.StatusCode.INTERNAL, (e.code(), e.details())
     # None of these refusals harmed the connection: the next call is answered.
     assert check(channel, "edge", [[("remote_address", "198.51.100.1")]])["overall"] == OK
+
+
+def test_grpc_health_check_answers_serving(channel):
+    # grpc.health.v1.HealthCheckRequest{service} and HealthCheckResponse{status}: SERVING is 1.
+    check_health = method(channel, "/grpc.health.v1.Health/Check")
+    for service in (b"", b"envoy.service.ratelimit.v3.RateLimitService"):
+        req = b"\x0a" + bytes([len(service)]) + service if service else b""
+        assert check_health(req, timeout=10) == b"\x08\x01", service
+    e = rpc_error(lambda: check_health(b"\x0a\x03abc", timeout=10))
+    assert e.code() == grpc.StatusCode.NOT_FOUND, (e.code(), e.details())
 
 
 def test_metadata_is_accepted(channel):
