@@ -1,0 +1,6 @@
+//! Fuzz target: floodgate_h2::fuzzing::huffman on any input must return, never panic.
+#![no_main]
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = floodgate_h2::fuzzing::huffman(data);
+});
