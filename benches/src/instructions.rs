@@ -129,6 +129,15 @@ pub const SCENARIOS: &[Scenario] = &[
         grpc: Some("tonic"),
     },
     Scenario {
+        name: "memory, grpc h2, 1 channel × 64",
+        redis: false,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: Some("h2"),
+    },
+    Scenario {
         name: "redis, frames, 1 client × 64",
         redis: true,
         rule: "bench",
@@ -154,6 +163,15 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("tonic"),
+    },
+    Scenario {
+        name: "redis, grpc h2, 1 channel × 64",
+        redis: true,
+        rule: "bench",
+        clients: 1,
+        in_flight: 64,
+        keys: 10_000,
+        grpc: Some("h2"),
     },
 ];
 
