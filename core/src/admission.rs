@@ -7,11 +7,18 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// Who a connection belongs to, for its share of the cap: the Unix socket's peer uid
+/// Who a connection belongs to, for its share of the cap: the Unix socket's peer process and uid
 /// (`SO_PEERCRED`), a TCP or gRPC client's source address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Peer {
-    /// A local user.
+    /// A local process, and its user.
+    Process {
+        /// Its uid: the share it counts against.
+        uid: u32,
+        /// Its pid: a process holds at most a quarter of its user's share.
+        pid: i32,
+    },
+    /// A local user (the kernel named no process).
     Uid(u32),
     /// A remote (or loopback TCP) client.
     Ip(IpAddr),
@@ -22,9 +29,36 @@ pub enum Peer {
 impl std::fmt::Display for Peer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            Peer::Process { uid, pid } => write!(f, "uid {uid} (pid {pid})"),
             Peer::Uid(uid) => write!(f, "uid {uid}"),
             Peer::Ip(ip) => write!(f, "{ip}"),
             Peer::Unknown => f.write_str("an unknown peer"),
+        }
+    }
+}
+
+impl Peer {
+    /// The peer whose share this one also counts against: a process's user.
+    pub fn group(self) -> Peer {
+        match self {
+            Peer::Process { uid, .. } => Peer::Uid(uid),
+            other => other,
+        }
+    }
+
+    /// The network this peer is on, as far as an address tells it, for its part of the slots kept
+    /// for newcomers: 127.0.0.0/8 is one host, an IPv6 address's /64 one network (a host holds many
+    /// such addresses, and must not pose as many newcomers); a local process is its user.
+    pub fn network(self) -> Peer {
+        match self {
+            Peer::Process { uid, .. } => Peer::Uid(uid),
+            Peer::Ip(IpAddr::V4(v4)) if v4.is_loopback() => Peer::Ip(IpAddr::V4([127, 0, 0, 0].into())),
+            Peer::Ip(IpAddr::V6(v6)) => {
+                let mut o = v6.octets();
+                o[8..].fill(0);
+                Peer::Ip(IpAddr::V6(o.into()))
+            }
+            other => other,
         }
     }
 }
@@ -38,15 +72,36 @@ pub enum Refusal {
     Share(Peer),
 }
 
-/// A listener's cap on open connections (each of the Unix socket, TCP and gRPC listeners has one),
-/// and each peer's share of it: one local user (or one address) holding connections it never uses
-/// must not leave every other client of the host with an Error 7, under which the SDKs fail open.
+/// A listener's cap on open connections (each of the Unix socket, TCP, gRPC and HTTP listeners has
+/// one), and each peer's share of it: one local user (or one address) holding connections it never
+/// uses must not leave every other client of the host with an Error 7, under which the SDKs fail
+/// open. Three rules, checked when a connection comes:
+///
+/// - a peer (an address; a user) holds at most `per_peer` connections, and one process at most a
+///   quarter of its user's share;
+/// - the last eighth of the cap is kept for peers that hold no connection yet, so a few greedy peers
+///   at their share cannot leave a newcomer (a probe, a new gRPC channel) nothing;
+/// - one network ([`Peer::network`]: 127.0.0.0/8, an IPv6 /64, a user) holds at most a quarter of
+///   that kept eighth, so a host cycling through its addresses cannot take it all.
 #[derive(Debug, Clone)]
 pub struct ConnectionCap {
     slots: Arc<Semaphore>,
     max: usize,
     per_peer: usize,
-    peers: Arc<Mutex<HashMap<Peer, usize>>>,
+    per_process: usize,
+    /// Slots only a peer holding none may take.
+    reserve: usize,
+    held: Arc<Mutex<Held>>,
+}
+
+/// What each peer, user and network holds.
+#[derive(Debug, Default)]
+struct Held {
+    peers: HashMap<Peer, usize>,
+    /// A user's connections over all its processes.
+    groups: HashMap<Peer, usize>,
+    /// Kept slots each network holds.
+    kept: HashMap<Peer, usize>,
 }
 
 /// One connection's place under the cap and in its peer's share, given back when dropped.
@@ -54,17 +109,29 @@ pub struct ConnectionCap {
 pub struct Slot {
     _permit: OwnedSemaphorePermit,
     peer: Peer,
-    peers: Arc<Mutex<HashMap<Peer, usize>>>,
+    /// One of the slots kept for newcomers.
+    kept: bool,
+    held: Arc<Mutex<Held>>,
+}
+
+fn give_back(map: &mut HashMap<Peer, usize>, key: Peer) {
+    if let Some(n) = map.get_mut(&key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(&key);
+        }
+    }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(n) = peers.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                peers.remove(&self.peer);
-            }
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        give_back(&mut held.peers, self.peer);
+        if self.peer.group() != self.peer {
+            give_back(&mut held.groups, self.peer.group());
+        }
+        if self.kept {
+            give_back(&mut held.kept, self.peer.network());
         }
     }
 }
@@ -74,11 +141,14 @@ impl ConnectionCap {
     /// least 1, at most `max`).
     pub fn new(max: usize, per_peer: usize) -> Self {
         let max = max.max(1);
+        let per_peer = per_peer.clamp(1, max);
         ConnectionCap {
             slots: Arc::new(Semaphore::new(max)),
             max,
-            per_peer: per_peer.clamp(1, max),
-            peers: Arc::default(),
+            per_peer,
+            per_process: (per_peer / 4).max(1),
+            reserve: max / 8,
+            held: Arc::default(),
         }
     }
 
@@ -102,16 +172,37 @@ impl ConnectionCap {
             .clone()
             .try_acquire_owned()
             .map_err(|_| Refusal::Full)?;
-        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-        let held = peers.get(&peer).copied().unwrap_or(0);
-        if held >= self.per_peer {
+        let in_use = self.max - self.slots.available_permits();
+        let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
+        let mine = held.peers.get(&peer).copied().unwrap_or(0);
+        let own_share = match peer {
+            Peer::Process { .. } => self.per_process,
+            _ => self.per_peer,
+        };
+        if mine >= own_share {
             return Err(Refusal::Share(peer));
         }
-        peers.insert(peer, held + 1);
+        let group = peer.group();
+        if group != peer && held.groups.get(&group).copied().unwrap_or(0) >= self.per_peer {
+            return Err(Refusal::Share(group));
+        }
+        let kept = in_use > self.max - self.reserve;
+        if kept {
+            let network = held.kept.get(&peer.network()).copied().unwrap_or(0);
+            if mine > 0 || network >= (self.reserve / 4).max(1) {
+                return Err(Refusal::Full);
+            }
+            *held.kept.entry(peer.network()).or_default() += 1;
+        }
+        *held.peers.entry(peer).or_default() += 1;
+        if group != peer {
+            *held.groups.entry(group).or_default() += 1;
+        }
         Ok(Slot {
             _permit: permit,
             peer,
-            peers: self.peers.clone(),
+            kept,
+            held: self.held.clone(),
         })
     }
 
@@ -188,11 +279,11 @@ mod tests {
         let _y = cap.try_acquire(Peer::Uid(2)).unwrap();
         assert_eq!(cap.try_acquire(Peer::Uid(3)).unwrap_err(), Refusal::Full);
         // A refused try leaves no count behind.
-        assert!(!cap.peers.lock().unwrap().contains_key(&Peer::Uid(3)));
+        assert!(!cap.held.lock().unwrap().peers.contains_key(&Peer::Uid(3)));
     }
 
     #[test]
-    fn a_peer_gets_a_quarter_and_the_cap_holds_for_all() {
+    fn a_peer_gets_a_quarter_and_the_last_eighth_is_kept_for_newcomers() {
         let cap = ConnectionCap::new(8, ConnectionCap::default_share(8));
         let ip = |last: u8| Peer::Ip([10, 0, 0, last].into());
         let mut held: Vec<Slot> = (0..2).filter_map(|_| cap.try_acquire(ip(1)).ok()).collect();
@@ -201,12 +292,80 @@ mod tests {
         for last in 2..=4 {
             held.extend((0..2).filter_map(|_| cap.try_acquire(ip(last)).ok()));
         }
-        assert_eq!(held.len(), 8);
-        assert!(cap.try_acquire(ip(5)).is_err(), "the cap is full");
+        assert_eq!(held.len(), 7, "four greedy peers leave the last slot");
+        held.push(cap.try_acquire(ip(5)).expect("a newcomer takes the kept slot"));
+        assert_eq!(
+            cap.try_acquire(ip(6)).unwrap_err(),
+            Refusal::Full,
+            "the cap is full"
+        );
         held.remove(0);
-        assert!(cap.try_acquire(ip(1)).is_ok(), "a slot given back is a's again");
+        assert_eq!(
+            cap.try_acquire(ip(1)).unwrap_err(),
+            Refusal::Full,
+            "a's freed slot is the kept one now: a holds one already"
+        );
+        held.remove(0);
+        assert!(
+            cap.try_acquire(ip(1)).is_ok(),
+            "a holding none is a newcomer again"
+        );
         drop(held);
-        assert!(cap.peers.lock().unwrap().is_empty(), "no peer is left counted");
+        let held = cap.held.lock().unwrap();
+        assert!(
+            held.peers.is_empty() && held.kept.is_empty(),
+            "no peer is left counted"
+        );
+    }
+
+    #[test]
+    fn a_process_gets_a_quarter_of_its_users_share() {
+        let cap = ConnectionCap::new(64, ConnectionCap::default_share(64));
+        let p = |pid| Peer::Process { uid: 1000, pid };
+        let greedy: Vec<Slot> = (0..200).filter_map(|_| cap.try_acquire(p(7)).ok()).collect();
+        assert_eq!(greedy.len(), 4, "16 for uid 1000, 4 for one of its processes");
+        assert!(cap
+            .refusal_message(Refusal::Share(p(7)))
+            .contains("uid 1000 (pid 7) holds its share"));
+        let others: Vec<Slot> = (8..40).filter_map(|pid| cap.try_acquire(p(pid)).ok()).collect();
+        assert_eq!(others.len(), 12, "the rest of the user's share, one each");
+        assert_eq!(
+            cap.try_acquire(p(50)).unwrap_err(),
+            Refusal::Share(Peer::Uid(1000))
+        );
+        assert!(
+            cap.try_acquire(Peer::Process { uid: 1001, pid: 60 }).is_ok(),
+            "another user"
+        );
+        drop((greedy, others));
+        assert!(cap.held.lock().unwrap().groups.is_empty());
+    }
+
+    #[test]
+    fn a_host_cycling_addresses_takes_a_quarter_of_the_kept_slots() {
+        let lo = |last: u8| Peer::Ip([127, 0, 0, last].into());
+        assert_eq!(lo(2).network(), lo(9).network());
+        let v6 = |s: &str| Peer::Ip(s.parse().unwrap());
+        assert_eq!(v6("2001:db8::1").network(), v6("2001:db8::ffff:1").network());
+        assert_ne!(v6("2001:db8::1").network(), v6("2001:db8:0:1::1").network());
+        let cap = ConnectionCap::new(64, ConnectionCap::default_share(64));
+        // 200 loopback addresses, each taking all it can: 56 slots at their shares, and of the 8
+        // kept for newcomers, 2 for the loopback network.
+        let held: Vec<Slot> = (2..=201u8)
+            .flat_map(|last| (0..16).map(move |_| last))
+            .filter_map(|last| cap.try_acquire(lo(last)).ok())
+            .collect();
+        assert_eq!(held.len(), 58);
+        // Other hosts still find room, one connection each.
+        assert!(cap.try_acquire(v6("::1")).is_ok());
+        let a = cap.try_acquire(Peer::Ip([10, 1, 1, 1].into())).unwrap();
+        assert_eq!(
+            cap.try_acquire(Peer::Ip([10, 1, 1, 1].into())).unwrap_err(),
+            Refusal::Full
+        );
+        drop((held, a));
+        let held = cap.held.lock().unwrap();
+        assert!(held.peers.is_empty() && held.kept.is_empty());
     }
 
     #[test]

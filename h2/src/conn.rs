@@ -170,6 +170,9 @@ pub(crate) struct Conn<S: Service> {
     pub goaway_last: Option<u32>,
     /// The client sent GOAWAY: no new streams will come.
     pub peer_gone: bool,
+    /// When the last stream opened (or the connection, before any): a connection with no call for
+    /// the idle timeout is closed.
+    pub last_call: Instant,
     pub out: Vec<u8>,
     pub pending: FuturesUnordered<Answering<S::Future>>,
 }
@@ -179,6 +182,8 @@ pub(crate) struct Conn<S: Service> {
 pub enum Ended {
     /// The peer closed it, or it drained after a shutdown, or a write timed out.
     Closed,
+    /// No call came for the idle timeout: GOAWAY `NO_ERROR`, then the close (a client reconnects).
+    Idle,
     /// This server sent GOAWAY with this error code (ENHANCE_YOUR_CALM: a budget was spent).
     Error {
         /// The GOAWAY's code (RFC 9113 §7).
@@ -205,7 +210,9 @@ where
     IO: AsyncRead + AsyncWrite + Unpin,
     S: Service,
 {
-    let (frame_timeout, write_timeout) = (config.frame_timeout, config.write_timeout);
+    let (frame_timeout, write_timeout, idle_timeout) =
+        (config.frame_timeout, config.write_timeout, config.idle_timeout);
+    let mut idle = false;
     let mut c = Conn {
         trace: service.read_traceparent(),
         service,
@@ -231,6 +238,7 @@ where
         going_away: false,
         goaway_last: None,
         peer_gone: false,
+        last_call: Instant::now(),
         out: Vec::with_capacity(4 * 1024),
         pending: FuturesUnordered::new(),
     };
@@ -288,7 +296,7 @@ where
         };
         if done {
             linger(&mut io).await;
-            return Ended::Closed;
+            return if idle { Ended::Idle } else { Ended::Closed };
         }
         if inbuf.capacity() - inbuf.len() < 4 * 1024 {
             inbuf.reserve(HEAD + MAX_PAYLOAD);
@@ -387,7 +395,15 @@ where
                     ping_sent = Some(now);
                 }
                 c.drop_stale(now, frame_timeout);
-                let next = if c.incomplete(partial_since) {
+                let quiet = c.streams.is_empty() && c.pending.is_empty();
+                if quiet && !c.going_away && now >= c.last_call + idle_timeout {
+                    // A connection that only answers PINGs holds a slot of the cap: it goes.
+                    idle = true;
+                    c.going_away = true;
+                    c.goaway(code::NO_ERROR, "no call within the idle timeout");
+                    continue;
+                }
+                let mut next = if c.incomplete(partial_since) {
                     now + frame_timeout
                 } else {
                     match ping_sent {
@@ -395,6 +411,9 @@ where
                         None => (last_read + KEEPALIVE).max(now + frame_timeout),
                     }
                 };
+                if quiet && !c.going_away {
+                    next = next.min(c.last_call + idle_timeout);
+                }
                 timer.as_mut().reset(next);
             }
         }

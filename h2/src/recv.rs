@@ -224,6 +224,7 @@ impl<S: Service> Conn<S> {
                 self.spend_calm();
                 return Ok(());
             }
+            self.last_call = Instant::now();
             self.streams.insert(
                 id,
                 Stream {

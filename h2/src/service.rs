@@ -55,6 +55,8 @@ pub struct Config {
     pub frame_timeout: Duration,
     /// A write the peer does not take within this closes the connection.
     pub write_timeout: Duration,
+    /// A connection with no call for this long is sent GOAWAY `NO_ERROR` and closed.
+    pub idle_timeout: Duration,
 }
 
 impl Config {
@@ -70,6 +72,7 @@ impl Config {
                 .collect(),
             frame_timeout: Duration::from_secs(2),
             write_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_secs(300),
         }
     }
 
@@ -77,6 +80,12 @@ impl Config {
     pub fn timeouts(mut self, frame_timeout: Duration, write_timeout: Duration) -> Self {
         self.frame_timeout = frame_timeout;
         self.write_timeout = write_timeout;
+        self
+    }
+
+    /// The same with this idle timeout.
+    pub fn idle(mut self, idle_timeout: Duration) -> Self {
+        self.idle_timeout = idle_timeout;
         self
     }
 

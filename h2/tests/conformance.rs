@@ -40,6 +40,8 @@
 //!   a missing one, upper-case names, connection-specific fields, TE other than trailers, trailers
 //!   with pseudo-headers, content-length not matching DATA) are stream errors PROTOCOL_ERROR
 //!   -> `malformed_requests`
+//! - this server's choice: a connection that answers PINGs but makes no call for the idle timeout
+//!   gets GOAWAY NO_ERROR and is closed -> `an_idle_connection_is_closed`
 //! - RFC 7541 2.3.3, 4.2, 5.1, 5.2: index 0 or past the table, a size update past the setting or
 //!   after a field, an integer overflow, a Huffman string with EOS or bad padding are
 //!   COMPRESSION_ERROR -> `hpack_errors`
@@ -221,7 +223,7 @@ impl Peer {
         while self.next().await.is_some() {}
         match self.server.await.unwrap() {
             Ended::Error { code: ended, .. } => assert_eq!(ended, code),
-            Ended::Closed => panic!("the server says it closed without an error"),
+            Ended::Closed | Ended::Idle => panic!("the server says it closed without an error"),
         }
         code
     }
@@ -873,4 +875,28 @@ async fn push_promise_from_a_client() {
     let mut p = Peer::open().await;
     p.frame(PUSH_PROMISE, END_HEADERS, 1, &[0, 0, 0, 2]).await;
     assert_eq!(p.connection_error().await, PROTOCOL_ERROR);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_connection_is_closed() {
+    let mut p = Peer::open().await;
+    p.still_serves(1).await;
+    let quiet = tokio::time::Instant::now();
+    let code = loop {
+        let f = p.next().await.expect("a GOAWAY before the close");
+        match f.kind {
+            // The server's keepalive PING, answered: the peer is alive, only idle.
+            PING if f.flags & ACK == 0 => p.frame(PING, ACK, 0, &f.payload).await,
+            GOAWAY => break f.code(),
+            _ => {}
+        }
+    };
+    assert_eq!(code, 0, "NO_ERROR");
+    assert!(
+        quiet.elapsed() >= Duration::from_secs(60),
+        "{:?}",
+        quiet.elapsed()
+    );
+    while p.next().await.is_some() {}
+    assert_eq!(p.server.await.unwrap(), Ended::Idle);
 }

@@ -88,11 +88,10 @@ impl Raw {
 
     /// Writes one frame, or returns false if the agent has closed the connection.
     pub async fn send(&mut self, kind: u8, flags: u8, stream: u32, payload: &[u8]) -> bool {
-        let len = payload.len() as u32;
-        let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
-        f.extend_from_slice(&stream.to_be_bytes());
-        f.extend_from_slice(payload);
-        self.io.write_all(&f).await.is_ok()
+        self.io
+            .write_all(&frame_bytes(kind, flags, stream, payload))
+            .await
+            .is_ok()
     }
 
     /// Hands back the socket, for a test that reads and writes on separate tasks.
@@ -222,6 +221,15 @@ impl Raw {
         let message = RateLimitResponse::decode(&body[5..]).unwrap();
         (fields, Some(message), status)
     }
+}
+
+/// One frame's bytes: its 9-byte header, then `payload`.
+pub fn frame_bytes(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
 }
 
 /// A ShouldRateLimit request of domain `edge` for one `remote_address`.

@@ -271,3 +271,22 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.trim().trim_end_matches(" kB").trim().parse().ok())
         .unwrap()
 }
+
+/// A connection that answers PINGs but makes no call is idle: past `--idle-timeout-ms` it gets
+/// GOAWAY NO_ERROR and is closed, and its slot of the cap goes back (Envoy reconnects when it has a
+/// call). Before, such a connection was held for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_grpc_connection_is_closed() {
+    let agent = Agent::builder()
+        .rules(RULES)
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .arg("--idle-timeout-ms")
+        .arg("500")
+        .start()
+        .await;
+    let mut c = Raw::open(&agent, &[]).await;
+    c.call(1, "203.0.113.45").await;
+    assert_eq!(c.answer(1).await.2, "0");
+    assert_eq!(c.goaway().await, 0, "NO_ERROR");
+}

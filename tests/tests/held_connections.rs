@@ -174,9 +174,10 @@ async fn a_client_holding_the_cap_leaves_others_answered_by_the_engine() {
     assert!(matches!(again.recv().await.unwrap().body, Body::Decision(_)));
 }
 
-/// The same on the Unix socket, where a peer is a uid (`SO_PEERCRED`): another user holding the
-/// cap's worth of connections gets its share and no more, and this process's checks are answered
-/// by the engine. Needs root, to run the other user's client as `nobody`; CI runs as root.
+/// The same on the Unix socket, where a peer is a process and its uid (`SO_PEERCRED`): another
+/// user's process holding the cap's worth of connections gets a quarter of its user's share (4 of
+/// 16) and no more, and this process's checks are answered by the engine. Needs root, to run the
+/// other user's client as `nobody`; CI runs as root.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_user_holding_the_socket_gets_its_share_only() {
     use std::io::{BufRead, Write};
@@ -247,7 +248,7 @@ sys.stdin.read()
     std::io::BufReader::new(nobody.stdout.take().unwrap())
         .read_line(&mut line)
         .unwrap();
-    assert_eq!(line.trim(), "held 16 refused 48");
+    assert_eq!(line.trim(), "held 4 refused 60");
     // This process (root, another peer) is served while nobody holds its share.
     let client = floodgate_tests::patient_client(agent.socket()).await;
     for _ in 0..100 {
@@ -258,4 +259,146 @@ sys.stdin.read()
     let _ = stdin.write_all(b"");
     drop(stdin);
     nobody.wait().unwrap();
+}
+
+/// A process of this test's own user holding 200 connections to a socket capped at 64 (a share of
+/// 16 for the user): it gets a quarter of the user's share, and this process, of the same user, is
+/// still let in and has 8 of 8 checks answered by the engine. Before a process had a share of its
+/// own, the greedy one took the whole user's share and every other process of the user got Error 7,
+/// and so ran by its fail policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_holding_its_users_share_leaves_the_users_other_processes_served() {
+    use std::io::{BufRead, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("agent.sock");
+    let agent = Agent::builder()
+        .rules(RULES)
+        .socket(&socket)
+        .arg("--max-connections")
+        .arg("64")
+        .arg("--max-connections-per-peer")
+        .arg("16")
+        .start()
+        .await;
+    let script = r#"
+import socket, sys
+held = []
+for _ in range(200):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(sys.argv[1])
+        held.append(s)
+    except OSError:
+        pass
+print("connected", flush=True)
+sys.stdin.read()
+"#;
+    let mut greedy = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&socket)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(greedy.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "connected");
+    // The agent refused all but 4 of them (the refusals counted as they happen).
+    let admin = agent.admin_addr().await;
+    eventually("196 refusals are counted", Duration::from_secs(10), || async {
+        let (_, text) = http_get(admin, "/metrics").await;
+        (counter(&text, "floodgate_connections_refused_total{listener=\"unix\"}") >= 196.0).then_some(())
+    })
+    .await;
+    let client = floodgate_sdk::Client::connect(agent.socket()).await;
+    let mut answered = 0;
+    for i in 0..8 {
+        let d = client.allow(&format!("user:{i}"), "api", 1).await.unwrap();
+        answered += usize::from(d.from_agent_answer());
+    }
+    assert_eq!(answered, 8, "8 of 8 checks answered by the engine");
+    let mut stdin = greedy.stdin.take().unwrap();
+    let _ = stdin.write_all(b"");
+    drop(stdin);
+    greedy.wait().unwrap();
+}
+
+/// Four greedy peers (loopback addresses 127.0.0.2 to .5) each holding every connection they can
+/// get on the frames TCP, gRPC and admin listeners; another peer still has its checks answered by
+/// the engine over TCP, opens a new gRPC connection and is answered, and gets `/healthz`. Before
+/// the last eighth of each cap was kept for peers that hold none, four peers at their quarter
+/// share filled every listener: new clients got Error 7 and `/healthz` went unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_greedy_peers_leave_room_for_another() {
+    use floodgate_agent::envoy::proto::{Entry, RateLimitClient, RateLimitDescriptor, RateLimitRequest};
+    use floodgate_tests::raw_http::{connect_from, half_sent};
+    use tokio::io::AsyncWriteExt;
+    let agent = Agent::builder()
+        .rules(
+            r#"{"rules":[{"id":"api","dimension":"user","limit":1000000,"windowSeconds":60},
+              {"id":"edge-user","dimension":"descriptor","limit":100,"windowSeconds":60,
+               "envoy":{"domain":"edge","descriptors":[{"key":"user"}]}}]}"#,
+        )
+        .arg("--listen-tcp")
+        .arg("127.0.0.1:0")
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .arg("--max-connections")
+        .arg("64")
+        .arg("--http-max-connections")
+        .arg("16")
+        .start()
+        .await;
+    let tcp = agent.logged_addr("frames protocol on TCP").await;
+    let grpc = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let admin = agent.admin_addr().await;
+    let mut held = Vec::new();
+    for last in 2..=5u8 {
+        let from = IpAddr::V4(Ipv4Addr::new(127, 0, 0, last));
+        for _ in 0..64 {
+            held.push(connect_from(from, tcp).await);
+            let mut g = connect_from(from, grpc).await;
+            // A gRPC connection that opened properly, so the frame timeout does not end it.
+            let _ = g
+                .write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+                .await;
+            held.push(g);
+        }
+        for _ in 0..16 {
+            held.push(half_sent(from, admin, "/healthz").await);
+        }
+    }
+    // Another peer (127.0.0.1): frames over TCP, a new gRPC connection, and the health probe.
+    let client = floodgate_tests::patient_client(std::path::Path::new(&format!("tcp://{tcp}"))).await;
+    for i in 0..8 {
+        let d = client.allow(&format!("user:{i}"), "api", 1).await.unwrap();
+        assert!(d.from_agent_answer(), "{d:?}");
+    }
+    let mut rls = RateLimitClient::connect(format!("http://{grpc}")).await.unwrap();
+    let r = rls
+        .should_rate_limit(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "user".into(),
+                    value: "u1".into(),
+                }],
+                ..Default::default()
+            }],
+            hits_addend: 1,
+        })
+        .await
+        .unwrap();
+    assert_eq!(r.statuses[0].limit_remaining, 99);
+    let (status, body) = http_get(admin, "/healthz").await;
+    assert_eq!(status, 200, "{body}");
+    // The greedy peers were held to their shares: 16 of 64 each, less what the kept slots refused.
+    let (_, text) = http_get(admin, "/metrics").await;
+    assert!(
+        counter(&text, "floodgate_connections_refused_total{listener=\"tcp\"}") >= 4.0 * 48.0,
+        "{text}"
+    );
+    drop(held);
 }

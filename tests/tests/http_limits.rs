@@ -122,16 +122,24 @@ async fn rules_server_answers_operators_while_one_client_holds_half_sent_request
 async fn rules_server_cap_holds_across_peers_until_the_header_timeout_frees_it() {
     let dir = tempfile::tempdir().unwrap();
     let s = rules_server(&dir).await;
-    // Four peers at their share fill the cap.
+    // Four peers take all they can: 14 of the 16, since the last eighth of the cap (2) is kept
+    // for peers that hold no connection yet.
     let opened = Instant::now();
-    let mut held = Vec::new();
+    let mut conns = Vec::new();
     for peer in 1..=4 {
         for _ in 0..SHARE {
-            held.push(half_sent(loopback(peer), s.addr(), "/v1/rules").await);
+            conns.push(half_sent(loopback(peer), s.addr(), "/v1/rules").await);
         }
     }
-    let late = half_sent(loopback(5), s.addr(), "/v1/rules").await;
-    until_closed("a fifth peer is refused: the cap is full", vec![late], 1).await;
+    let mut held = until_closed("the fourth peer's last two are refused", conns, 2).await;
+    assert_eq!(held.len(), CAP - CAP / 8);
+    // A fifth peer, holding nothing, gets a kept slot; a sixth of the same host (127.0.0.0/8 takes
+    // at most a quarter of the kept slots, at least one) does not, and the cap is full for all.
+    let fifth = half_sent(loopback(5), s.addr(), "/v1/rules").await;
+    let sixth = half_sent(loopback(6), s.addr(), "/v1/rules").await;
+    until_closed("a sixth peer of the same host is refused", vec![sixth], 1).await;
+    assert!(!closed(&fifth), "the fifth peer holds a kept slot");
+    held.push(fifth);
     assert!(held.iter().all(|c| !closed(c)), "the cap's connections are held");
     closed_after_the_header_timeout_all(held, opened).await;
     // The slots are free again.

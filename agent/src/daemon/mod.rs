@@ -164,6 +164,7 @@ impl Built {
         let grpc_serving = envoy::GrpcServing {
             server: config.grpc_server,
             frame_timeout: Duration::from_millis(config.frame_timeout_ms.get()),
+            idle_timeout: Duration::from_millis(config.idle_timeout_ms.get()),
         };
         if let Some(tcp) = listeners.grpc_tcp {
             let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());

@@ -50,8 +50,12 @@ impl Service for Calls {
 }
 
 /// The server's methods and health names, with these timeouts.
-pub fn config(frame_timeout: std::time::Duration) -> Arc<Config> {
+pub fn config(frame_timeout: std::time::Duration, idle_timeout: std::time::Duration) -> Arc<Config> {
     static BASE: OnceLock<Config> = OnceLock::new();
     let base = BASE.get_or_init(|| Config::new(&[SHOULD_RATE_LIMIT], &[HEALTH_SERVICE]));
-    Arc::new(base.clone().timeouts(frame_timeout, crate::server::WRITE_TIMEOUT))
+    Arc::new(
+        base.clone()
+            .timeouts(frame_timeout, crate::server::WRITE_TIMEOUT)
+            .idle(idle_timeout),
+    )
 }

@@ -116,6 +116,8 @@ pub struct GrpcServing {
     pub server: GrpcServer,
     /// A frame, or a request's frames, started and not completed within this are dropped (native).
     pub frame_timeout: std::time::Duration,
+    /// A connection with no call for this long is closed (native; `--idle-timeout-ms`).
+    pub idle_timeout: std::time::Duration,
 }
 
 /// Serves ShouldRateLimit on `listener` until `shutdown`.
@@ -150,7 +152,7 @@ pub async fn serve_unix(
 ) -> Result<(), tonic::transport::Error> {
     let stream = incoming(listener, cap, |l: Arc<UnixListener>| async move {
         let s = l.accept().await?.0;
-        let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+        let peer = s.peer_cred().map_or(Peer::Unknown, crate::server::local_peer);
         Ok((s, peer))
     });
     match serving.server {
@@ -177,7 +179,7 @@ async fn native<IO>(
     let mut conns = tokio::task::JoinSet::new();
     let stop = shutdown.clone();
     let calls = Arc::new(super::native::Calls(service.clone()));
-    let config = super::native::config(serving.frame_timeout);
+    let config = super::native::config(serving.frame_timeout, serving.idle_timeout);
     loop {
         tokio::select! {
             next = stream.next() => match next {
@@ -188,11 +190,15 @@ async fn native<IO>(
                     GrpcServer::Native | GrpcServer::Tonic => {
                         let (calls, config, stop) = (calls.clone(), config.clone(), stop.clone());
                         conns.spawn(async move {
-                            if let floodgate_h2::Ended::Error { code, why } = floodgate_h2::serve(io, calls, config, stop).await {
-                                tracing::debug!(code, why, "closed a gRPC connection");
-                                if code == ENHANCE_YOUR_CALM {
-                                    floodgate_core::metrics::connection_closed("grpc_calm");
+                            match floodgate_h2::serve(io, calls, config, stop).await {
+                                floodgate_h2::Ended::Error { code, why } => {
+                                    tracing::debug!(code, why, "closed a gRPC connection");
+                                    if code == ENHANCE_YOUR_CALM {
+                                        floodgate_core::metrics::connection_closed("grpc_calm");
+                                    }
                                 }
+                                floodgate_h2::Ended::Idle => floodgate_core::metrics::connection_closed("grpc_idle"),
+                                floodgate_h2::Ended::Closed => {}
                             }
                         });
                     }

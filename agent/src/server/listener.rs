@@ -41,7 +41,7 @@ impl Listener {
         Ok(match self {
             Listener::Unix(l) => {
                 let s = l.accept().await?.0;
-                let peer = s.peer_cred().map_or(Peer::Unknown, |c| Peer::Uid(c.uid()));
+                let peer = s.peer_cred().map_or(Peer::Unknown, crate::server::local_peer);
                 (Stream::Unix(s), peer)
             }
             Listener::Tcp(l) => {

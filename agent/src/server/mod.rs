@@ -16,3 +16,11 @@ pub use connection::{
 };
 pub use floodgate_core::admission::{warn_refused, ConnectionCap, Peer, Refusal, Slot};
 pub use listener::{serve, Listener, Serving};
+
+/// A Unix-socket peer as `SO_PEERCRED` names it: its process where the kernel says, else its user.
+pub fn local_peer(cred: tokio::net::unix::UCred) -> Peer {
+    match cred.pid() {
+        Some(pid) => Peer::Process { uid: cred.uid(), pid },
+        None => Peer::Uid(cred.uid()),
+    }
+}
