@@ -21,9 +21,11 @@
 //! - `instructions`: instructions per check under callgrind, and where they go.
 //! - `versus`: side by side: the agent's sync path vs rate-limiter-flexible vs bare EVALSHA.
 //! - `core_path`: the default command's closed and open loops over the echo, EVALSHA and agents.
+//! - `attacks`: hostile gRPC peers, one at a time, while honest gRPC and frames clients measure.
 //! - `overload`: one agent's closed-loop capacity, then an open loop at multiples of it (shedding).
 //! - `report`: percentiles, the table, the JSON.
 
+mod attacks;
 mod chaos;
 mod closed;
 mod core_path;
@@ -266,6 +268,23 @@ enum Command {
         #[arg(long, default_value = "target/bench/versus.json")]
         json: PathBuf,
     },
+    /// Hostile gRPC peers (zero window, SETTINGS flood, rapid reset, CONTINUATION flood, a flood of
+    /// large calls), one at a time, while honest gRPC and frames clients measure p50/p99; the agent's
+    /// RSS while each runs.
+    Attacks {
+        /// Runs of every attack.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Seconds each honest client measures per attack (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 3.0)]
+        seconds: f64,
+        /// Only the attacks whose name contains this (the no-attack phase always runs).
+        #[arg(long, default_value = "")]
+        only: String,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/attacks.json")]
+        json: PathBuf,
+    },
     /// Past capacity: one Redis agent's closed-loop capacity, then an open loop at multiples of it
     /// on the same agent: answered p99 and the fail mode's share per level.
     Overload {
@@ -483,6 +502,15 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let rows = runtime.block_on(versus::run(runs, &clients, seconds, &rlf))?;
+            write_json(&json, &rows)
+        }
+        Some(Command::Attacks {
+            runs,
+            seconds,
+            only,
+            json,
+        }) => {
+            let rows = runtime.block_on(attacks::run(runs, seconds, &only))?;
             write_json(&json, &rows)
         }
         Some(Command::Overload {

@@ -114,6 +114,13 @@ pub struct Slot {
     held: Arc<Mutex<Held>>,
 }
 
+impl Slot {
+    /// Whose connection this is.
+    pub fn peer(&self) -> Peer {
+        self.peer
+    }
+}
+
 fn give_back(map: &mut HashMap<Peer, usize>, key: Peer) {
     if let Some(n) = map.get_mut(&key) {
         *n -= 1;

@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// nothing: Envoy opens a 1 MiB connection window and 256 MiB per stream, and reads as it goes.
 pub const MAX_PARKED_BYTES: usize = 64 * 1024;
 
-/// Answers one connection may have waiting for window, whatever their size.
-pub const MAX_PARKED_STREAMS: usize = 256;
+/// Answers one connection may have waiting for window, whatever their size: at this many, a new
+/// stream is refused (REFUSED_STREAM, before any work is done for it) until window comes.
+pub const MAX_PARKED_STREAMS: usize = 32;
 
 /// Answer bytes all gRPC connections together may have waiting for window: past it an answer that
 /// cannot be sent at once is dropped and its stream reset (ENHANCE_YOUR_CALM).

@@ -201,11 +201,47 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>) {
 /// Serves one connection until the client closes it, an error closes it, or `shutdown` (then a
 /// GOAWAY, the streams in flight answered, and the close).
 pub async fn serve<IO, S>(
+    io: IO,
+    service: Arc<S>,
+    config: Arc<Config>,
+    shutdown: watch::Receiver<bool>,
+) -> Ended
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+    S: Service,
+{
+    serve_reporting(io, service, config, shutdown, |_| {}).await
+}
+
+/// [`serve`], telling `report` how the connection ends as soon as that is decided: before the
+/// [`LINGER`] that reads what the client still sends, which a client that keeps its socket open
+/// makes last a second.
+pub async fn serve_reporting<IO, S>(
     mut io: IO,
     service: Arc<S>,
     config: Arc<Config>,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
+    report: impl FnOnce(&Ended),
 ) -> Ended
+where
+    IO: AsyncRead + AsyncWrite + Unpin,
+    S: Service,
+{
+    let (ended, gracefully) = drive(&mut io, service, config, shutdown).await;
+    report(&ended);
+    if gracefully {
+        linger(&mut io).await;
+    }
+    ended
+}
+
+/// The connection until it ends, and whether it ended gracefully (GOAWAY written: linger).
+async fn drive<IO, S>(
+    io: &mut IO,
+    service: Arc<S>,
+    config: Arc<Config>,
+    mut shutdown: watch::Receiver<bool>,
+) -> (Ended, bool)
 where
     IO: AsyncRead + AsyncWrite + Unpin,
     S: Service,
@@ -276,17 +312,17 @@ where
         if let Some(e) = fatal.take() {
             c.goaway(e.code, &e.why);
             let _ = tokio::time::timeout(write_timeout, io.write_all(&c.out)).await;
-            linger(&mut io).await;
-            return Ended::Error {
+            let ended = Ended::Error {
                 code: e.code,
                 why: e.why,
             };
+            return (ended, true);
         }
         if !c.out.is_empty() {
             match tokio::time::timeout(write_timeout, io.write_all(&c.out)).await {
                 Ok(Ok(())) if c.out.capacity() > 64 * 1024 => c.out = Vec::with_capacity(4 * 1024),
                 Ok(Ok(())) => c.out.clear(),
-                _ => return Ended::Closed,
+                _ => return (Ended::Closed, false),
             }
         }
         let done = if closing {
@@ -295,8 +331,7 @@ where
             (c.going_away || c.peer_gone) && c.streams.is_empty() && c.pending.is_empty()
         };
         if done {
-            linger(&mut io).await;
-            return if idle { Ended::Idle } else { Ended::Closed };
+            return (if idle { Ended::Idle } else { Ended::Closed }, true);
         }
         if inbuf.capacity() - inbuf.len() < 4 * 1024 {
             inbuf.reserve(HEAD + MAX_PAYLOAD);
@@ -388,7 +423,7 @@ where
                     continue;
                 }
                 if ping_sent.is_some_and(|t| now >= t + KEEPALIVE_TIMEOUT) {
-                    return Ended::Closed;
+                    return (Ended::Closed, false);
                 }
                 if ping_sent.is_none() && now >= last_read + KEEPALIVE {
                     frame::ping(&mut c.out, [0; 8], false);

@@ -58,7 +58,8 @@ mod service;
 
 pub use budget::{AGENT_PARKED_BYTES, CALM, MAX_PARKED_BYTES, MAX_PARKED_STREAMS};
 pub use conn::{
-    serve, Ended, CONN_WINDOW, KEEPALIVE, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_STREAMS, TURN,
+    serve, serve_reporting, Ended, CONN_WINDOW, KEEPALIVE, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_STREAMS,
+    TURN,
 };
 pub use service::{Config, Service, Status};
 

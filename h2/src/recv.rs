@@ -3,7 +3,7 @@
 
 use tokio::time::Instant;
 
-use crate::budget::Closed;
+use crate::budget::{Closed, MAX_PARKED_STREAMS};
 use crate::conn::{
     conn_error, Conn, ConnError, Continuing, State, Stream, MAX_CONTINUATIONS, MAX_HEADER_BLOCK, MAX_STREAMS,
     STREAM_WINDOW,
@@ -209,7 +209,9 @@ impl<S: Service> Conn<S> {
             self.last_stream = id;
             // Checks still being decided count too: a stream reset while its check runs (the rapid
             // reset pattern) leaves the stream map, not the store.
-            if self.going_away || self.streams.len().max(self.pending.len()) >= MAX_STREAMS {
+            // So do answers waiting for window: a client that reads none gets no more work done.
+            let parked_full = self.blocked.len() >= MAX_PARKED_STREAMS;
+            if self.going_away || parked_full || self.streams.len().max(self.pending.len()) >= MAX_STREAMS {
                 if !self.going_away {
                     self.spend_calm();
                 }

@@ -18,6 +18,7 @@ const RULES: &str = r#"{"rules":[
 /// GOAWAY codes.
 const PROTOCOL_ERROR: u32 = 1;
 const STREAM_CLOSED: u32 = 5;
+const REFUSED_STREAM: u32 = 7;
 const CANCEL: u32 = 8;
 const ENHANCE_YOUR_CALM: u32 = 11;
 
@@ -151,9 +152,10 @@ async fn frames_on_closed_streams_end_the_connection() {
 }
 
 /// A client that grants no window (SETTINGS_INITIAL_WINDOW_SIZE 0) and keeps asking: its answers
-/// wait up to the parked budget (256 streams or 64 KiB), later ones are reset ENHANCE_YOUR_CALM,
-/// and when that has spent its budget the connection ends. The server before parked all 1,000
-/// answers, with no deadline, and 100 such connections took 345 MiB.
+/// wait up to the parked budget (32 streams or 64 KiB), later streams are refused before any work
+/// (REFUSED_STREAM) or their answers dropped (ENHANCE_YOUR_CALM), and when that has spent its
+/// budget the connection ends. The server before parked all 1,000 answers, with no deadline, and
+/// 100 such connections took 345 MiB.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_grants_no_window_parks_a_bounded_amount_then_is_closed() {
     let agent = agent(30_000).await;
@@ -178,10 +180,8 @@ async fn a_client_that_grants_no_window_parks_a_bounded_amount_then_is_closed() 
         match f.kind {
             HEADERS => parked += 1,
             RST_STREAM => {
-                assert_eq!(
-                    u32::from_be_bytes(f.payload[..4].try_into().unwrap()),
-                    ENHANCE_YOUR_CALM
-                );
+                let code = u32::from_be_bytes(f.payload[..4].try_into().unwrap());
+                assert!([REFUSED_STREAM, ENHANCE_YOUR_CALM].contains(&code), "{code}");
                 calmed += 1;
             }
             DATA => panic!("DATA without window: {f:?}"),
@@ -190,7 +190,7 @@ async fn a_client_that_grants_no_window_parks_a_bounded_amount_then_is_closed() 
         }
     };
     assert_eq!(code, ENHANCE_YOUR_CALM);
-    assert!(parked <= 256, "{parked} answers parked");
+    assert!(parked <= 32, "{parked} answers parked");
     assert!(calmed >= 1, "answers past the budget are reset");
 }
 
@@ -232,15 +232,19 @@ async fn a_settings_flood_ends_the_connection() {
 }
 
 /// Forty connections that grant no window and send 1,000 calls each: the agent's peak memory grows
-/// by what the parked budgets allow (64 KiB and 256 streams a connection), not by every answer.
+/// by what the parked budgets allow (64 KiB and 32 streams a connection), not by every answer. All
+/// forty are open before any spends its budget (after that, the address is refused for a while).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_window_connections_hold_bounded_memory() {
     let agent = agent(30_000).await;
     let pid = agent.pid().expect("the agent runs");
     let before = peak_rss_kib(pid);
+    let mut conns = Vec::new();
+    for _ in 0..40u32 {
+        conns.push(Raw::open(&agent, &[(4, 0)]).await);
+    }
     let mut tasks = Vec::new();
-    for conn in 0..40u32 {
-        let mut c = Raw::open(&agent, &[(4, 0)]).await;
+    for (conn, mut c) in conns.into_iter().enumerate() {
         tasks.push(tokio::spawn(async move {
             for i in 0..1_000u32 {
                 let address = format!("198.51.100.{conn}");
@@ -289,4 +293,24 @@ async fn an_idle_grpc_connection_is_closed() {
     c.call(1, "203.0.113.45").await;
     assert_eq!(c.answer(1).await.2, "0");
     assert_eq!(c.goaway().await, 0, "NO_ERROR");
+}
+
+/// A peer whose connection spent a budget is refused for a while (1 s, doubling with each repeat):
+/// reconnecting at once does not buy a new budget. Its next connection is closed without a word.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_spent_a_budget_is_refused_for_a_while() {
+    let agent = agent(2_000).await;
+    let mut c = Raw::open(&agent, &[]).await;
+    c.frame(HEADERS, 0, 1, &request_block()).await;
+    for _ in 0..17 {
+        c.send(CONTINUATION, 0, 1, &[]).await;
+    }
+    assert_eq!(c.goaway().await, ENHANCE_YOUR_CALM);
+    // The penalty is recorded as the GOAWAY is decided: the next connection is closed at once.
+    let mut again = Raw::connect(&agent).await;
+    again.send(DATA, 0, 0, b"").await;
+    assert!(
+        again.next().await.is_none(),
+        "closed at once, no SETTINGS, no GOAWAY"
+    );
 }

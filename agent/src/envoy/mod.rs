@@ -7,10 +7,12 @@
 //! - `serve`: the gRPC listeners (TCP, Unix socket) under the agent's connection cap.
 //! - `native`: ShouldRateLimit as a `floodgate-h2` service (the default server; `serve` also runs
 //!   tonic's).
+//! - `penalty`: peers refused for a while after a connection of theirs spent a budget.
 //! - `h2_crate`: the same served by the `h2` crate directly (`--grpc-server h2`), to measure against.
 
 mod h2_crate;
 mod native;
+mod penalty;
 pub mod proto;
 mod reply;
 mod serve;

@@ -13,6 +13,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::watch;
 use tonic::transport::server::Connected;
 
+use super::penalty::Penalties;
 use super::proto::RateLimitServiceServer;
 use super::EnvoyService;
 use crate::server::{ConnectionCap, Peer};
@@ -63,10 +64,12 @@ impl<IO: Connected> Connected for Capped<IO> {
     }
 }
 
-/// Accepted connections under the cap, as the stream tonic serves.
+/// Accepted connections under the cap, as the stream tonic serves; a peer serving a penalty is
+/// closed at once.
 fn incoming<L, IO, F, Fut>(
     listener: L,
     cap: ConnectionCap,
+    penalties: Arc<Penalties>,
     accept: F,
 ) -> impl futures::Stream<Item = Result<Capped<IO>, io::Error>>
 where
@@ -74,20 +77,33 @@ where
     Fut: std::future::Future<Output = io::Result<(IO, Peer)>>,
 {
     let listener = Arc::new(listener);
-    futures::stream::unfold((listener, cap), move |(listener, cap)| async move {
-        loop {
-            match accept(listener.clone()).await {
-                Ok((io, peer)) => match cap.try_acquire(peer) {
-                    Ok(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
-                    Err(why) => {
+    futures::stream::unfold((listener, cap), move |(listener, cap)| {
+        let penalties = penalties.clone();
+        async move {
+            loop {
+                match accept(listener.clone()).await {
+                    Ok((_, peer)) if penalties.refused(peer, std::time::Instant::now()).is_some() => {
                         floodgate_core::metrics::connection_refused("grpc");
-                        crate::server::warn_refused("grpc", &cap.refusal_message(why));
+                        let left = penalties
+                            .refused(peer, std::time::Instant::now())
+                            .unwrap_or_default();
+                        crate::server::warn_refused(
+                            "grpc",
+                            &format!("{peer} spent a connection's budget; refused for {left:?} more"),
+                        );
                     }
-                },
-                Err(e) => {
-                    // A failed accept (out of descriptors, say) must not end the server.
-                    tracing::warn!(error = %e, "gRPC accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    Ok((io, peer)) => match cap.try_acquire(peer) {
+                        Ok(slot) => return Some((Ok(Capped { io, _slot: slot }), (listener, cap))),
+                        Err(why) => {
+                            floodgate_core::metrics::connection_refused("grpc");
+                            crate::server::warn_refused("grpc", &cap.refusal_message(why));
+                        }
+                    },
+                    Err(e) => {
+                        // A failed accept (out of descriptors, say) must not end the server.
+                        tracing::warn!(error = %e, "gRPC accept failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                    }
                 }
             }
         }
@@ -128,14 +144,20 @@ pub async fn serve_tcp(
     serving: GrpcServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
-    let stream = incoming(listener, cap, |l: Arc<TcpListener>| async move {
-        let (s, addr) = l.accept().await?;
-        let _ = s.set_nodelay(true);
-        Ok((s, Peer::Ip(addr.ip())))
-    });
+    let penalties = Arc::new(Penalties::default());
+    let stream = incoming(
+        listener,
+        cap,
+        penalties.clone(),
+        |l: Arc<TcpListener>| async move {
+            let (s, addr) = l.accept().await?;
+            let _ = s.set_nodelay(true);
+            Ok((s, Peer::Ip(addr.ip())))
+        },
+    );
     match serving.server {
         GrpcServer::Native | GrpcServer::H2 => {
-            native(stream, service, serving, shutdown).await;
+            native(stream, service, serving, penalties, shutdown).await;
             Ok(())
         }
         GrpcServer::Tonic => run(stream, service, shutdown).await,
@@ -150,14 +172,20 @@ pub async fn serve_unix(
     serving: GrpcServing,
     shutdown: watch::Receiver<bool>,
 ) -> Result<(), tonic::transport::Error> {
-    let stream = incoming(listener, cap, |l: Arc<UnixListener>| async move {
-        let s = l.accept().await?.0;
-        let peer = s.peer_cred().map_or(Peer::Unknown, crate::server::local_peer);
-        Ok((s, peer))
-    });
+    let penalties = Arc::new(Penalties::default());
+    let stream = incoming(
+        listener,
+        cap,
+        penalties.clone(),
+        |l: Arc<UnixListener>| async move {
+            let s = l.accept().await?.0;
+            let peer = s.peer_cred().map_or(Peer::Unknown, crate::server::local_peer);
+            Ok((s, peer))
+        },
+    );
     match serving.server {
         GrpcServer::Native | GrpcServer::H2 => {
-            native(stream, service, serving, shutdown).await;
+            native(stream, service, serving, penalties, shutdown).await;
             Ok(())
         }
         GrpcServer::Tonic => run(stream, service, shutdown).await,
@@ -170,6 +198,7 @@ async fn native<IO>(
     stream: impl futures::Stream<Item = Result<Capped<IO>, io::Error>> + Send + 'static,
     service: Arc<EnvoyService>,
     serving: GrpcServing,
+    penalties: Arc<Penalties>,
     mut shutdown: watch::Receiver<bool>,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -189,17 +218,21 @@ async fn native<IO>(
                     }
                     GrpcServer::Native | GrpcServer::Tonic => {
                         let (calls, config, stop) = (calls.clone(), config.clone(), stop.clone());
+                        let (peer, penalties) = (io._slot.peer(), penalties.clone());
                         conns.spawn(async move {
-                            match floodgate_h2::serve(io, calls, config, stop).await {
+                            // A spent budget is penalized at once, not after the linger.
+                            floodgate_h2::serve_reporting(io, calls, config, stop, |ended| match ended {
                                 floodgate_h2::Ended::Error { code, why } => {
                                     tracing::debug!(code, why, "closed a gRPC connection");
-                                    if code == ENHANCE_YOUR_CALM {
+                                    if *code == ENHANCE_YOUR_CALM {
                                         floodgate_core::metrics::connection_closed("grpc_calm");
+                                        penalties.punish(peer, std::time::Instant::now());
                                     }
                                 }
                                 floodgate_h2::Ended::Idle => floodgate_core::metrics::connection_closed("grpc_idle"),
                                 floodgate_h2::Ended::Closed => {}
-                            }
+                            })
+                            .await;
                         });
                     }
                 },
