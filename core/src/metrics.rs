@@ -268,7 +268,8 @@ pub fn trace_span_dropped() {
     }
 }
 
-/// A frames connection the agent closed: `reason` is `idle`, `frame_timeout` or `buffers`.
+/// A connection the agent closed: `reason` is `idle`, `frame_timeout` or `buffers` (frames), or
+/// `grpc_idle` or `grpc_calm` (a gRPC peer idle, or past a budget).
 pub fn connection_closed(reason: &'static str) {
     if on() {
         counter!("floodgate_connections_closed_total", "reason" => reason).increment(1);
