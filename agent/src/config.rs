@@ -38,6 +38,20 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_GRPC_SOCKET")]
     pub grpc_socket: Option<PathBuf>,
 
+    /// Serve the gRPC TCP listener over TLS with this certificate chain (PEM; ALPN `h2`; read
+    /// again on SIGHUP). Needs `--grpc-tls-key` and the native server.
+    #[arg(long, env = "FLOODGATE_GRPC_TLS_CERT", requires = "grpc_tls_key")]
+    pub grpc_tls_cert: Option<PathBuf>,
+
+    /// The private key of `--grpc-tls-cert` (PEM).
+    #[arg(long, env = "FLOODGATE_GRPC_TLS_KEY", requires = "grpc_tls_cert")]
+    pub grpc_tls_key: Option<PathBuf>,
+
+    /// Require gRPC clients to present a certificate signed by one of these CAs (PEM); with
+    /// `--grpc-tls-cert`.
+    #[arg(long, env = "FLOODGATE_GRPC_TLS_CLIENT_CA", requires = "grpc_tls_cert")]
+    pub grpc_tls_client_ca: Option<PathBuf>,
+
     /// Rate-limit headers the gRPC answers ask Envoy to add (`response_headers_to_add`).
     #[arg(
         long,
@@ -47,8 +61,10 @@ pub struct AgentConfig {
     )]
     pub grpc_headers: crate::envoy::GrpcHeaders,
 
-    /// Which gRPC server answers Envoy: `native` (the agent's own HTTP/2, about a fifth of tonic's
-    /// CPU per check) or `tonic` (hyper and tonic, as before; a fallback).
+    /// Which gRPC server answers Envoy: `native` (Floodgate's own HTTP/2, `floodgate-h2`: about a
+    /// fifth of tonic's CPU per check, and the budgets of docs/envoy.md), `tonic` (hyper and tonic;
+    /// a fallback) or `h2` (the `h2` crate used directly, about 3× native's CPU per check; kept to
+    /// be measured).
     #[arg(long, env = "FLOODGATE_GRPC_SERVER", value_enum, default_value = "native")]
     pub grpc_server: crate::envoy::GrpcServer,
 
@@ -58,13 +74,16 @@ pub struct AgentConfig {
     pub max_connections: NonZeroUsize,
 
     /// Most of a listener's connections one peer holds (a uid on the Unix socket, an address on TCP
-    /// and gRPC); default a quarter of `--max-connections`, so one user's idle or half-sent
-    /// connections cannot take every slot (past it: Error 7, and the connection is closed).
+    /// and gRPC; one process at most a quarter of its uid's); default a quarter of
+    /// `--max-connections`, so one user's idle or half-sent connections cannot take every slot
+    /// (past it: Error 7, and the connection is closed). The last eighth of the cap is kept for
+    /// peers holding none (docs/operating.md).
     #[arg(long, env = "FLOODGATE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<NonZeroUsize>,
 
-    /// A frames connection with nothing in flight and nothing received for this long is closed, in
-    /// milliseconds (the SDKs reconnect in the background).
+    /// A frames connection with nothing in flight and nothing received for this long is closed, and
+    /// a gRPC connection with no call for this long (GOAWAY `NO_ERROR`), in milliseconds (the SDKs
+    /// and Envoy reconnect).
     #[arg(long, env = "FLOODGATE_IDLE_TIMEOUT_MS", default_value_t = NonZeroU64::new(crate::server::DEFAULT_IDLE_TIMEOUT.as_millis() as u64).expect("non-zero"))]
     pub idle_timeout_ms: NonZeroU64,
 
@@ -410,6 +429,15 @@ impl RulesServerConfig {
 }
 
 impl AgentConfig {
+    /// The gRPC listener's TLS files, when `--grpc-tls-cert` is given.
+    pub fn grpc_tls_files(&self) -> Option<crate::envoy::TlsFiles> {
+        Some(crate::envoy::TlsFiles {
+            cert: self.grpc_tls_cert.clone()?,
+            key: self.grpc_tls_key.clone()?,
+            client_ca: self.grpc_tls_client_ca.clone(),
+        })
+    }
+
     /// The socket to serve: `--socket`, else the default the SDKs look for, its directory created
     /// (`/run/floodgate` 0755, so services of other users reach the socket, whose own mode then
     /// decides; `$XDG_RUNTIME_DIR/floodgate` 0700, the user's own). Never a world-writable

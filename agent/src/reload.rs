@@ -93,9 +93,24 @@ pub(crate) fn on_sighup(
 
 /// Applies reloads to the running agent until the sender is gone (`rules_file`: its rules come from
 /// a file, which is read again on every reload).
-pub(crate) async fn apply(engine: Arc<Engine>, rules_file: bool, mut rx: mpsc::UnboundedReceiver<Reload>) {
+pub(crate) async fn apply(
+    engine: Arc<Engine>,
+    rules_file: bool,
+    grpc_tls: Option<Arc<crate::envoy::GrpcTls>>,
+    mut rx: mpsc::UnboundedReceiver<Reload>,
+) {
     while let Some(r) = rx.recv().await {
         let mut applied = Vec::new();
+        // Certificate files are read again on every reload (a renewal keeps their paths).
+        if let Some(tls) = &grpc_tls {
+            match tls.reload() {
+                Ok(()) => applied.push("grpc TLS files (read again)".to_string()),
+                Err(e) => tracing::warn!(
+                    error = %format!("{e:#}"),
+                    "reload: the gRPC TLS files are refused; the running certificate stays"
+                ),
+            }
+        }
         let mut restart = Vec::new();
         for key in &r.changed {
             match key.as_str() {

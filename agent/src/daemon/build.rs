@@ -50,6 +50,8 @@ pub(super) struct Listeners {
     pub(super) grpc_tcp: Option<TcpListener>,
     /// `--grpc-socket`, and its path.
     pub(super) grpc_unix: Option<(PathBuf, UnixListener)>,
+    /// `--grpc-tls-cert`: TLS on `grpc_tcp`, read before anything runs.
+    pub(super) grpc_tls: Option<std::sync::Arc<crate::envoy::GrpcTls>>,
     /// `--admin`.
     pub(super) admin: Option<TcpListener>,
 }
@@ -205,6 +207,25 @@ async fn bind(config: &AgentConfig, socket: (PathBuf, UnixListener)) -> anyhow::
         }
         None => None,
     };
+    let grpc_tls = match config.grpc_tls_files() {
+        Some(files) => {
+            anyhow::ensure!(
+                config.grpc.is_some(),
+                "--grpc-tls-cert: TLS is for the gRPC TCP listener, and --grpc is not given"
+            );
+            anyhow::ensure!(
+                config.grpc_server == crate::envoy::GrpcServer::Native,
+                "--grpc-tls-cert: TLS on the gRPC listener is served by --grpc-server native only"
+            );
+            let tls = crate::envoy::GrpcTls::load(files).context("--grpc-tls-cert")?;
+            tracing::info!(
+                client_certificates = config.grpc_tls_client_ca.is_some(),
+                "gRPC listener serves TLS"
+            );
+            Some(std::sync::Arc::new(tls))
+        }
+        None => None,
+    };
     let admin = match config.admin {
         Admin::At(addr) => {
             let listener = TcpListener::bind(addr)
@@ -220,6 +241,7 @@ async fn bind(config: &AgentConfig, socket: (PathBuf, UnixListener)) -> anyhow::
         tcp,
         grpc_tcp,
         grpc_unix,
+        grpc_tls,
         admin,
     })
 }

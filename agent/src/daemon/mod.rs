@@ -85,7 +85,12 @@ impl Built {
         let rules_file = matches!(source, rules_source::RulesSource::File(_));
         source.start(&engine, &config, shutdown.clone());
         if let Some(rx) = reloads {
-            tokio::spawn(crate::reload::apply(engine.clone(), rules_file, rx));
+            tokio::spawn(crate::reload::apply(
+                engine.clone(),
+                rules_file,
+                listeners.grpc_tls.clone(),
+                rx,
+            ));
         }
         let guard = match (&store, guard) {
             (Store::Shared(r), Some(g)) => Some(tokio::spawn(loops::guard_loop(
@@ -165,11 +170,12 @@ impl Built {
             server: config.grpc_server,
             frame_timeout: Duration::from_millis(config.frame_timeout_ms.get()),
             idle_timeout: Duration::from_millis(config.idle_timeout_ms.get()),
+            tls: listeners.grpc_tls.clone(),
         };
         if let Some(tcp) = listeners.grpc_tcp {
-            let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
+            let (grpc, cap, stop, serving) = (grpc.clone(), cap(), shutdown.clone(), grpc_serving.clone());
             tasks.push(tokio::spawn(async move {
-                if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, grpc_serving, stop).await {
+                if let Err(e) = envoy::serve_tcp(tcp, grpc, cap, serving, stop).await {
                     tracing::error!(error = %e, "gRPC server failed");
                 }
             }));
@@ -178,9 +184,14 @@ impl Built {
         let mut socket_files = vec![socket_path];
         if let Some((path, unix)) = listeners.grpc_unix {
             socket_files.push(path);
+            // A local socket: no TLS.
+            let serving = envoy::GrpcServing {
+                tls: None,
+                ..grpc_serving.clone()
+            };
             let (grpc, cap, stop) = (grpc.clone(), cap(), shutdown.clone());
             tasks.push(tokio::spawn(async move {
-                if let Err(e) = envoy::serve_unix(unix, grpc, cap, grpc_serving, stop).await {
+                if let Err(e) = envoy::serve_unix(unix, grpc, cap, serving, stop).await {
                     tracing::error!(error = %e, "gRPC server failed");
                 }
             }));

@@ -7,6 +7,7 @@
 //! - `serve`: the gRPC listeners (TCP, Unix socket) under the agent's connection cap.
 //! - `native`: ShouldRateLimit as a `floodgate-h2` service (the default server; `serve` also runs
 //!   tonic's).
+//! - `tls`: TLS on the gRPC TCP listener, its files read again on SIGHUP.
 //! - `penalty`: peers refused for a while after a connection of theirs spent a budget.
 //! - `h2_crate`: the same served by the `h2` crate directly (`--grpc-server h2`), to measure against.
 
@@ -17,7 +18,9 @@ pub mod proto;
 mod reply;
 mod serve;
 mod service;
+mod tls;
 
 pub use reply::GrpcHeaders;
 pub use serve::{serve_tcp, serve_unix, GrpcServer, GrpcServing};
 pub use service::{descriptor_key, EnvoyService};
+pub use tls::{GrpcTls, TlsFiles};

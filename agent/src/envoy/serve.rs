@@ -126,7 +126,7 @@ pub enum GrpcServer {
 }
 
 /// How a gRPC listener serves.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 pub struct GrpcServing {
     /// Which server.
     pub server: GrpcServer,
@@ -134,6 +134,8 @@ pub struct GrpcServing {
     pub frame_timeout: std::time::Duration,
     /// A connection with no call for this long is closed (native; `--idle-timeout-ms`).
     pub idle_timeout: std::time::Duration,
+    /// TLS on this listener (native; `--grpc-tls-cert`).
+    pub tls: Option<Arc<super::GrpcTls>>,
 }
 
 /// Serves ShouldRateLimit on `listener` until `shutdown`.
@@ -219,21 +221,20 @@ async fn native<IO>(
                     GrpcServer::Native | GrpcServer::Tonic => {
                         let (calls, config, stop) = (calls.clone(), config.clone(), stop.clone());
                         let (peer, penalties) = (io._slot.peer(), penalties.clone());
-                        conns.spawn(async move {
-                            // A spent budget is penalized at once, not after the linger.
-                            floodgate_h2::serve_reporting(io, calls, config, stop, |ended| match ended {
-                                floodgate_h2::Ended::Error { code, why } => {
-                                    tracing::debug!(code, why, "closed a gRPC connection");
-                                    if *code == ENHANCE_YOUR_CALM {
-                                        floodgate_core::metrics::connection_closed("grpc_calm");
-                                        penalties.punish(peer, std::time::Instant::now());
+                        match serving.tls.as_ref().map(|t| t.acceptor()) {
+                            Some(acceptor) => {
+                                let handshake = serving.frame_timeout;
+                                conns.spawn(async move {
+                                    match tokio::time::timeout(handshake, acceptor.accept(io)).await {
+                                        Ok(Ok(tls)) => serve_native(tls, calls, config, stop, peer, penalties).await,
+                                        _ => floodgate_core::metrics::connection_closed("grpc_tls"),
                                     }
-                                }
-                                floodgate_h2::Ended::Idle => floodgate_core::metrics::connection_closed("grpc_idle"),
-                                floodgate_h2::Ended::Closed => {}
-                            })
-                            .await;
-                        });
+                                });
+                            }
+                            None => {
+                                conns.spawn(serve_native(io, calls, config, stop, peer, penalties));
+                            }
+                        }
                     }
                 },
                 Some(Err(_)) | None => break,
@@ -244,6 +245,31 @@ async fn native<IO>(
         }
     }
     while conns.join_next().await.is_some() {}
+}
+
+/// One connection on Floodgate's server; a spent budget is penalized as soon as it is decided.
+async fn serve_native<IO>(
+    io: IO,
+    calls: Arc<super::native::Calls>,
+    config: Arc<floodgate_h2::Config>,
+    stop: watch::Receiver<bool>,
+    peer: Peer,
+    penalties: Arc<Penalties>,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin,
+{
+    floodgate_h2::serve_reporting(io, calls, config, stop, |ended| match ended {
+        floodgate_h2::Ended::Error { code, why } => {
+            tracing::debug!(code, why, "closed a gRPC connection");
+            if *code == ENHANCE_YOUR_CALM {
+                floodgate_core::metrics::connection_closed("grpc_calm");
+                penalties.punish(peer, std::time::Instant::now());
+            }
+        }
+        floodgate_h2::Ended::Idle => floodgate_core::metrics::connection_closed("grpc_idle"),
+        floodgate_h2::Ended::Closed => {}
+    })
+    .await;
 }
 
 async fn run<IO>(
