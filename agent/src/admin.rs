@@ -103,7 +103,7 @@ async fn status(State(engine): State<Arc<Engine>>) -> axum::Json<serde_json::Val
         body["fallback"] = serde_json::json!({
             "active": !g.all_closed(),
             "decided": g.fallback.decided.load(Relaxed),
-            "pendingWriteBack": g.fallback.pending(),
+            "pendingWriteBack": g.fallback.not_written_back(),
             "writtenBackUnits": g.fallback.written_back.load(Relaxed),
             "writeBackRefusedUnits": g.fallback.write_back_refused.load(Relaxed),
             "ledgerDropped": g.fallback.ledger_dropped.load(Relaxed),

@@ -143,6 +143,8 @@ async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
         return;
     }
     let keys = ready.len();
+    let in_flight = &guard.fallback.writing_back;
+    in_flight.fetch_add(keys as u64, std::sync::atomic::Ordering::Relaxed);
     let done = redis.adjust(ready, Adjust::Add).await;
     guard
         .fallback
@@ -166,4 +168,6 @@ async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
             guard.fallback.restore(done.retry);
         }
     }
+    // After the counters and the retries' return: a status read in between sees them waiting.
+    in_flight.fetch_sub(keys as u64, std::sync::atomic::Ordering::Relaxed);
 }

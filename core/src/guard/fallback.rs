@@ -49,6 +49,9 @@ pub struct Fallback {
     /// Units of write-back entries Redis refused (an error of the script on that entry): dropped,
     /// never retried, so that they hold back no other entry.
     pub write_back_refused: AtomicU64,
+    /// Entries taken from the ledger for a write-back call still in flight (counted as waiting
+    /// until its units are counted written back or refused).
+    pub writing_back: AtomicU64,
     /// (rule, key) pairs not recorded because the ledger was full.
     pub ledger_dropped: AtomicU64,
     /// Checks answered without local state because the local store was full.
@@ -77,6 +80,7 @@ impl Fallback {
             decided: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
             write_back_refused: AtomicU64::new(0),
+            writing_back: AtomicU64::new(0),
             ledger_dropped: AtomicU64::new(0),
             store_full: AtomicU64::new(0),
             full: AtomicBool::new(false),
@@ -249,6 +253,12 @@ impl Fallback {
     /// Entries waiting to be written back.
     pub fn pending(&self) -> usize {
         self.ledger.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// Entries not yet written back: waiting, and in a write-back call still in flight (what
+    /// `/v1/status` reports, so that a call in flight never looks like nothing left to write).
+    pub fn not_written_back(&self) -> usize {
+        self.pending() + self.writing_back.load(std::sync::atomic::Ordering::Relaxed) as usize
     }
 
     /// Drops expired local state (the agent calls it on a timer).
