@@ -176,37 +176,56 @@ async fn attack_once(kind: &str, addr: std::net::SocketAddr, until: Instant) -> 
     result
 }
 
-/// 256 large calls in flight on one tonic channel until `until`.
+/// 256 large calls in flight on one tonic channel until `until`: `loadgen flood`, run as a process
+/// of its own so that its client's CPU is not the honest clients' runtime's.
+pub async fn flood(addr: std::net::SocketAddr, until: Instant) -> anyhow::Result<()> {
+    let client = RateLimitClient::connect(format!("http://{addr}")).await?;
+    let request = RateLimitRequest {
+        domain: "bench".into(),
+        descriptors: (0..16)
+            .map(|i| RateLimitDescriptor {
+                entries: vec![Entry {
+                    key: "user".into(),
+                    value: format!("flood-{i}-{}", "v".repeat(800)),
+                }],
+                ..Default::default()
+            })
+            .collect(),
+        hits_addend: 1,
+    };
+    let mut calls = Vec::new();
+    for _ in 0..256 {
+        let (mut client, request) = (client.clone(), request.clone());
+        calls.push(tokio::spawn(async move {
+            while Instant::now() < until {
+                let _ = client.should_rate_limit(request.clone()).await;
+            }
+        }));
+    }
+    for c in calls {
+        c.await?;
+    }
+    Ok(())
+}
+
+/// [`flood`] in a child process of this same binary until `until`.
 fn large_flood(addr: std::net::SocketAddr, until: Instant, opened: Arc<AtomicU64>) {
+    opened.fetch_add(1, Ordering::Relaxed);
+    let seconds = until.saturating_duration_since(Instant::now()).as_secs_f64();
+    let exe = std::env::current_exe().expect("the load generator's own path");
+    let child = tokio::process::Command::new(exe)
+        .args([
+            "flood",
+            "--addr",
+            &addr.to_string(),
+            "--seconds",
+            &format!("{seconds:.3}"),
+        ])
+        .kill_on_drop(true)
+        .spawn();
     tokio::spawn(async move {
-        opened.fetch_add(1, Ordering::Relaxed);
-        let Ok(client) = RateLimitClient::connect(format!("http://{addr}")).await else {
-            return;
-        };
-        let request = RateLimitRequest {
-            domain: "bench".into(),
-            descriptors: (0..16)
-                .map(|i| RateLimitDescriptor {
-                    entries: vec![Entry {
-                        key: "user".into(),
-                        value: format!("flood-{i}-{}", "v".repeat(800)),
-                    }],
-                    ..Default::default()
-                })
-                .collect(),
-            hits_addend: 1,
-        };
-        let mut calls = Vec::new();
-        for _ in 0..256 {
-            let (mut client, request) = (client.clone(), request.clone());
-            calls.push(tokio::spawn(async move {
-                while Instant::now() < until {
-                    let _ = client.should_rate_limit(request.clone()).await;
-                }
-            }));
-        }
-        for c in calls {
-            let _ = c.await;
+        if let Ok(mut child) = child {
+            let _ = child.wait().await;
         }
     });
 }

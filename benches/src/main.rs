@@ -285,6 +285,16 @@ enum Command {
         #[arg(long, default_value = "target/bench/attacks.json")]
         json: PathBuf,
     },
+    /// `attacks`' large flood, in a process of its own: 256 large ShouldRateLimit calls in flight.
+    #[command(hide = true)]
+    Flood {
+        /// The agent's gRPC address.
+        #[arg(long)]
+        addr: std::net::SocketAddr,
+        /// For how long.
+        #[arg(long)]
+        seconds: f64,
+    },
     /// Past capacity: one Redis agent's closed-loop capacity, then an open loop at multiples of it
     /// on the same agent: answered p99 and the fail mode's share per level.
     Overload {
@@ -513,6 +523,10 @@ fn main() -> anyhow::Result<()> {
             let rows = runtime.block_on(attacks::run(runs, seconds, &only))?;
             write_json(&json, &rows)
         }
+        Some(Command::Flood { addr, seconds }) => runtime.block_on(attacks::flood(
+            addr,
+            std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds),
+        )),
         Some(Command::Overload {
             runs,
             factors,
