@@ -164,6 +164,8 @@ impl Value<'_> {
 struct Entry {
     bytes: Box<[u8]>,
     name_len: usize,
+    /// Its name has an upper-case letter (looked at once, when the entry is made).
+    upper: bool,
 }
 
 impl Entry {
@@ -202,20 +204,22 @@ impl Default for Decoder {
 }
 
 impl Decoder {
-    /// Decodes a whole header block, calling `field(name, value)` for each field in order; a list
-    /// past `max_list` bytes (names, values as sent, 32 a field) is an error when it passes it.
+    /// Decodes a whole header block, calling `field(name, value, upper)` for each field in order
+    /// (`upper`: the name has an upper-case letter, which RFC 9113 §8.2.1 makes a malformed
+    /// request; looked at only where the name's bytes came from the block, once for a table entry);
+    /// a list past `max_list` bytes (names, values as sent, 32 a field) is an error when it passes it.
     pub fn decode(
         &mut self,
         block: &[u8],
         max_list: usize,
-        mut field: impl FnMut(&[u8], Value<'_>),
+        mut field: impl FnMut(&[u8], Value<'_>, bool),
     ) -> Result<(), HpackError> {
         let mut name_buf = std::mem::take(&mut self.name_buf);
         let mut value_buf = std::mem::take(&mut self.value_buf);
         let mut list = 0;
-        let mut counted = |name: &[u8], value: Value<'_>| {
+        let mut counted = |name: &[u8], value: Value<'_>, upper: bool| {
             list += name.len() + value.sent_len() + 32;
-            field(name, value);
+            field(name, value, upper);
             list
         };
         let result = self.decode_with(block, max_list, &mut counted, &mut name_buf, &mut value_buf);
@@ -228,7 +232,7 @@ impl Decoder {
         &mut self,
         block: &[u8],
         max_list: usize,
-        field: &mut impl FnMut(&[u8], Value<'_>) -> usize,
+        field: &mut impl FnMut(&[u8], Value<'_>, bool) -> usize,
         name_buf: &mut Vec<u8>,
         value_buf: &mut Vec<u8>,
     ) -> Result<(), HpackError> {
@@ -243,23 +247,26 @@ impl Decoder {
                 // Indexed field.
                 let i = integer(block, &mut pos, 7)?;
                 let (name, value) = self.get(i)?;
-                list = field(name, Value::Plain(value));
+                list = field(name, Value::Plain(value), self.upper(i));
             } else if b & 0xc0 == 0x40 {
                 // Literal with incremental indexing.
                 let i = integer(block, &mut pos, 6)?;
                 let mut bytes = Vec::new();
-                if i == 0 {
+                let upper = if i == 0 {
                     bytes.extend_from_slice(string(block, &mut pos, name_buf)?);
+                    has_upper(&bytes)
                 } else {
                     bytes.extend_from_slice(self.get(i)?.0);
-                }
+                    self.upper(i)
+                };
                 let name_len = bytes.len();
                 bytes.extend_from_slice(string(block, &mut pos, value_buf)?);
                 let entry = Entry {
                     bytes: bytes.into_boxed_slice(),
                     name_len,
+                    upper,
                 };
-                list = field(entry.name(), Value::Plain(entry.value()));
+                list = field(entry.name(), Value::Plain(entry.value()), upper);
                 self.insert(entry);
             } else if b & 0xe0 == 0x20 {
                 // Dynamic table size update: only before the block's first field (§4.2).
@@ -278,11 +285,12 @@ impl Decoder {
                 if i == 0 {
                     let name = string(block, &mut pos, name_buf)?;
                     let value = raw_string(block, &mut pos)?;
-                    list = field(name, value);
+                    let upper = has_upper(name);
+                    list = field(name, value, upper);
                 } else {
                     let value = raw_string(block, &mut pos)?;
                     let (name, _) = self.get(i)?;
-                    list = field(name, value);
+                    list = field(name, value, self.upper(i));
                 }
             }
         }
@@ -290,6 +298,11 @@ impl Decoder {
             return Err(HpackError::ListTooLarge(list));
         }
         Ok(())
+    }
+
+    /// Whether entry `i`'s name has an upper-case letter (the static table's have none).
+    fn upper(&self, i: usize) -> bool {
+        i > 61 && self.table.get(i - 62).is_some_and(|e| e.upper)
     }
 
     fn get(&self, i: usize) -> Result<(&[u8], &[u8]), HpackError> {
@@ -328,6 +341,10 @@ impl Decoder {
             }
         }
     }
+}
+
+fn has_upper(name: &[u8]) -> bool {
+    name.iter().any(u8::is_ascii_uppercase)
 }
 
 /// An integer with an `n`-bit prefix (RFC 7541 §5.1), at most 28 bits.
@@ -387,7 +404,7 @@ pub(super) mod tests {
     pub(crate) fn fields(d: &mut Decoder, block: &[u8]) -> Vec<(String, String)> {
         let mut out = Vec::new();
         let mut buf = Vec::new();
-        d.decode(block, usize::MAX, |n, v| {
+        d.decode(block, usize::MAX, |n, v, _| {
             out.push((
                 String::from_utf8_lossy(n).into_owned(),
                 String::from_utf8_lossy(v.bytes(&mut buf).unwrap()).into_owned(),
@@ -406,7 +423,7 @@ pub(super) mod tests {
         block.extend_from_slice(&coded);
         let mut seen = 0;
         Decoder::default()
-            .decode(&block, usize::MAX, |n, v| {
+            .decode(&block, usize::MAX, |n, v, _| {
                 assert_eq!(n, b":path");
                 assert!(matches!(v, Value::Huffman(_)));
                 assert!(v.is(path, &coded));
@@ -491,6 +508,25 @@ pub(super) mod tests {
     }
 
     #[test]
+    fn an_upper_case_name_is_flagged_however_it_is_referred_to() {
+        let mut d = Decoder::default();
+        // "X-A: 1" as a literal indexed under a new name, then referred to by its index (62), then
+        // a literal not indexed whose name is that entry's.
+        let block = [0x40, 3, b'X', b'-', b'A', 1, b'1', 0xbe, 0x0f, 0x2f, 1, b'2'];
+        let mut seen = Vec::new();
+        d.decode(&block, usize::MAX, |n, _, upper| seen.push((n.to_vec(), upper)))
+            .unwrap();
+        let x = b"X-A".to_vec();
+        assert_eq!(seen, [(x.clone(), true), (x.clone(), true), (x, true)]);
+        let mut seen = Vec::new();
+        d.decode(&[0x82, 0x00, 1, b'x', 1, b'1'], usize::MAX, |_, _, upper| {
+            seen.push(upper)
+        })
+        .unwrap();
+        assert_eq!(seen, [false, false], "a static name, a lower-case literal");
+    }
+
+    #[test]
     fn bad_blocks_are_errors_not_panics() {
         for (block, want) in [
             (vec![0x80], HpackError::BadIndex(0)),
@@ -505,7 +541,11 @@ pub(super) mod tests {
             (vec![0x00, 0x81, 0x00, 0x00], HpackError::BadHuffman),
         ] {
             let mut d = Decoder::default();
-            assert_eq!(d.decode(&block, usize::MAX, |_, _| {}), Err(want), "{block:02x?}");
+            assert_eq!(
+                d.decode(&block, usize::MAX, |_, _, _| {}),
+                Err(want),
+                "{block:02x?}"
+            );
         }
     }
 }

@@ -69,7 +69,7 @@ pub mod fuzzing {
     /// Decodes `block` with a fresh HPACK decoder; every field is handed to nowhere.
     pub fn hpack(block: &[u8]) -> bool {
         let mut d = crate::hpack::Decoder::default();
-        d.decode(block, crate::MAX_HEADER_BLOCK, |_, _| {}).is_ok()
+        d.decode(block, crate::MAX_HEADER_BLOCK, |_, _, _| {}).is_ok()
     }
 
     /// Decodes `code` as a Huffman string.

@@ -188,8 +188,8 @@ impl<S: Service> Conn<S> {
         let block = std::mem::take(&mut self.block);
         let mut buf = std::mem::take(&mut self.scratch);
         let (config, trace) = (&*self.config, self.trace);
-        let decoded = self.hpack.decode(&block, MAX_HEADER_BLOCK, |n, v| {
-            head.field(n, v, &mut buf, config, trace)
+        let decoded = self.hpack.decode(&block, MAX_HEADER_BLOCK, |n, v, upper| {
+            head.field(n, v, upper, &mut buf, config, trace)
         });
         self.scratch = buf;
         self.block = block;
