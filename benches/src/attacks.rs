@@ -21,10 +21,7 @@ use tokio::net::TcpStream;
 
 use crate::gateway::{closed_clients, median, us};
 
-const RULES: &str = r#"{"rules":[
-  {"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60},
-  {"id":"bench-envoy","dimension":"descriptor","limit":1000000000000,"windowSeconds":60,
-   "envoy":{"domain":"bench","descriptors":[{"key":"user"}]}}]}"#;
+use crate::grpc::RULES;
 
 /// The attacks, each with the connections it keeps open at once.
 const ATTACKS: [(&str, usize); 6] = [
@@ -287,19 +284,8 @@ pub async fn run(runs: usize, seconds: f64, only: &str) -> anyhow::Result<Vec<Ro
             let grpc_hist = closed_clients(16, measure, move |user| {
                 let mut g = g.clone();
                 async move {
-                    let req = RateLimitRequest {
-                        domain: "bench".into(),
-                        descriptors: vec![RateLimitDescriptor {
-                            entries: vec![Entry {
-                                key: "user".into(),
-                                value: user.to_string(),
-                            }],
-                            ..Default::default()
-                        }],
-                        hits_addend: 1,
-                    };
                     let t = Instant::now();
-                    g.should_rate_limit(req).await?;
+                    g.should_rate_limit(crate::grpc::user_request(user)).await?;
                     Ok(t.elapsed())
                 }
             })

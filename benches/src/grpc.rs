@@ -14,10 +14,25 @@ use serde::Serialize;
 use crate::gateway::{closed_clients, median, us};
 
 /// The same limit twice: once for item checks (`bench`), once as an Envoy descriptor (`user`).
-const RULES: &str = r#"{"rules":[
+pub(crate) const RULES: &str = r#"{"rules":[
   {"id":"bench","dimension":"user","limit":1000000000000,"windowSeconds":60},
   {"id":"bench-envoy","dimension":"descriptor","limit":1000000000000,"windowSeconds":60,
    "envoy":{"domain":"bench","descriptors":[{"key":"user"}]}}]}"#;
+
+/// ShouldRateLimit of domain `bench` for one user (the `bench-envoy` rule's descriptor).
+pub(crate) fn user_request(user: usize) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "bench".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "user".into(),
+                value: user.to_string(),
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
 
 /// One side of one run.
 #[derive(Serialize, Clone)]
@@ -116,19 +131,8 @@ pub async fn run(
                     measure(agent.pid(), clients, seconds, move |user| {
                         let mut g = g.clone();
                         async move {
-                            let req = RateLimitRequest {
-                                domain: "bench".into(),
-                                descriptors: vec![RateLimitDescriptor {
-                                    entries: vec![Entry {
-                                        key: "user".into(),
-                                        value: user.to_string(),
-                                    }],
-                                    ..Default::default()
-                                }],
-                                hits_addend: 1,
-                            };
                             let t = Instant::now();
-                            let r = g.should_rate_limit(req).await?;
+                            let r = g.should_rate_limit(user_request(user)).await?;
                             let took = t.elapsed();
                             anyhow::ensure!(
                                 r.overall_code == Code::Ok as i32 && r.statuses[0].current_limit.is_some(),

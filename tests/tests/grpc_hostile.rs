@@ -72,16 +72,21 @@ async fn a_header_block_is_due_within_the_frame_timeout_of_its_headers() {
     );
 }
 
-/// More CONTINUATIONs than a header block may take end the connection at once, whatever their size.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_header_block_in_too_many_continuations_is_refused() {
-    let agent = agent(2_000).await;
-    let mut c = Raw::open(&agent, &[]).await;
+/// A connection whose header block takes 17 CONTINUATIONs: the GOAWAY code it gets.
+async fn too_many_continuations(agent: &Agent) -> u32 {
+    let mut c = Raw::open(agent, &[]).await;
     c.frame(HEADERS, 0, 1, &request_block()).await;
     for _ in 0..17 {
         c.send(CONTINUATION, 0, 1, &[]).await;
     }
-    assert_eq!(c.goaway().await, ENHANCE_YOUR_CALM);
+    c.goaway().await
+}
+
+/// More CONTINUATIONs than a header block may take end the connection at once, whatever their size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_block_in_too_many_continuations_is_refused() {
+    let agent = agent(2_000).await;
+    assert_eq!(too_many_continuations(&agent).await, ENHANCE_YOUR_CALM);
 }
 
 /// A client that opens streams and resets them (the rapid reset attack) spends its budget and is
@@ -300,12 +305,7 @@ async fn an_idle_grpc_connection_is_closed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_that_spent_a_budget_is_refused_for_a_while() {
     let agent = agent(2_000).await;
-    let mut c = Raw::open(&agent, &[]).await;
-    c.frame(HEADERS, 0, 1, &request_block()).await;
-    for _ in 0..17 {
-        c.send(CONTINUATION, 0, 1, &[]).await;
-    }
-    assert_eq!(c.goaway().await, ENHANCE_YOUR_CALM);
+    assert_eq!(too_many_continuations(&agent).await, ENHANCE_YOUR_CALM);
     // The penalty is recorded as the GOAWAY is decided: the next connection is closed at once.
     let mut again = Raw::connect(&agent).await;
     again.send(DATA, 0, 0, b"").await;
