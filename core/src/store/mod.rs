@@ -35,6 +35,19 @@ pub struct Planned {
     pub lease: Lease,
 }
 
+impl Planned {
+    /// An item that consumes `cost` of `rule` for `key`, with no lease.
+    pub fn consume(rule: Arc<Rule>, key: &str, cost: u64) -> Self {
+        Planned {
+            rule,
+            key: key.into(),
+            cost,
+            mode: ItemMode::default(),
+            lease: Lease::None,
+        }
+    }
+}
+
 /// The lease of a concurrency rule's item.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Lease {

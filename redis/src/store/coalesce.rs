@@ -30,6 +30,8 @@ pub struct Job {
     pub deadline: std::time::Instant,
     /// Its check's span, when traced (`floodgate_core::call_trace`).
     pub span: Option<floodgate_core::call_trace::SpanName>,
+    /// Its number in its node's queue (`node::Pipe::send_check`); 0 where no node task numbers it.
+    pub seq: u64,
 }
 
 /// Starts the worker of one call group; it ends when the store is dropped.

@@ -66,6 +66,7 @@ impl RedisStore {
                     deadline,
                     // The Cluster's and Sentinel's calls (redis-rs) are not reported.
                     span: None,
+                    seq: 0,
                 })
                 .is_ok()
         })
@@ -97,17 +98,25 @@ impl RedisStore {
             reply,
             deadline,
             span: floodgate_core::call_trace::current(),
+            seq: 0,
         };
-        let shed = pipe.send_check(job, left).is_err();
-        let closed = shed && pipe.tx.is_closed();
+        let queued = pipe.send_check(job, left).ok();
+        let closed = queued.is_none() && pipe.tx.is_closed();
         Ok(async move {
             if closed {
                 return Err(StoreError::Connection("store is shutting down".into()));
             }
-            if shed {
+            let Some(queued) = queued else {
                 return Err(StoreError::Shed);
+            };
+            match answer(true, rx, left).await {
+                // Its budget ran out while it still waited in the agent's own queue (both of the
+                // node's calls busy): it never reached Redis, so it is a shed check, which the
+                // breaker does not count, not a Redis timeout. Counted as one, an agent that is
+                // only behind opened its breaker on a Redis that answered every call.
+                Err(StoreError::Timeout(_)) if !queued.sent() => Err(StoreError::Shed),
+                answered => answered,
             }
-            answer(true, rx, left).await
         })
     }
 
@@ -208,5 +217,72 @@ impl RedisStore {
             });
         metrics::redis_call(shard, reply.is_ok());
         reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::RedisConfig;
+    use floodgate_core::rules::RuleSet;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A node that signs in (answers the PING) and then takes every call without answering; the
+    /// watch counts the script calls it has read.
+    async fn silent_node() -> (u16, tokio::sync::watch::Receiver<usize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (calls, seen) = tokio::sync::watch::channel(0);
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut read = Vec::new();
+            let mut buf = [0u8; 4096];
+            let mut answered_ping = false;
+            loop {
+                let n = s.read(&mut buf).await.unwrap_or(0);
+                if n == 0 {
+                    return;
+                }
+                read.extend_from_slice(&buf[..n]);
+                if !answered_ping && read.windows(4).any(|w| w == b"PING") {
+                    s.write_all(b"+PONG\r\n").await.unwrap();
+                    answered_ping = true;
+                }
+                let _ = calls.send(read.windows(7).filter(|w| w == b"EVALSHA").count());
+            }
+        });
+        (port, seen)
+    }
+
+    #[tokio::test]
+    async fn a_check_whose_budget_ends_in_the_agents_own_queue_is_shed_not_a_timeout() {
+        let (port, mut seen) = silent_node().await;
+        let timeout = Duration::from_secs(2);
+        let mut config = RedisConfig::single(&format!("redis://127.0.0.1:{port}"), timeout);
+        config.coalesce = 1; // one check per call: two checks hold both of the node's calls
+        let store = RedisStore::new(&config).unwrap();
+        let rules =
+            RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":5,"windowSeconds":60}]}"#)
+                .unwrap();
+        let check = |received| {
+            let items = vec![Planned::consume(rules.get("r").unwrap().clone(), "user:a", 1)];
+            store.check_on_pipe(items, received).ok().unwrap()
+        };
+        let first = tokio::spawn(check(Instant::now()));
+        let second = tokio::spawn(check(Instant::now()));
+        seen.wait_for(|&calls| calls >= 2).await.unwrap();
+        // Both calls are on the wire and unanswered; this check waits behind them in the agent's
+        // queue, and its budget (0.5 s left) ends long before theirs (2 s) free a call.
+        let queued = check(Instant::now() - Duration::from_millis(1_500)).await;
+        assert!(
+            matches!(queued, Err(StoreError::Shed)),
+            "a check that never left the agent's queue is shed, not Redis's timeout: {queued:?}"
+        );
+        for sent in [first.await.unwrap(), second.await.unwrap()] {
+            assert!(
+                matches!(sent, Err(StoreError::Timeout(_))),
+                "a call Redis took and never answered is Redis's timeout: {sent:?}"
+            );
+        }
     }
 }

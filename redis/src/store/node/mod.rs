@@ -128,6 +128,11 @@ struct PipeState {
     waiting: AtomicUsize,
     /// Recent calls' time from send to reply, in µs (a moving average of 1/8 per call).
     rtt_us: AtomicU64,
+    /// The number given to the last check handed to the task (the first is 1).
+    numbered: AtomicU64,
+    /// The highest number among the checks the task has taken off its queue into a call (or
+    /// dropped, their callers gone): a check numbered above it has not been sent to Redis.
+    taken: AtomicU64,
 }
 
 impl PipeState {
@@ -138,6 +143,8 @@ impl PipeState {
             incoming: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
             rtt_us: AtomicU64::new(0),
+            numbered: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
         }
     }
 
@@ -178,15 +185,35 @@ impl Pipe {
     /// estimated at one round trip per [`MAX_IN_FLIGHT`] calls, each carrying up to `max_items`
     /// items). With nothing queued a check is always sent, so a slow Redis still meets the timeouts
     /// that open its breaker, and the estimate keeps learning.
-    pub fn send_check(&self, job: Job, left: Duration) -> Result<(), Job> {
+    pub fn send_check(&self, mut job: Job, left: Duration) -> Result<Queued, Job> {
         if self.sheds(left) {
             return Err(job);
         }
+        job.seq = self.state.numbered.fetch_add(1, Ordering::Relaxed) + 1;
+        let seq = job.seq;
         self.state.incoming.fetch_add(1, Ordering::Relaxed);
         self.tx.send(Request::Check(job)).map_err(|e| match e.0 {
             Request::Check(job) => job,
             Request::Raw { .. } => unreachable!("a check was sent"),
+        })?;
+        Ok(Queued {
+            seq,
+            state: self.state.clone(),
         })
+    }
+}
+
+/// A check handed to a node's task: whether it has left the agent's queue for Redis yet.
+pub struct Queued {
+    seq: u64,
+    state: Arc<PipeState>,
+}
+
+impl Queued {
+    /// Whether the task has taken it into a call (or dropped it, its caller gone). One that has
+    /// not never reached Redis: a timeout then is the agent's own queue, not Redis.
+    pub fn sent(&self) -> bool {
+        self.state.taken.load(Ordering::Relaxed) >= self.seq
     }
 }
 

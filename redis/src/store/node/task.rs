@@ -237,6 +237,10 @@ impl Node {
                             _ => break,
                         }
                     }
+                    // These leave the agent's queue for Redis: a timeout of theirs from now on
+                    // may be Redis's (`Queued::sent`).
+                    let last = jobs.iter().map(|j| j.seq).max().unwrap_or(0);
+                    self.state.taken.fetch_max(last, Ordering::Relaxed);
                     let mut cmd = self.spare.pop().unwrap_or_default();
                     cmd.clear();
                     let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
