@@ -49,11 +49,25 @@ pub struct Scenario {
     /// Over Envoy's RateLimitService, served by this `--grpc-server` (a connection is an HTTP/2
     /// channel and `rule` is ignored: the `bench` domain's descriptor rule); else the frames protocol.
     pub grpc: Option<&'static str>,
+    /// Redis is named but nothing listens there: every check is answered by the fail mode (the
+    /// limit/N fallback and its write-back ledger), the path every check takes while Redis is away.
+    pub gone: bool,
 }
 
 /// The scenarios (BENCHMARKS.md, "Instructions per check (callgrind)"): in-memory (one in flight and
-/// pipelined), Redis sync at 16 and 64 in flight, and a rejection answered from the cache.
+/// pipelined), Redis sync at 16 and 64 in flight, a rejection answered from the cache, and Redis
+/// gone (the fail mode).
 pub const SCENARIOS: &[Scenario] = &[
+    Scenario {
+        name: "redis gone, fail mode, 16 clients × 1",
+        redis: true,
+        rule: "bench",
+        clients: 16,
+        in_flight: 1,
+        keys: 10_000,
+        grpc: None,
+        gone: true,
+    },
     Scenario {
         name: "memory, 16 clients × 1",
         redis: false,
@@ -62,6 +76,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 1,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "memory, 16 clients × 64 pipelined",
@@ -71,6 +86,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "redis sync, 16 clients × 1",
@@ -80,6 +96,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 1,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "redis sync, 64 clients × 1",
@@ -89,6 +106,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 1,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "redis, cache hit, 16 clients × 1",
@@ -98,6 +116,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 1,
         keys: 100,
         grpc: None,
+        gone: false,
     },
     // The Envoy path against the frames path, both at 64 in flight on one connection (an HTTP/2
     // channel multiplexing 64 streams, a socket pipelining 64 frames).
@@ -109,6 +128,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "memory, grpc, 1 channel × 64",
@@ -118,6 +138,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("native"),
+        gone: false,
     },
     Scenario {
         name: "memory, grpc tonic, 1 channel × 64",
@@ -127,6 +148,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("tonic"),
+        gone: false,
     },
     Scenario {
         name: "memory, grpc h2, 1 channel × 64",
@@ -136,6 +158,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("h2"),
+        gone: false,
     },
     Scenario {
         name: "redis, frames, 1 client × 64",
@@ -145,6 +168,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: None,
+        gone: false,
     },
     Scenario {
         name: "redis, grpc, 1 channel × 64",
@@ -154,6 +178,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("native"),
+        gone: false,
     },
     Scenario {
         name: "redis, grpc tonic, 1 channel × 64",
@@ -163,6 +188,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("tonic"),
+        gone: false,
     },
     Scenario {
         name: "redis, grpc h2, 1 channel × 64",
@@ -172,6 +198,7 @@ pub const SCENARIOS: &[Scenario] = &[
         in_flight: 64,
         keys: 10_000,
         grpc: Some("h2"),
+        gone: false,
     },
 ];
 
@@ -242,7 +269,12 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
         .rules(RULES)
         .under(&["valgrind", "--tool=callgrind", "--quiet", &out])
         .ready_within(Duration::from_secs(120));
-    if s.redis {
+    if s.gone {
+        // A port nothing listens on (bound, then let go): every connect is refused at once, the
+        // breaker opens and stays open, and the fail mode answers.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        b = b.redis(&format!("redis://127.0.0.1:{port}"));
+    } else if s.redis {
         // Everything runs ~50× slower under callgrind: a patient store timeout keeps every check on
         // the path measured instead of the fail mode's.
         b = b
@@ -284,7 +316,11 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
     let per_client = (n / s.clients as u64).max(1);
     let (_, fallbacks) = drive(s, conns, per_client).await?;
     callgrind_control(&["-d", &pid])?;
-    if fallbacks > 0 {
+    let measured = per_client * s.clients as u64;
+    if s.gone && fallbacks != measured {
+        bail!("{fallbacks} of {measured} checks answered by the fail mode: not the path measured");
+    }
+    if !s.gone && fallbacks > 0 {
         bail!("{fallbacks} checks answered by the fail mode: not the path measured");
     }
     agent.terminate_within(Duration::from_secs(120)).await;
@@ -296,7 +332,7 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
             agent.log()
         );
     }
-    Ok((dumped, per_client * s.clients as u64))
+    Ok((dumped, measured))
 }
 
 /// `per_client` checks on every connection at once, `in_flight` at a time, keys cycling; returns the

@@ -7,7 +7,7 @@ use std::time::Duration;
 use floodgate_core::engine::Engine;
 use floodgate_core::guard::{BreakerState, Guard, Permit, Transition};
 use floodgate_core::rules::Rule;
-use floodgate_core::shared_store::{Adjust, SharedStore};
+use floodgate_core::shared_store::{Adjust, Route, SharedStore};
 use floodgate_core::store::{Clock, StoreError};
 use floodgate_core::tasks::stopped;
 use tokio::sync::watch;
@@ -129,16 +129,34 @@ async fn probe(guard: &Guard, redis: &dyn SharedStore, shard: usize) {
 /// Most ledger entries one write-back pass takes: bounded work per pass on the agent's thread.
 const WRITE_BACK_BATCH: usize = 10_000;
 
-/// Writes back what the fallback admitted, for the shards whose breaker is closed (the rest waits).
+/// Most ledger entries a write-back pass takes while a shard sheds checks (the agent is past its
+/// capacity toward it): one call's worth, so that the write-back does not hold one of the node's two
+/// call slots for many calls while checks are being shed for want of one.
+const WRITE_BACK_WHILE_SHEDDING: usize = 64;
+
+/// Writes back what the fallback admitted, for the shards whose breaker is closed (the rest waits
+/// in the ledger, untouched).
 async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
-    let entries = guard.fallback.drain(WRITE_BACK_BATCH);
-    if entries.is_empty() {
+    let shards = redis.shard_count();
+    let closed: Vec<bool> = (0..shards)
+        .map(|shard| guard.breaker(shard).snapshot().state == BreakerState::Closed)
+        .collect();
+    if !closed.contains(&true) {
         return;
     }
-    let (ready, waiting): (Vec<_>, Vec<_>) = entries
-        .into_iter()
-        .partition(|e| guard.breaker(redis.route(&e.key).shard).snapshot().state == BreakerState::Closed);
-    guard.fallback.restore(waiting);
+    let now = std::time::Instant::now();
+    let shedding = (0..shards).any(|shard| {
+        let call = u32::try_from(shard).unwrap_or(u32::MAX);
+        closed[shard] && redis.sheds(&Route { shard, call }, now)
+    });
+    let max = if shedding {
+        WRITE_BACK_WHILE_SHEDDING
+    } else {
+        WRITE_BACK_BATCH
+    };
+    let ready = guard
+        .fallback
+        .drain(max, |e| closed.get(redis.route(&e.key).shard) == Some(&true));
     if ready.is_empty() {
         return;
     }

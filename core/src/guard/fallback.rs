@@ -218,10 +218,14 @@ impl Fallback {
         self.store.check(std::slice::from_ref(&local))[0]
     }
 
-    /// Takes up to `max` ledger entries that still count in Redis: those of the current window and of
-    /// the one before (a sliding window still weighs it). Older entries are dropped: Redis would have
-    /// expired them anyway. Bounded, so a huge ledger never stalls the agent's thread for long.
-    pub fn drain(&self, max: usize) -> Vec<LedgerEntry> {
+    /// Takes up to `max` ledger entries that still count in Redis (those of the current window and
+    /// of the one before: a sliding window still weighs it) and that are `ready` (their shard
+    /// answers again); the others stay. Older entries are dropped: Redis would have expired them
+    /// anyway. Bounded, so a huge ledger never stalls the agent's thread for long; and what is not
+    /// ready is never taken and put back: while one shard of several was away, taking the whole
+    /// ledger and restoring it each pass cost ~20x a fail-mode check's own work (BENCHMARKS.md,
+    /// "Past capacity, again").
+    pub fn drain(&self, max: usize, ready: impl Fn(&LedgerEntry) -> bool) -> Vec<LedgerEntry> {
         let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         ledger.retain(|_, e| match e.rule.algorithm {
@@ -229,7 +233,12 @@ impl Fallback {
             crate::rules::Algorithm::Quota => e.rule.quota_period(now).0 == e.window,
             _ => e.window + 1 >= now / e.rule.window_ms(),
         });
-        let keys: Vec<(CompactString, CompactString)> = ledger.keys().take(max).cloned().collect();
+        let keys: Vec<(CompactString, CompactString)> = ledger
+            .iter()
+            .filter(|(_, e)| ready(e))
+            .map(|(k, _)| k.clone())
+            .take(max)
+            .collect();
         keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
     }
 
@@ -304,6 +313,31 @@ mod tests {
     }
 
     #[test]
+    fn a_drain_takes_only_what_is_ready() {
+        let rules =
+            RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":100,"windowSeconds":10}]}"#)
+                .unwrap();
+        let f = Fallback::new(Clock::Manual(Arc::new(AtomicU64::new(1_000_000))));
+        let rule = rules.get("r").unwrap().clone();
+        for key in ["user:up", "user:away", "user:up2"] {
+            f.check(&[Planned::consume(rule.clone(), key, 3)], 1, &[true]);
+        }
+        // Only the keys of a shard that answers again are taken; the others wait where they are.
+        let back = f.drain(10, |e| e.key.starts_with("user:up"));
+        let mut keys: Vec<&str> = back.iter().map(|e| e.key.as_str()).collect();
+        keys.sort();
+        assert_eq!(keys, ["user:up", "user:up2"]);
+        assert_eq!(f.pending(), 1);
+        assert!(f.drain(10, |_| false).is_empty());
+        assert_eq!(f.pending(), 1, "what is not ready is left in the ledger");
+        let rest = f.drain(1, |_| true);
+        assert_eq!(
+            (rest.len(), rest[0].key.as_str(), rest[0].units),
+            (1, "user:away", 3)
+        );
+    }
+
+    #[test]
     fn enforces_limit_over_n_and_keeps_a_ledger_of_the_current_window() {
         let rules =
             RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":100,"windowSeconds":10}]}"#)
@@ -323,7 +357,7 @@ mod tests {
             .filter(|_| f.check(&item(), 4, &[true])[0].allowed)
             .count();
         assert_eq!(admitted, 25, "limit 100 over 4 agents");
-        let back = f.drain(10);
+        let back = f.drain(10, |_| true);
         assert_eq!(back.len(), 1);
         assert_eq!(back[0].units, 25);
         assert_eq!(f.pending(), 0);
@@ -333,13 +367,16 @@ mod tests {
         assert!(f.check(&item(), 4, &[true])[0].allowed);
         t.fetch_add(10_000, Ordering::Relaxed);
         assert_eq!(
-            f.drain(10).len(),
+            f.drain(10, |_| true).len(),
             1,
             "the previous window's units are still written back"
         );
         f.check(&item(), 4, &[true]);
         t.fetch_add(20_000, Ordering::Relaxed);
-        assert!(f.drain(10).is_empty(), "units two windows old are dropped");
+        assert!(
+            f.drain(10, |_| true).is_empty(),
+            "units two windows old are dropped"
+        );
 
         // A timed-out check (record = false) admits without a ledger entry.
         f.check(&item(), 4, &[false]);
