@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The Node SDK as an app gets it: packs the package with `npm pack` from a copy of sdk-node's
-# tracked files (its `prepare` builds dist/src there), installs the tarball into a fresh project
+# tracked files (its `prepare` builds dist/src there), checks the tarball holds the repository's
+# LICENSE and nothing but it, package.json, README.md and dist/src, installs it into a fresh project
 # (`npm init -y`), and there `require`s it from CommonJS, `import`s it from ESM and type-checks a
 # .cts and a .mts against its declarations; then installs the copy's folder into a second fresh
 # project (`npm install <folder>`: npm links it and `prepare` builds it). Each import asks a real
@@ -68,7 +69,7 @@ shopt -u nullglob
 [ "${#tarballs[@]}" -eq 1 ] || fail "expected one floodgate-client-*.tgz, got ${#tarballs[@]}: $(cat "$work/pack.log")"
 tgz="${tarballs[0]}"
 tar -tzf "$tgz" | sort >"$work/contents"
-for f in package/package.json package/README.md package/dist/src/index.js package/dist/src/index.d.ts; do
+for f in package/package.json package/README.md package/LICENSE package/dist/src/index.js package/dist/src/index.d.ts; do
   grep -qx "$f" "$work/contents" || fail "$f is not in the tarball"
 done
 for src in src/*.ts; do
@@ -76,9 +77,11 @@ for src in src/*.ts; do
   grep -qx "package/dist/src/$base.js" "$work/contents" || fail "package/dist/src/$base.js (from $src) is not in the tarball"
   grep -qx "package/dist/src/$base.d.ts" "$work/contents" || fail "package/dist/src/$base.d.ts is not in the tarball"
 done
-if grep -Ev '^package/(package\.json|README\.md|dist/src/[A-Za-z0-9_-]+\.(js|js\.map|d\.ts))$' "$work/contents"; then
-  fail "the tarball holds more than package.json, README.md and dist/src (above)"
+if grep -Ev '^package/(package\.json|README\.md|LICENSE|dist/src/[A-Za-z0-9_-]+\.(js|js\.map|d\.ts))$' "$work/contents"; then
+  fail "the tarball holds more than package.json, README.md, LICENSE and dist/src (above)"
 fi
+# Apache-2.0 asks for a copy of the licence with every redistribution: the repository's text.
+tar -xzOf "$tgz" package/LICENSE | cmp -s - "$repo/LICENSE" || fail "the tarball's LICENSE is not the repository's"
 echo "$(basename "$tgz"): $(wc -l <"$work/contents") files"
 
 step "starting the agent"

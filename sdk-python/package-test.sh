@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The Python SDK as it ships: builds a wheel and an sdist with `python -m build` from a copy of
-# sdk-python's tracked files (in a temp dir, so nothing is written into the source tree), installs
-# each into a fresh venv of its own (the wheel with no package index: the SDK has no dependencies;
+# sdk-python's tracked files (in a temp dir, so nothing is written into the source tree), checks
+# that both carry the repository's LICENSE (the wheel in dist-info/licenses/), installs each into a
+# fresh venv of its own (the wheel with no package index: the SDK has no dependencies;
 # the sdist built by pip from the sdist alone), and in each imports floodgate and its ASGI and WSGI
 # middleware, checks the installed files are exactly the tracked ones under src/floodgate, and asks a
 # real agent for a decision: `Client(socket).allow("user:1", "api-per-user", 1)` must be allowed by
@@ -98,6 +99,31 @@ if [ -n "$WARNINGS" ]; then
   echo "$WARNINGS" | sed 's/^/   /'
 fi
 echo "   $(basename "$WHEEL") ($(wc -c < "$WHEEL") bytes), $(basename "$SDIST") ($(wc -c < "$SDIST") bytes)"
+
+step "the licence ships in both: the wheel's dist-info/licenses/LICENSE and the sdist's LICENSE"
+# Apache-2.0 asks for a copy of the licence with every redistribution; the text must be the
+# repository's LICENSE and the metadata must name it.
+LICENSE_CHECK='
+import sys, tarfile, zipfile
+wheel, sdist, version, license_path = sys.argv[1:5]
+with open(license_path, "rb") as f:
+    want = f.read()
+info = "floodgate_client-%s.dist-info/" % version
+with zipfile.ZipFile(wheel) as z:
+    names = z.namelist()
+    assert info + "licenses/LICENSE" in names, ("no licenses/LICENSE in the wheel", names)
+    assert z.read(info + "licenses/LICENSE") == want, "the wheel'"'"'s LICENSE is not the repository'"'"'s"
+    metadata = z.read(info + "METADATA").decode()
+assert "License-File: LICENSE" in metadata.splitlines(), metadata
+assert "License-Expression: Apache-2.0" in metadata.splitlines(), metadata
+with tarfile.open(sdist) as t:
+    member = "floodgate_client-%s/LICENSE" % version
+    names = t.getnames()
+    assert member in names, ("no LICENSE at the sdist'"'"'s top", names)
+    assert t.extractfile(member).read() == want, "the sdist'"'"'s LICENSE is not the repository'"'"'s"
+print("   wheel:", info + "licenses/LICENSE", "(License-File, License-Expression: Apache-2.0); sdist:", member)
+'
+"$PYTHON" -c "$LICENSE_CHECK" "$WHEEL" "$SDIST" "$VERSION" "$REPO/LICENSE" || fail "the licence is not in the wheel and the sdist"
 
 step "fresh venv: pip install the wheel (no index)"
 new_venv "$TMP/venv-wheel"
