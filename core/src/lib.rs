@@ -13,6 +13,7 @@
 //! - [`overrides`]: per-client overrides of a rule's limit, as agents follow them.
 //! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, membership (N).
+//! - [`ledger`]: the opt-in decision ledger, and the checker that judges a run's ledgers.
 //! - [`dryrun`]: log mode's would-be rejections, counted, logged and reported.
 //! - [`events`]: the rejection events' bounded queue (the writer is the Redis store's).
 //! - [`metrics`]: counters and histograms recorded through the `metrics` facade.
@@ -43,6 +44,7 @@ pub mod dryrun;
 pub mod engine;
 pub mod events;
 pub mod guard;
+pub mod ledger;
 pub mod metrics;
 pub mod overrides;
 pub mod rules;

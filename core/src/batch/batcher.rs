@@ -185,6 +185,11 @@ impl Batcher {
             .max(estimate)
     }
 
+    /// How far Redis's clock is ahead of the local one, in ms, as last learned (0 until a flush).
+    pub fn offset_ms(&self) -> i64 {
+        self.offset_ms.load(Ordering::Relaxed)
+    }
+
     /// Records Redis's clock as read by one flush call sent at local `sent_ms` and answered at
     /// `answered_ms`: Redis read it about halfway.
     pub fn learn_clock(&self, redis_ms: u64, sent_ms: u64, answered_ms: u64) {

@@ -69,6 +69,8 @@ pub struct EngineOptions {
     pub accuracy: f64,
     /// Where rejection events go (none: not emitted).
     pub events: Option<Arc<crate::events::Events>>,
+    /// Where every decision is recorded (none: the ledger is off, the default).
+    pub ledger: Option<Arc<crate::ledger::Ledger>>,
 }
 
 impl Default for EngineOptions {
@@ -80,6 +82,7 @@ impl Default for EngineOptions {
             hot_key_rate: DEFAULT_HOT_KEY_RATE,
             accuracy: DEFAULT_ACCURACY,
             events: None,
+            ledger: None,
         }
     }
 }
@@ -103,6 +106,7 @@ pub struct Engine {
     hot: HotKeys,
     accuracy: f64,
     events: Option<Arc<crate::events::Events>>,
+    ledger: Option<Arc<crate::ledger::Ledger>>,
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
     /// Checks (call groups) shed: answered by their fail modes without asking the store.
@@ -153,6 +157,7 @@ impl Engine {
             hot: HotKeys::new(options.hot_key_rate),
             accuracy: options.accuracy,
             events: options.events,
+            ledger: options.ledger,
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
             shed: AtomicU64::new(0),
@@ -390,12 +395,18 @@ impl Engine {
             .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode == ItemMode::Consume)
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
+        // With the ledger on, the plan is kept to record the decision's items against.
+        let ledger = self.ledger.as_ref().map(|_| plan.clone());
         let answer = match &self.store {
             Store::Memory(m) => {
                 let outcomes = m.check(&plan);
                 Answer::Ready(Ok(combine(&plan, &outcomes, &[Source::Local])))
             }
             Store::Shared(r) => self.check_shared(r, plan, received),
+        };
+        let answer = match ledger {
+            Some(plan) => self.recorded(plan, answer, received),
+            None => answer,
         };
         if logged.is_empty() {
             return answer;
@@ -411,6 +422,39 @@ impl Engine {
                     let r = fut.await;
                     if let Ok(d) = &r {
                         this.observe(&logged, d);
+                    }
+                    r
+                }))
+            }
+            other => other,
+        }
+    }
+
+    /// The answer, recorded in the ledger once decided: the plan's items and their verdicts, with
+    /// when the check was read and decided and the store clock's offset as learned.
+    fn recorded(
+        self: &Arc<Self>,
+        plan: Vec<Planned>,
+        answer: Answer,
+        received: std::time::Instant,
+    ) -> Answer {
+        let record = move |this: &Engine, d: &Decision| {
+            let Some(ledger) = &this.ledger else { return };
+            let done = this.clock.now_ms();
+            let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
+            ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
+        };
+        match answer {
+            Answer::Ready(Ok(d)) => {
+                record(self, &d);
+                Answer::Ready(Ok(d))
+            }
+            Answer::Pending(fut) => {
+                let this = self.clone();
+                Answer::Pending(Box::pin(async move {
+                    let r = fut.await;
+                    if let Ok(d) = &r {
+                        record(&this, d);
                     }
                     r
                 }))
@@ -452,6 +496,11 @@ impl Engine {
                 });
             }
         }
+    }
+
+    /// The decision ledger, when on.
+    pub fn ledger(&self) -> Option<&Arc<crate::ledger::Ledger>> {
+        self.ledger.as_ref()
     }
 
     /// Log mode's would-be rejections since they were last reported.

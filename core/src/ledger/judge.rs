@@ -1,0 +1,426 @@
+//! The checker: reads the ledgers of a run (one per agent), puts every admitted unit in its
+//! key-window by the store's clock, and judges each key-window's admitted units against the bound
+//! the accuracy contract states for how it was decided (`docs/accuracy.md`). It trusts nothing the
+//! agents concluded: only what each said it admitted, and when.
+//!
+//! A decision is known only to have been made between its frame's read and its answer; one whose
+//! span crosses a window's edge is counted in neither window surely (it is "maybe" in both), so a
+//! breach is reported only where the units surely in one window pass its bound: no false alarm
+//! from timing, at the price of missing an over-admission hidden in the uncertain spans (their
+//! total is reported).
+//!
+//! What is judged: consume and charge items admitted by enforced rules of the sliding-window and
+//! token-bucket algorithms. Per key-window (aligned windows of the rule's length on the store's
+//! clock):
+//! - decided by the shared store (and its rejection cache) only: the limit (a token bucket: its
+//!   burst plus one window's refill);
+//! - with admissions of the limit/N fallback (fail open while the store was away): plus one limit
+//!   (each of N agents admits up to limit / N, rounded up: plus the agents seen);
+//! - with admissions from batched local counters: plus `batched_allowance` of the limit.
+//!
+//! Not judged yet (counted as such): concurrency rules (units held, not a window's sum) and
+//! calendar quotas (periods by time zone).
+
+use std::collections::HashMap;
+
+use serde::Serialize;
+
+use super::record::{Header, Record};
+use crate::rules::Algorithm;
+
+/// How the checker judges.
+#[derive(Debug, Clone, Copy)]
+pub struct Options {
+    /// What batched rules may admit over their limit in a key-window, as a fraction of it (the
+    /// contract's batched target: 0.01).
+    pub batched_allowance: f64,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            batched_allowance: 0.01,
+        }
+    }
+}
+
+/// One agent's ledger, read.
+#[derive(Debug, Clone)]
+pub struct LedgerFile {
+    /// Its first line.
+    pub header: Header,
+    /// Its records.
+    pub records: Vec<Record>,
+    /// Decisions the agent dropped (its queue was full): the ledger is incomplete when not 0.
+    pub dropped: u64,
+    /// Whether it ends with the agent's closing line (a killed agent's does not).
+    pub closed: bool,
+}
+
+impl LedgerFile {
+    /// Reads a ledger's text; the error names the line.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let mut lines = text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty());
+        let (_, first) = lines.next().ok_or("empty ledger: no header line")?;
+        let header: Header =
+            serde_json::from_str(first).map_err(|e| format!("line 1 is not a ledger header: {e}"))?;
+        if header.ledger != 1 {
+            return Err(format!("ledger format {} is not known (1 is)", header.ledger));
+        }
+        let mut file = LedgerFile {
+            header,
+            records: Vec::new(),
+            dropped: 0,
+            closed: false,
+        };
+        for (n, line) in lines {
+            if line.starts_with("{\"dropped\":") || line.starts_with("{\"closed\":") {
+                let v: serde_json::Value =
+                    serde_json::from_str(line).map_err(|e| format!("line {}: {e}", n + 1))?;
+                file.dropped = file.dropped.max(v["dropped"].as_u64().unwrap_or(0));
+                file.closed |= v["closed"].as_bool() == Some(true);
+                continue;
+            }
+            match serde_json::from_str::<Record>(line) {
+                Ok(r) => file.records.push(r),
+                // A killed agent's last line may be cut short; anywhere else it is an error.
+                Err(_) if !file.closed && n + 1 == text.lines().count() => {}
+                Err(e) => return Err(format!("line {}: {e}", n + 1)),
+            }
+        }
+        Ok(file)
+    }
+}
+
+/// A key-window past its bound.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Breach {
+    /// The rule.
+    pub rule: String,
+    /// The client key.
+    pub key: String,
+    /// The agent, where the limit is one agent's (the embedded store); none for the fleet's.
+    pub agent: Option<String>,
+    /// The window's start, Unix ms by the store's clock.
+    pub window_start_ms: u64,
+    /// Units surely admitted in it.
+    pub admitted: u64,
+    /// Units whose decision spans its edge (maybe in it).
+    pub maybe: u64,
+    /// The rule's limit.
+    pub limit: u64,
+    /// The contract's bound for how it was decided.
+    pub bound: u64,
+    /// How its units were decided (`redis`, `local`, `cache`, `fallback`).
+    pub sources: Vec<String>,
+}
+
+/// One rule's key-windows, judged.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RuleSummary {
+    /// The rule.
+    pub rule: String,
+    /// Key-windows with admitted units.
+    pub key_windows: u64,
+    /// Units admitted in all (surely in a window, and maybe).
+    pub admitted: u64,
+    /// The largest admitted ÷ limit of any key-window (units surely in it).
+    pub worst_ratio: f64,
+    /// Key-windows past their bound.
+    pub breaches: u64,
+    /// Why it was not judged (its algorithm), if it was not.
+    pub not_judged: Option<String>,
+}
+
+/// The checker's verdict on a run.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Judgement {
+    /// Agents (ledgers) read.
+    pub agents: usize,
+    /// Records read.
+    pub records: u64,
+    /// Decisions the agents dropped from their ledgers: the run is judged incomplete if not 0.
+    pub dropped: u64,
+    /// Agents whose ledger has no closing line (killed: their last ~50 ms may be missing).
+    pub unclosed: Vec<String>,
+    /// Per rule.
+    pub rules: Vec<RuleSummary>,
+    /// Every key-window past its bound, worst first.
+    pub breaches: Vec<Breach>,
+}
+
+#[derive(Default)]
+struct Window {
+    sure: u64,
+    maybe: u64,
+    limit: u64,
+    burst: u64,
+    alg: Option<Algorithm>,
+    sources: u8,
+}
+
+const SOURCES: [&str; 4] = ["redis", "local", "cache", "fallback"];
+
+fn source_bit(s: &str) -> u8 {
+    SOURCES.iter().position(|x| *x == s).map_or(0, |i| 1 << i)
+}
+
+/// Judges the ledgers of one run.
+pub fn judge(ledgers: &[LedgerFile], opts: Options) -> Judgement {
+    // (rule, key, agent for a per-agent limit, window index) → what it admitted.
+    let mut windows: HashMap<(&str, &str, Option<&str>, u64, u64), Window> = HashMap::new();
+    let mut summaries: HashMap<&str, RuleSummary> = HashMap::new();
+    let mut records = 0;
+    let mut agents_seen = 0u64;
+    for file in ledgers {
+        agents_seen += 1;
+        let agent = (file.header.store == "memory").then_some(file.header.agent.as_str());
+        for r in &file.records {
+            records += 1;
+            let s = summaries.entry(&r.rule).or_insert_with(|| RuleSummary {
+                rule: r.rule.clone(),
+                key_windows: 0,
+                admitted: 0,
+                worst_ratio: 0.0,
+                breaches: 0,
+                not_judged: None,
+            });
+            let counts = r.enforced && r.allowed && matches!(r.mode.as_str(), "consume" | "charge");
+            if !counts {
+                continue;
+            }
+            match r.alg {
+                Algorithm::SlidingWindow | Algorithm::TokenBucket => {}
+                Algorithm::Concurrency => {
+                    s.not_judged = Some("concurrency: units held, not a window's sum".into());
+                    continue;
+                }
+                Algorithm::Quota => {
+                    s.not_judged = Some("quota: calendar periods are not judged yet".into());
+                    continue;
+                }
+            }
+            s.admitted += r.cost;
+            let w = r.window_ms.max(1);
+            let at = |t: u64| (t as i64 + r.off).max(0) as u64 / w;
+            let (first, last) = (at(r.recv), at(r.done.max(r.recv)));
+            // A span over more than a few windows says nothing of any of them.
+            for k in first..=last.min(first + 3) {
+                let win = windows.entry((&r.rule, &r.key, agent, w, k)).or_default();
+                if first == last {
+                    win.sure += r.cost;
+                } else {
+                    win.maybe += r.cost;
+                }
+                win.limit = win.limit.max(r.limit);
+                win.burst = win.burst.max(r.burst);
+                win.alg = Some(r.alg);
+                win.sources |= source_bit(&r.source);
+            }
+        }
+    }
+    let mut breaches = Vec::new();
+    for ((rule, key, agent, w, k), win) in windows {
+        let Some(s) = summaries.get_mut(rule) else {
+            continue;
+        };
+        let limit = win.limit.max(1);
+        let mut bound = match win.alg {
+            Some(Algorithm::TokenBucket) => win.burst + limit,
+            _ => limit,
+        };
+        if win.sources & source_bit("fallback") != 0 {
+            bound += limit + agents_seen;
+        }
+        if win.sources & source_bit("local") != 0 && agent.is_none() {
+            bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
+        }
+        s.key_windows += 1;
+        s.worst_ratio = s.worst_ratio.max(win.sure as f64 / limit as f64);
+        if win.sure > bound {
+            s.breaches += 1;
+            breaches.push(Breach {
+                rule: rule.to_string(),
+                key: key.to_string(),
+                agent: agent.map(str::to_string),
+                window_start_ms: k * w,
+                admitted: win.sure,
+                maybe: win.maybe,
+                limit,
+                bound,
+                sources: SOURCES
+                    .iter()
+                    .filter(|x| win.sources & source_bit(x) != 0)
+                    .map(|x| x.to_string())
+                    .collect(),
+            });
+        }
+    }
+    breaches.sort_by(|a, b| {
+        let ratio = |x: &Breach| x.admitted as f64 / x.limit as f64;
+        ratio(b).total_cmp(&ratio(a)).then_with(|| a.key.cmp(&b.key))
+    });
+    let mut rules: Vec<RuleSummary> = summaries.into_values().collect();
+    rules.sort_by(|a, b| a.rule.cmp(&b.rule));
+    Judgement {
+        agents: ledgers.len(),
+        records,
+        dropped: ledgers.iter().map(|f| f.dropped).sum(),
+        unclosed: ledgers
+            .iter()
+            .filter(|f| !f.closed)
+            .map(|f| f.header.agent.clone())
+            .collect(),
+        rules,
+        breaches,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(agent: &str, store: &str) -> Header {
+        Header {
+            ledger: 1,
+            agent: agent.into(),
+            store: store.into(),
+        }
+    }
+
+    fn admit(key: &str, at: u64, source: &str) -> Record {
+        Record {
+            recv: at,
+            done: at + 1,
+            off: 0,
+            rule: "r".into(),
+            ver: 1,
+            alg: Algorithm::SlidingWindow,
+            window_ms: 1_000,
+            limit: 10,
+            burst: 10,
+            enforced: true,
+            key: key.into(),
+            cost: 1,
+            mode: "consume".into(),
+            allowed: true,
+            source: source.into(),
+        }
+    }
+
+    fn file(agent: &str, store: &str, records: Vec<Record>) -> LedgerFile {
+        LedgerFile {
+            header: header(agent, store),
+            records,
+            dropped: 0,
+            closed: true,
+        }
+    }
+
+    #[test]
+    fn a_fleet_window_past_its_limit_is_a_breach_and_one_within_is_not() {
+        // Two agents, 6 admissions each of key a in window [1000, 2000): 12 > 10. Key b: 5 + 5.
+        let mut one: Vec<Record> = (0..6).map(|i| admit("a", 1_100 + i * 10, "redis")).collect();
+        let mut two: Vec<Record> = (0..6).map(|i| admit("a", 1_500 + i * 10, "redis")).collect();
+        one.extend((0..5).map(|i| admit("b", 1_100 + i, "redis")));
+        two.extend((0..5).map(|i| admit("b", 1_200 + i, "redis")));
+        let j = judge(
+            &[file("x", "shared", one), file("y", "shared", two)],
+            Options::default(),
+        );
+        assert_eq!(j.breaches.len(), 1, "{j:?}");
+        let b = &j.breaches[0];
+        assert_eq!(
+            (b.key.as_str(), b.admitted, b.bound, b.window_start_ms),
+            ("a", 12, 10, 1_000)
+        );
+        assert_eq!(j.rules[0].worst_ratio, 1.2);
+    }
+
+    #[test]
+    fn the_embedded_store_is_judged_per_agent() {
+        let one: Vec<Record> = (0..10).map(|i| admit("a", 1_100 + i, "local")).collect();
+        let two = one.clone();
+        let j = judge(
+            &[file("x", "memory", one), file("y", "memory", two)],
+            Options::default(),
+        );
+        assert!(j.breaches.is_empty(), "each agent's own limit held: {j:?}");
+    }
+
+    #[test]
+    fn a_decision_spanning_a_window_edge_is_never_a_breach_by_itself() {
+        // 10 surely in [1000, 2000) and 5 whose spans cross into the next window.
+        let mut records: Vec<Record> = (0..10).map(|i| admit("a", 1_100 + i, "redis")).collect();
+        for _ in 0..5 {
+            let mut r = admit("a", 1_995, "redis");
+            r.done = 2_005;
+            records.push(r);
+        }
+        let j = judge(&[file("x", "shared", records)], Options::default());
+        assert!(j.breaches.is_empty(), "{j:?}");
+        assert_eq!(j.rules[0].admitted, 15);
+    }
+
+    #[test]
+    fn fallback_and_batched_windows_get_the_contracts_allowance() {
+        // Fail open: Redis counted 10 before it went away; two agents then admitted 5 each at
+        // limit / 2: 20 ≤ 10 + 10 + 2. Batched: 10 + 1 % of 10 rounded up = 11.
+        let mut one: Vec<Record> = (0..10).map(|i| admit("a", 1_100 + i, "redis")).collect();
+        one.extend((0..5).map(|i| admit("a", 1_300 + i, "fallback")));
+        let two: Vec<Record> = (0..5).map(|i| admit("a", 1_300 + i, "fallback")).collect();
+        let mut batched: Vec<Record> = (0..11).map(|i| admit("b", 1_100 + i, "local")).collect();
+        let j = judge(
+            &[file("x", "shared", one.clone()), file("y", "shared", two.clone())],
+            Options::default(),
+        );
+        assert!(j.breaches.is_empty(), "{j:?}");
+        let j = judge(&[file("x", "shared", batched.clone())], Options::default());
+        assert!(j.breaches.is_empty(), "{j:?}");
+        batched.push(admit("b", 1_500, "local"));
+        let j = judge(&[file("x", "shared", batched)], Options::default());
+        assert_eq!(j.breaches.len(), 1, "12 batched units pass 10 + 1 %: {j:?}");
+    }
+
+    #[test]
+    fn peeks_rejections_and_log_mode_admit_nothing() {
+        let mut records = Vec::new();
+        for i in 0..20 {
+            let mut peek = admit("a", 1_100 + i, "redis");
+            peek.mode = "peek".into();
+            let mut refused = admit("a", 1_100 + i, "cache");
+            refused.allowed = false;
+            let mut logged = admit("a", 1_100 + i, "redis");
+            logged.enforced = false;
+            records.extend([peek, refused, logged]);
+        }
+        let j = judge(&[file("x", "shared", records)], Options::default());
+        assert!(j.breaches.is_empty());
+        assert_eq!(j.rules[0].admitted, 0);
+    }
+
+    #[test]
+    fn a_ledger_reads_back_what_was_written_and_says_what_it_lacks() {
+        let rec = serde_json::to_string(&admit("a", 1_100, "redis")).unwrap();
+        let text = format!(
+            "{}\n{rec}\n{{\"dropped\":3}}\n{rec}\n{{\"closed\":true,\"records\":2,\"dropped\":3}}\n",
+            serde_json::to_string(&header("x", "shared")).unwrap()
+        );
+        let f = LedgerFile::parse(&text).unwrap();
+        assert_eq!((f.records.len(), f.dropped, f.closed), (2, 3, true));
+        // A killed agent: no closing line, its last line cut short.
+        let cut = format!(
+            "{}\n{rec}\n{}",
+            serde_json::to_string(&header("x", "shared")).unwrap(),
+            &rec[..20]
+        );
+        let f = LedgerFile::parse(&cut).unwrap();
+        assert_eq!((f.records.len(), f.closed), (1, false));
+        assert!(LedgerFile::parse("{\"ledger\":2,\"agent\":\"x\",\"store\":\"shared\"}").is_err());
+        assert!(LedgerFile::parse(&format!(
+            "{}\nnot json\n{rec}",
+            serde_json::to_string(&header("x", "shared")).unwrap()
+        ))
+        .is_err());
+    }
+}
