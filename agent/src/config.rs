@@ -275,6 +275,12 @@ pub struct AgentConfig {
     #[arg(long, env = "FLOODGATE_EVENTS_QUEUE", default_value_t = 10_000)]
     pub events_queue: usize,
 
+    /// Write every decision to this file (created anew), one JSON line per item: the decision
+    /// ledger that `floodgate ledger check` judges against the accuracy contract
+    /// (docs/accuracy.md). Off by default; for test and fault runs, not for production traffic.
+    #[arg(long, env = "FLOODGATE_LEDGER")]
+    pub ledger: Option<PathBuf>,
+
     /// Worker threads of the agent's runtime; 0 means one per core. One by default: a sidecar should
     /// leave the host's cores to the services, and on a loaded 2-core machine one worker measured
     /// both faster and steadier than two (BENCHMARKS.md); one thread serves ~1 M in-memory checks/s.

@@ -5,6 +5,7 @@
 mod agent;
 mod check;
 mod docs;
+mod ledger;
 mod rules;
 mod rules_code;
 mod rules_server;
@@ -43,6 +44,9 @@ enum Command {
     Check(CheckCli),
     /// The local agent's state: breakers, fallback, live agents, rules version, batching.
     Status(StatusCli),
+    /// Judge decision ledgers (`agent --ledger`) against the accuracy contract: exit code 0 held,
+    /// 1 a breach, 2 the ledgers cannot be judged.
+    Ledger(ledger::LedgerCli),
     /// Print shell completions (bash, zsh, fish, elvish, powershell).
     Completions {
         /// The shell.
@@ -76,6 +80,15 @@ pub fn main() -> anyhow::Result<()> {
             CheckOutcome::Denied => std::process::exit(1),
         },
         Command::Status(cli) => operator(1, status::status(cli)),
+        Command::Ledger(cli) => match ledger::run(cli) {
+            Ok(ledger::LedgerOutcome::Held) => Ok(()),
+            Ok(ledger::LedgerOutcome::Breached) => std::process::exit(1),
+            Ok(ledger::LedgerOutcome::Unusable) => std::process::exit(2),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::exit(2);
+            }
+        },
         Command::Completions { shell } => docs::completions(&mut Cli::command(), shell),
         Command::Man => docs::man(Cli::command()),
         Command::ConfigTable => docs::config_table(),

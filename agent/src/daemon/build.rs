@@ -105,7 +105,19 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         hot_key_rate: config.hot_key_rate,
         accuracy: config.accuracy,
         events: None,
+        ledger: None,
     };
+    if let Some(path) = &config.ledger {
+        let agent = guard
+            .as_ref()
+            .map(|g| g.membership.config().id.clone())
+            .unwrap_or_else(default_agent_id);
+        let shared = matches!(store, Store::Shared(_));
+        let ledger = floodgate_core::ledger::Ledger::create(path, &agent, shared)
+            .with_context(|| format!("--ledger {}", path.display()))?;
+        tracing::warn!(path = %path.display(), "decision ledger on: every decision is written to the file");
+        options.ledger = Some(Arc::new(ledger));
+    }
     let mut events = None;
     if let (Store::Shared(_), true) = (&store, config.events) {
         let (queue, rx) = Events::new(config.events_queue);

@@ -14,6 +14,8 @@
 //! 6. `events` (5 s, [`EVENTS`]): the rejection events' writer writes out its queue (every check is
 //!    answered by now, so it holds every event).
 //! 7. `traces` (6 s, [`TRACES`]): the trace exporter sends the spans it holds (with `--otlp-endpoint`).
+//! 8. `ledger` (2 s, [`LEDGER`]): the decision ledger (with `--ledger`) writes what it holds and its
+//!    closing line.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -37,6 +39,8 @@ pub const GUARD: Duration = Duration::from_secs(2);
 pub const EVENTS: Duration = Duration::from_secs(5);
 /// Step 7's bound: one POST of the exporter (5 s timeout) and a little.
 pub const TRACES: Duration = Duration::from_secs(6);
+/// Longest the decision ledger may take to write what it holds.
+pub const LEDGER: Duration = Duration::from_secs(2);
 
 /// The running agent, as the drain needs it: the tasks to wait for, in the order they stop.
 pub(crate) struct Running {
@@ -94,6 +98,12 @@ impl Running {
         if let Some((stop, task)) = self.traces {
             let _ = stop.send(true);
             step(7, "traces", Some(TRACES), task).await;
+        }
+        if let Some(ledger) = self.engine.ledger().cloned() {
+            step(8, "ledger", None, async move {
+                let _ = tokio::task::spawn_blocking(move || ledger.close(LEDGER)).await;
+            })
+            .await;
         }
         tracing::info!("floodgate agent stopped");
     }
