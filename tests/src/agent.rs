@@ -197,7 +197,9 @@ impl AgentBuilder {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(logfile))
-            .env("NO_COLOR", "1")
+            // Its log is a file, as under systemd: the agent must write plain text there without
+            // being told, so NO_COLOR is not set for it (the tests read fields out of the lines).
+            .env_remove("NO_COLOR")
             .spawn()
             .expect("spawn floodgate agent");
         Agent {

@@ -40,7 +40,8 @@ impl RulesServer {
             "http"
         };
         let child = cmd
-            .env("NO_COLOR", "1")
+            // Its log is a file: plain text without being told (NO_COLOR not set for it).
+            .env_remove("NO_COLOR")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::from(std::fs::File::create(&log).expect("log file")))

@@ -1,5 +1,5 @@
 //! The agent process itself: its socket (mode, stale file replaced, live one never stolen), its first
-//! log lines, its admin endpoints, and a clean SIGTERM.
+//! log lines (plain text off a terminal), its admin endpoints, and a clean SIGTERM.
 
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
@@ -41,6 +41,34 @@ async fn starts_on_the_embedded_default_and_says_so() {
 
     assert_eq!(agent.terminate().await, Some(0), "SIGTERM is a clean exit");
     assert!(!agent.socket().exists(), "the socket is removed on the way out");
+}
+
+/// Logs into a file, a pipe or the journal carry no ANSI colour codes, with no NO_COLOR set (the
+/// harness sets none): before, the time, level, target and every field name came wrapped in escape
+/// codes (`ESC[3msocket ESC[0m ESC[2m= ESC[0m/tmp/…`), so a search for `socket=` missed every line.
+#[tokio::test]
+async fn logs_off_a_terminal_are_plain_text() {
+    let mut agent = Agent::builder().start().await;
+    let log = agent.log();
+    assert!(!log.contains('\x1b'), "the agent's log has escape codes: {log:?}");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("rules loaded") && l.contains(" count=")),
+        "{log}"
+    );
+    assert_eq!(agent.terminate().await, Some(0));
+    // The rules service logs the same way (its start reads `addr=` out of its log).
+    let dir = tempfile::tempdir().unwrap();
+    let mut rules =
+        floodgate_tests::RulesServer::start(&format!("sqlite://{}", dir.path().join("r.db").display()), &[])
+            .await;
+    let log = rules.log();
+    assert!(
+        !log.contains('\x1b'),
+        "the rules server's log has escape codes: {log:?}"
+    );
+    assert!(log.contains("rules service listening addr="), "{log}");
+    rules.terminate().await;
 }
 
 #[tokio::test]

@@ -137,13 +137,26 @@ fn init_log(filter: &str, format: LogFormat) -> anyhow::Result<LogHandle> {
     use tracing_subscriber::util::SubscriberInitExt;
     let (filter, handle) =
         tracing_subscriber::reload::Layer::new(tracing_subscriber::EnvFilter::try_new(filter)?);
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let ansi = log_colours(
+        std::io::IsTerminal::is_terminal(&std::io::stderr()),
+        std::env::var_os("NO_COLOR"),
+    );
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let registry = tracing_subscriber::registry().with(filter);
     match format {
         LogFormat::Text => registry.with(fmt).init(),
         LogFormat::Json => registry.with(fmt.json().flatten_event(true)).init(),
     }
     Ok(handle)
+}
+
+/// Whether log lines carry ANSI colours: only when stderr is a terminal, and never while `NO_COLOR`
+/// is set and not empty (no-color.org). Under systemd (the journal), in a container or into a file,
+/// stderr is no terminal: the lines are plain text that grep and log shippers read as written.
+fn log_colours(stderr_is_terminal: bool, no_color: Option<std::ffi::OsString>) -> bool {
+    stderr_is_terminal && no_color.is_none_or(|v| v.is_empty())
 }
 
 /// An operator's command: a one-line error and `code`, no backtrace.
@@ -163,5 +176,19 @@ fn print_all(bytes: &[u8]) -> anyhow::Result<()> {
     match std::io::stdout().write_all(bytes) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
         other => Ok(other?),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::log_colours;
+
+    #[test]
+    fn logs_are_coloured_only_on_a_terminal_without_no_color() {
+        assert!(log_colours(true, None));
+        assert!(log_colours(true, Some("".into())), "an empty NO_COLOR is unset");
+        assert!(!log_colours(true, Some("1".into())));
+        assert!(!log_colours(false, None), "a file, a pipe or the journal");
+        assert!(!log_colours(false, Some("1".into())));
     }
 }
