@@ -1,7 +1,9 @@
 //! Operator commands against a real agent: `floodgate check` (exit codes 0/1/2, text and JSON),
-//! `floodgate status`, completions, the man page, and JSON logs.
+//! `floodgate status`, completions, the man page, JSON logs, and a closed pipe (the command ends by
+//! SIGPIPE; the daemons ignore it).
 
-use std::process::{Command, Output};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{Command, Output, Stdio};
 
 use floodgate_tests::{floodgate_bin, Agent, RedisServer};
 
@@ -264,4 +266,124 @@ fn out_of_range_settings_are_refused_at_parse_time() {
     );
     let out = floodgate(&["check", "k", "r", "--timeout-ms", "0"]);
     assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+/// A pipe whose reader is gone: the write end of `true`'s stdin, once `true` has exited. Anything
+/// written to it gets EPIPE, or SIGPIPE where that is not ignored, as `floodgate … | head -1` gets
+/// once head has its line; no race, since the reader is gone before the writer starts.
+fn pipe_without_reader() -> Stdio {
+    let mut reader = Command::new("true")
+        .stdin(Stdio::piped())
+        .spawn()
+        .expect("run true");
+    let write_end = reader.stdin.take().expect("true's stdin");
+    assert!(reader.wait().expect("true exits").success());
+    Stdio::from(write_end)
+}
+
+/// Every printing command ends like a Unix tool when its reader goes away (`floodgate status | head
+/// -1`): killed by SIGPIPE, with nothing on stderr. Before, Rust's ignored SIGPIPE made the first
+/// `println!` panic: "failed printing to stdout: Broken pipe", exit 101.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_printing_command_ends_quietly_when_its_reader_goes_away() {
+    // The embedded default: an admin API for status, a rules API for rules list.
+    let agent = Agent::builder().start().await;
+    let admin = agent.admin_addr().await.to_string();
+    let rules = format!("http://{}", agent.rules_addr().await);
+    let socket = agent.socket().to_str().unwrap().to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("rules.json");
+    std::fs::write(&file, RULES).unwrap();
+    let file = file.to_str().unwrap();
+    for args in [
+        vec!["status", "--admin", &admin],
+        vec!["status", "--admin", &admin, "--json"],
+        vec!["rules", "--server", &rules, "list"],
+        vec!["rules", "--server", &rules, "get", "api-per-user"],
+        vec!["rules", "validate", file],
+        vec!["check", "user:1", "api-per-user", "--socket", &socket],
+        vec!["completions", "bash"],
+    ] {
+        let out = Command::new(floodgate_bin())
+            .args(&args)
+            .stdout(pipe_without_reader())
+            .output()
+            .expect("run floodgate");
+        let stderr = text(&out.stderr);
+        assert!(
+            !stderr.contains("panicked") && !stderr.contains("failed printing"),
+            "{args:?}: {stderr}"
+        );
+        assert_ne!(out.status.code(), Some(101), "{args:?}: a panic's exit code");
+        assert_eq!(
+            out.status.signal(),
+            Some(13),
+            "{args:?} ends by SIGPIPE, as `yes | head -1` does: {:?} {stderr}",
+            out.status
+        );
+        assert!(stderr.is_empty(), "{args:?}: {stderr}");
+    }
+}
+
+/// The daemons keep SIGPIPE ignored: an agent and a rules server whose stderr (their log) is a pipe
+/// with no reader keep serving, each log line's EPIPE dropped, where SIGPIPE would kill them at their
+/// first line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemons_outlive_a_log_pipe_without_reader() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("a.sock");
+    let rules_file = dir.path().join("rules.json");
+    std::fs::write(&rules_file, RULES).unwrap();
+    let mut agent = Command::new(floodgate_bin())
+        .args(["agent", "--admin", "off", "--rules-listen", "off", "--socket"])
+        .arg(&socket)
+        .arg("--rules")
+        .arg(&rules_file)
+        .env("STATE_DIRECTORY", dir.path())
+        .stdout(Stdio::null())
+        .stderr(pipe_without_reader())
+        .spawn()
+        .expect("spawn the agent");
+    let port = floodgate_tests::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let db = format!("sqlite://{}", dir.path().join("r.db").display());
+    let mut server = Command::new(floodgate_bin())
+        .args(["rules-server", "--listen", &listen, "--db", &db])
+        .stdout(Stdio::null())
+        .stderr(pipe_without_reader())
+        .spawn()
+        .expect("spawn the rules server");
+
+    floodgate_tests::eventually("the agent listens", std::time::Duration::from_secs(10), || {
+        let socket = socket.clone();
+        async move { tokio::net::UnixStream::connect(&socket).await.ok() }
+    })
+    .await;
+    let client = floodgate_tests::patient_client(&socket).await;
+    let d = client.allow("user:1", "one", 1).await.unwrap();
+    assert!(d.allowed && d.from_agent_answer(), "{d:?}");
+    floodgate_tests::eventually(
+        "the rules server answers",
+        std::time::Duration::from_secs(10),
+        || {
+            let listen = listen.clone();
+            async move { std::net::TcpStream::connect(&listen).ok() }
+        },
+    )
+    .await;
+    assert_eq!(
+        floodgate_tests::http_get(listen.parse().unwrap(), "/v1/rules")
+            .await
+            .0,
+        200
+    );
+    for (name, child) in [("agent", &mut agent), ("rules server", &mut server)] {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the {name} died: {:?}",
+            child.try_wait()
+        );
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
 }

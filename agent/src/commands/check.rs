@@ -105,6 +105,10 @@ pub async fn check(cli: CheckCli) -> anyhow::Result<CheckOutcome> {
             decision.origin
         );
     }
+    // The agent has answered: with the client gone nothing more is written to its socket, and a
+    // stdout whose reader left may end the command as it ends every printing command.
+    drop(client);
+    super::die_of_a_closed_pipe();
     if cli.json {
         println!("{}", decision_json(&decision));
     } else {

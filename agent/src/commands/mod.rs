@@ -59,6 +59,24 @@ enum Command {
     ConfigTable,
 }
 
+impl Command {
+    /// Whether the command ends by SIGPIPE when its stdout's reader goes away, as Unix tools do
+    /// (`die_of_a_closed_pipe`). Every printing command does; the daemons never (a peer hanging up
+    /// is theirs to handle, and the agent's log may go to a pipe); `check` only once the agent has
+    /// answered (its SDK client writes to a Unix socket, where SIGPIPE would cost its exit code 2).
+    fn dies_of_a_closed_pipe(&self) -> bool {
+        match self {
+            Command::Agent(_) | Command::RulesServer(_) | Command::Check(_) => false,
+            Command::Rules(_)
+            | Command::Status(_)
+            | Command::Ledger(_)
+            | Command::Completions { .. }
+            | Command::Man
+            | Command::ConfigTable => true,
+        }
+    }
+}
+
 /// Parses the command line (with `floodgate agent`'s config file applied) and runs its command.
 pub fn main() -> anyhow::Result<()> {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -71,6 +89,9 @@ pub fn main() -> anyhow::Result<()> {
     };
     let matches = cmd.get_matches_from(args);
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if cli.command.dies_of_a_closed_pipe() {
+        die_of_a_closed_pipe();
+    }
     match cli.command {
         Command::Agent(config) => agent::run(*config),
         Command::RulesServer(config) => rules_server::run(config),
@@ -170,13 +191,19 @@ fn operator<T>(code: i32, f: impl std::future::Future<Output = anyhow::Result<T>
     }
 }
 
-/// Writes to stdout; a reader that stops early (`| head`) is not an error.
+/// Writes to stdout (a reader that stops early ends the process first: `die_of_a_closed_pipe`).
 fn print_all(bytes: &[u8]) -> anyhow::Result<()> {
     use std::io::Write;
-    match std::io::stdout().write_all(bytes) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
-        other => Ok(other?),
-    }
+    Ok(std::io::stdout().write_all(bytes)?)
+}
+
+/// From here, a write to a pipe or socket with no reader left kills the process by SIGPIPE, quietly,
+/// as it does `yes | head -1`: Rust starts programs with SIGPIPE ignored, which makes such a write
+/// an EPIPE error and `println!` panic ("failed printing to stdout", exit 101). TCP writes are not
+/// concerned (std sends with MSG_NOSIGNAL); Unix-socket writes are. `sigpipe` holds the one unsafe
+/// call (`signal(SIGPIPE, SIG_DFL)`) this crate forbids itself.
+fn die_of_a_closed_pipe() {
+    sigpipe::reset();
 }
 
 #[cfg(test)]
