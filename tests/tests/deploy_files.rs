@@ -243,6 +243,29 @@ fn the_deploy_files_parse() {
     assert!(containerfiles >= 1, "expected the Containerfile");
 }
 
+/// The image carries the licence (Apache-2.0 asks for a copy with every redistribution): its last
+/// stage copies LICENSE and the Debian copyright file, which exist, and labels the licence.
+#[test]
+fn the_image_carries_the_licence() {
+    let text = read(&repo_root().join("deploy/container/Containerfile"));
+    let last_stage = text.rsplit("\nFROM ").next().unwrap();
+    assert!(
+        last_stage
+            .lines()
+            .any(|l| l == "COPY LICENSE deploy/debian/copyright /usr/share/doc/floodgate/"),
+        "{last_stage}"
+    );
+    assert!(
+        last_stage
+            .lines()
+            .any(|l| l == "LABEL org.opencontainers.image.licenses=\"Apache-2.0\""),
+        "{last_stage}"
+    );
+    for f in ["LICENSE", "deploy/debian/copyright"] {
+        assert!(repo_root().join(f).is_file(), "{f}");
+    }
+}
+
 #[test]
 fn the_checkers_catch_broken_files() {
     // The checks above would pass vacuously if they accepted anything.
