@@ -71,7 +71,11 @@ pub fn run(cli: LedgerCli) -> anyhow::Result<LedgerOutcome> {
             }
         }
     }
-    let j = judge(&ledgers, Options { batched_allowance });
+    let options = Options {
+        batched_allowance,
+        ..Options::contract()
+    };
+    let j = judge(&ledgers, &options);
     if json {
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {

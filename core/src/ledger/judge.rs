@@ -29,17 +29,56 @@ use super::record::{Header, Record};
 use crate::rules::Algorithm;
 
 /// How the checker judges.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Default)]
 pub struct Options {
     /// What batched rules may admit over their limit in a key-window, as a fraction of it (the
-    /// contract's batched target: 0.01).
+    /// contract's batched target: 0.01; `Options::contract()` sets it).
     pub batched_allowance: f64,
+    /// Faults a run injected whose loss the contract states: each key-window they overlap may admit
+    /// that much more (a fault runner knows when it injected them; a ledger does not).
+    pub faults: Vec<FaultSpan>,
 }
 
-impl Default for Options {
-    fn default() -> Self {
+impl Options {
+    /// The contract's defaults: a batched allowance of 1 %, no faults.
+    pub fn contract() -> Self {
         Options {
             batched_allowance: 0.01,
+            faults: Vec::new(),
+        }
+    }
+}
+
+/// A fault the contract gives a stated loss for, and when it happened (Unix ms, store clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct FaultSpan {
+    /// Which fault.
+    pub kind: FaultKind,
+    /// From when.
+    pub from_ms: u64,
+    /// Until when (the store answers again).
+    pub to_ms: u64,
+}
+
+/// Faults with a stated loss (docs/accuracy.md, "Faults").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    /// Redis restarted without its data: the window's count before it (A_0 ≤ L; a token bucket: a
+    /// full bucket, B) is lost.
+    RestartEmpty,
+    /// A primary replaced by its replica: what it had not replicated is lost. The contract's target
+    /// is replication lag's share only, ≤ 0.1 % of the limit (at least one unit).
+    Failover,
+}
+
+impl FaultKind {
+    /// What a key-window it overlaps may admit more, for a rule of `limit` (a bucket's `burst`).
+    fn allowance(self, alg: Option<Algorithm>, limit: u64, burst: u64) -> u64 {
+        match (self, alg) {
+            (FaultKind::RestartEmpty, Some(Algorithm::TokenBucket)) => burst,
+            (FaultKind::RestartEmpty, _) => limit,
+            (FaultKind::Failover, _) => (limit / 1_000).max(1),
         }
     }
 }
@@ -166,7 +205,7 @@ fn source_bit(s: &str) -> u8 {
 }
 
 /// Judges the ledgers of one run.
-pub fn judge(ledgers: &[LedgerFile], opts: Options) -> Judgement {
+pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
     // (rule, key, agent for a per-agent limit, window index) → what it admitted.
     let mut windows: HashMap<(&str, &str, Option<&str>, u64, u64), Window> = HashMap::new();
     let mut summaries: HashMap<&str, RuleSummary> = HashMap::new();
@@ -234,6 +273,12 @@ pub fn judge(ledgers: &[LedgerFile], opts: Options) -> Judgement {
         }
         if win.sources & source_bit("local") != 0 && agent.is_none() {
             bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
+        }
+        let (start, end) = (k * w, (k + 1) * w);
+        for f in &opts.faults {
+            if f.from_ms < end && f.to_ms >= start {
+                bound += f.kind.allowance(win.alg, limit, win.burst);
+            }
         }
         s.key_windows += 1;
         s.worst_ratio = s.worst_ratio.max(win.sure as f64 / limit as f64);
@@ -326,7 +371,7 @@ mod tests {
         two.extend((0..5).map(|i| admit("b", 1_200 + i, "redis")));
         let j = judge(
             &[file("x", "shared", one), file("y", "shared", two)],
-            Options::default(),
+            &Options::contract(),
         );
         assert_eq!(j.breaches.len(), 1, "{j:?}");
         let b = &j.breaches[0];
@@ -343,7 +388,7 @@ mod tests {
         let two = one.clone();
         let j = judge(
             &[file("x", "memory", one), file("y", "memory", two)],
-            Options::default(),
+            &Options::contract(),
         );
         assert!(j.breaches.is_empty(), "each agent's own limit held: {j:?}");
     }
@@ -357,7 +402,7 @@ mod tests {
             r.done = 2_005;
             records.push(r);
         }
-        let j = judge(&[file("x", "shared", records)], Options::default());
+        let j = judge(&[file("x", "shared", records)], &Options::contract());
         assert!(j.breaches.is_empty(), "{j:?}");
         assert_eq!(j.rules[0].admitted, 15);
     }
@@ -372,14 +417,38 @@ mod tests {
         let mut batched: Vec<Record> = (0..11).map(|i| admit("b", 1_100 + i, "local")).collect();
         let j = judge(
             &[file("x", "shared", one.clone()), file("y", "shared", two.clone())],
-            Options::default(),
+            &Options::contract(),
         );
         assert!(j.breaches.is_empty(), "{j:?}");
-        let j = judge(&[file("x", "shared", batched.clone())], Options::default());
+        let j = judge(&[file("x", "shared", batched.clone())], &Options::contract());
         assert!(j.breaches.is_empty(), "{j:?}");
         batched.push(admit("b", 1_500, "local"));
-        let j = judge(&[file("x", "shared", batched)], Options::default());
+        let j = judge(&[file("x", "shared", batched)], &Options::contract());
         assert_eq!(j.breaches.len(), 1, "12 batched units pass 10 + 1 %: {j:?}");
+    }
+
+    #[test]
+    fn a_stated_fault_widens_only_the_windows_it_overlaps() {
+        // 20 admitted in [1000, 2000) and in [3000, 4000): a restart empty at 1500 explains the
+        // first (10 + L), not the second.
+        let records: Vec<Record> = (0..20)
+            .map(|i| admit("a", 1_100 + i, "redis"))
+            .chain((0..20).map(|i| admit("a", 3_100 + i, "redis")))
+            .collect();
+        let mut opts = Options::contract();
+        opts.faults.push(FaultSpan {
+            kind: FaultKind::RestartEmpty,
+            from_ms: 1_500,
+            to_ms: 1_600,
+        });
+        let j = judge(&[file("x", "shared", records.clone())], &opts);
+        assert_eq!(j.breaches.len(), 1, "{j:?}");
+        assert_eq!(j.breaches[0].window_start_ms, 3_000);
+        // A failover's stated loss is replication lag's: one unit of a limit of 10.
+        opts.faults[0].kind = FaultKind::Failover;
+        let j = judge(&[file("x", "shared", records)], &opts);
+        assert_eq!(j.breaches.len(), 2, "{j:?}");
+        assert_eq!(j.breaches.iter().map(|b| b.bound).max(), Some(11));
     }
 
     #[test]
@@ -394,7 +463,7 @@ mod tests {
             logged.enforced = false;
             records.extend([peek, refused, logged]);
         }
-        let j = judge(&[file("x", "shared", records)], Options::default());
+        let j = judge(&[file("x", "shared", records)], &Options::contract());
         assert!(j.breaches.is_empty());
         assert_eq!(j.rules[0].admitted, 0);
     }

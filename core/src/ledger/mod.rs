@@ -11,6 +11,6 @@ mod judge;
 mod record;
 mod writer;
 
-pub use judge::{judge, Breach, Judgement, LedgerFile, Options, RuleSummary};
+pub use judge::{judge, Breach, FaultKind, FaultSpan, Judgement, LedgerFile, Options, RuleSummary};
 pub use record::{Header, Record};
 pub use writer::{Ledger, QUEUE_CAP};
