@@ -295,6 +295,26 @@ enum Command {
         #[arg(long)]
         seconds: f64,
     },
+    /// The seeded fault runner (issue 33): real Redis and agents writing decision ledgers, an open
+    /// loop offered twice the rules' limits, faults drawn from each seed, and the checker's verdict
+    /// per seed. Exit code 1 when a seed breaches the accuracy contract.
+    Faults {
+        /// First seed.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Seeds to run, from `seed` on.
+        #[arg(long, default_value_t = 1)]
+        seeds: u64,
+        /// Seconds of load per seed.
+        #[arg(long, default_value_t = 12)]
+        seconds: u64,
+        /// Agents.
+        #[arg(long, default_value_t = 2)]
+        agents: usize,
+        /// Checks per second offered, over all agents.
+        #[arg(long, default_value_t = 1_000)]
+        rate: u64,
+    },
     /// Past capacity: one Redis agent's closed-loop capacity, then an open loop at multiples of it
     /// on the same agent: answered p99 and the fail mode's share per level.
     Overload {
@@ -527,6 +547,34 @@ fn main() -> anyhow::Result<()> {
             addr,
             std::time::Instant::now() + std::time::Duration::from_secs_f64(seconds),
         )),
+        Some(Command::Faults {
+            seed,
+            seeds,
+            seconds,
+            agents,
+            rate,
+        }) => {
+            let mut breached = Vec::new();
+            for seed in seed..seed + seeds {
+                let plan = floodgate_tests::faults::Plan {
+                    seed,
+                    seconds,
+                    agents,
+                    rate,
+                    keys: floodgate_tests::faults::Plan::seed(seed).keys,
+                };
+                let report = runtime.block_on(floodgate_tests::faults::run(plan));
+                println!("{}", report.text());
+                if !report.judgement.breaches.is_empty() {
+                    breached.push(seed);
+                }
+            }
+            if !breached.is_empty() {
+                eprintln!("seeds that breached the contract: {breached:?}");
+                std::process::exit(1);
+            }
+            Ok(())
+        }
         Some(Command::Overload {
             runs,
             factors,

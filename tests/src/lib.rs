@@ -7,6 +7,8 @@
 //! - `agent`: [`Agent`], one `floodgate agent` process.
 //! - `wire`: [`RawConn`], a bare protocol connection for sending hand-made frames.
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
+//! - [`faults`]: the seeded fault runner: real Redis and agents with ledgers, a load, faults from a
+//!   seed, the checker's verdict.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
 //! - [`raw_h2`]: hand-made HTTP/2 frames to the agent's gRPC listener, and its answers read back.
@@ -27,6 +29,7 @@
 
 mod agent;
 mod cluster;
+pub mod faults;
 mod proxy;
 pub mod raw_h2;
 pub mod raw_http;

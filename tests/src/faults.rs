@@ -1,0 +1,374 @@
+//! A seeded fault runner over real processes (issue 33 item 3): its own `redis-server` behind a
+//! latency proxy, several agents each writing a decision ledger, an open-loop load over many keys
+//! of a sliding-window and a token-bucket rule offered about twice their limits, and a schedule of
+//! faults drawn from the seed: Redis killed and restarted empty, Redis paused (slow, data kept),
+//! latency past the store timeout, an agent killed and cold-started. The run ends with the checker
+//! (`floodgate_core::ledger::judge`) over every ledger, told of the faults whose loss the contract
+//! states (docs/accuracy.md). The same seed draws the same schedule, so a failing seed reruns.
+//!
+//! Not covered yet: Sentinel and Cluster deployments (failovers, reshards), clock skew.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile, Options};
+use floodgate_sdk::Origin;
+
+use crate::{patient_client, pause_process, resume_process, Agent, Proxy, RedisServer};
+
+/// The rules of a run: a sync sliding window and a token bucket, both fail open (the default).
+pub const RULES: &str = r#"{"rules":[
+  {"id":"sw","dimension":"user","limit":20,"windowSeconds":2},
+  {"id":"tb","dimension":"user","limit":20,"windowSeconds":2,"algorithm":"token_bucket","burst":10}
+]}"#;
+
+/// What a run does.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The seed the schedule and the load's keys are drawn from.
+    pub seed: u64,
+    /// How long the load runs.
+    pub seconds: u64,
+    /// Agents (each with its own SDK client).
+    pub agents: usize,
+    /// Checks per second offered, over all agents (open loop).
+    pub rate: u64,
+    /// Client keys per rule.
+    pub keys: u64,
+}
+
+impl Plan {
+    /// The default run of a seed: 12 s, 2 agents, 1,000 checks/s over 25 keys of each rule (2x
+    /// their limits of 20 per 2 s).
+    pub fn seed(seed: u64) -> Self {
+        Plan {
+            seed,
+            seconds: 12,
+            agents: 2,
+            rate: 1_000,
+            keys: 25,
+        }
+    }
+}
+
+/// A fault of the schedule: when (`at_ms` from the load's start) and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[allow(missing_docs)] // the fields are the doc above: a start and a length, in ms
+pub enum Fault {
+    /// `kill -9` of Redis, restarted empty on the same port after `down_ms`.
+    RedisKilled { at_ms: u64, down_ms: u64 },
+    /// SIGSTOP of Redis for `for_ms`, then SIGCONT: slow, data kept.
+    RedisPaused { at_ms: u64, for_ms: u64 },
+    /// Replies from Redis delayed by `delay_ms` (past the store timeout) for `for_ms`.
+    RedisSlow { at_ms: u64, for_ms: u64, delay_ms: u64 },
+    /// `kill -9` of agent `agent`, started again (cold) after `down_ms` on the same socket.
+    AgentKilled { at_ms: u64, agent: usize, down_ms: u64 },
+}
+
+impl Fault {
+    fn at_ms(&self) -> u64 {
+        match *self {
+            Fault::RedisKilled { at_ms, .. }
+            | Fault::RedisPaused { at_ms, .. }
+            | Fault::RedisSlow { at_ms, .. }
+            | Fault::AgentKilled { at_ms, .. } => at_ms,
+        }
+    }
+
+    fn lasts_ms(&self) -> u64 {
+        match *self {
+            Fault::RedisKilled { down_ms, .. } | Fault::AgentKilled { down_ms, .. } => down_ms,
+            Fault::RedisPaused { for_ms, .. } | Fault::RedisSlow { for_ms, .. } => for_ms,
+        }
+    }
+}
+
+/// What a run found.
+#[derive(Debug)]
+pub struct Report {
+    /// The plan run.
+    pub plan: Plan,
+    /// The faults injected, in order.
+    pub schedule: Vec<Fault>,
+    /// Checks sent, and answered by the agents (by source) or by the SDK's fail policy.
+    pub sent: u64,
+    /// Answers the agents decided.
+    pub by_agent: u64,
+    /// Answers of the SDK's fail policy (its agent was away: given up by the contract).
+    pub by_sdk: u64,
+    /// The checker's verdict over every ledger of the run.
+    pub judgement: Judgement,
+}
+
+impl Report {
+    /// One paragraph for a terminal.
+    pub fn text(&self) -> String {
+        let mut out = format!(
+            "seed {}: {} s, {} agents, {} checks/s over {} keys a rule\nschedule: {:?}\nsent {}, answered by the agents {}, by the SDK's fail policy {}\n",
+            self.plan.seed,
+            self.plan.seconds,
+            self.plan.agents,
+            self.plan.rate,
+            self.plan.keys,
+            self.schedule,
+            self.sent,
+            self.by_agent,
+            self.by_sdk
+        );
+        let j = &self.judgement;
+        out += &format!(
+            "ledgers: {} (not closed: {}), {} records, {} dropped\n",
+            j.agents,
+            j.unclosed.len(),
+            j.records,
+            j.dropped
+        );
+        for r in &j.rules {
+            out += &format!(
+                "rule {}: {} key-windows, {} units admitted, worst {:.2}x its limit, {} past their bound\n",
+                r.rule, r.key_windows, r.admitted, r.worst_ratio, r.breaches
+            );
+        }
+        for b in j.breaches.iter().take(10) {
+            out += &format!(
+                "breach: rule {} key {} window from {} ms: {} admitted (+{} maybe) > bound {} ({})\n",
+                b.rule,
+                b.key,
+                b.window_start_ms,
+                b.admitted,
+                b.maybe,
+                b.bound,
+                b.sources.join(", ")
+            );
+        }
+        out
+    }
+}
+
+/// splitmix64: the schedule's and the load's numbers, the same for the same seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A number in `lo..hi`.
+    fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.next() % (hi - lo).max(1)
+    }
+}
+
+/// The seed's schedule: one to three faults, one after another, from 2 s into the load until 3 s
+/// before its end.
+pub fn schedule(plan: &Plan) -> Vec<Fault> {
+    let mut rng = Rng(plan.seed);
+    let end = plan.seconds.saturating_sub(3) * 1_000;
+    let mut at = 2_000;
+    let mut faults = Vec::new();
+    for _ in 0..rng.range(1, 4) {
+        if at + 500 >= end {
+            break;
+        }
+        let lasts = rng.range(300, 1_500).min(end - at);
+        let fault = match rng.range(0, 4) {
+            0 => Fault::RedisKilled {
+                at_ms: at,
+                down_ms: lasts,
+            },
+            1 => Fault::RedisPaused {
+                at_ms: at,
+                for_ms: lasts,
+            },
+            2 => Fault::RedisSlow {
+                at_ms: at,
+                for_ms: lasts,
+                delay_ms: rng.range(60, 200),
+            },
+            _ => Fault::AgentKilled {
+                at_ms: at,
+                agent: rng.range(0, plan.agents as u64) as usize,
+                down_ms: lasts,
+            },
+        };
+        faults.push(fault);
+        at += lasts + rng.range(500, 2_000);
+    }
+    faults
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One agent slot: its socket stays, its process and ledger change with each start.
+struct Slot {
+    socket: PathBuf,
+    agent: Option<Agent>,
+    starts: usize,
+}
+
+async fn start_agent(dir: &Path, index: usize, slot: &mut Slot, redis_url: &str) {
+    let ledger = dir.join(format!("agent-{index}-{}.jsonl", slot.starts));
+    slot.starts += 1;
+    let agent = Agent::builder()
+        .redis(redis_url)
+        .rules(RULES)
+        .socket(&slot.socket)
+        .arg("--ledger")
+        .arg(ledger.to_str().expect("a UTF-8 temp path"))
+        // A store timeout a loaded 2-core machine meets, a short cool-down and fast heartbeats:
+        // the faults' phases fit in seconds.
+        .arg("--redis-timeout-ms")
+        .arg("50")
+        .arg("--breaker-cooldown-ms")
+        .arg("300")
+        .arg("--heartbeat-ms")
+        .arg("100")
+        .start()
+        .await;
+    slot.agent = Some(agent);
+}
+
+/// Runs a plan: starts everything, offers the load, injects the seed's faults, stops, judges.
+pub async fn run(plan: Plan) -> Report {
+    let faults = schedule(&plan);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mut redis = RedisServer::start();
+    let proxy = Proxy::start(redis.port());
+    let mut slots: Vec<Slot> = (0..plan.agents)
+        .map(|i| Slot {
+            socket: dir.path().join(format!("agent-{i}.sock")),
+            agent: None,
+            starts: 0,
+        })
+        .collect();
+    for (i, slot) in slots.iter_mut().enumerate() {
+        start_agent(dir.path(), i, slot, &proxy.url()).await;
+    }
+    let mut clients = Vec::new();
+    for slot in &slots {
+        clients.push(patient_client(&slot.socket).await);
+    }
+
+    // The open-loop load: every millisecond, rate / 1000 checks, each its own task; keys and rules
+    // drawn from the seed (a second stream of it).
+    let stop = Arc::new(AtomicBool::new(false));
+    let (sent, by_agent, by_sdk) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let load = {
+        let (stop, sent, by_agent, by_sdk) = (stop.clone(), sent.clone(), by_agent.clone(), by_sdk.clone());
+        let clients = clients.clone();
+        let plan = plan.clone();
+        tokio::spawn(async move {
+            let mut rng = Rng(plan.seed ^ 0x5EED);
+            let per_tick = (plan.rate / 1_000).max(1);
+            let mut tick = tokio::time::interval(Duration::from_millis(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut tasks = tokio::task::JoinSet::new();
+            while !stop.load(Ordering::Relaxed) {
+                tick.tick().await;
+                for _ in 0..per_tick {
+                    let client = clients[rng.range(0, clients.len() as u64) as usize].clone();
+                    let key = format!("user:{}", rng.range(0, plan.keys));
+                    let rule = if rng.next() % 2 == 0 { "sw" } else { "tb" };
+                    let (by_agent, by_sdk) = (by_agent.clone(), by_sdk.clone());
+                    sent.fetch_add(1, Ordering::Relaxed);
+                    tasks.spawn(async move {
+                        if let Ok(d) = client.allow(&key, rule, 1).await {
+                            match d.origin {
+                                Origin::Agent(_) => by_agent.fetch_add(1, Ordering::Relaxed),
+                                _ => by_sdk.fetch_add(1, Ordering::Relaxed),
+                            };
+                        }
+                    });
+                }
+                while tasks.try_join_next().is_some() {}
+            }
+            while tasks.join_next().await.is_some() {}
+        })
+    };
+
+    // The schedule, in order, on the wall clock from the load's start.
+    let started = Instant::now();
+    let mut spans = Vec::new();
+    for fault in &faults {
+        let at = started + Duration::from_millis(fault.at_ms());
+        tokio::time::sleep_until(at.into()).await;
+        let lasts = Duration::from_millis(fault.lasts_ms());
+        match *fault {
+            Fault::RedisKilled { .. } => {
+                let from_ms = unix_ms();
+                redis.kill();
+                tokio::time::sleep(lasts).await;
+                redis.restart();
+                spans.push(FaultSpan {
+                    kind: FaultKind::RestartEmpty,
+                    from_ms,
+                    to_ms: unix_ms(),
+                });
+            }
+            Fault::RedisPaused { .. } => {
+                let pid = redis.pid().expect("redis runs");
+                pause_process(pid);
+                tokio::time::sleep(lasts).await;
+                resume_process(pid);
+            }
+            Fault::RedisSlow { delay_ms, .. } => {
+                proxy.set_delay(Duration::from_millis(delay_ms));
+                tokio::time::sleep(lasts).await;
+                proxy.set_delay(Duration::ZERO);
+            }
+            Fault::AgentKilled { agent, .. } => {
+                if let Some(mut a) = slots[agent].agent.take() {
+                    a.kill();
+                }
+                tokio::time::sleep(lasts).await;
+                start_agent(dir.path(), agent, &mut slots[agent], &proxy.url()).await;
+            }
+        }
+    }
+    tokio::time::sleep_until((started + Duration::from_secs(plan.seconds)).into()).await;
+    stop.store(true, Ordering::Relaxed);
+    let _ = load.await;
+    for slot in &mut slots {
+        if let Some(agent) = slot.agent.as_mut() {
+            agent.terminate_within(Duration::from_secs(10)).await;
+        }
+    }
+
+    let mut ledgers = Vec::new();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir.path())
+        .expect("the run's dir")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
+        .collect();
+    paths.sort();
+    for path in paths {
+        let text = std::fs::read_to_string(&path).expect("a ledger");
+        ledgers.push(LedgerFile::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
+    }
+    let options = Options {
+        faults: spans,
+        ..Options::contract()
+    };
+    Report {
+        judgement: judge(&ledgers, &options),
+        plan,
+        schedule: faults,
+        sent: sent.load(Ordering::Relaxed),
+        by_agent: by_agent.load(Ordering::Relaxed),
+        by_sdk: by_sdk.load(Ordering::Relaxed),
+    }
+}

@@ -1,0 +1,70 @@
+//! The seeded fault runner's short seeds (issue 33 item 3): each starts its own `redis-server`,
+//! two agents writing decision ledgers and an open-loop load at twice the rules' limits, injects
+//! the faults its seed draws (Redis killed and restarted empty, paused, slowed past the store
+//! timeout; an agent killed and cold-started), and must end with the checker finding every
+//! key-window within the accuracy contract's bound. A longer sweep is `loadgen faults --seeds N`
+//! (BENCHMARKS.md). These seeds cover every fault kind the single deployment has.
+
+use floodgate_tests::faults::{run, schedule, Fault, Plan};
+
+async fn holds(seed: u64) {
+    let report = run(Plan::seed(seed)).await;
+    let text = report.text();
+    assert!(report.judgement.breaches.is_empty(), "{text}");
+    assert_eq!(report.judgement.dropped, 0, "{text}");
+    // Every answer an agent gave is in its ledger; a killed agent's may lack its last ~50 ms (at
+    // most a few hundred decisions at this rate).
+    let (records, answered) = (report.judgement.records, report.by_agent);
+    assert!(answered > 0, "{text}");
+    if report.judgement.unclosed.is_empty() {
+        assert_eq!(records, answered, "{text}");
+    } else {
+        assert!(records + 500 >= answered, "{text}");
+    }
+    let admitted: u64 = report.judgement.rules.iter().map(|r| r.admitted).sum();
+    assert!(admitted > 0, "{text}");
+}
+
+#[test]
+fn the_short_seeds_cover_every_fault_kind() {
+    let kinds: std::collections::HashSet<_> = [2, 6, 8]
+        .into_iter()
+        .flat_map(|seed| schedule(&Plan::seed(seed)))
+        .map(|f| std::mem::discriminant(&f))
+        .collect();
+    let all = [
+        Fault::RedisKilled { at_ms: 0, down_ms: 0 },
+        Fault::RedisPaused { at_ms: 0, for_ms: 0 },
+        Fault::RedisSlow {
+            at_ms: 0,
+            for_ms: 0,
+            delay_ms: 0,
+        },
+        Fault::AgentKilled {
+            at_ms: 0,
+            agent: 0,
+            down_ms: 0,
+        },
+    ];
+    for f in all {
+        assert!(
+            kinds.contains(&std::mem::discriminant(&f)),
+            "{f:?} is in no short seed"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_2_an_agent_killed_and_redis_slowed() {
+    holds(2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_6_redis_slowed_killed_restarted_empty_and_slowed() {
+    holds(6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seed_8_redis_paused_then_killed() {
+    holds(8).await;
+}
