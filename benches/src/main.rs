@@ -314,6 +314,10 @@ enum Command {
         /// Checks per second offered, over all agents.
         #[arg(long, default_value_t = 1_000)]
         rate: u64,
+        /// Where the counters live: `single` (one redis-server: kills, pauses, latency) or
+        /// `sentinel` (a master, a replica and a sentinel: failovers).
+        #[arg(long, default_value = "single")]
+        deployment: String,
     },
     /// Past capacity: one Redis agent's closed-loop capacity, then an open loop at multiples of it
     /// on the same agent: answered p99 and the fail mode's share per level.
@@ -553,7 +557,13 @@ fn main() -> anyhow::Result<()> {
             seconds,
             agents,
             rate,
+            deployment,
         }) => {
+            let deployment = match deployment.as_str() {
+                "single" => floodgate_tests::faults::Deployment::Single,
+                "sentinel" => floodgate_tests::faults::Deployment::Sentinel,
+                other => anyhow::bail!("--deployment {other}: single or sentinel"),
+            };
             let mut breached = Vec::new();
             for seed in seed..seed + seeds {
                 let plan = floodgate_tests::faults::Plan {
@@ -562,6 +572,7 @@ fn main() -> anyhow::Result<()> {
                     agents,
                     rate,
                     keys: floodgate_tests::faults::Plan::seed(seed).keys,
+                    deployment,
                 };
                 let report = runtime.block_on(floodgate_tests::faults::run(plan));
                 println!("{}", report.text());

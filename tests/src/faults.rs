@@ -6,7 +6,9 @@
 //! (`floodgate_core::ledger::judge`) over every ledger, told of the faults whose loss the contract
 //! states (docs/accuracy.md). The same seed draws the same schedule, so a failing seed reruns.
 //!
-//! Not covered yet: Sentinel and Cluster deployments (failovers, reshards), clock skew.
+//! Deployments: one `redis-server` (faults: Redis killed, paused, slowed; an agent killed), or a
+//! master, its replica and a sentinel (faults: `SENTINEL FAILOVER`; an agent killed). Not covered
+//! yet: a Redis Cluster (failovers, reshards), clock skew.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,7 +18,19 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile, Options};
 use floodgate_sdk::Origin;
 
-use crate::{patient_client, pause_process, resume_process, Agent, Proxy, RedisServer};
+use crate::{
+    eventually, patient_client, pause_process, replication_info, resume_process, Agent, Proxy, RedisServer,
+    Sentinel,
+};
+
+/// Where the agents' counters live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deployment {
+    /// One `redis-server`, behind a latency proxy.
+    Single,
+    /// A master, its replica and a sentinel; agents on `redis+sentinel://`.
+    Sentinel,
+}
 
 /// The rules of a run: a sync sliding window and a token bucket, both fail open (the default).
 pub const RULES: &str = r#"{"rules":[
@@ -37,6 +51,8 @@ pub struct Plan {
     pub rate: u64,
     /// Client keys per rule.
     pub keys: u64,
+    /// Where the counters live.
+    pub deployment: Deployment,
 }
 
 impl Plan {
@@ -49,6 +65,7 @@ impl Plan {
             agents: 2,
             rate: 1_000,
             keys: 25,
+            deployment: Deployment::Single,
         }
     }
 }
@@ -65,6 +82,8 @@ pub enum Fault {
     RedisSlow { at_ms: u64, for_ms: u64, delay_ms: u64 },
     /// `kill -9` of agent `agent`, started again (cold) after `down_ms` on the same socket.
     AgentKilled { at_ms: u64, agent: usize, down_ms: u64 },
+    /// `SENTINEL FAILOVER`: the replica promoted while the old master still runs, then demoted.
+    SentinelFailover { at_ms: u64 },
 }
 
 impl Fault {
@@ -73,7 +92,8 @@ impl Fault {
             Fault::RedisKilled { at_ms, .. }
             | Fault::RedisPaused { at_ms, .. }
             | Fault::RedisSlow { at_ms, .. }
-            | Fault::AgentKilled { at_ms, .. } => at_ms,
+            | Fault::AgentKilled { at_ms, .. }
+            | Fault::SentinelFailover { at_ms } => at_ms,
         }
     }
 
@@ -81,6 +101,8 @@ impl Fault {
         match *self {
             Fault::RedisKilled { down_ms, .. } | Fault::AgentKilled { down_ms, .. } => down_ms,
             Fault::RedisPaused { for_ms, .. } | Fault::RedisSlow { for_ms, .. } => for_ms,
+            // Until the sentinel names the new master, measured; this much is planned for it.
+            Fault::SentinelFailover { .. } => 1_500,
         }
     }
 }
@@ -106,8 +128,9 @@ impl Report {
     /// One paragraph for a terminal.
     pub fn text(&self) -> String {
         let mut out = format!(
-            "seed {}: {} s, {} agents, {} checks/s over {} keys a rule\nschedule: {:?}\nsent {}, answered by the agents {}, by the SDK's fail policy {}\n",
+            "seed {} ({:?}): {} s, {} agents, {} checks/s over {} keys a rule\nschedule: {:?}\nsent {}, answered by the agents {}, by the SDK's fail policy {}\n",
             self.plan.seed,
+            self.plan.deployment,
             self.plan.seconds,
             self.plan.agents,
             self.plan.rate,
@@ -177,6 +200,21 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
             break;
         }
         let lasts = rng.range(300, 1_500).min(end - at);
+        if plan.deployment == Deployment::Sentinel {
+            // A failover first; then a failover or an agent killed.
+            let fault = if faults.is_empty() || rng.next() % 2 == 0 {
+                Fault::SentinelFailover { at_ms: at }
+            } else {
+                Fault::AgentKilled {
+                    at_ms: at,
+                    agent: rng.range(0, plan.agents as u64) as usize,
+                    down_ms: lasts,
+                }
+            };
+            at += fault.lasts_ms() + rng.range(1_000, 3_000);
+            faults.push(fault);
+            continue;
+        }
         let fault = match rng.range(0, 4) {
             0 => Fault::RedisKilled {
                 at_ms: at,
@@ -244,6 +282,29 @@ pub async fn run(plan: Plan) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut redis = RedisServer::start();
     let proxy = Proxy::start(redis.port());
+    // Sentinel: `redis` is the first master; its replica and the sentinel watching them.
+    let (url, _replica, sentinel) = match plan.deployment {
+        Deployment::Single => (proxy.url(), None, None),
+        Deployment::Sentinel => {
+            let r = RedisServer::start_with(&["--replicaof", "127.0.0.1", &redis.port().to_string()]);
+            eventually("the replica is in sync", Duration::from_secs(10), || async {
+                (replication_info(&r, "master_link_status").as_deref() == Some("up")).then_some(())
+            })
+            .await;
+            let s = Sentinel::start(redis.port());
+            eventually(
+                "the sentinel knows the master and its replica",
+                Duration::from_secs(15),
+                || async {
+                    let replicas: Vec<redis::Value> = s.cmd(&["SENTINEL", "replicas", "mymaster"]).ok()?;
+                    (!replicas.is_empty() && s.master_port() == Some(redis.port())).then_some(())
+                },
+            )
+            .await;
+            let url = format!("redis+sentinel://127.0.0.1:{}/mymaster", s.port());
+            (url, Some(r), Some(s))
+        }
+    };
     let mut slots: Vec<Slot> = (0..plan.agents)
         .map(|i| Slot {
             socket: dir.path().join(format!("agent-{i}.sock")),
@@ -252,7 +313,7 @@ pub async fn run(plan: Plan) -> Report {
         })
         .collect();
     for (i, slot) in slots.iter_mut().enumerate() {
-        start_agent(dir.path(), i, slot, &proxy.url()).await;
+        start_agent(dir.path(), i, slot, &url).await;
     }
     let mut clients = Vec::new();
     for slot in &slots {
@@ -333,9 +394,41 @@ pub async fn run(plan: Plan) -> Report {
             Fault::AgentKilled { agent, .. } => {
                 if let Some(mut a) = slots[agent].agent.take() {
                     a.kill();
+                    if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+                        for line in a
+                            .log()
+                            .lines()
+                            .filter(|l| l.contains("WARN") || l.contains("sentinel"))
+                        {
+                            eprintln!("agent {agent} (killed): {line}");
+                        }
+                    }
                 }
                 tokio::time::sleep(lasts).await;
-                start_agent(dir.path(), agent, &mut slots[agent], &proxy.url()).await;
+                start_agent(dir.path(), agent, &mut slots[agent], &url).await;
+            }
+            Fault::SentinelFailover { .. } => {
+                let s = sentinel.as_ref().expect("a sentinel deployment");
+                let before = s.master_port();
+                let from_ms = unix_ms();
+                let _: redis::RedisResult<String> = s.cmd(&["SENTINEL", "FAILOVER", "mymaster"]);
+                if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+                    eprintln!("{} ms: SENTINEL FAILOVER sent", unix_ms());
+                }
+                eventually(
+                    "the sentinel names the new master",
+                    Duration::from_secs(30),
+                    || async { (s.master_port().is_some() && s.master_port() != before).then_some(()) },
+                )
+                .await;
+                if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+                    eprintln!("{} ms: the sentinel names the new master", unix_ms());
+                }
+                spans.push(FaultSpan {
+                    kind: FaultKind::Failover,
+                    from_ms,
+                    to_ms: unix_ms(),
+                });
             }
         }
     }
@@ -345,11 +438,22 @@ pub async fn run(plan: Plan) -> Report {
     for slot in &mut slots {
         if let Some(agent) = slot.agent.as_mut() {
             agent.terminate_within(Duration::from_secs(10)).await;
+            // FLOODGATE_FAULTS_LOGS=1 prints each agent's warnings: what it saw of the faults.
+            if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+                for line in agent
+                    .log()
+                    .lines()
+                    .filter(|l| l.contains("WARN") || l.contains("sentinel"))
+                {
+                    eprintln!("agent {}: {line}", slot.socket.display());
+                }
+            }
         }
     }
 
     let mut ledgers = Vec::new();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(dir.path())
+    let dir_path = dir.path().to_path_buf();
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir_path)
         .expect("the run's dir")
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
@@ -358,6 +462,10 @@ pub async fn run(plan: Plan) -> Report {
     for path in paths {
         let text = std::fs::read_to_string(&path).expect("a ledger");
         ledgers.push(LedgerFile::parse(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
+    }
+    if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+        let kept = dir.keep();
+        eprintln!("ledgers kept in {}", kept.display());
     }
     let options = Options {
         faults: spans,

@@ -9,6 +9,7 @@
 //! - `wait`: [`eventually`], polling with a patience bound instead of fixed sleeps.
 //! - [`faults`]: the seeded fault runner: real Redis and agents with ledgers, a load, faults from a
 //!   seed, the checker's verdict.
+//! - `sentinel`: [`Sentinel`], a real `redis-server --sentinel` watching one master.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
 //! - [`raw_h2`]: hand-made HTTP/2 frames to the agent's gRPC listener, and its answers read back.
@@ -35,6 +36,7 @@ pub mod raw_h2;
 pub mod raw_http;
 mod redis;
 mod rules;
+mod sentinel;
 mod wait;
 mod wire;
 
@@ -43,6 +45,7 @@ pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
 pub use rules::{PgDatabase, RulesServer};
+pub use sentinel::{replication_info, Sentinel};
 pub use wait::eventually;
 pub use wire::RawConn;
 

@@ -3,92 +3,21 @@
 //! lost: answers come from Redis, then (while the master is down and the sentinel promotes the
 //! replica) from the fail mode, then from the new master, which runs the checks.
 
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use floodgate_sdk::{Origin, Source};
-use floodgate_tests::{eventually, free_port, patient_client, Agent, RedisServer};
+use floodgate_tests::{eventually, patient_client, replication_info, Agent, RedisServer, Sentinel};
 
 const RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","limit":1000000000,"windowSeconds":60}]}"#;
-
-struct Sentinel {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Sentinel {
-    fn start(master_port: u16) -> Sentinel {
-        let dir = tempfile::tempdir().unwrap();
-        let port = free_port();
-        let conf = dir.path().join("sentinel.conf");
-        std::fs::write(
-            &conf,
-            format!(
-                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\n\
-                 sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n",
-                dir.path().display()
-            ),
-        )
-        .unwrap();
-        let bin = std::env::var("REDIS_SERVER_BIN").unwrap_or_else(|_| "redis-server".into());
-        let child = Command::new(bin)
-            .arg(&conf)
-            .arg("--sentinel")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server --sentinel");
-        Sentinel {
-            child,
-            port,
-            _dir: dir,
-        }
-    }
-
-    fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> redis::RedisResult<T> {
-        let mut conn = redis::Client::open(format!("redis://127.0.0.1:{}", self.port))?
-            .get_connection_with_timeout(Duration::from_millis(500))?;
-        let mut c = redis::cmd(args[0]);
-        for a in &args[1..] {
-            c.arg(*a);
-        }
-        c.query(&mut conn)
-    }
-
-    fn master_port(&self) -> Option<u16> {
-        let addr: Vec<String> = self
-            .cmd(&["SENTINEL", "get-master-addr-by-name", "mymaster"])
-            .ok()?;
-        addr.get(1)?.parse().ok()
-    }
-}
-
-impl Drop for Sentinel {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn info(redis: &RedisServer, field: &str) -> Option<String> {
-    let text: String = redis::cmd("INFO")
-        .arg("replication")
-        .query(&mut redis.conn())
-        .ok()?;
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{field}:")))
-        .map(|v| v.trim().to_string())
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_loses_no_check() {
     let mut master = RedisServer::start();
     let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
     eventually("the replica is in sync", Duration::from_secs(10), || async {
-        (info(&replica, "master_link_status").as_deref() == Some("up")).then_some(())
+        (replication_info(&replica, "master_link_status").as_deref() == Some("up")).then_some(())
     })
     .await;
     let sentinel = Sentinel::start(master.port());
@@ -103,7 +32,10 @@ async fn a_failover_under_load_loses_no_check() {
     .await;
 
     let agent = Agent::builder()
-        .redis(&format!("redis+sentinel://127.0.0.1:{}/mymaster", sentinel.port))
+        .redis(&format!(
+            "redis+sentinel://127.0.0.1:{}/mymaster",
+            sentinel.port()
+        ))
         .rules(RULES)
         // Long enough that a loaded CI machine's answers are Redis's, short enough that a call to a
         // master mid-failover is answered by the fail mode at once rather than late.
@@ -180,7 +112,7 @@ async fn a_failover_under_load_loses_no_check() {
         "every check answered by the agent ({} checks)",
         answers.len()
     );
-    assert_eq!(info(&replica, "role").as_deref(), Some("master"));
+    assert_eq!(replication_info(&replica, "role").as_deref(), Some("master"));
     // Replication copies keys (a DBSIZE would be above 0 before the failover) and, in Redis 7, a
     // script's effects, not the EVALSHA: EVALSHA calls on the promoted replica are the agent's own.
     assert!(
