@@ -31,6 +31,16 @@ pub trait SharedStore: Send + Sync + 'static {
     fn sheds(&self, _route: &Route, _received: std::time::Instant) -> bool {
         false
     }
+    /// Whether the store can fail over to a replica that lacks its latest writes (Sentinel): the
+    /// engine then keeps what it admitted in the last seconds, to write again after a failover.
+    fn fails_over(&self) -> bool {
+        false
+    }
+    /// Failovers seen so far (each time a new primary was named): the agent's loop writes the
+    /// recent admissions again after each.
+    fn failovers(&self) -> u64 {
+        0
+    }
     /// Checks the items of one check atomically (all or nothing); outcomes in item order. Every item
     /// has the same route (the engine groups them). `received` is when the check's frame was read:
     /// its budget (the store timeout) runs from then, not from when it reaches the store.

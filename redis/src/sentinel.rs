@@ -1,6 +1,9 @@
 //! Redis behind Sentinel (`redis+sentinel://s1:26379,s2:26379/mymaster`): the sentinels name the
 //! master, and after any failed call the next one asks them again, so a failover costs the calls
-//! in flight (answered by the fail mode), then the new master answers.
+//! in flight (answered by the fail mode), then the new master answers. A watch asks the sentinels
+//! every 100 ms too: an old master that stays writable after its replica's promotion (a `SENTINEL
+//! FAILOVER` leaves it so for seconds) is left as soon as they name the new one, and the failover
+//! is counted, so that the agent writes its recent admissions again into the new master.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,9 +83,19 @@ impl SentinelUrl {
     }
 }
 
+/// How often the watch asks the sentinels which master they name.
+const WATCH_EVERY: Duration = Duration::from_millis(100);
+
 struct Inner {
     client: tokio::sync::Mutex<SentinelClient>,
     conn: std::sync::Mutex<Option<MultiplexedConnection>>,
+    /// The sentinels (`host:port`) and the master's name, for the watch.
+    sentinels: Vec<String>,
+    service: String,
+    /// Whether the watch runs (it starts with the first call, on the caller's runtime).
+    watching: std::sync::atomic::AtomicBool,
+    /// New masters the watch has seen named.
+    failovers: std::sync::atomic::AtomicU64,
 }
 
 /// The connection to the current master, asked of the sentinels again after a failed call.
@@ -117,6 +130,10 @@ impl SentinelConn {
             inner: Arc::new(Inner {
                 client: tokio::sync::Mutex::new(client),
                 conn: std::sync::Mutex::new(None),
+                sentinels: url.sentinels.clone(),
+                service: url.service.clone(),
+                watching: std::sync::atomic::AtomicBool::new(false),
+                failovers: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }
@@ -129,7 +146,19 @@ impl SentinelConn {
         *self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
+    /// New masters the sentinels have named since the first call.
+    pub fn failovers(&self) -> u64 {
+        self.inner.failovers.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     async fn get(&self) -> redis::RedisResult<MultiplexedConnection> {
+        if !self
+            .inner
+            .watching
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            tokio::spawn(watch(Arc::downgrade(&self.inner)));
+        }
         if let Some(c) = self.cached() {
             return Ok(c);
         }
@@ -140,10 +169,88 @@ impl SentinelConn {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(Duration::from_millis(500)))
             .set_response_timeout(None);
-        let c = client.get_async_connection_with_config(&config).await?;
+        let master = client.async_get_client().await?;
+        let mut info = master.get_connection_info().clone();
+        // The sentinels' own answer wins: during a failover `SENTINEL MASTERS` (what redis-rs
+        // reads) still names the old master, which also still says it is one, for seconds after
+        // `get-master-addr-by-name` names the promoted replica (seen in the fault runner: an agent
+        // that followed the switch reconnected to the old master).
+        let mut conns = vec![None; self.inner.sentinels.len()];
+        if let Some((host, port)) = master_named(&self.inner, &mut conns).await {
+            let mut addr = info.addr().clone();
+            if let redis::ConnectionAddr::Tcp(h, p) | redis::ConnectionAddr::TcpTls { host: h, port: p, .. } =
+                &mut addr
+            {
+                (*h, *p) = (host, port);
+            }
+            info = info.set_addr(addr);
+        }
+        tracing::info!(master = %info.addr(), "connecting to the master the sentinels name");
+        let c = redis::Client::open(info)?
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
         *self.inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
         Ok(c)
     }
+}
+
+/// Asks the sentinels every [`WATCH_EVERY`] which master they name; when it changes, drops the
+/// connection to the old one (the next call asks for the new one) and counts a failover. Ends when
+/// the connection's owner is gone.
+async fn watch(inner: std::sync::Weak<Inner>) {
+    let mut named: Option<(String, u16)> = None;
+    let mut conns: Vec<Option<MultiplexedConnection>> = Vec::new();
+    let mut tick = tokio::time::interval(WATCH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(inner) = inner.upgrade() else { return };
+        conns.resize(inner.sentinels.len(), None);
+        let Some(now) = master_named(&inner, &mut conns).await else {
+            continue;
+        };
+        if named.as_ref().is_some_and(|was| *was != now) {
+            tracing::warn!(
+                master = %format!("{}:{}", now.0, now.1),
+                "the sentinels name a new master: leaving the old one, and writing this agent's recent admissions again"
+            );
+            *inner.conn.lock().unwrap_or_else(|p| p.into_inner()) = None;
+            inner.failovers.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        named = Some(now);
+    }
+}
+
+/// The master the first sentinel that answers names (within 200 ms each).
+async fn master_named(inner: &Inner, conns: &mut [Option<MultiplexedConnection>]) -> Option<(String, u16)> {
+    for (host, slot) in inner.sentinels.iter().zip(conns.iter_mut()) {
+        if slot.is_none() {
+            let client = redis::Client::open(format!("redis://{host}")).ok()?;
+            let config = redis::AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(Duration::from_millis(200)))
+                .set_response_timeout(Some(Duration::from_millis(200)));
+            *slot = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .ok();
+        }
+        let Some(conn) = slot.as_mut() else { continue };
+        let asked: redis::RedisResult<Vec<String>> = redis::cmd("SENTINEL")
+            .arg("get-master-addr-by-name")
+            .arg(&inner.service)
+            .query_async(conn)
+            .await;
+        match asked {
+            Ok(addr) if addr.len() == 2 => {
+                if let Ok(port) = addr[1].parse() {
+                    return Some((addr[0].clone(), port));
+                }
+            }
+            Ok(_) => {}
+            Err(_) => *slot = None,
+        }
+    }
+    None
 }
 
 /// Whether an error means the master is gone from this connection (dropped, refused, or turned

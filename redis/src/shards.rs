@@ -217,6 +217,19 @@ impl Shards {
         false
     }
 
+    /// New masters the sentinels have named (Sentinel only; 0 otherwise).
+    pub fn failovers(&self) -> u64 {
+        match self {
+            Shards::Sentinel { conn, .. } => conn.failovers(),
+            Shards::Nodes { .. } | Shards::Cluster { .. } => 0,
+        }
+    }
+
+    /// Whether the master is found through Sentinel.
+    pub fn is_sentinel(&self) -> bool {
+        matches!(self, Shards::Sentinel { .. })
+    }
+
     /// Whether this is a Redis Cluster (one script call may carry keys of one tag only).
     pub fn is_cluster(&self) -> bool {
         matches!(self, Shards::Cluster { .. })

@@ -3,12 +3,22 @@
 //! the faults its seed draws (Redis killed and restarted empty, paused, slowed past the store
 //! timeout; an agent killed and cold-started), and must end with the checker finding every
 //! key-window within the accuracy contract's bound. A longer sweep is `loadgen faults --seeds N`
-//! (BENCHMARKS.md). These seeds cover every fault kind the single deployment has.
+//! (BENCHMARKS.md). These seeds cover every fault kind the single deployment has, and a Sentinel
+//! failover (`SENTINEL FAILOVER` under load), which admitted up to 1.95x a sliding window's limit
+//! before the agents followed the sentinels' answer and wrote their recent admissions again.
 
-use floodgate_tests::faults::{run, schedule, Fault, Plan};
+use floodgate_tests::faults::{run, schedule, Deployment, Fault, Plan};
 
 async fn holds(seed: u64) {
-    let report = run(Plan::seed(seed)).await;
+    holds_on(seed, Deployment::Single).await;
+}
+
+async fn holds_on(seed: u64, deployment: Deployment) {
+    let report = run(Plan {
+        deployment,
+        ..Plan::seed(seed)
+    })
+    .await;
     let text = report.text();
     assert!(report.judgement.breaches.is_empty(), "{text}");
     assert_eq!(report.judgement.dropped, 0, "{text}");
@@ -67,4 +77,26 @@ async fn seed_6_redis_slowed_killed_restarted_empty_and_slowed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_8_redis_paused_then_killed() {
     holds(8).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_seed_2_a_failover_then_an_agent_cold_started() {
+    // The cold-started agent asks the sentinels afresh and writes to the new master; before the
+    // agents followed the sentinels' answer, the other kept writing to the old one, still
+    // writable: two masters, and 1.90x a sliding window's limit.
+    assert_eq!(
+        schedule(&Plan {
+            deployment: Deployment::Sentinel,
+            ..Plan::seed(2)
+        }),
+        [
+            Fault::SentinelFailover { at_ms: 2_000 },
+            Fault::AgentKilled {
+                at_ms: 6_451,
+                agent: 1,
+                down_ms: 336
+            }
+        ]
+    );
+    holds_on(2, Deployment::Sentinel).await;
 }

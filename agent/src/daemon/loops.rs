@@ -78,6 +78,7 @@ pub(super) async fn guard_loop(
     if let Err(e) = redis.preload().await {
         tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
     }
+    let mut failovers = redis.failovers();
     loop {
         tokio::select! {
             _ = beat.tick() => match redis.heartbeat(&id, ttl, false).await {
@@ -91,6 +92,11 @@ pub(super) async fn guard_loop(
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
             },
             _ = tick.tick() => {
+                let seen = redis.failovers();
+                if seen != failovers {
+                    failovers = seen;
+                    reapply(&engine, redis.as_ref()).await;
+                }
                 for shard in 0..guard.breakers.len() {
                     if guard.breaker(shard).snapshot().state != BreakerState::Closed {
                         probe(&guard, redis.as_ref(), shard).await;
@@ -109,6 +115,29 @@ pub(super) async fn guard_loop(
     }
     write_back(&guard, redis.as_ref()).await;
     let _ = redis.heartbeat(&id, ttl, true).await;
+}
+
+/// After a failover: writes what this agent admitted through the store in the last
+/// [`REPLAY_MS`](floodgate_core::guard::REPLAY_MS) into the new primary, which may have lost it
+/// (docs/accuracy.md, "Sentinel failover"). Units it had in fact received count twice: stricter,
+/// never looser.
+async fn reapply(engine: &Engine, redis: &dyn SharedStore) {
+    let Some(recent) = engine.recent() else { return };
+    let entries = recent.take(Clock::System.now_ms());
+    let keys = entries.len();
+    let units: u64 = entries.iter().map(|e| e.units).sum();
+    let done = redis.adjust(entries, Adjust::Add).await;
+    match done.error {
+        None => tracing::warn!(
+            keys,
+            units,
+            over_limit = done.over,
+            "the store failed over: wrote this agent's recent admissions into the new primary"
+        ),
+        Some(e) => {
+            tracing::warn!(error = %e, keys, units, applied = done.units, "the store failed over: writing this agent's recent admissions into the new primary failed part-way")
+        }
+    }
 }
 
 /// Once the cool-down is over, one background call decides whether the store is back: it loads the

@@ -107,6 +107,8 @@ pub struct Engine {
     accuracy: f64,
     events: Option<Arc<crate::events::Events>>,
     ledger: Option<Arc<crate::ledger::Ledger>>,
+    /// What the store admitted lately, where it can fail over (`SharedStore::fails_over`).
+    recent: Option<crate::guard::Recent>,
     taken_back: Arc<TakenBack>,
     store_errors: AtomicU64,
     /// Checks (call groups) shed: answered by their fail modes without asking the store.
@@ -146,6 +148,10 @@ impl Engine {
         guard: Option<Arc<Guard>>,
         options: EngineOptions,
     ) -> Arc<Self> {
+        let recent = match &store {
+            Store::Shared(s) if s.fails_over() => Some(crate::guard::Recent::default()),
+            _ => None,
+        };
         Arc::new(Engine {
             rules: RwLock::new(Arc::new(rules)),
             store,
@@ -158,6 +164,7 @@ impl Engine {
             accuracy: options.accuracy,
             events: options.events,
             ledger: options.ledger,
+            recent,
             taken_back: Arc::default(),
             store_errors: AtomicU64::new(0),
             shed: AtomicU64::new(0),
@@ -395,8 +402,9 @@ impl Engine {
             .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode == ItemMode::Consume)
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
-        // With the ledger on, the plan is kept to record the decision's items against.
-        let ledger = self.ledger.as_ref().map(|_| plan.clone());
+        // With the ledger on, or the store's admissions kept for a failover, the plan is kept to
+        // record the decision's items against.
+        let ledger = (self.ledger.is_some() || self.recent.is_some()).then(|| plan.clone());
         let answer = match &self.store {
             Store::Memory(m) => {
                 let outcomes = m.check(&plan);
@@ -430,8 +438,9 @@ impl Engine {
         }
     }
 
-    /// The answer, recorded in the ledger once decided: the plan's items and their verdicts, with
-    /// when the check was read and decided and the store clock's offset as learned.
+    /// The answer, recorded once decided: in the ledger, the plan's items and their verdicts, with
+    /// when the check was read and decided and the store clock's offset as learned; in `recent`,
+    /// the units the store admitted.
     fn recorded(
         self: &Arc<Self>,
         plan: Vec<Planned>,
@@ -439,10 +448,19 @@ impl Engine {
         received: std::time::Instant,
     ) -> Answer {
         let record = move |this: &Engine, d: &Decision| {
-            let Some(ledger) = &this.ledger else { return };
             let done = this.clock.now_ms();
-            let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
-            ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
+            if let Some(recent) = &this.recent {
+                for (p, it) in plan.iter().zip(&d.items) {
+                    let counted = matches!(p.mode, ItemMode::Consume | ItemMode::Charge);
+                    if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
+                        recent.record(&p.rule, &p.key, p.cost, done);
+                    }
+                }
+            }
+            if let Some(ledger) = &this.ledger {
+                let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
+                ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
+            }
         };
         match answer {
             Answer::Ready(Ok(d)) => {
@@ -496,6 +514,11 @@ impl Engine {
                 });
             }
         }
+    }
+
+    /// What the store admitted lately, kept where it can fail over.
+    pub fn recent(&self) -> Option<&crate::guard::Recent> {
+        self.recent.as_ref()
     }
 
     /// The decision ledger, when on.

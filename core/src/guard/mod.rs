@@ -4,10 +4,12 @@
 mod breaker;
 mod fallback;
 pub mod membership;
+mod recent;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerSnapshot, BreakerState, Permit, Transition};
 pub use fallback::{Fallback, LedgerEntry};
 pub use membership::{Membership, MembershipConfig};
+pub use recent::{Recent, REPLAY_MS};
 
 /// What guards one Redis store: a breaker per shard, the fallback limiter and fleet membership.
 pub struct Guard {

@@ -191,6 +191,14 @@ impl SharedStore for RedisStore {
         RedisStore::route(self, key)
     }
 
+    fn fails_over(&self) -> bool {
+        self.shards.is_sentinel()
+    }
+
+    fn failovers(&self) -> u64 {
+        self.shards.failovers()
+    }
+
     fn sheds(&self, route: &Route, received: Instant) -> bool {
         let Some(pipes) = self.pipes() else {
             return false;

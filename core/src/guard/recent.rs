@@ -1,0 +1,104 @@
+//! What this agent's checks admitted through the store in the last few seconds, kept where the
+//! store can fail over (Sentinel): a failover loses the writes the old primary took after its
+//! replica's promotion (and those it had not replicated), so the agent writes what it admitted in
+//! that span again into the new primary. Units that had in fact been replicated are then counted
+//! twice: later checks are stricter, never looser (docs/accuracy.md, "Sentinel failover").
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+
+use floodgate_protocol::CompactString;
+
+use super::LedgerEntry;
+use crate::rules::{Algorithm, Rule};
+
+/// How far back a failover's re-application reaches, ms: a `SENTINEL FAILOVER` was seen ~0.8 s
+/// after the promotion (issue 33), the agent notices the sentinels' new answer within its 100 ms
+/// watch, and replication lag adds milliseconds; 3 s covers them with room.
+pub const REPLAY_MS: u64 = 3_000;
+
+/// Slots the span is kept in: the oldest is dropped whole.
+const SLOT_MS: u64 = 250;
+
+type Slot = HashMap<(CompactString, CompactString, u64), LedgerEntry>;
+
+/// The admissions of the last [`REPLAY_MS`], by (rule, key, window), in slots of 250 ms.
+#[derive(Default)]
+pub struct Recent {
+    slots: Mutex<VecDeque<(u64, Slot)>>,
+}
+
+impl Recent {
+    /// Records `units` of `rule` admitted for `key` at `now_ms` (the agent's clock). Concurrency
+    /// rules are not kept: their leases run out by themselves.
+    pub fn record(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, now_ms: u64) {
+        let window = match rule.algorithm {
+            Algorithm::Concurrency => return,
+            Algorithm::Quota => rule.quota_period(now_ms).0,
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => now_ms / rule.window_ms(),
+        };
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let start = now_ms - now_ms % SLOT_MS;
+        if slots.back().is_none_or(|(s, _)| *s < start) {
+            slots.push_back((start, HashMap::new()));
+        }
+        while slots
+            .front()
+            .is_some_and(|(s, _)| s + REPLAY_MS + SLOT_MS <= now_ms)
+        {
+            slots.pop_front();
+        }
+        let Some((_, slot)) = slots.back_mut() else { return };
+        slot.entry((CompactString::from(rule.id.as_str()), key.clone(), window))
+            .and_modify(|e| e.units += units)
+            .or_insert_with(|| LedgerEntry {
+                rule: rule.clone(),
+                key: key.clone(),
+                window,
+                units,
+            });
+    }
+
+    /// Everything admitted in the last [`REPLAY_MS`] before `now_ms`, one entry per (rule, key,
+    /// window), and forgets it (what the new primary is given once).
+    pub fn take(&self, now_ms: u64) -> Vec<LedgerEntry> {
+        let slots = std::mem::take(&mut *self.slots.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut all: Slot = HashMap::new();
+        for (start, slot) in slots {
+            if start + REPLAY_MS + SLOT_MS <= now_ms {
+                continue;
+            }
+            for (k, e) in slot {
+                all.entry(k).and_modify(|a| a.units += e.units).or_insert(e);
+            }
+        }
+        all.into_values().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rules::RuleSet;
+
+    #[test]
+    fn a_failover_takes_the_last_seconds_once_by_key_and_window() {
+        let rules = RuleSet::parse(
+            r#"{"rules":[{"id":"r","dimension":"user","limit":100,"windowSeconds":2},
+                {"id":"c","dimension":"user","limit":2,"algorithm":"concurrency"}]}"#,
+        )
+        .unwrap();
+        let (r, c) = (rules.get("r").unwrap().clone(), rules.get("c").unwrap().clone());
+        let recent = Recent::default();
+        let key = CompactString::from("user:1");
+        recent.record(&r, &key, 5, 10_000); // too old by the time of the failover
+        for t in [19_000, 19_500, 19_900, 20_100] {
+            recent.record(&r, &key, 1, t); // windows 9 (three) and 10 (one)
+        }
+        recent.record(&c, &key, 1, 20_100); // leases are not replayed
+        let mut got: Vec<(u64, u64)> = recent.take(20_200).iter().map(|e| (e.window, e.units)).collect();
+        got.sort();
+        assert_eq!(got, [(9, 3), (10, 1)]);
+        assert!(recent.take(20_300).is_empty(), "given once");
+    }
+}
