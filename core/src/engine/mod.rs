@@ -5,19 +5,23 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use floodgate_protocol::{
-    Check, CompactString, Decision, ErrorBody, ErrorCode, ItemDecision, Source, Verdict, MAX_ITEMS,
-};
+use floodgate_protocol::{Check, CompactString, Decision, ErrorBody, Source};
 
-use crate::algo::Outcome;
 use crate::batch::{Batcher, HotKeys};
 use crate::cache::RejectionCache;
 use crate::guard::Guard;
-use crate::rules::{items_for, Algorithm, Execution, Rule, RuleSet};
+use crate::rules::{Algorithm, Execution, Rule, RuleSet};
 use crate::shared_store::SharedStore;
 use crate::store::{Clock, ItemMode, Lease, MemoryStore, Planned};
 
+mod decide;
+mod observe;
+mod plan;
 mod shared_path;
+
+pub use decide::combine;
+use decide::{finish, no_rule};
+use plan::lease_seed;
 
 /// The shortest Retry-After a fail-closed rule gives while its store is away (longer while the breaker's
 /// cool-down lasts). Short enough that clients come back soon after Redis does, long enough not to
@@ -320,40 +324,6 @@ impl Engine {
         self.answer_plan(plan, received)
     }
 
-    /// Applies the penalties of the check's keys: a scaled limit, or (a block) the check refused at
-    /// once, the blocked items waiting for the penalty's end and the others reporting their rule.
-    fn penalize(&self, plan: &mut [Planned]) -> Option<Decision> {
-        let now = self.clock.now_ms();
-        let mut blocked: Vec<Option<(Outcome, Source)>> = vec![None; plan.len()];
-        let mut any = false;
-        // A check that gives units back is never blocked: its release must land (its rate rules'
-        // items are looks of 0 then).
-        let releases = plan.iter().any(|p| p.mode == ItemMode::Release);
-        for (i, p) in plan.iter_mut().enumerate() {
-            match self.overrides.penalized(&p.rule, &p.key, now) {
-                Some(crate::overrides::Penalized::Rule(r)) => p.rule = r,
-                Some(crate::overrides::Penalized::Blocked(until))
-                    if !releases
-                        && p.rule.enforced()
-                        && matches!(p.mode, ItemMode::Consume | ItemMode::Peek) =>
-                {
-                    any = true;
-                    let limit = p.rule.display_limit();
-                    let o = Outcome {
-                        allowed: false,
-                        limit,
-                        remaining: 0,
-                        reset_at_ms: until,
-                        retry_after_ms: until.saturating_sub(now).max(1),
-                    };
-                    blocked[i] = Some((o, Source::Local));
-                }
-                _ => {}
-            }
-        }
-        any.then(|| finish(plan, blocked))
-    }
-
     /// A check of peeks and concurrency acquires (a form-3 peek with a lease): every item peeked
     /// first; refused, the check is that answer and nothing is held; else it runs as planned. (A
     /// quota spent between the two is a peek's usual race: the request's cost is charged after.)
@@ -438,84 +408,6 @@ impl Engine {
         }
     }
 
-    /// The answer, recorded once decided: in the ledger, the plan's items and their verdicts, with
-    /// when the check was read and decided and the store clock's offset as learned; in `recent`,
-    /// the units the store admitted.
-    fn recorded(
-        self: &Arc<Self>,
-        plan: Vec<Planned>,
-        answer: Answer,
-        received: std::time::Instant,
-    ) -> Answer {
-        let record = move |this: &Engine, d: &Decision| {
-            let done = this.clock.now_ms();
-            if let Some(recent) = &this.recent {
-                for (p, it) in plan.iter().zip(&d.items) {
-                    let counted = matches!(p.mode, ItemMode::Consume | ItemMode::Charge);
-                    if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
-                        recent.record(&p.rule, &p.key, p.cost, done);
-                    }
-                }
-            }
-            if let Some(ledger) = &this.ledger {
-                let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
-                ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
-            }
-        };
-        match answer {
-            Answer::Ready(Ok(d)) => {
-                record(self, &d);
-                Answer::Ready(Ok(d))
-            }
-            Answer::Pending(fut) => {
-                let this = self.clone();
-                Answer::Pending(Box::pin(async move {
-                    let r = fut.await;
-                    if let Ok(d) = &r {
-                        record(&this, d);
-                    }
-                    r
-                }))
-            }
-            other => other,
-        }
-    }
-
-    /// Counts the log-mode items a decision would have rejected, and emits an event for each enforced
-    /// item the limiter rejected and for each would-be rejection the dry run calls news (`mode`
-    /// `log`). Repeats answered from the rejection cache make no event: the key's first rejection
-    /// already said it is blocked until its reset, and a hot abusive key must not flood the stream
-    /// (and Redis) the cache keeps it away from; they are counted in
-    /// `floodgate_checks_total{source="cache"}`.
-    fn observe(&self, logged: &[(usize, Arc<Rule>, CompactString)], d: &Decision) {
-        if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
-            return;
-        }
-        let now = self.clock.now_ms();
-        for (i, rule, key) in logged {
-            let Some(it) = d.items.get(*i) else { continue };
-            if it.verdict.allowed {
-                continue;
-            }
-            if it.verdict.source == Source::Cache {
-                continue;
-            }
-            // A log-mode rule's would-be rejection is an event when the dry run says it is news
-            // (the key's first since its last report), as an enforced key's repeats are kept off
-            // the stream by the rejection cache.
-            let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
-            if let (Some(events), true) = (&self.events, news) {
-                events.emit(crate::events::Event {
-                    key: key.to_string(),
-                    rule: rule.id.clone(),
-                    ts_ms: now,
-                    version: rule.version,
-                    dry_run: !rule.enforced(),
-                });
-            }
-        }
-    }
-
     /// What the store admitted lately, kept where it can fail over.
     pub fn recent(&self) -> Option<&crate::guard::Recent> {
         self.recent.as_ref()
@@ -530,111 +422,6 @@ impl Engine {
     pub fn dry_run(&self) -> &crate::dryrun::DryRun {
         &self.dry_run
     }
-
-    /// What an item does to its rule: a concurrency rule's consume acquires under the client's lease
-    /// (or one the agent picks), its charge is a peek; another rule's release is a peek of 0.
-    fn item_mode(
-        &self,
-        rule: &Rule,
-        mode: ItemMode,
-        lease: Option<u64>,
-        cost: u32,
-    ) -> (ItemMode, Lease, u64) {
-        let cost = u64::from(cost);
-        if !rule.is_concurrency() {
-            return match mode {
-                ItemMode::Release => (ItemMode::Peek, Lease::None, 0),
-                _ => (mode, Lease::None, cost),
-            };
-        }
-        match (mode, lease) {
-            // A peek with a lease (the request phase of a cost known after the response) holds a
-            // unit of each concurrency rule it matches while the request runs.
-            (ItemMode::Peek, Some(id)) => (ItemMode::Consume, Lease::Client(id), cost.max(1)),
-            (ItemMode::Consume, Some(id)) => (mode, Lease::Client(id), cost),
-            (ItemMode::Consume, None) => (mode, Lease::Agent(self.agent_lease()), cost),
-            (ItemMode::Release, Some(id)) => (mode, Lease::Client(id), cost),
-            (ItemMode::Release, None) => (mode, Lease::None, cost),
-            (ItemMode::Peek | ItemMode::Charge, _) => (ItemMode::Peek, Lease::None, cost),
-        }
-    }
-
-    /// A lease id of the agent's own.
-    fn agent_lease(&self) -> u64 {
-        let n = self.lease_seq.fetch_add(1, Ordering::Relaxed);
-        splitmix64(
-            self.lease_seed
-                .wrapping_add(n.wrapping_mul(0x9e37_79b9_7f4a_7c15)),
-        )
-    }
-
-    fn plan(&self, check: Check) -> Result<Vec<Planned>, ErrorBody> {
-        let rules = self.rules();
-        let plan: Vec<Planned> = match check {
-            Check::Items(items) => items
-                .into_iter()
-                .map(|item| match rules.get(&item.rule_id) {
-                    Some(rule) => {
-                        // An item's peek only looks, lease or not.
-                        let lease = item.lease.filter(|_| item.mode != ItemMode::Peek);
-                        let (mode, lease, cost) = self.item_mode(rule, item.mode, lease, item.cost);
-                        Ok(Planned {
-                            rule: rule.clone(),
-                            key: item.key,
-                            cost,
-                            mode,
-                            lease,
-                        })
-                    }
-                    None => Err(ErrorBody {
-                        code: ErrorCode::UnknownRule,
-                        message: format!("unknown rule {:?}", item.rule_id),
-                    }),
-                })
-                .collect::<Result<_, _>>()?,
-            Check::Attributes(a) => items_for(&rules, &a)
-                .into_iter()
-                .map(|(rule, key)| {
-                    let (mode, lease, cost) = self.item_mode(&rule, a.mode, a.lease, a.cost);
-                    Planned {
-                        rule,
-                        key: key.into(),
-                        cost,
-                        mode,
-                        lease,
-                    }
-                })
-                .collect(),
-        };
-        let mut plan = plan;
-        if !self.overrides.is_empty() {
-            // A client key with an override is checked under the rule its override makes.
-            let now = self.clock.now_ms();
-            for p in &mut plan {
-                if let Some(rule) = self.overrides.rule_for(&p.rule, &p.key, now) {
-                    p.rule = rule;
-                }
-            }
-        }
-        if plan.len() > MAX_ITEMS {
-            return Err(ErrorBody {
-                code: ErrorCode::InvalidItem,
-                message: format!(
-                    "{} rules matched; at most {MAX_ITEMS} can be checked at once",
-                    plan.len()
-                ),
-            });
-        }
-        for (i, p) in plan.iter().enumerate() {
-            if plan[..i].iter().any(|q| q.rule.id == p.rule.id && q.key == p.key) {
-                return Err(ErrorBody {
-                    code: ErrorCode::InvalidItem,
-                    message: format!("item ({:?}, {:?}) appears twice in one check", p.key, p.rule.id),
-                });
-            }
-        }
-        Ok(plan)
-    }
 }
 
 /// Units taken back from Redis after checks rejected across groups.
@@ -646,146 +433,6 @@ pub struct TakenBack {
     pub done: AtomicU64,
     /// Units whose take-back failed or timed out (they stay counted until their window ends).
     pub failed: AtomicU64,
-}
-
-/// A per-process seed for the agent's lease ids: the clock's nanoseconds and the process id.
-fn lease_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    splitmix64(nanos ^ (u64::from(std::process::id()) << 32))
-}
-
-/// SplitMix64's output function: spreads a sequence over all 64 bits.
-fn splitmix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// An item a check did not look at because another item rejected it: its rule's plain figures.
-fn unseen(rule: &Rule, now: u64) -> Outcome {
-    let limit = rule.display_limit();
-    Outcome {
-        allowed: true,
-        limit,
-        remaining: limit,
-        reset_at_ms: now,
-        retry_after_ms: 0,
-    }
-}
-
-/// The decision from every item's outcome and source.
-fn finish(plan: &[Planned], out: Vec<Option<(Outcome, Source)>>) -> Decision {
-    let now = Clock::System.now_ms();
-    decide(
-        plan,
-        out.into_iter()
-            .zip(plan)
-            .map(|(o, p)| o.unwrap_or_else(|| (unseen(&p.rule, now), Source::Fallback))),
-    )
-}
-
-fn no_rule() -> Verdict {
-    Verdict {
-        allowed: true,
-        log_only: false,
-        holds_lease: false,
-        source: Source::Local,
-        limit: 0,
-        remaining: 0,
-        reset_at_ms: 0,
-        retry_after_ms: 0,
-    }
-}
-
-/// Per-item verdicts and the combined one: allowed only if every enforced item is; the figures of the
-/// binding item (on a denial the longest retry, else the smallest remaining). `sources` has one
-/// source per item, or one for all.
-pub fn combine(plan: &[Planned], outcomes: &[Outcome], sources: &[Source]) -> Decision {
-    let source = |i: usize| {
-        sources
-            .get(i)
-            .or(sources.first())
-            .copied()
-            .unwrap_or(Source::Local)
-    };
-    decide(plan, outcomes.iter().enumerate().map(|(i, o)| (*o, source(i))))
-}
-
-/// `combine` over each item's (outcome, source) in plan order, with no vectors in between.
-fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, Source)>) -> Decision {
-    let items: Vec<ItemDecision> = plan
-        .iter()
-        .zip(outcomes)
-        .map(|(p, (o, source))| ItemDecision {
-            rule_id: p.rule.id.as_str().into(),
-            verdict: Verdict {
-                allowed: o.allowed,
-                log_only: !p.rule.enforced(),
-                // The client's lease its concurrency item acquired (cleared below if the check
-                // was denied: then nothing is held).
-                holds_lease: o.allowed
-                    && p.mode == ItemMode::Consume
-                    && matches!(p.lease, Lease::Client(_))
-                    && source != Source::Cache,
-                source,
-                limit: o.limit,
-                remaining: o.remaining,
-                reset_at_ms: o.reset_at_ms,
-                retry_after_ms: o.retry_after_ms,
-            },
-            window_ms: p.rule.policy_window_ms(o.reset_at_ms),
-        })
-        .collect();
-    // What decides the check: its consume items; a check without any, its peeks (a charge or a
-    // release is never a rejection).
-    let consumes = plan.iter().any(|p| p.mode == ItemMode::Consume);
-    let gates = |mode: ItemMode| match mode {
-        ItemMode::Consume => true,
-        ItemMode::Peek => !consumes,
-        ItemMode::Charge | ItemMode::Release => false,
-    };
-    let denied = items
-        .iter()
-        .zip(plan)
-        .filter(|(i, p)| !i.verdict.log_only && !i.verdict.allowed && gates(p.mode))
-        .map(|(i, _)| i.verdict)
-        .max_by_key(|v| v.retry_after_ms);
-    let mut items = items;
-    if denied.is_some() {
-        for i in &mut items {
-            i.verdict.holds_lease = false;
-        }
-    }
-    let enforced = || items.iter().filter(|i| !i.verdict.log_only);
-    let binding = denied.or_else(|| {
-        // Allowed: the tightest enforced item's figures (a denied peek beside consume items
-        // included, as what it would cost), the check itself allowed.
-        enforced()
-            .min_by_key(|i| (i.verdict.remaining, i.verdict.limit))
-            .map(|i| Verdict {
-                allowed: true,
-                retry_after_ms: 0,
-                ..i.verdict
-            })
-    });
-    let combined = match binding {
-        Some(v) => v,
-        // Only log-mode items: allowed, with the figures of the tightest of them, marked log-only.
-        None => {
-            let mut v = items
-                .iter()
-                .min_by_key(|i| (i.verdict.remaining, i.verdict.limit))
-                .map(|i| i.verdict)
-                .unwrap_or_else(no_rule);
-            v.allowed = true;
-            v.retry_after_ms = 0;
-            v
-        }
-    };
-    Decision { combined, items }
 }
 
 #[cfg(test)]

@@ -1,0 +1,90 @@
+//! After a decision: the decision ledger and the store's recent admissions (`recorded`), and log
+//! mode's would-be rejections and the rejection events (`observe`).
+
+use std::sync::Arc;
+
+use floodgate_protocol::{CompactString, Decision, Source};
+
+use super::{Answer, Engine};
+use crate::rules::Rule;
+use crate::store::{ItemMode, Planned};
+
+impl Engine {
+    /// The answer, recorded once decided: in the ledger, the plan's items and their verdicts, with
+    /// when the check was read and decided and the store clock's offset as learned; in `recent`,
+    /// the units the store admitted.
+    pub(super) fn recorded(
+        self: &Arc<Self>,
+        plan: Vec<Planned>,
+        answer: Answer,
+        received: std::time::Instant,
+    ) -> Answer {
+        let record = move |this: &Engine, d: &Decision| {
+            let done = this.clock.now_ms();
+            if let Some(recent) = &this.recent {
+                for (p, it) in plan.iter().zip(&d.items) {
+                    let counted = matches!(p.mode, ItemMode::Consume | ItemMode::Charge);
+                    if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
+                        recent.record(&p.rule, &p.key, p.cost, done);
+                    }
+                }
+            }
+            if let Some(ledger) = &this.ledger {
+                let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
+                ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
+            }
+        };
+        match answer {
+            Answer::Ready(Ok(d)) => {
+                record(self, &d);
+                Answer::Ready(Ok(d))
+            }
+            Answer::Pending(fut) => {
+                let this = self.clone();
+                Answer::Pending(Box::pin(async move {
+                    let r = fut.await;
+                    if let Ok(d) = &r {
+                        record(&this, d);
+                    }
+                    r
+                }))
+            }
+            other => other,
+        }
+    }
+
+    /// Counts the log-mode items a decision would have rejected, and emits an event for each enforced
+    /// item the limiter rejected and for each would-be rejection the dry run calls news (`mode`
+    /// `log`). Repeats answered from the rejection cache make no event: the key's first rejection
+    /// already said it is blocked until its reset, and a hot abusive key must not flood the stream
+    /// (and Redis) the cache keeps it away from; they are counted in
+    /// `floodgate_checks_total{source="cache"}`.
+    pub(super) fn observe(&self, logged: &[(usize, Arc<Rule>, CompactString)], d: &Decision) {
+        if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
+            return;
+        }
+        let now = self.clock.now_ms();
+        for (i, rule, key) in logged {
+            let Some(it) = d.items.get(*i) else { continue };
+            if it.verdict.allowed {
+                continue;
+            }
+            if it.verdict.source == Source::Cache {
+                continue;
+            }
+            // A log-mode rule's would-be rejection is an event when the dry run says it is news
+            // (the key's first since its last report), as an enforced key's repeats are kept off
+            // the stream by the rejection cache.
+            let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
+            if let (Some(events), true) = (&self.events, news) {
+                events.emit(crate::events::Event {
+                    key: key.to_string(),
+                    rule: rule.id.clone(),
+                    ts_ms: now,
+                    version: rule.version,
+                    dry_run: !rule.enforced(),
+                });
+            }
+        }
+    }
+}
