@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use floodgate_protocol::CompactString;
 use serde::{Deserialize, Serialize};
 
-use crate::rules::{Algorithm, Rule};
+use crate::rules::Rule;
 
 /// Most overrides an agent holds (each ~100-200 B): past it, new ones are refused and counted.
 pub const MAX_OVERRIDES: usize = 4_000_000;
@@ -48,15 +48,13 @@ impl Override {
         if self.reason.trim().is_empty() || self.reason.len() > 512 {
             return Err("reason must be 1 to 512 bytes".into());
         }
-        if self.window_seconds.is_some()
-            && matches!(rule.algorithm, Algorithm::Concurrency | Algorithm::Quota)
-        {
+        if self.window_seconds.is_some() && !rule.algorithm.has_window() {
             return Err(format!(
                 "rule {} has no window (a {:?} rule): windowSeconds is refused",
                 rule.id, rule.algorithm
             ));
         }
-        if self.burst.is_some() && rule.algorithm != Algorithm::TokenBucket {
+        if self.burst.is_some() && !rule.algorithm.has_burst() {
             return Err(format!(
                 "burst applies to a token bucket; rule {} is not one",
                 rule.id
@@ -74,7 +72,7 @@ impl Override {
         if let Some(w) = self.window_seconds {
             r.window_seconds = w;
         }
-        if rule.algorithm == Algorithm::TokenBucket {
+        if rule.algorithm.has_burst() {
             r.burst = self.burst.or(Some(self.limit));
         }
         // Distinct from every rule version (the service's versions are far below 2^62).

@@ -272,7 +272,7 @@ fn overridden(rule: &Arc<Rule>, o: RateLimitOverride) -> Option<Arc<Rule>> {
     let limit = std::num::NonZeroU64::new(u64::from(o.requests_per_unit))?;
     let mut r = (**rule).clone();
     r.limit = limit;
-    if rule.algorithm != Algorithm::Concurrency {
+    if !rule.is_concurrency() {
         let seconds = match Unit::try_from(o.unit).ok()? {
             Unit::Second => 1.0,
             Unit::Minute => 60.0,
@@ -293,13 +293,16 @@ fn overridden(rule: &Arc<Rule>, o: RateLimitOverride) -> Option<Arc<Rule>> {
             r.burst = None;
             r.execution = Default::default();
         } else {
-            if r.algorithm == Algorithm::Quota {
-                r.algorithm = Algorithm::SlidingWindow;
-                r.period = None;
-                r.timezone = None;
+            match r.algorithm {
+                Algorithm::Quota => {
+                    r.algorithm = Algorithm::SlidingWindow;
+                    r.period = None;
+                    r.timezone = None;
+                }
+                Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {}
             }
             r.window_seconds = seconds;
-            if r.algorithm == Algorithm::TokenBucket {
+            if r.algorithm.has_burst() {
                 r.burst = Some(limit);
             }
         }

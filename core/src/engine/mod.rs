@@ -10,7 +10,7 @@ use floodgate_protocol::{Check, CompactString, Decision, ErrorBody, Source};
 use crate::batch::{Batcher, HotKeys};
 use crate::cache::RejectionCache;
 use crate::guard::Guard;
-use crate::rules::{Algorithm, Execution, Rule, RuleSet};
+use crate::rules::{Execution, Rule, RuleSet};
 use crate::shared_store::SharedStore;
 use crate::store::{Clock, ItemMode, Lease, MemoryStore, Planned};
 
@@ -233,7 +233,7 @@ impl Engine {
     /// expected over-admission, n × interval × rate plus one check per agent and flush, stays within
     /// the accuracy target). Sliding window only.
     pub fn batched_by_rule(&self, rule: &Rule, n: u64) -> bool {
-        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+        if !rule.algorithm.batches() || rule.limit.get() > u64::from(u32::MAX) {
             return false;
         }
         match rule.execution {
@@ -246,7 +246,7 @@ impl Engine {
     /// Whether batching `rule` keeps the expected over-admission (n × interval × rate, plus one check
     /// per agent and slot) within the accuracy target: `auto` rules and hot-key promotion ask this.
     fn accurate_enough(&self, rule: &Rule, n: u64) -> bool {
-        if rule.algorithm != Algorithm::SlidingWindow || rule.limit.get() > u64::from(u32::MAX) {
+        if !rule.algorithm.batches() || rule.limit.get() > u64::from(u32::MAX) {
             return false;
         }
         let limit = rule.limit.get() as f64;

@@ -23,7 +23,7 @@ impl Engine {
     /// however hot); never while its shard's breaker is open (the fallback decides then) or when the
     /// batcher is full.
     fn runs_batched(&self, r: &dyn SharedStore, p: &Planned, n: u64, now: u64) -> bool {
-        if p.rule.algorithm != Algorithm::SlidingWindow {
+        if !p.rule.algorithm.batches() {
             return false;
         }
         if let Some(g) = &self.guard {
@@ -438,13 +438,13 @@ impl Engine {
                 let p = &plan[i];
                 // An admitted sliding-window item's reset is the end of the window after its own; a
                 // concurrency item's take-back frees its lease, named where the window goes.
-                let window = match p.lease.id() {
-                    Some(id) if p.rule.is_concurrency() => id,
+                let window = match (p.rule.algorithm, p.lease.id()) {
+                    (Algorithm::Concurrency, Some(id)) => id,
                     // A quota's take-back goes into its period, named by its start.
-                    _ if p.rule.algorithm == Algorithm::Quota => {
-                        p.rule.quota_period(o.reset_at_ms.saturating_sub(1)).0
+                    (Algorithm::Quota, _) => p.rule.quota_period(o.reset_at_ms.saturating_sub(1)).0,
+                    (Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency, _) => {
+                        (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2)
                     }
-                    _ => (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2),
                 };
                 Some(LedgerEntry {
                     rule: p.rule.clone(),

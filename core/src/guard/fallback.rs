@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use floodgate_protocol::CompactString;
 
 use crate::algo::Outcome;
-use crate::rules::Rule;
+use crate::rules::{Algorithm, Rule};
 use crate::store::{Clock, MemoryStore, Planned};
 
 /// Most (rule, key) pairs the ledger holds; past it new pairs are not recorded (and counted), so a
@@ -172,8 +172,10 @@ impl Fallback {
                 }
                 // A quota's units belong to its period (named by its start), a window's to its index.
                 let window = match p.rule.algorithm {
-                    crate::rules::Algorithm::Quota => p.rule.quota_period(now).0,
-                    _ => now / p.rule.window_ms(),
+                    Algorithm::Quota => p.rule.quota_period(now).0,
+                    Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {
+                        now / p.rule.window_ms()
+                    }
                 };
                 // Rule ids are at most 128 bytes; one of up to 24 is kept inline, no allocation.
                 let k = (CompactString::from(p.rule.id.as_str()), p.key.clone());
@@ -230,8 +232,10 @@ impl Fallback {
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         ledger.retain(|_, e| match e.rule.algorithm {
             // A quota's units count until their period ends.
-            crate::rules::Algorithm::Quota => e.rule.quota_period(now).0 == e.window,
-            _ => e.window + 1 >= now / e.rule.window_ms(),
+            Algorithm::Quota => e.rule.quota_period(now).0 == e.window,
+            Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {
+                e.window + 1 >= now / e.rule.window_ms()
+            }
         });
         let keys: Vec<(CompactString, CompactString)> = ledger
             .iter()

@@ -54,6 +54,34 @@ pub enum Algorithm {
     Quota,
 }
 
+impl Algorithm {
+    /// Whether its limit is per window of `windowSeconds` (a rate): sliding window and token bucket;
+    /// a concurrency rule holds units, a quota counts per calendar period.
+    pub fn has_window(self) -> bool {
+        match self {
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => true,
+            Algorithm::Concurrency | Algorithm::Quota => false,
+        }
+    }
+
+    /// Whether `burst` applies (a token bucket's capacity).
+    pub fn has_burst(self) -> bool {
+        match self {
+            Algorithm::TokenBucket => true,
+            Algorithm::SlidingWindow | Algorithm::Concurrency | Algorithm::Quota => false,
+        }
+    }
+
+    /// Whether it can run batched (local counters flushed to Redis): the sliding window only, whose
+    /// counts add up across agents.
+    pub fn batches(self) -> bool {
+        match self {
+            Algorithm::SlidingWindow => true,
+            Algorithm::TokenBucket | Algorithm::Concurrency | Algorithm::Quota => false,
+        }
+    }
+}
+
 /// Whether a rule rejects or only reports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -291,14 +319,17 @@ impl Rule {
         let seconds = match self.algorithm {
             Algorithm::Concurrency => self.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS),
             Algorithm::Quota => return self.period.map_or(1, |p| p.nominal_ms()),
-            _ => self.window_seconds,
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => self.window_seconds,
         };
         ((seconds * 1000.0).round() as u64).max(1)
     }
 
     /// Whether the rule limits units in flight (leases) rather than a rate.
     pub fn is_concurrency(&self) -> bool {
-        self.algorithm == Algorithm::Concurrency
+        match self.algorithm {
+            Algorithm::Concurrency => true,
+            Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Quota => false,
+        }
     }
 
     /// A quota's time zone (UTC when it names none, or, never after validation, a bad name).
@@ -352,11 +383,10 @@ impl Rule {
 
     fn validate(&self) -> Result<(), String> {
         floodgate_protocol::validate_rule_id(&self.id).map_err(|e| e.to_string())?;
-        if self.is_concurrency() {
-            return self.validate_concurrency();
-        }
-        if self.algorithm == Algorithm::Quota {
-            return self.validate_quota();
+        match self.algorithm {
+            Algorithm::Concurrency => return self.validate_concurrency(),
+            Algorithm::Quota => return self.validate_quota(),
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => {}
         }
         if self.period.is_some() || self.timezone.is_some() {
             return Err(format!(
@@ -390,7 +420,7 @@ impl Rule {
                 return Err(format!("rule {}: burst {b} is too large", self.id));
             }
         }
-        if self.algorithm == Algorithm::TokenBucket {
+        if self.algorithm.has_burst() {
             // The time to fill an empty bucket, burst / (limit / window).
             let fill_ms = self.burst() as f64 * self.window_ms() as f64 / self.limit.get() as f64;
             if fill_ms > MAX_BUCKET_FILL_MS {

@@ -349,8 +349,9 @@ fn state_key(rule: &crate::rules::Rule, key: &str) -> String {
     s.push_str(&rule.id);
     s.push('\0');
     s.push_str(key);
-    if rule.algorithm == Algorithm::Quota {
-        s.push_str("\0q");
+    match rule.algorithm {
+        Algorithm::Quota => s.push_str("\0q"),
+        Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {}
     }
     s
 }

@@ -110,21 +110,24 @@ fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[
         };
         out.num(algorithm);
         out.num(r.limit.get());
-        if r.algorithm == Algorithm::Quota {
-            // The period (the agent's calendar): a write-back's or take-back's by its start, a
-            // check's the one holding now. Its end where the window goes, its start twice.
-            let (start, end) = quota_period(r, it.target);
-            out.num(end);
-            out.num(start);
-            out.num(it.cost);
-            out.num(u64::from(it.mode));
-            out.num(start);
-        } else {
-            out.num(r.window_ms());
-            out.num(r.burst());
-            out.num(it.cost);
-            out.num(u64::from(it.mode));
-            out.num(it.target);
+        match r.algorithm {
+            Algorithm::Quota => {
+                // The period (the agent's calendar): a write-back's or take-back's by its start, a
+                // check's the one holding now. Its end where the window goes, its start twice.
+                let (start, end) = quota_period(r, it.target);
+                out.num(end);
+                out.num(start);
+                out.num(it.cost);
+                out.num(u64::from(it.mode));
+                out.num(start);
+            }
+            Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {
+                out.num(r.window_ms());
+                out.num(r.burst());
+                out.num(it.cost);
+                out.num(u64::from(it.mode));
+                out.num(it.target);
+            }
         }
         out.text(it.key);
         out.num(u64::from(it.last));
