@@ -31,7 +31,13 @@ impl Engine {
             }
             if let Some(ledger) = &this.ledger {
                 let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
-                ledger.record(&plan, d, recv, done, this.batcher.offset_ms());
+                let at = crate::ledger::Decided {
+                    recv,
+                    done,
+                    off: this.batcher.offset_ms(),
+                    n: this.live_agents(),
+                };
+                ledger.record(&plan, d, at);
             }
         };
         match answer {

@@ -14,8 +14,9 @@
 //! clock):
 //! - decided by the shared store (and its rejection cache) only: the limit (a token bucket: its
 //!   burst plus one window's refill);
-//! - with admissions of the limit/N fallback (fail open while the store was away): plus one limit
-//!   (each of N agents admits up to limit / N, rounded up: plus the agents seen);
+//! - with admissions of the limit/N fallback (fail open while the store was away): plus Φ, each
+//!   such agent's share max(1, ⌊L / n⌋) summed, n the live agents it counted (a token bucket's
+//!   share adds ⌊B / n⌋);
 //! - with admissions from batched local counters: plus `batched_allowance` of the limit.
 //!
 //! Not judged yet (counted as such): concurrency rules (units held, not a window's sum) and
@@ -189,13 +190,15 @@ pub struct Judgement {
 }
 
 #[derive(Default)]
-struct Window {
+struct Window<'a> {
     sure: u64,
     maybe: u64,
     limit: u64,
     burst: u64,
     alg: Option<Algorithm>,
     sources: u8,
+    /// Per agent whose fallback admitted here: the fewest live agents it counted (its largest share).
+    fallback_n: HashMap<&'a str, u64>,
 }
 
 const SOURCES: [&str; 4] = ["redis", "local", "cache", "fallback"];
@@ -210,9 +213,7 @@ pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
     let mut windows: HashMap<(&str, &str, Option<&str>, u64, u64), Window> = HashMap::new();
     let mut summaries: HashMap<&str, RuleSummary> = HashMap::new();
     let mut records = 0;
-    let mut agents_seen = 0u64;
     for file in ledgers {
-        agents_seen += 1;
         let agent = (file.header.store == "memory").then_some(file.header.agent.as_str());
         for r in &file.records {
             records += 1;
@@ -255,6 +256,10 @@ pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
                 win.burst = win.burst.max(r.burst);
                 win.alg = Some(r.alg);
                 win.sources |= source_bit(&r.source);
+                if r.source == "fallback" {
+                    let n = win.fallback_n.entry(&file.header.agent).or_insert(u64::MAX);
+                    *n = (*n).min(r.n.max(1));
+                }
             }
         }
     }
@@ -268,8 +273,13 @@ pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
             Some(Algorithm::TokenBucket) => win.burst + limit,
             _ => limit,
         };
-        if win.sources & source_bit("fallback") != 0 {
-            bound += limit + agents_seen;
+        // Φ: each agent whose fallback admitted here, its share of the limit (docs/accuracy.md).
+        for n in win.fallback_n.values() {
+            let share = |x: u64| (x / n).max(1);
+            bound += match win.alg {
+                Some(Algorithm::TokenBucket) => share(win.burst) + share(limit),
+                _ => share(limit),
+            };
         }
         if win.sources & source_bit("local") != 0 && agent.is_none() {
             bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
@@ -350,6 +360,7 @@ mod tests {
             mode: "consume".into(),
             allowed: true,
             source: source.into(),
+            n: 2,
         }
     }
 
@@ -410,7 +421,7 @@ mod tests {
     #[test]
     fn fallback_and_batched_windows_get_the_contracts_allowance() {
         // Fail open: Redis counted 10 before it went away; two agents then admitted 5 each at
-        // limit / 2: 20 ≤ 10 + 10 + 2. Batched: 10 + 1 % of 10 rounded up = 11.
+        // limit / 2: 20 ≤ 10 + Φ (5 + 5). Batched: 10 + 1 % of 10 rounded up = 11.
         let mut one: Vec<Record> = (0..10).map(|i| admit("a", 1_100 + i, "redis")).collect();
         one.extend((0..5).map(|i| admit("a", 1_300 + i, "fallback")));
         let two: Vec<Record> = (0..5).map(|i| admit("a", 1_300 + i, "fallback")).collect();
@@ -420,6 +431,26 @@ mod tests {
             &Options::contract(),
         );
         assert!(j.breaches.is_empty(), "{j:?}");
+        // One more than the agents' shares: a breach.
+        let mut over = two.clone();
+        over.push(admit("a", 1_400, "fallback"));
+        let j = judge(
+            &[
+                file("x", "shared", one.clone()),
+                file("y", "shared", over.clone()),
+            ],
+            &Options::contract(),
+        );
+        assert_eq!(j.breaches.len(), 1, "21 > 10 + 5 + 5: {j:?}");
+        // An agent that counted itself alone (cold, no heartbeat yet) has the whole limit.
+        for r in &mut over {
+            r.n = 1;
+        }
+        let j = judge(
+            &[file("x", "shared", one.clone()), file("y", "shared", over)],
+            &Options::contract(),
+        );
+        assert!(j.breaches.is_empty(), "21 <= 10 + 5 + 10: {j:?}");
         let j = judge(&[file("x", "shared", batched.clone())], &Options::contract());
         assert!(j.breaches.is_empty(), "{j:?}");
         batched.push(admit("b", 1_500, "local"));

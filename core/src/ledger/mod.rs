@@ -13,4 +13,4 @@ mod writer;
 
 pub use judge::{judge, Breach, FaultKind, FaultSpan, Judgement, LedgerFile, Options, RuleSummary};
 pub use record::{Header, Record};
-pub use writer::{Ledger, QUEUE_CAP};
+pub use writer::{Decided, Ledger, QUEUE_CAP};

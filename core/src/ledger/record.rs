@@ -50,4 +50,11 @@ pub struct Record {
     pub allowed: bool,
     /// Where the answer came from: `redis`, `local`, `cache` or `fallback`.
     pub source: String,
+    /// Live agents as this agent counted them when it decided (the N of its limit/N fallback).
+    #[serde(default = "one")]
+    pub n: u64,
+}
+
+fn one() -> u64 {
+    1
 }

@@ -39,10 +39,24 @@ enum Msg {
         recv: u64,
         done: u64,
         off: i64,
+        n: u64,
         items: Vec<Item>,
     },
     /// Flush and answer: the agent is stopping.
     Close(SyncSender<()>),
+}
+
+/// When and under what a decision was made, as the ledger records it.
+#[derive(Debug, Clone, Copy)]
+pub struct Decided {
+    /// When the check's frame was read, Unix ms (the agent's clock).
+    pub recv: u64,
+    /// When it was decided.
+    pub done: u64,
+    /// How far the store's clock is ahead of the agent's, ms, as learned.
+    pub off: i64,
+    /// Live agents counted (the fallback's N).
+    pub n: u64,
 }
 
 /// An open ledger: where the engine records every decision while it is on.
@@ -90,8 +104,9 @@ impl Ledger {
     }
 
     /// Queues a decision's items (the plan it decided and the decision, item by item), read at
-    /// `recv` and decided at `done` (Unix ms, the agent's clock), the store's clock `off` ms ahead.
-    pub fn record(&self, plan: &[Planned], decision: &Decision, recv: u64, done: u64, off: i64) {
+    /// `recv` and decided at `done` (Unix ms, the agent's clock), the store's clock `off` ms ahead,
+    /// `n` live agents counted.
+    pub fn record(&self, plan: &[Planned], decision: &Decision, at: Decided) {
         let items = plan
             .iter()
             .zip(&decision.items)
@@ -104,10 +119,12 @@ impl Ledger {
                 source: d.verdict.source.as_str(),
             })
             .collect();
+        let Decided { recv, done, off, n } = at;
         let msg = Msg::Decided {
             recv,
             done,
             off,
+            n,
             items,
         };
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
@@ -183,6 +200,7 @@ fn write_loop(
                 recv,
                 done,
                 off,
+                n,
                 items,
             } => {
                 for it in items {
@@ -202,6 +220,7 @@ fn write_loop(
                         mode: it.mode.as_str().into(),
                         allowed: it.allowed,
                         source: it.source.into(),
+                        n,
                     };
                     line.clear();
                     if serde_json::to_writer(&mut line, &record).is_ok() {
