@@ -220,13 +220,14 @@ pub struct Counted {
 }
 
 /// Counts every scenario whose name contains `only` (all when empty).
-pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<Counted>> {
+pub async fn run(checks: u64, only: &str, out_dir: &Path, ledger: bool) -> anyhow::Result<Vec<Counted>> {
     std::fs::create_dir_all(out_dir)?;
     let redis = RedisServer::start();
     let mut all = Vec::new();
     for s in SCENARIOS.iter().filter(|s| s.name.contains(only)) {
         let file = out_dir.join(format!("callgrind.{}.out", slug(s.name)));
-        let (dumped, checks) = measure(s, &redis, checks, &file).await?;
+        let ledger = ledger.then(|| out_dir.join(format!("ledger.{}.jsonl", slug(s.name))));
+        let (dumped, checks) = measure(s, &redis, checks, &file, ledger.as_deref()).await?;
         let counts = profile(&dumped)?;
         let per = |x: u64| x as f64 / checks as f64;
         let mut functions: Vec<(String, f64)> = counts
@@ -263,7 +264,13 @@ pub async fn run(checks: u64, only: &str, out_dir: &Path) -> anyhow::Result<Vec<
 
 /// One agent under callgrind: warm-up, zero, about `n` checks, dump; returns the dump's path and the
 /// checks sent between the zero and the dump.
-async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyhow::Result<(PathBuf, u64)> {
+async fn measure(
+    s: &Scenario,
+    redis: &RedisServer,
+    n: u64,
+    file: &Path,
+    ledger: Option<&Path>,
+) -> anyhow::Result<(PathBuf, u64)> {
     let out = format!("--callgrind-out-file={}", file.display());
     let mut b = Agent::builder()
         .rules(RULES)
@@ -283,6 +290,9 @@ async fn measure(s: &Scenario, redis: &RedisServer, n: u64, file: &Path) -> anyh
             .arg("5000")
             .arg("--breaker-min-streak-ms")
             .arg("60000");
+    }
+    if let Some(path) = ledger {
+        b = b.arg("--ledger").arg(&path.display().to_string());
     }
     if let Some(server) = s.grpc {
         b = b

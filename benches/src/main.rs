@@ -248,6 +248,10 @@ enum Command {
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/instructions.json")]
         json: PathBuf,
+        /// Run each agent with its decision ledger on (`--ledger`, written into `dir`): what the
+        /// ledger costs a check.
+        #[arg(long)]
+        ledger: bool,
     },
     /// The agent's sync path vs rate-limiter-flexible (Node, ioredis) vs a bare EVALSHA on one
     /// redis-server: checks/s, p50/p99 and CPU per check of the agent and of the Node process.
@@ -524,8 +528,9 @@ fn main() -> anyhow::Result<()> {
             only,
             dir,
             json,
+            ledger,
         }) => {
-            let rows = runtime.block_on(instructions::run(checks, &only, &dir))?;
+            let rows = runtime.block_on(instructions::run(checks, &only, &dir, ledger))?;
             write_json(&json, &rows)
         }
         Some(Command::Versus {
