@@ -15,6 +15,7 @@ use crate::shared_store::SharedStore;
 use crate::store::{Clock, ItemMode, Lease, MemoryStore, Planned};
 
 mod decide;
+mod degraded;
 mod observe;
 mod plan;
 mod shared_path;

@@ -1,6 +1,6 @@
 //! The shared store's path (Redis): the rejection cache, batched items, one script call per call
-//! group with its breaker, the limit/N fallback for groups that cannot reach their shard, and the
-//! take-back that keeps a check all or nothing across groups.
+//! group with its breaker, and the take-back that keeps a check all or nothing across groups;
+//! groups that cannot reach their shard are answered in `degraded.rs`.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -8,12 +8,12 @@ use std::time::Instant;
 
 use floodgate_protocol::{Decision, ErrorBody, ErrorCode, Source};
 
-use super::Store;
+use super::degraded::fail_outcome;
 use super::{finish, Answer, Engine, FAIL_CLOSED_RETRY_MS};
 use crate::algo::Outcome;
 use crate::batch::Denial;
-use crate::guard::{BreakerState, Guard, LedgerEntry, Permit, Transition};
-use crate::rules::{Algorithm, FailMode, Rule};
+use crate::guard::{BreakerState, LedgerEntry, Permit, Transition};
+use crate::rules::Algorithm;
 use crate::shared_store::{Adjust, Route, SharedStore};
 use crate::store::{ItemMode, Planned, StoreError};
 
@@ -514,94 +514,6 @@ impl Engine {
             Ok(finish(&plan, out))
         }))
     }
-
-    /// A check's store call that failed (or was shed): counted, its kind's metric, and a log line
-    /// at most once a second.
-    fn note_store_error(&self, e: &StoreError) {
-        self.store_errors.fetch_add(1, Ordering::Relaxed);
-        match e {
-            StoreError::Shed => {
-                self.shed.fetch_add(1, Ordering::Relaxed);
-                crate::metrics::shed();
-            }
-            StoreError::Script(_) => crate::metrics::script_errors("check", 1),
-            _ => {}
-        }
-        let now = self.clock.now_ms();
-        // At most one log line per second: a store outage at 100K checks/s must not flood the logs.
-        let last = self.last_error_log_ms.load(Ordering::Relaxed);
-        if now >= last + 1_000
-            && self
-                .last_error_log_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            match e {
-                StoreError::Shed => tracing::warn!(shed = self.shed.load(Ordering::Relaxed), "the agent is past its capacity toward the store: shedding checks to their rules' fail modes"),
-                StoreError::Script(_) => {
-                    tracing::warn!(error = %e, total = self.store_errors(), "Redis refused a check's script (the shard still answers); its rules' fail modes decide")
-                }
-                _ => {
-                    tracing::warn!(error = %e, total = self.store_errors(), "store unavailable; rules' fail modes decide")
-                }
-            }
-        }
-    }
-
-    /// The answer for items whose shard is away: fail-closed rules deny with a Retry-After; fail-open
-    /// rules are enforced locally at limit / N (all or nothing, like every store). Each item comes
-    /// with its record flag: whether what the fallback admits for it is Redis's to learn (written
-    /// back), false when its Redis call timed out and may have run.
-    fn degraded(
-        &self,
-        plan: &[Planned],
-        items: &[(usize, bool)],
-        guard: &Guard,
-        out: &mut [Option<(Outcome, Source)>],
-    ) {
-        if items.is_empty() {
-            return;
-        }
-        let now = self.clock.now_ms();
-        let store = match &self.store {
-            Store::Shared(r) => Some(r),
-            Store::Memory(_) => None,
-        };
-        let retry = |p: &Planned| {
-            let shard = store.map_or(0, |r| r.route(&p.key).shard);
-            let cooldown = guard.breaker(shard).cooldown_left(Instant::now()).as_millis() as u64;
-            FAIL_CLOSED_RETRY_MS.max(cooldown)
-        };
-        let closed = |p: &Planned| p.rule.fail_mode == FailMode::Closed;
-        let blocked = items
-            .iter()
-            .any(|&(i, _)| closed(&plan[i]) && plan[i].rule.enforced());
-        let open: Vec<(usize, bool)> = items
-            .iter()
-            .copied()
-            .filter(|&(i, _)| !closed(&plan[i]))
-            .collect();
-        let mut local = if blocked || open.is_empty() {
-            // The request is denied anyway: take nothing locally.
-            Vec::new()
-        } else {
-            let planned: Vec<Planned> = open.iter().map(|&(i, _)| plan[i].clone()).collect();
-            let record: Vec<bool> = open.iter().map(|&(_, r)| r).collect();
-            guard.fallback.check(&planned, guard.membership.live(), &record)
-        }
-        .into_iter();
-        for &(i, _) in items {
-            let p = &plan[i];
-            let o = if closed(p) {
-                fail_outcome(&p.rule, now, retry(p))
-            } else {
-                local
-                    .next()
-                    .unwrap_or_else(|| fail_outcome(&p.rule, now, retry(p)))
-            };
-            out[i] = Some((o, Source::Fallback));
-        }
-    }
 }
 
 /// Items of one check that go to Redis in one script call, their breaker's permit, and whether
@@ -618,26 +530,6 @@ fn denied(plan: &[Planned], out: &[Option<(Outcome, Source)>]) -> bool {
     out.iter()
         .zip(plan)
         .any(|(o, p)| p.rule.enforced() && o.is_some_and(|(o, _)| !o.allowed))
-}
-
-fn fail_outcome(rule: &Rule, now: u64, retry_ms: u64) -> Outcome {
-    let limit = rule.display_limit();
-    match rule.fail_mode {
-        FailMode::Open => Outcome {
-            allowed: true,
-            limit,
-            remaining: limit,
-            reset_at_ms: now + rule.window_ms(),
-            retry_after_ms: 0,
-        },
-        FailMode::Closed => Outcome {
-            allowed: false,
-            limit,
-            remaining: 0,
-            reset_at_ms: now + retry_ms,
-            retry_after_ms: retry_ms,
-        },
-    }
 }
 
 /// An item of a rejected check that would have passed: it took nothing, so its remaining is what it
