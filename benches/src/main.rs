@@ -347,6 +347,11 @@ enum Command {
         /// The agent's worker threads (its default is 1; 0: one per core).
         #[arg(long, default_value_t = 1)]
         agent_threads: usize,
+        /// The rate the factors multiply, in checks/s, instead of the closed-loop capacity each run
+        /// measures: the same offered rates for two builds (a build whose fail mode answers faster
+        /// measures a higher capacity, and would be offered more).
+        #[arg(long)]
+        capacity: Option<f64>,
         /// Where to write the JSON report.
         #[arg(long, default_value = "target/bench/overload.json")]
         json: PathBuf,
@@ -599,6 +604,7 @@ fn main() -> anyhow::Result<()> {
             connections,
             keys,
             agent_threads,
+            capacity,
             json,
         }) => {
             let report = runtime.block_on(overload::run(
@@ -609,6 +615,7 @@ fn main() -> anyhow::Result<()> {
                 connections,
                 keys,
                 agent_threads,
+                capacity,
             ))?;
             write_json(&json, &report)
         }

@@ -57,6 +57,7 @@ pub(crate) async fn run(
     connections: usize,
     keys: usize,
     agent_threads: usize,
+    fixed: Option<f64>,
 ) -> anyhow::Result<Report> {
     let measure = Duration::from_secs_f64(seconds);
     let redis = RedisServer::start();
@@ -77,12 +78,21 @@ pub(crate) async fn run(
         levels: Vec::new(),
     };
     for run in 0..runs.max(1) {
-        let closed = closed::run(&Target::Agent(socket.clone()), clients, 1, keys, measure).await?;
-        let capacity = closed.checks as f64 / closed.elapsed.as_secs_f64();
-        println!(
-            "run {}: closed-loop capacity {capacity:.0} checks/s ({clients} clients)",
-            run + 1
-        );
+        let capacity = match fixed {
+            Some(rate) => {
+                println!("run {}: offered multiples of {rate:.0} checks/s (given)", run + 1);
+                rate
+            }
+            None => {
+                let closed = closed::run(&Target::Agent(socket.clone()), clients, 1, keys, measure).await?;
+                let capacity = closed.checks as f64 / closed.elapsed.as_secs_f64();
+                println!(
+                    "run {}: closed-loop capacity {capacity:.0} checks/s ({clients} clients)",
+                    run + 1
+                );
+                capacity
+            }
+        };
         report.capacity.push(capacity);
         for &factor in factors {
             let rate = (capacity * factor).max(1.0) as u64;
