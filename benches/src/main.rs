@@ -607,16 +607,16 @@ fn main() -> anyhow::Result<()> {
             capacity,
             json,
         }) => {
-            let report = runtime.block_on(overload::run(
+            let report = runtime.block_on(overload::run(overload::Setup {
                 runs,
-                &factors,
+                factors,
                 seconds,
                 clients,
                 connections,
                 keys,
                 agent_threads,
-                capacity,
-            ))?;
+                fixed: capacity,
+            }))?;
             write_json(&json, &report)
         }
         Some(Command::Leases {

@@ -48,17 +48,38 @@ pub struct Report {
     pub levels: Vec<Level>,
 }
 
+/// What to offer: the levels and how each is measured.
+pub(crate) struct Setup {
+    /// Runs (each measures the capacity again, unless `fixed`).
+    pub runs: usize,
+    /// Offered load as multiples of the capacity.
+    pub factors: Vec<f64>,
+    /// Seconds measured per level.
+    pub seconds: f64,
+    /// Closed-loop connections for the capacity.
+    pub clients: usize,
+    /// Connections the open loop spreads its requests over.
+    pub connections: usize,
+    /// Distinct keys.
+    pub keys: usize,
+    /// The agent's worker threads.
+    pub agent_threads: usize,
+    /// The rate the factors multiply instead of the measured capacity.
+    pub fixed: Option<f64>,
+}
+
 /// Runs the scenario `runs` times on one agent.
-pub(crate) async fn run(
-    runs: usize,
-    factors: &[f64],
-    seconds: f64,
-    clients: usize,
-    connections: usize,
-    keys: usize,
-    agent_threads: usize,
-    fixed: Option<f64>,
-) -> anyhow::Result<Report> {
+pub(crate) async fn run(setup: Setup) -> anyhow::Result<Report> {
+    let Setup {
+        runs,
+        ref factors,
+        seconds,
+        clients,
+        connections,
+        keys,
+        agent_threads,
+        fixed,
+    } = setup;
     let measure = Duration::from_secs_f64(seconds);
     let redis = RedisServer::start();
     let agent = Agent::builder()
