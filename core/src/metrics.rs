@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use floodgate_protocol::{Check, Decision, ItemMode, Source};
+use floodgate_protocol::{Check, Decision, Source};
 use metrics::{counter, histogram};
 
 use crate::rules::Rule;
@@ -102,9 +102,9 @@ pub fn charges(check: &Check) -> u32 {
         Check::Items(items) => items
             .iter()
             .enumerate()
-            .filter(|(_, i)| i.mode == ItemMode::Charge)
+            .filter(|(_, i)| i.mode.always_takes())
             .fold(0, |mask, (n, _)| mask | 1 << (n % 32)),
-        Check::Attributes(a) if a.mode == ItemMode::Charge => u32::MAX,
+        Check::Attributes(a) if a.mode.always_takes() => u32::MAX,
         Check::Attributes(_) => 0,
     }
 }

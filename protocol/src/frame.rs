@@ -72,6 +72,55 @@ pub enum ItemMode {
 }
 
 impl ItemMode {
+    /// Takes its cost only if the check passes, and decides it (a consume). Each of these
+    /// predicates is an exhaustive match, so a new mode makes the compiler ask each question of it.
+    pub fn takes_if_passed(self) -> bool {
+        match self {
+            ItemMode::Consume => true,
+            ItemMode::Peek | ItemMode::Charge | ItemMode::Release => false,
+        }
+    }
+
+    /// Takes its cost whatever the verdict (a charge): never a rejection.
+    pub fn always_takes(self) -> bool {
+        match self {
+            ItemMode::Charge => true,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Release => false,
+        }
+    }
+
+    /// Adds its cost to the key's count when admitted (a consume or a charge).
+    pub fn counts(self) -> bool {
+        match self {
+            ItemMode::Consume | ItemMode::Charge => true,
+            ItemMode::Peek | ItemMode::Release => false,
+        }
+    }
+
+    /// Only looks (a peek): changes nothing, may cost 0.
+    pub fn only_looks(self) -> bool {
+        match self {
+            ItemMode::Peek => true,
+            ItemMode::Consume | ItemMode::Charge | ItemMode::Release => false,
+        }
+    }
+
+    /// Gives units back to a concurrency rule (a release): never a rejection.
+    pub fn gives_back(self) -> bool {
+        match self {
+            ItemMode::Release => true,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Charge => false,
+        }
+    }
+
+    /// Can be refused (a consume or a peek).
+    pub fn can_refuse(self) -> bool {
+        match self {
+            ItemMode::Consume | ItemMode::Peek => true,
+            ItemMode::Charge | ItemMode::Release => false,
+        }
+    }
+
     /// The byte on the wire.
     pub fn to_u8(self) -> u8 {
         match self {
@@ -182,7 +231,7 @@ impl Item {
     pub fn validate(&self) -> Result<(), InvalidValue> {
         validate_text("key", &self.key, MAX_KEY)?;
         validate_rule_id(&self.rule_id)?;
-        if self.cost == 0 && self.mode != ItemMode::Peek {
+        if self.cost == 0 && !self.mode.only_looks() {
             return Err(InvalidValue::ZeroCost);
         }
         Ok(())
@@ -218,7 +267,7 @@ impl Attributes {
                 validate_text(name, v, MAX_ATTRIBUTE)?;
             }
         }
-        if self.cost == 0 && self.mode != ItemMode::Peek {
+        if self.cost == 0 && !self.mode.only_looks() {
             return Err(InvalidValue::ZeroCost);
         }
         Ok(())

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item, ItemMode};
+use floodgate_protocol::{Attributes, Body, Check, ErrorCode, Frame, Item};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
@@ -342,18 +342,16 @@ impl Client {
 /// Whether a check has an item that does not simply consume (protocol version 2).
 fn has_modes(check: &Check) -> bool {
     match check {
-        Check::Items(items) => items.iter().any(|i| i.mode != ItemMode::Consume),
-        Check::Attributes(a) => a.mode != ItemMode::Consume,
+        Check::Items(items) => items.iter().any(|i| !i.mode.takes_if_passed()),
+        Check::Attributes(a) => !a.mode.takes_if_passed(),
     }
 }
 
 /// Whether a check names a lease or releases (protocol version 3).
 fn has_leases(check: &Check) -> bool {
     match check {
-        Check::Items(items) => items
-            .iter()
-            .any(|i| i.lease.is_some() || i.mode == ItemMode::Release),
-        Check::Attributes(a) => a.lease.is_some() || a.mode == ItemMode::Release,
+        Check::Items(items) => items.iter().any(|i| i.lease.is_some() || i.mode.gives_back()),
+        Check::Attributes(a) => a.lease.is_some() || a.mode.gives_back(),
     }
 }
 

@@ -131,14 +131,14 @@ impl EnvoyService {
             // refuses a duplicate item; both descriptors get its verdict); it counts if either does.
             match items.iter().position(|i| i.key == key && i.rule_id == rule.id) {
                 // A release and a count of the same counter cannot be one item: refused.
-                Some(i) if (items[i].mode == ItemMode::Release) != (mode == ItemMode::Release) => {
+                Some(i) if items[i].mode.gives_back() != mode.gives_back() => {
                     return Err(Status::invalid_argument(format!(
                         "descriptor {key:?} both gives units back and takes them in one request"
                     )))
                 }
                 Some(i) => {
                     items[i].cost = items[i].cost.saturating_add(cost);
-                    if mode != ItemMode::Peek {
+                    if !mode.only_looks() {
                         items[i].mode = mode;
                     }
                     slots.push(Slot::Item(i));
@@ -172,11 +172,9 @@ impl EnvoyService {
         // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
         // request, as envoyproxy/ratelimit answers it; the others must then count nothing: the looks
         // go first, and if one is over, the whole request is answered as looks.
-        let peeks = items.iter().filter(|i| i.mode == ItemMode::Peek).count();
+        let peeks = items.iter().filter(|i| i.mode.only_looks()).count();
         if peeks > 0 && peeks < items.len() {
-            let looking: Vec<usize> = (0..items.len())
-                .filter(|&i| items[i].mode == ItemMode::Peek)
-                .collect();
+            let looking: Vec<usize> = (0..items.len()).filter(|&i| items[i].mode.only_looks()).collect();
             let looks: Vec<Item> = looking.iter().map(|&i| items[i].clone()).collect();
             let looks_under: Vec<(usize, Arc<Rule>)> = under
                 .iter()
@@ -191,7 +189,7 @@ impl EnvoyService {
             };
             if looked.is_ok_and(|d| !d.combined.allowed) {
                 // A release still gives its units back.
-                for item in items.iter_mut().filter(|i| i.mode != ItemMode::Release) {
+                for item in items.iter_mut().filter(|i| !i.mode.gives_back()) {
                     item.mode = ItemMode::Peek;
                 }
             }

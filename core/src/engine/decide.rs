@@ -70,7 +70,7 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
                 // The client's lease its concurrency item acquired (cleared below if the check
                 // was denied: then nothing is held).
                 holds_lease: o.allowed
-                    && p.mode == ItemMode::Consume
+                    && p.mode.takes_if_passed()
                     && matches!(p.lease, Lease::Client(_))
                     && source != Source::Cache,
                 source,
@@ -84,7 +84,7 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
         .collect();
     // What decides the check: its consume items; a check without any, its peeks (a charge or a
     // release is never a rejection).
-    let consumes = plan.iter().any(|p| p.mode == ItemMode::Consume);
+    let consumes = plan.iter().any(|p| p.mode.takes_if_passed());
     let gates = |mode: ItemMode| match mode {
         ItemMode::Consume => true,
         ItemMode::Peek => !consumes,

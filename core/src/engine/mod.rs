@@ -303,8 +303,7 @@ impl Engine {
     ) -> Answer {
         // The request phase of a request whose cost comes after its response: its rate rules peek,
         // its concurrency rules acquire under its lease, and the peeks decide first.
-        let looks_first =
-            matches!(&check, Check::Attributes(a) if a.mode == ItemMode::Peek && a.lease.is_some());
+        let looks_first = matches!(&check, Check::Attributes(a) if a.mode.only_looks() && a.lease.is_some());
         let mut plan = match self.plan(check) {
             Ok(plan) => plan,
             Err(e) => return Answer::Ready(Err(e)),
@@ -319,7 +318,7 @@ impl Engine {
                 return Answer::Ready(Ok(blocked));
             }
         }
-        if looks_first && plan.iter().any(|p| p.mode == ItemMode::Consume) {
+        if looks_first && plan.iter().any(|p| p.mode.takes_if_passed()) {
             return self.looks_first(plan, received);
         }
         self.answer_plan(plan, received)
@@ -370,7 +369,7 @@ impl Engine {
             .enumerate()
             // A charge is never a rejection, a peek takes nothing: neither is evented nor a
             // would-be rejection of the dry run.
-            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode == ItemMode::Consume)
+            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode.takes_if_passed())
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
         // With the ledger on, or the store's admissions kept for a failover, the plan is kept to

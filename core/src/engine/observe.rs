@@ -7,7 +7,7 @@ use floodgate_protocol::{CompactString, Decision, Source};
 
 use super::{Answer, Engine};
 use crate::rules::Rule;
-use crate::store::{ItemMode, Planned};
+use crate::store::Planned;
 
 impl Engine {
     /// The answer, recorded once decided: in the ledger, the plan's items and their verdicts, with
@@ -23,7 +23,7 @@ impl Engine {
             let done = this.clock.now_ms();
             if let Some(recent) = &this.recent {
                 for (p, it) in plan.iter().zip(&d.items) {
-                    let counted = matches!(p.mode, ItemMode::Consume | ItemMode::Charge);
+                    let counted = p.mode.counts();
                     if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
                         recent.record(&p.rule, &p.key, p.cost, done);
                     }

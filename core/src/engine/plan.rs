@@ -19,14 +19,12 @@ impl Engine {
         let mut any = false;
         // A check that gives units back is never blocked: its release must land (its rate rules'
         // items are looks of 0 then).
-        let releases = plan.iter().any(|p| p.mode == ItemMode::Release);
+        let releases = plan.iter().any(|p| p.mode.gives_back());
         for (i, p) in plan.iter_mut().enumerate() {
             match self.overrides.penalized(&p.rule, &p.key, now) {
                 Some(crate::overrides::Penalized::Rule(r)) => p.rule = r,
                 Some(crate::overrides::Penalized::Blocked(until))
-                    if !releases
-                        && p.rule.enforced()
-                        && matches!(p.mode, ItemMode::Consume | ItemMode::Peek) =>
+                    if !releases && p.rule.enforced() && p.mode.can_refuse() =>
                 {
                     any = true;
                     let limit = p.rule.display_limit();
@@ -58,7 +56,7 @@ impl Engine {
         if !rule.is_concurrency() {
             return match mode {
                 ItemMode::Release => (ItemMode::Peek, Lease::None, 0),
-                _ => (mode, Lease::None, cost),
+                ItemMode::Consume | ItemMode::Peek | ItemMode::Charge => (mode, Lease::None, cost),
             };
         }
         match (mode, lease) {
@@ -90,7 +88,7 @@ impl Engine {
                 .map(|item| match rules.get(&item.rule_id) {
                     Some(rule) => {
                         // An item's peek only looks, lease or not.
-                        let lease = item.lease.filter(|_| item.mode != ItemMode::Peek);
+                        let lease = item.lease.filter(|_| !item.mode.only_looks());
                         let (mode, lease, cost) = self.item_mode(rule, item.mode, lease, item.cost);
                         Ok(Planned {
                             rule: rule.clone(),

@@ -60,7 +60,7 @@ impl Engine {
         plan: Vec<Planned>,
         received: Instant,
     ) -> Answer {
-        if plan.iter().any(|p| p.mode != ItemMode::Consume) {
+        if plan.iter().any(|p| !p.mode.takes_if_passed()) {
             return self.check_with_modes(r, plan, received);
         }
         let now = self.clock.now_ms();
@@ -176,7 +176,7 @@ impl Engine {
         received: Instant,
     ) -> Answer {
         let (consume, direct): (Vec<usize>, Vec<usize>) =
-            (0..plan.len()).partition(|&i| plan[i].mode == ItemMode::Consume);
+            (0..plan.len()).partition(|&i| plan[i].mode.takes_if_passed());
         let consumed = (!consume.is_empty())
             .then(|| self.check_shared(r, consume.iter().map(|&i| plan[i].clone()).collect(), received));
         let mut groups: Vec<(Route, Vec<usize>)> = Vec::new();
@@ -235,7 +235,7 @@ impl Engine {
                 // would free its count twice.
                 let released = |i: usize| {
                     let p = &plan[i];
-                    let g = this.guard.as_ref().filter(|_| p.mode == ItemMode::Release)?;
+                    let g = this.guard.as_ref().filter(|_| p.mode.gives_back())?;
                     Some(g.fallback.release(p, this.live_agents()))
                 };
                 match result {
@@ -471,7 +471,7 @@ impl Engine {
         let looked: Vec<Option<Outcome>> = plan
             .iter()
             .map(|p| {
-                (p.rule.enforced() && p.mode == ItemMode::Consume)
+                (p.rule.enforced() && p.mode.takes_if_passed())
                     .then(|| self.cache.get(&p.rule, &p.key, p.cost, now))
                     .flatten()
             })

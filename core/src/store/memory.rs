@@ -123,7 +123,7 @@ impl MemoryStore {
                 .filter(|e| e.expires_at_ms > now)
                 .map(|e| &e.state);
             let (outcome, entry) = decide(item, prior, now);
-            if item.mode == ItemMode::Consume && !outcome.allowed && item.rule.enforced() {
+            if item.mode.takes_if_passed() && !outcome.allowed && item.rule.enforced() {
                 all_ok = false;
             }
             if commits(item, &outcome, true) {
@@ -134,7 +134,7 @@ impl MemoryStore {
         if !all_ok {
             // Rejected: the consume items that would have passed took nothing, and say so.
             for (item, o) in items.iter().zip(&mut outcomes) {
-                if item.mode == ItemMode::Consume && o.allowed {
+                if item.mode.takes_if_passed() && o.allowed {
                     o.remaining = (o.remaining + item.cost).min(o.limit);
                 }
             }
@@ -185,7 +185,7 @@ fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
 /// One item's outcome from its prior state, and the entry that commits it (by the item's mode).
 #[inline(always)]
 fn decide(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Entry) {
-    if item.mode != ItemMode::Consume {
+    if !item.mode.takes_if_passed() {
         return decide_mode(item, prior, now);
     }
     let rule = &item.rule;
@@ -234,7 +234,9 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
             let (limit, window) = (rule.limit.get(), rule.window_ms());
             let (o, next, exp) = match item.mode {
                 ItemMode::Charge => algo::sliding_window_charge(prior, limit, window, item.cost, now),
-                _ => {
+                // Reached for peeks (a consume takes the path before modes; a release of a rate
+                // rule is planned as a peek of 0).
+                ItemMode::Peek | ItemMode::Consume | ItemMode::Release => {
                     let o = algo::sliding_window_peek(prior, limit, window, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
@@ -250,7 +252,7 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
             let (limit, window, burst) = (rule.limit.get(), rule.window_ms(), rule.burst());
             let (o, next, exp) = match item.mode {
                 ItemMode::Charge => algo::token_bucket_charge(prior, limit, window, burst, item.cost, now),
-                _ => {
+                ItemMode::Peek | ItemMode::Consume | ItemMode::Release => {
                     let o = algo::token_bucket_peek(prior, limit, window, burst, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
