@@ -21,16 +21,16 @@ impl Engine {
     ) -> Answer {
         let record = move |this: &Engine, d: &Decision| {
             let done = this.clock.now_ms();
+            let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
             if let Some(recent) = &this.recent {
                 for (p, it) in plan.iter().zip(&d.items) {
                     let counted = p.mode.counts();
                     if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
-                        recent.record(&p.rule, &p.key, p.cost, done);
+                        recent.record(&p.rule, &p.key, p.cost, recv, done);
                     }
                 }
             }
             if let Some(ledger) = &this.ledger {
-                let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
                 let at = crate::ledger::Decided {
                     recv,
                     done,

@@ -29,14 +29,25 @@ pub struct Recent {
 }
 
 impl Recent {
-    /// Records `units` of `rule` admitted for `key` at `now_ms` (the agent's clock). Concurrency
-    /// rules are not kept: their leases run out by themselves.
-    pub fn record(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, now_ms: u64) {
-        let window = match rule.algorithm {
-            Algorithm::Concurrency => return,
-            Algorithm::Quota => rule.quota_period(now_ms).0,
-            Algorithm::SlidingWindow | Algorithm::TokenBucket => now_ms / rule.window_ms(),
+    /// Records `units` of `rule` admitted for `key` by a check read at `recv_ms` and answered at
+    /// `now_ms` (the agent's clock): Redis counted them in the window holding some instant between,
+    /// so where the two lie in different windows, both are given them (stricter, never looser; the
+    /// fault runner's Sentinel seed 1 admitted 21 of 20 in a window whose edge such a check
+    /// crossed). Concurrency rules are not kept: their leases run out by themselves.
+    pub fn record(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, recv_ms: u64, now_ms: u64) {
+        let window_at = |t: u64| match rule.algorithm {
+            Algorithm::Concurrency => None,
+            Algorithm::Quota => Some(rule.quota_period(t).0),
+            Algorithm::SlidingWindow | Algorithm::TokenBucket => Some(t / rule.window_ms()),
         };
+        let Some(window) = window_at(now_ms) else { return };
+        if let Some(earlier) = window_at(recv_ms.min(now_ms)).filter(|w| *w != window) {
+            self.add(rule, key, units, earlier, now_ms);
+        }
+        self.add(rule, key, units, window, now_ms);
+    }
+
+    fn add(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, window: u64, now_ms: u64) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let start = now_ms - now_ms % SLOT_MS;
         if slots.back().is_none_or(|(s, _)| *s < start) {
@@ -91,14 +102,15 @@ mod tests {
         let (r, c) = (rules.get("r").unwrap().clone(), rules.get("c").unwrap().clone());
         let recent = Recent::default();
         let key = CompactString::from("user:1");
-        recent.record(&r, &key, 5, 10_000); // too old by the time of the failover
+        recent.record(&r, &key, 5, 10_000, 10_000); // too old by the time of the failover
         for t in [19_000, 19_500, 19_900, 20_100] {
-            recent.record(&r, &key, 1, t); // windows 9 (three) and 10 (one)
+            recent.record(&r, &key, 1, t, t); // windows 9 (three) and 10 (one)
         }
-        recent.record(&c, &key, 1, 20_100); // leases are not replayed
+        recent.record(&r, &key, 1, 19_990, 20_010); // read in window 9, answered in 10: both
+        recent.record(&c, &key, 1, 20_100, 20_100); // leases are not replayed
         let mut got: Vec<(u64, u64)> = recent.take(20_200).iter().map(|e| (e.window, e.units)).collect();
         got.sort();
-        assert_eq!(got, [(9, 3), (10, 1)]);
+        assert_eq!(got, [(9, 4), (10, 2)]);
         assert!(recent.take(20_300).is_empty(), "given once");
     }
 }
