@@ -19,8 +19,8 @@ use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile,
 use floodgate_sdk::Origin;
 
 use crate::{
-    eventually, patient_client, pause_process, replication_info, resume_process, Agent, Proxy, RedisServer,
-    Sentinel,
+    eventually, patient_client, pause_process, replica_and_sentinel, resume_process, Agent, Proxy,
+    RedisServer,
 };
 
 /// Where the agents' counters live.
@@ -286,21 +286,7 @@ pub async fn run(plan: Plan) -> Report {
     let (url, _replica, sentinel) = match plan.deployment {
         Deployment::Single => (proxy.url(), None, None),
         Deployment::Sentinel => {
-            let r = RedisServer::start_with(&["--replicaof", "127.0.0.1", &redis.port().to_string()]);
-            eventually("the replica is in sync", Duration::from_secs(10), || async {
-                (replication_info(&r, "master_link_status").as_deref() == Some("up")).then_some(())
-            })
-            .await;
-            let s = Sentinel::start(redis.port());
-            eventually(
-                "the sentinel knows the master and its replica",
-                Duration::from_secs(15),
-                || async {
-                    let replicas: Vec<redis::Value> = s.cmd(&["SENTINEL", "replicas", "mymaster"]).ok()?;
-                    (!replicas.is_empty() && s.master_port() == Some(redis.port())).then_some(())
-                },
-            )
-            .await;
+            let (r, s) = replica_and_sentinel(&redis).await;
             let url = format!("redis+sentinel://127.0.0.1:{}/mymaster", s.port());
             (url, Some(r), Some(s))
         }

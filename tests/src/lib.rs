@@ -45,7 +45,7 @@ pub use cluster::{command_calls, dbsize, Cluster, Shards};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
 pub use rules::{PgDatabase, RulesServer};
-pub use sentinel::{replication_info, Sentinel};
+pub use sentinel::{replica_and_sentinel, replication_info, Sentinel};
 pub use wait::eventually;
 pub use wire::RawConn;
 

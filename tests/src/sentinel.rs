@@ -75,6 +75,26 @@ impl Drop for Sentinel {
     }
 }
 
+/// A replica of `master` in sync with it, and a sentinel that knows them both (waited for).
+pub async fn replica_and_sentinel(master: &RedisServer) -> (RedisServer, Sentinel) {
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
+    crate::eventually("the replica is in sync", Duration::from_secs(10), || async {
+        (replication_info(&replica, "master_link_status").as_deref() == Some("up")).then_some(())
+    })
+    .await;
+    let sentinel = Sentinel::start(master.port());
+    crate::eventually(
+        "the sentinel knows the master and its replica",
+        Duration::from_secs(15),
+        || async {
+            let replicas: Vec<redis::Value> = sentinel.cmd(&["SENTINEL", "replicas", "mymaster"]).ok()?;
+            (!replicas.is_empty() && sentinel.master_port() == Some(master.port())).then_some(())
+        },
+    )
+    .await;
+    (replica, sentinel)
+}
+
 /// A field of a Redis's `INFO replication` (`role`, `master_link_status`, …).
 pub fn replication_info(redis: &RedisServer, field: &str) -> Option<String> {
     let text: String = redis::cmd("INFO")

@@ -8,28 +8,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use floodgate_sdk::{Origin, Source};
-use floodgate_tests::{eventually, patient_client, replication_info, Agent, RedisServer, Sentinel};
+use floodgate_tests::{
+    eventually, patient_client, replica_and_sentinel, replication_info, Agent, RedisServer,
+};
 
 const RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","limit":1000000000,"windowSeconds":60}]}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_loses_no_check() {
     let mut master = RedisServer::start();
-    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port().to_string()]);
-    eventually("the replica is in sync", Duration::from_secs(10), || async {
-        (replication_info(&replica, "master_link_status").as_deref() == Some("up")).then_some(())
-    })
-    .await;
-    let sentinel = Sentinel::start(master.port());
-    eventually(
-        "the sentinel knows the master and its replica",
-        Duration::from_secs(15),
-        || async {
-            let replicas: Vec<redis::Value> = sentinel.cmd(&["SENTINEL", "replicas", "mymaster"]).ok()?;
-            (!replicas.is_empty() && sentinel.master_port() == Some(master.port())).then_some(())
-        },
-    )
-    .await;
+    let (replica, sentinel) = replica_and_sentinel(&master).await;
 
     let agent = Agent::builder()
         .redis(&format!(

@@ -389,23 +389,7 @@ impl Engine {
         if logged.is_empty() {
             return answer;
         }
-        match answer {
-            Answer::Ready(Ok(d)) => {
-                self.observe(&logged, &d);
-                Answer::Ready(Ok(d))
-            }
-            Answer::Pending(fut) => {
-                let this = self.clone();
-                Answer::Pending(Box::pin(async move {
-                    let r = fut.await;
-                    if let Ok(d) = &r {
-                        this.observe(&logged, d);
-                    }
-                    r
-                }))
-            }
-            other => other,
-        }
+        self.then(answer, move |this, d| this.observe(&logged, d))
     }
 
     /// What the store admitted lately, kept where it can fail over.

@@ -40,9 +40,19 @@ impl Engine {
                 ledger.record(&plan, d, at);
             }
         };
+        self.then(answer, record)
+    }
+
+    /// The answer, with `f` run on its decision once there is one (at once for a ready answer, when
+    /// the future completes for a pending one; not for an error).
+    pub(super) fn then(
+        self: &Arc<Self>,
+        answer: Answer,
+        f: impl FnOnce(&Engine, &Decision) + Send + 'static,
+    ) -> Answer {
         match answer {
             Answer::Ready(Ok(d)) => {
-                record(self, &d);
+                f(self, &d);
                 Answer::Ready(Ok(d))
             }
             Answer::Pending(fut) => {
@@ -50,7 +60,7 @@ impl Engine {
                 Answer::Pending(Box::pin(async move {
                     let r = fut.await;
                     if let Ok(d) = &r {
-                        record(&this, d);
+                        f(&this, d);
                     }
                     r
                 }))
