@@ -4,8 +4,10 @@ mod descriptors;
 pub mod envoy_config;
 mod fail_list;
 pub mod fields;
+mod kinds;
 mod matching;
 mod model;
+mod set;
 
 pub use fail_list::fail_mode_list;
 pub use matching::items_for;
