@@ -8,11 +8,13 @@
 # real agent for a decision: `Client(socket).allow("user:1", "api-per-user", 1)` must be allowed by
 # the agent itself (not the fail-open policy). The agent is FLOODGATE_BIN (default
 # <repo>/target/debug/floodgate: run `cargo build` first) on its embedded default (in-memory store,
-# the example rules in a SQLite file in the temp dir). Last, the source tree must be as clean as git
-# keeps it: `git status --porcelain -- sdk-python` empty and no build/, dist/ or *.egg-info under
-# sdk-python, and nothing there changed by the run.
+# the example rules in a SQLite file in the temp dir). Then the source tree itself, as the README
+# says to use it: `pip install ./sdk-python` into a fresh venv and `python -m build` of sdk-python
+# (its output sent to the temp dir). Last, the source tree must be as clean as git keeps it: `git
+# status --porcelain -- sdk-python` empty and no build/, dist/ or *.egg-info under sdk-python, and
+# nothing there changed by the run (so neither of those in-tree builds wrote into it).
 # Needs git, python3 (>= 3.9, with venv) and PyPI (or the pip index configured) for `build` and
-# setuptools. Runs from any directory; PYTHON names another interpreter. Prints PASS or exits
+# hatchling. Runs from any directory; PYTHON names another interpreter. Prints PASS or exits
 # non-zero.
 set -euo pipefail
 
@@ -84,7 +86,7 @@ shopt -u nullglob
 [ "${#SDISTS[@]}" -eq 1 ] || fail "expected one .tar.gz in dist/, got: $(ls "$TMP/dist")"
 WHEEL="${WHEELS[0]}"
 SDIST="${SDISTS[0]}"
-# floodgate_client-0.1.0-py3-none-any.whl, floodgate_client-0.1.0.tar.gz
+# floodgate_client-<version>-py3-none-any.whl, floodgate_client-<version>.tar.gz
 VERSION="$(basename "$WHEEL" | cut -d- -f2)"
 [ "$(basename "$SDIST")" = "floodgate_client-$VERSION.tar.gz" ] \
   || fail "wheel $(basename "$WHEEL") and sdist $(basename "$SDIST") disagree"
@@ -196,6 +198,19 @@ for kind in wheel sdist; do
   ( cd "$TMP/cwd" && "$TMP/venv-$kind/bin/python" -I -c "$SMOKE" "$SOCK" "$VERSION" "$TMP/expected-files" ) \
     || fail "smoke test of the $kind's install"
 done
+
+step "from the source tree itself: pip install $SDK, python -m build $SDK"
+# The build backend runs on the real tree here, where an in-place build (setuptools' build/ and
+# src/*.egg-info) would show in the checks below.
+new_venv "$TMP/venv-tree"
+"$TMP/venv-tree/bin/python" -m pip install "${PIP_OPTS[@]}" "$SDK"
+( cd "$TMP/cwd" && "$TMP/venv-tree/bin/python" -I -c '
+import sys, floodgate
+assert floodgate.__version__ == sys.argv[1], (floodgate.__version__, sys.argv[1])
+' "$VERSION" ) || fail "pip install $SDK did not install floodgate-client $VERSION"
+"$TMP/build-venv/bin/python" -m build --sdist --wheel --outdir "$TMP/dist-tree" "$SDK" \
+  > "$TMP/build-tree.log" 2>&1 || { cat "$TMP/build-tree.log" >&2; fail "python -m build $SDK failed"; }
+echo "   pip install and python -m build of the tree: $(cd "$TMP/dist-tree" && echo *)"
 
 step "the source tree is untouched"
 AFTER_STATE="$(tree_state)"

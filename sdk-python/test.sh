@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
-# The Python SDK's tests: makes a venv (sdk-python/.venv), installs the package (built from a copy
-# of pyproject.toml, README.md and src/ in a temp dir: nothing is written into the source tree) with
-# its test extras from PyPI, and runs pytest against real `floodgate agent` processes
-# (FLOODGATE_BIN, default <repo>/target/debug/floodgate: run `cargo build` first) and a redis-server
-# the tests start on a free loopback port (installed with apt-get when missing). Extra arguments go
-# to pytest.
+# The Python SDK's tests: makes a venv (sdk-python/.venv), installs the package (hatchling builds it
+# outside the source tree) with its test extras from PyPI, and runs pytest against real `floodgate
+# agent` processes (FLOODGATE_BIN, default <repo>/target/debug/floodgate: run `cargo build` first)
+# and a redis-server the tests start on a free loopback port (installed with apt-get when missing).
+# Extra arguments go to pytest.
 # Exits non-zero when anything fails.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -38,16 +37,9 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 9))' >/d
     "$PYTHON" -m venv "$VENV"
   fi
 fi
-# The package as it installs (not the source tree), with the test extras. pip builds a local
-# directory in place, where setuptools would leave build/ and src/*.egg-info (and a module deleted
-# from src/ would live on in build/lib and in every later install): it builds a copy instead.
-PKG_COPY="$(mktemp -d "${TMPDIR:-/tmp}/floodgate-py-src.XXXXXX")"
-trap 'rm -rf "$PKG_COPY"' EXIT
-tar -cf - --exclude=__pycache__ --exclude='*.egg-info' --exclude='*.pyc' pyproject.toml README.md src \
-  | tar -xf - -C "$PKG_COPY"
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "$PKG_COPY[test]"
-rm -rf "$PKG_COPY"
-trap - EXIT
+# The package as it installs (not the source tree on sys.path), with the test extras; pip reinstalls
+# a local directory every time, so the venv holds this tree's code.
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade ".[test]"
 "$VENV/bin/python" -m pip check >/dev/null
 "$VENV/bin/python" -c 'import floodgate, sys; print("floodgate-client", floodgate.__version__, "on Python", sys.version.split()[0], "agent", sys.argv[1])' "$FLOODGATE_BIN"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
