@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The Node SDK as an app gets it: packs the package with `npm pack` from a copy of sdk-node's
-# tracked files (its `prepare` builds dist/src there), checks the tarball holds the repository's
-# LICENSE and nothing but it, package.json, README.md and dist/src, installs it into a fresh project
-# (`npm init -y`), and there `require`s it from CommonJS, `import`s it from ESM and type-checks a
-# .cts and a .mts against its declarations; then installs the copy's folder into a second fresh
-# project (`npm install <folder>`: npm links it and `prepare` builds it). Each import asks a real
-# agent (started here, embedded store, the built-in example rules) for
-# `allow("user:1", "api-per-user", 1)` and needs an allowed decision from the agent itself. The
-# real sdk-node tree is only read: the script fails if anything in it changed. Needs Node >= 18 and
-# npm (the copy's `npm ci` reads the registry or npm's cache). The agent binary: $FLOODGATE_BIN,
-# else <repo>/target/debug/floodgate (cargo build --bin floodgate).
+# tracked files (its `prepack` builds dist/src there), checks the tarball holds the repository's
+# LICENSE and nothing but it, package.json, README.md and dist/src, that the packed package.json runs
+# nothing at install (no preinstall, install, postinstall or prepare script) and that every file its
+# `exports` map names is packed. Then installs it into a fresh project (`npm init -y`), and there
+# `require`s from CommonJS and `import`s from ESM the root and every subpath of the exports map
+# (`@floodgate/client/express`, ...: the same objects either way, a path outside the map refused),
+# and type-checks a .cts and a .mts against its declarations (nodenext), and a .ts as
+# `"moduleResolution": "node10"` reads them (typesVersions); then builds the copy
+# (`npm run build:package`) and installs its folder into a second fresh project (`npm install
+# <folder>`: npm links it and runs nothing). Each import of the root asks a real agent (started here,
+# embedded store, the built-in example rules) for `allow("user:1", "api-per-user", 1)` and needs an
+# allowed decision from the agent itself. The real sdk-node tree is only read: the script fails if
+# anything in it changed. Needs Node >= 18 and npm (the copy's `npm ci` reads the registry or npm's
+# cache). The agent binary: $FLOODGATE_BIN, else <repo>/target/debug/floodgate (cargo build --bin
+# floodgate).
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -61,7 +66,7 @@ cd "$work/sdk"
 npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
 [ ! -e dist ] || fail "npm ci --ignore-scripts built dist/"
 
-step "npm pack (prepare builds dist/src)"
+step "npm pack (prepack builds dist/src)"
 npm pack --pack-destination "$work" --loglevel=error >"$work/pack.log"
 shopt -s nullglob
 tarballs=("$work"/floodgate-client-*.tgz)
@@ -77,11 +82,38 @@ for src in src/*.ts; do
   grep -qx "package/dist/src/$base.js" "$work/contents" || fail "package/dist/src/$base.js (from $src) is not in the tarball"
   grep -qx "package/dist/src/$base.d.ts" "$work/contents" || fail "package/dist/src/$base.d.ts is not in the tarball"
 done
-if grep -Ev '^package/(package\.json|README\.md|LICENSE|dist/src/[A-Za-z0-9_-]+\.(js|js\.map|d\.ts))$' "$work/contents"; then
+if grep -Ev '^package/(package\.json|README\.md|LICENSE|dist/src/[A-Za-z0-9_-]+\.(js|js\.map|d\.ts|mjs|d\.mts))$' "$work/contents"; then
   fail "the tarball holds more than package.json, README.md, LICENSE and dist/src (above)"
 fi
 # Apache-2.0 asks for a copy of the licence with every redistribution: the repository's text.
 tar -xzOf "$tgz" package/LICENSE | cmp -s - "$repo/LICENSE" || fail "the tarball's LICENSE is not the repository's"
+# What an install of the tarball runs (npm 11 warns of a packed `prepare`): nothing. And the exports
+# map names only packed files: a subpath whose file is missing fails only when an app imports it.
+tar -xzOf "$tgz" package/package.json >"$work/packed-package.json"
+node - "$work/packed-package.json" "$work/contents" <<'EOF' || fail "the packed package.json (above)"
+const fs = require("node:fs");
+const pkg = JSON.parse(fs.readFileSync(process.argv[2], "utf8"));
+const packed = new Set(fs.readFileSync(process.argv[3], "utf8").split("\n"));
+const problems = [];
+const runsAtInstall = ["preinstall", "install", "postinstall", "prepare"].filter((s) => s in (pkg.scripts ?? {}));
+if (runsAtInstall.length > 0) problems.push(`scripts an install runs: ${runsAtInstall.join(", ")}`);
+if (typeof pkg.exports !== "object" || !pkg.exports["."] || !pkg.exports["./express"]) {
+  problems.push("no exports map with . and ./express");
+}
+const targets = (v) => (typeof v === "string" ? [v] : Object.values(v).flatMap(targets));
+for (const [subpath, entry] of Object.entries(pkg.exports ?? {})) {
+  if (typeof entry !== "string" && !(entry.import && entry.require)) problems.push(`${subpath}: not both import and require`);
+  for (const t of targets(entry)) {
+    if (!packed.has(`package/${t.replace(/^\.\//, "")}`)) problems.push(`${subpath}: ${t} is not in the tarball`);
+  }
+}
+if (problems.length > 0) {
+  console.error(problems.join("\n"));
+  process.exit(1);
+}
+const subpaths = Object.keys(pkg.exports).filter((s) => s !== "./package.json");
+console.log(`exports: ${subpaths.join(", ")} (import and require each); scripts: ${Object.keys(pkg.scripts).join(", ")}`);
+EOF
 echo "$(basename "$tgz"): $(wc -l <"$work/contents") files"
 
 step "starting the agent"
@@ -124,6 +156,28 @@ if (!where.startsWith(path.resolve(process.env.EXPECT_UNDER) + path.sep)) {
   throw new Error(`@floodgate/client resolved to ${where}, not under ${process.env.EXPECT_UNDER}`);
 }
 if (typeof fg.Client !== "function") throw new Error("require: no Client export");
+// Every subpath of the exports map: loadable, and what the root exports of it is the same object.
+const { exports: map } = require("@floodgate/client/package.json");
+for (const subpath of Object.keys(map)) {
+  if (subpath === "." || subpath === "./package.json") continue;
+  const name = `@floodgate/client/${subpath.slice(2)}`;
+  const mod = require(name);
+  const keys = Object.keys(mod);
+  if (keys.length === 0) throw new Error(`require(${name}): no exports`);
+  for (const k of keys) {
+    if (k in fg && fg[k] !== mod[k]) throw new Error(`require(${name}).${k} is not the root's ${k}`);
+  }
+}
+if (typeof require("@floodgate/client/express").floodgateExpress !== "function") {
+  throw new Error("require: no floodgateExpress in @floodgate/client/express");
+}
+// Outside the map, nothing: the build's layout is not an interface.
+try {
+  require("@floodgate/client/dist/src/http.js");
+  throw new Error("@floodgate/client/dist/src/http.js was importable");
+} catch (e) {
+  if (e.code !== "ERR_PACKAGE_PATH_NOT_EXPORTED") throw e;
+}
 (async () => {
   const client = await fg.Client.connect(process.env.SOCK, { timeoutMs: 5000, connectTimeoutMs: 5000 });
   try {
@@ -147,10 +201,25 @@ import { createRequire } from "node:module";
 
 // Node's CommonJS named-export detection must give ESM every export `require` sees, and the same
 // objects (one module instance, not a second copy).
-const cjs = createRequire(import.meta.url)("@floodgate/client");
+const cjsRequire = createRequire(import.meta.url);
+const cjs = cjsRequire("@floodgate/client");
 const missing = Object.keys(cjs).filter((k) => k !== "__esModule" && !(k in ns));
 if (missing.length > 0) throw new Error(`not importable by name from ESM: ${missing.join(", ")}`);
 if (Client !== cjs.Client || ns.default !== cjs) throw new Error("ESM and CommonJS see different modules");
+// The same of every subpath: its ESM entry re-exports the CommonJS module, one instance for both.
+const { exports: map } = cjsRequire("@floodgate/client/package.json");
+for (const subpath of Object.keys(map)) {
+  if (subpath === "." || subpath === "./package.json") continue;
+  const name = `@floodgate/client/${subpath.slice(2)}`;
+  const esm = await import(name);
+  const cjsMod = cjsRequire(name);
+  const differ = Object.keys(cjsMod).filter((k) => k !== "__esModule" && esm[k] !== cjsMod[k]);
+  if (differ.length > 0 || esm.default !== cjsMod) throw new Error(`import(${name}) differs from require: ${differ.join(", ")}`);
+}
+const { floodgateExpress } = await import("@floodgate/client/express");
+if (typeof floodgateExpress !== "function" || floodgateExpress !== ns.floodgateExpress) {
+  throw new Error("import: floodgateExpress of @floodgate/client/express is not the root's");
+}
 const client = await Client.connect(process.env.SOCK, { timeoutMs: 5000, connectTimeoutMs: 5000 });
 try {
   const d = await client.allow("user:1", "api-per-user", 1);
@@ -165,14 +234,22 @@ EOF
 # Type-only: the shipped declarations, read as a TypeScript app of either module kind reads them.
 cat >"$work/types.cts" <<'EOF'
 import { Client, type Decision } from "@floodgate/client";
+import { floodgateExpress, type ExpressMiddleware } from "@floodgate/client/express";
+import { floodgateFastifyHook, type FastifyHook } from "@floodgate/client/fastify";
+import { VERSION } from "@floodgate/client/protocol";
 export async function check(path: string): Promise<boolean> {
   const client: Client = await Client.connect(path, { timeoutMs: 5 });
   const d: Decision = await client.allow("user:1", "api-per-user", 1);
+  const middleware: ExpressMiddleware = floodgateExpress(client, { costs: { "/api/search": 5 } });
+  const hook: FastifyHook = floodgateFastifyHook(client);
+  const version: number = VERSION;
+  void [middleware, hook, version];
   client.close();
   return d.allowed;
 }
 EOF
-sed 's/types\.cts/types.mts/' "$work/types.cts" >"$work/types.mts"
+cp "$work/types.cts" "$work/types.mts"
+cp "$work/types.cts" "$work/types-node10.ts"
 
 smoke() { # <the directory the package must resolve under>
   cp "$work/smoke.cjs" "$work/smoke.mjs" .
@@ -193,15 +270,20 @@ cp "$work/types.cts" "$work/types.mts" .
 "$work/sdk/node_modules/.bin/tsc" --noEmit --strict --target es2022 --module nodenext --moduleResolution nodenext \
   --typeRoots "$work/sdk/node_modules/@types" --types node types.cts types.mts ||
   fail "the package's declarations do not type-check from .cts and .mts"
-echo "types: .cts and .mts type-check against the package's declarations"
+cp "$work/types-node10.ts" .
+"$work/sdk/node_modules/.bin/tsc" --noEmit --strict --target es2022 --module commonjs --moduleResolution node10 \
+  --typeRoots "$work/sdk/node_modules/@types" --types node types-node10.ts ||
+  fail "the package's declarations do not type-check as moduleResolution node10 reads them"
+echo "types: .cts and .mts (nodenext) and .ts (node10) type-check against the package's declarations"
 
-step "a fresh project installs the folder (npm install <folder>: linked, prepare builds it)"
+step "a fresh project installs the folder, built first (npm run build:package; npm install <folder>: linked)"
 rm -rf "$work/sdk/dist"
+(cd "$work/sdk" && npm run --silent build:package)
+[ -f "$work/sdk/dist/src/index.mjs" ] || fail "npm run build:package did not build dist/src"
 mkdir "$work/app-folder" && cd "$work/app-folder"
 npm init -y >/dev/null
 npm install --no-audit --no-fund --loglevel=error "$work/sdk"
 [ -L node_modules/@floodgate/client ] || fail "node_modules/@floodgate/client is not a link to the folder"
-[ -f "$work/sdk/dist/src/index.js" ] || fail "npm install <folder> did not build dist/src"
 smoke "$work/sdk"
 
 step "the real sdk-node tree"

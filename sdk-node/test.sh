@@ -22,8 +22,8 @@ if ! command -v redis-server >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server >/dev/null
 fi
 
-# --ignore-scripts: no dependency has install scripts, and the package's own `prepare` (its
-# build for packing) would compile src/ once more before the full build below.
+# --ignore-scripts: no dependency has install scripts to run (and npm ci runs none of the package's
+# own: its build for packing is `prepack`).
 npm ci --ignore-scripts --no-audit --no-fund --loglevel=error
 rm -rf dist
 npx tsc -p tsconfig.json
