@@ -35,7 +35,7 @@ from .lease import Lease
 from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, TraceContext, Verdict, wire_safe
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "AsyncClient",
