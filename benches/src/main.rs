@@ -318,8 +318,9 @@ enum Command {
         /// Checks per second offered, over all agents.
         #[arg(long, default_value_t = 1_000)]
         rate: u64,
-        /// Where the counters live: `single` (one redis-server: kills, pauses, latency) or
-        /// `sentinel` (a master, a replica and a sentinel: failovers).
+        /// Where the counters live: `single` (one redis-server: kills, pauses, latency),
+        /// `sentinel` (a master, a replica and a sentinel: failovers) or `cluster` (three masters:
+        /// reshards under load).
         #[arg(long, default_value = "single")]
         deployment: String,
     },
@@ -572,7 +573,8 @@ fn main() -> anyhow::Result<()> {
             let deployment = match deployment.as_str() {
                 "single" => floodgate_tests::faults::Deployment::Single,
                 "sentinel" => floodgate_tests::faults::Deployment::Sentinel,
-                other => anyhow::bail!("--deployment {other}: single or sentinel"),
+                "cluster" => floodgate_tests::faults::Deployment::Cluster,
+                other => anyhow::bail!("--deployment {other}: single, sentinel or cluster"),
             };
             let mut breached = Vec::new();
             for seed in seed..seed + seeds {
@@ -586,7 +588,7 @@ fn main() -> anyhow::Result<()> {
                 };
                 let report = runtime.block_on(floodgate_tests::faults::run(plan));
                 println!("{}", report.text());
-                if !report.judgement.breaches.is_empty() {
+                if !report.judgement.breaches.is_empty() || !report.troubles.is_empty() {
                     breached.push(seed);
                 }
             }

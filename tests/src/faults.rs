@@ -7,8 +7,10 @@
 //! states (docs/accuracy.md). The same seed draws the same schedule, so a failing seed reruns.
 //!
 //! Deployments: one `redis-server` (faults: Redis killed, paused, slowed; an agent killed), or a
-//! master, its replica and a sentinel (faults: `SENTINEL FAILOVER`; an agent killed). Not covered
-//! yet: a Redis Cluster (failovers, reshards), clock skew.
+//! master, its replica and a sentinel (faults: `SENTINEL FAILOVER`; an agent killed), or a Redis
+//! Cluster of three masters (faults: a reshard under load with plain `redis-cli --cluster reshard`;
+//! an agent killed). Not covered yet: a Cluster's failover (its masters have no replicas here),
+//! clock skew.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,7 +21,7 @@ use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile,
 use floodgate_sdk::Origin;
 
 use crate::{
-    eventually, patient_client, pause_process, replica_and_sentinel, resume_process, Agent, Proxy,
+    eventually, patient_client, pause_process, replica_and_sentinel, resume_process, Agent, Cluster, Proxy,
     RedisServer,
 };
 
@@ -30,7 +32,13 @@ pub enum Deployment {
     Single,
     /// A master, its replica and a sentinel; agents on `redis+sentinel://`.
     Sentinel,
+    /// A Redis Cluster of three masters (no replicas); agents with `--redis-cluster`, their
+    /// rejection caches and hot-key promotion off, so every check on a moving slot reaches it.
+    Cluster,
 }
+
+/// Slots each master of the Cluster deployment starts with (`redis-cli --cluster create`'s split).
+const CLUSTER_SLOTS: [u64; 3] = [5_461, 5_462, 5_461];
 
 /// The rules of a run: a sync sliding window and a token bucket, both fail open (the default).
 pub const RULES: &str = r#"{"rules":[
@@ -84,6 +92,14 @@ pub enum Fault {
     AgentKilled { at_ms: u64, agent: usize, down_ms: u64 },
     /// `SENTINEL FAILOVER`: the replica promoted while the old master still runs, then demoted.
     SentinelFailover { at_ms: u64 },
+    /// `redis-cli --cluster reshard` of `slots` slots from master `from` to master `to`, without
+    /// `--cluster-replace`, under the load.
+    Reshard {
+        at_ms: u64,
+        from: usize,
+        to: usize,
+        slots: u64,
+    },
 }
 
 impl Fault {
@@ -93,7 +109,8 @@ impl Fault {
             | Fault::RedisPaused { at_ms, .. }
             | Fault::RedisSlow { at_ms, .. }
             | Fault::AgentKilled { at_ms, .. }
-            | Fault::SentinelFailover { at_ms } => at_ms,
+            | Fault::SentinelFailover { at_ms }
+            | Fault::Reshard { at_ms, .. } => at_ms,
         }
     }
 
@@ -103,6 +120,8 @@ impl Fault {
             Fault::RedisPaused { for_ms, .. } | Fault::RedisSlow { for_ms, .. } => for_ms,
             // Until the sentinel names the new master, measured; this much is planned for it.
             Fault::SentinelFailover { .. } => 1_500,
+            // redis-cli moves ~1,000 slots a second here; the runner waits for it to end.
+            Fault::Reshard { slots, .. } => slots,
         }
     }
 }
@@ -122,6 +141,8 @@ pub struct Report {
     pub by_sdk: u64,
     /// The checker's verdict over every ledger of the run.
     pub judgement: Judgement,
+    /// What went wrong outside the ledgers: a reshard that stopped half-way, with redis-cli's words.
+    pub troubles: Vec<String>,
 }
 
 impl Report {
@@ -148,6 +169,9 @@ impl Report {
             j.records,
             j.dropped
         );
+        for t in &self.troubles {
+            out += &format!("trouble: {t}\n");
+        }
         for r in &j.rules {
             out += &format!(
                 "rule {}: {} key-windows, {} units admitted, worst {:.2}x its limit, {} past their bound\n",
@@ -195,11 +219,39 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
     let end = plan.seconds.saturating_sub(3) * 1_000;
     let mut at = 2_000;
     let mut faults = Vec::new();
+    let mut slots = CLUSTER_SLOTS;
     for _ in 0..rng.range(1, 4) {
         if at + 500 >= end {
             break;
         }
         let lasts = rng.range(300, 1_500).min(end - at);
+        if plan.deployment == Deployment::Cluster {
+            // A reshard first; then a reshard or an agent killed. A reshard takes a third to all of
+            // its source's slots, so every hash tag of the load may move.
+            let fault = if faults.is_empty() || rng.next() % 2 == 0 {
+                let from = rng.range(0, 3) as usize;
+                let to = (from + 1 + rng.range(0, 2) as usize) % 3;
+                let have = slots[from];
+                let moved = rng.range(have / 3, have + 1).max(1);
+                slots[from] -= moved;
+                slots[to] += moved;
+                Fault::Reshard {
+                    at_ms: at,
+                    from,
+                    to,
+                    slots: moved,
+                }
+            } else {
+                Fault::AgentKilled {
+                    at_ms: at,
+                    agent: rng.range(0, plan.agents as u64) as usize,
+                    down_ms: lasts,
+                }
+            };
+            at += fault.lasts_ms() + rng.range(1_000, 3_000);
+            faults.push(fault);
+            continue;
+        }
         if plan.deployment == Deployment::Sentinel {
             // A failover first; then a failover or an agent killed.
             let fault = if faults.is_empty() || rng.next() % 2 == 0 {
@@ -241,6 +293,52 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
     faults
 }
 
+/// A client key whose slot the schedule's first reshard moves (redis-cli moves a master's lowest
+/// slots first; the Cluster starts with node i on the i-th third), so that checks meet the move.
+fn hot_key(cluster: &Cluster, faults: &[Fault]) -> Option<String> {
+    let Fault::Reshard { from, slots, .. } = faults.iter().find(|f| matches!(f, Fault::Reshard { .. }))?
+    else {
+        return None;
+    };
+    let first: u64 = CLUSTER_SLOTS[..*from].iter().sum();
+    let layout = floodgate_core::store::Layout::default();
+    let mut conn = cluster.nodes[0].conn();
+    (0..10_000).map(|i| format!("user:hot{i}")).find(|key| {
+        let slot: u64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(format!("{{{}}}", layout.tag(key)))
+            .query(&mut conn)
+            .expect("CLUSTER KEYSLOT");
+        (first..first + slots).contains(&slot)
+    })
+}
+
+/// Other clients' counters on the hot key's slot, as a fleet's slot gets them: a new key of its
+/// hash tag every millisecond until `stop`. redis-cli migrates a slot's newest keys first, so a
+/// move meets these before the hot key's window hashes and takes ~0.1 s, not two round trips.
+async fn fill_hot_slot(cluster: &Cluster, hot: &str, stop: Arc<AtomicBool>) {
+    let tag = floodgate_core::store::Layout::default().tag(hot);
+    let client =
+        redis::cluster::ClusterClient::new(cluster.nodes.iter().map(RedisServer::url).collect::<Vec<_>>())
+            .expect("a cluster client");
+    let Ok(mut conn) = client.get_async_connection().await else {
+        return;
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    let mut i = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        tick.tick().await;
+        i += 1;
+        let _: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(format!("fg:{{{tag}}}:other/k/{i}"))
+            .arg(1)
+            .arg("EX")
+            .arg(60)
+            .query_async(&mut conn)
+            .await;
+    }
+}
+
 fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -254,10 +352,16 @@ struct Slot {
     starts: usize,
 }
 
-async fn start_agent(dir: &Path, index: usize, slot: &mut Slot, redis_url: &str) {
+async fn start_agent(dir: &Path, index: usize, slot: &mut Slot, redis_url: &str, cluster: bool) {
     let ledger = dir.join(format!("agent-{index}-{}.jsonl", slot.starts));
     slot.starts += 1;
-    let agent = Agent::builder()
+    let mut builder = Agent::builder();
+    if cluster {
+        for a in ["--redis-cluster", "--rejection-cache", "0", "--hot-key-rate", "0"] {
+            builder = builder.arg(a);
+        }
+    }
+    let agent = builder
         .redis(redis_url)
         .rules(RULES)
         .socket(&slot.socket)
@@ -282,15 +386,25 @@ pub async fn run(plan: Plan) -> Report {
     let dir = tempfile::tempdir().expect("temp dir");
     let mut redis = RedisServer::start();
     let proxy = Proxy::start(redis.port());
-    // Sentinel: `redis` is the first master; its replica and the sentinel watching them.
-    let (url, _replica, sentinel) = match plan.deployment {
-        Deployment::Single => (proxy.url(), None, None),
+    // Sentinel: `redis` is the first master; its replica and the sentinel watching them. Cluster:
+    // three masters of their own (`redis` stays idle).
+    let (url, _replica, sentinel, cluster) = match plan.deployment {
+        Deployment::Single => (proxy.url(), None, None, None),
         Deployment::Sentinel => {
             let (r, s) = replica_and_sentinel(&redis).await;
             let url = format!("redis+sentinel://127.0.0.1:{}/mymaster", s.port());
-            (url, Some(r), Some(s))
+            (url, Some(r), Some(s), None)
+        }
+        Deployment::Cluster => {
+            let c = tokio::task::spawn_blocking(|| Cluster::start(3))
+                .await
+                .expect("cluster start");
+            (c.urls(), None, None, Some(Arc::new(c)))
         }
     };
+    let on_cluster = cluster.is_some();
+    let hot = cluster.as_deref().and_then(|c| hot_key(c, &faults));
+    let mut troubles = Vec::new();
     let mut slots: Vec<Slot> = (0..plan.agents)
         .map(|i| Slot {
             socket: dir.path().join(format!("agent-{i}.sock")),
@@ -299,7 +413,7 @@ pub async fn run(plan: Plan) -> Report {
         })
         .collect();
     for (i, slot) in slots.iter_mut().enumerate() {
-        start_agent(dir.path(), i, slot, &url).await;
+        start_agent(dir.path(), i, slot, &url, on_cluster).await;
     }
     let mut clients = Vec::new();
     for slot in &slots {
@@ -318,6 +432,7 @@ pub async fn run(plan: Plan) -> Report {
         let (stop, sent, by_agent, by_sdk) = (stop.clone(), sent.clone(), by_agent.clone(), by_sdk.clone());
         let clients = clients.clone();
         let plan = plan.clone();
+        let hot = hot.clone();
         tokio::spawn(async move {
             let mut rng = Rng(plan.seed ^ 0x5EED);
             let per_tick = (plan.rate / 1_000).max(1);
@@ -328,7 +443,11 @@ pub async fn run(plan: Plan) -> Report {
                 tick.tick().await;
                 for _ in 0..per_tick {
                     let client = clients[rng.range(0, clients.len() as u64) as usize].clone();
-                    let key = format!("user:{}", rng.range(0, plan.keys));
+                    // A quarter of the checks on the Cluster go to a key on the first reshard's slots.
+                    let key = match &hot {
+                        Some(hot) if rng.next() % 4 == 0 => hot.clone(),
+                        _ => format!("user:{}", rng.range(0, plan.keys)),
+                    };
                     let rule = if rng.next() % 2 == 0 { "sw" } else { "tb" };
                     let (by_agent, by_sdk) = (by_agent.clone(), by_sdk.clone());
                     sent.fetch_add(1, Ordering::Relaxed);
@@ -345,6 +464,14 @@ pub async fn run(plan: Plan) -> Report {
             }
             while tasks.join_next().await.is_some() {}
         })
+    };
+
+    let filler = match (&cluster, &hot) {
+        (Some(c), Some(hot)) => {
+            let (c, hot, stop) = (c.clone(), hot.clone(), stop.clone());
+            Some(tokio::spawn(async move { fill_hot_slot(&c, &hot, stop).await }))
+        }
+        _ => None,
     };
 
     // The schedule, in order, on the wall clock from the load's start.
@@ -391,7 +518,7 @@ pub async fn run(plan: Plan) -> Report {
                     }
                 }
                 tokio::time::sleep(lasts).await;
-                start_agent(dir.path(), agent, &mut slots[agent], &url).await;
+                start_agent(dir.path(), agent, &mut slots[agent], &url, on_cluster).await;
             }
             Fault::SentinelFailover { .. } => {
                 let s = sentinel.as_ref().expect("a sentinel deployment");
@@ -416,11 +543,23 @@ pub async fn run(plan: Plan) -> Report {
                     to_ms: unix_ms(),
                 });
             }
+            Fault::Reshard { from, to, slots, .. } => {
+                let c = cluster.clone().expect("a cluster deployment");
+                let moved = tokio::task::spawn_blocking(move || c.reshard_plain(from, to, slots as u32))
+                    .await
+                    .expect("the reshard's thread");
+                if let Err(e) = moved {
+                    troubles.push(e);
+                }
+            }
         }
     }
     tokio::time::sleep_until((started + Duration::from_secs(plan.seconds)).into()).await;
     stop.store(true, Ordering::Relaxed);
     let _ = load.await;
+    if let Some(filler) = filler {
+        let _ = filler.await;
+    }
     for slot in &mut slots {
         if let Some(agent) = slot.agent.as_mut() {
             agent.terminate_within(Duration::from_secs(10)).await;
@@ -464,5 +603,6 @@ pub async fn run(plan: Plan) -> Report {
         sent: sent.load(Ordering::Relaxed),
         by_agent: by_agent.load(Ordering::Relaxed),
         by_sdk: by_sdk.load(Ordering::Relaxed),
+        troubles,
     }
 }
