@@ -9,10 +9,12 @@
 -- only once the check passed. Items of rules in log mode (mode 0) are reported but never block the
 -- others.
 --
--- KEYS[i]  the item's state: fg:{<tag>}:<rule>/<bucket> (sliding window: the prefix of its window
---          hashes, which share its hash tag), fg:{<tag>}:<rule>/k/<client key> (token bucket) or
---          fg:{<tag>}:<rule>/c/<client key> (concurrency: its leases). On a Redis Cluster one call
---          carries keys of one hash tag only.
+-- KEYS     every key the script touches, in item order: a sliding window's two window hashes,
+--          fg:{<tag>}:<rule>/<bucket>:w0 and :w1 (even and odd windows); a quota's period hash,
+--          fg:{<tag>}:<rule>/<bucket>:q<period start>; a token bucket's hash,
+--          fg:{<tag>}:<rule>/k/<client key>; a concurrency rule's leases,
+--          fg:{<tag>}:<rule>/c/<client key>. On a Redis Cluster one call carries keys of one hash
+--          tag only.
 -- ARGV     9 per item: algorithm (1 sliding window | 2 token bucket | 3 concurrency | 4 quota),
 --          limit, window_ms (concurrency: the lease time; quota: its period's end, Unix ms), burst
 --          (quota: its period's start), cost, mode, target window (concurrency: the lease id;
@@ -26,9 +28,9 @@
 --          mode 5 charge: the cost counted whatever the verdict (a sliding window past its limit,
 --            a token bucket below zero); answers the state after, allowed whether still within the
 --            limit; never blocks the group and is never undone by it.
---          Quota (KEYS[i] the prefix of its bucket's hashes, as a sliding window's): modes 1 and 0
---            count the cost if it fits (only if the group passes), 4 peeks, 5 charges, 2 and 3 add
---            and take back in the period `target`.
+--          Quota (its key the hash of the period starting at `target`, or holding now): modes 1
+--            and 0 count the cost if it fits (only if the group passes), 4 peeks, 5 charges, 2 and
+--            3 add and take back.
 --          Concurrency: modes 1 and 0 acquire the lease `target` (taken only if the group passes),
 --            4 peeks, 3 (take back) and 6 release the lease `target`, 7 releases `cost` units of
 --            whole leases by count; a release never blocks the group.
@@ -41,13 +43,13 @@
 --          entry answers -1 as its first figure, nothing of it applied, and the agent drops it, so
 --          one bad entry never holds back a write-back's others (each is its own pcall).
 -- One add (mode 2) or take-back (mode 3): the units applied and, for a sliding window's add, the
--- target window's count after it.
-local function adjust(key, algorithm, mode, field, now, limit, window, burst, cost, target)
+-- target window's count after it. `key2` is a sliding window's odd-window hash.
+local function adjust(key, key2, algorithm, mode, field, now, limit, window, burst, cost, target)
   if algorithm == '4' then
-    -- A quota's add or take-back: into the period `target` (its start), which ends at `window`.
+    -- A quota's add or take-back: into the period whose hash is `key`, which ends at `window`.
     local units = cost
     if mode == '3' then units = -cost end
-    local count = quota_adjust(key, field, target, window, units)
+    local count = quota_adjust(key, field, window, units)
     if mode == '3' then count = 0 end
     return units, count
   end
@@ -60,7 +62,7 @@ local function adjust(key, algorithm, mode, field, now, limit, window, burst, co
   if algorithm == '1' then
     local units = cost
     if mode == '3' then units = -cost end
-    local applied, count = sliding_window_adjust(key, field, now, window, units, tonumber(target))
+    local applied, count = sliding_window_adjust(key, key2, field, now, window, units, tonumber(target))
     if mode == '3' then count = 0 end
     return applied, count
   elseif mode == '2' then
@@ -70,6 +72,26 @@ local function adjust(key, algorithm, mode, field, now, limit, window, burst, co
   end
   token_bucket_give_back(key, now, limit, window, burst, cost)
   return -cost, 0
+end
+
+-- A malformed call (the agent never sends one) is refused before anything is written: nine
+-- arguments per item, a known algorithm each, and the keys its items take.
+if #ARGV % 9 ~= 0 then
+  return redis.error_reply('ERR floodgate: ' .. #ARGV .. ' arguments, not 9 per item')
+end
+local wanted = 0
+for a = 1, #ARGV, 9 do
+  local algorithm = ARGV[a]
+  if algorithm == '1' then
+    wanted = wanted + 2
+  elseif algorithm == '2' or algorithm == '3' or algorithm == '4' then
+    wanted = wanted + 1
+  else
+    return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
+  end
+end
+if wanted ~= #KEYS then
+  return redis.error_reply('ERR floodgate: ' .. #KEYS .. ' keys where the items take ' .. wanted)
 end
 
 local t = redis.call('TIME')
@@ -97,28 +119,34 @@ local function defer(allowed, commit, mode, at, cost)
   end
 end
 
-for i = 1, #KEYS do
+-- Keys taken by the items so far: a sliding window takes two, every other item one.
+local k = 0
+for i = 1, #ARGV / 9 do
   local a = (i - 1) * 9
   local algorithm = ARGV[a + 1]
+  local key, key2 = KEYS[k + 1], nil
+  if algorithm == '1' then
+    key2 = KEYS[k + 2]
+    k = k + 2
+  else
+    k = k + 1
+  end
   local limit = tonumber(ARGV[a + 2])
   local window = tonumber(ARGV[a + 3])
   local cost = tonumber(ARGV[a + 5])
   local mode = ARGV[a + 6]
   local field = ARGV[a + 8]
-  if algorithm ~= '1' and algorithm ~= '2' and algorithm ~= '3' and algorithm ~= '4' then
-    return redis.error_reply('ERR floodgate: unknown algorithm ' .. tostring(algorithm))
-  end
   if algorithm == '4' and mode ~= '2' and mode ~= '3' then
-    -- A quota: the period starts at ARGV[a + 4] and ends at ARGV[a + 3] (the agent's calendar).
-    local start, period_end = ARGV[a + 4], window
+    -- A quota: its period's hash is `key`, and the period ends at ARGV[a + 3] (the agent's calendar).
+    local period_end = window
     local v
     if mode == '4' then
-      v = quota_peek(KEYS[i], field, now, limit, start, period_end, cost)
+      v = quota_peek(key, field, now, limit, period_end, cost)
     elseif mode == '5' then
-      v = quota_charge(KEYS[i], field, now, limit, start, period_end, cost)
+      v = quota_charge(key, field, now, limit, period_end, cost)
     else
       local commit
-      v, commit = quota(KEYS[i], field, now, limit, start, period_end, cost)
+      v, commit = quota(key, field, now, limit, period_end, cost)
       defer(v[1], commit, mode, n + 3, cost)
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
@@ -127,12 +155,12 @@ for i = 1, #KEYS do
     if mode == '6' or mode == '7' then
       local id = false
       if mode == '6' then id = ARGV[a + 7] end
-      v = concurrency_release(KEYS[i], now, limit, cost, id)
+      v = concurrency_release(key, now, limit, cost, id)
     elseif mode == '4' or mode == '5' then
-      v = concurrency_peek(KEYS[i], now, limit, cost)
+      v = concurrency_peek(key, now, limit, cost)
     else
       local commit
-      v, commit = concurrency_acquire(KEYS[i], now, limit, window, cost, ARGV[a + 7])
+      v, commit = concurrency_acquire(key, now, limit, window, cost, ARGV[a + 7])
       defer(v[1], commit, mode, n + 3, cost)
     end
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
@@ -141,16 +169,16 @@ for i = 1, #KEYS do
     if algorithm == '1' then
       local f = sliding_window_peek
       if mode == '5' then f = sliding_window_charge end
-      out[n + 1], out[n + 3], out[n + 4], out[n + 5] = f(KEYS[i], field, now, limit, window, cost)
+      out[n + 1], out[n + 3], out[n + 4], out[n + 5] = f(key, key2, field, now, limit, window, cost)
       out[n + 2] = limit
     else
       local f = token_bucket_peek
       if mode == '5' then f = token_bucket_charge end
-      local v = f(KEYS[i], now, limit, window, burst, cost)
+      local v = f(key, now, limit, window, burst, cost)
       out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = v[1], v[2], v[3], v[4], v[5]
     end
   elseif mode == '2' or mode == '3' then
-    local ok, applied, count = pcall(adjust, KEYS[i], algorithm, mode, field, now, limit, window,
+    local ok, applied, count = pcall(adjust, key, key2, algorithm, mode, field, now, limit, window,
       tonumber(ARGV[a + 4]), cost, ARGV[a + 7])
     if ok then
       out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = 1, limit, applied, now, count
@@ -158,18 +186,18 @@ for i = 1, #KEYS do
       out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = -1, limit, 0, now, 0
     end
   elseif algorithm == '1' then
-    local ok, remaining, reset, retry, key, was = sliding_window(KEYS[i], field, now, limit, window, cost)
+    local ok, remaining, reset, retry, written, was = sliding_window(key, key2, field, now, limit, window, cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = ok, limit, remaining, reset, retry
     if ok == 1 then
       admitted = admitted + 1
       admitted_at[admitted], admitted_cost[admitted] = n + 3, cost
       undos = undos + 1
-      undo_keys[undos], undo_fields[undos], undo_costs[undos], undo_was[undos] = key, field, cost, was
+      undo_keys[undos], undo_fields[undos], undo_costs[undos], undo_was[undos] = written, field, cost, was
     elseif mode == '1' then
       all_ok = false
     end
   else
-    local verdict, commit = token_bucket(KEYS[i], now, limit, window, tonumber(ARGV[a + 4]), cost)
+    local verdict, commit = token_bucket(key, now, limit, window, tonumber(ARGV[a + 4]), cost)
     out[n + 1], out[n + 2], out[n + 3], out[n + 4], out[n + 5] = verdict[1], verdict[2], verdict[3], verdict[4], verdict[5]
     defer(verdict[1], commit, mode, n + 3, cost)
   end

@@ -3,8 +3,9 @@
 usage: drive.py PORT SCRIPT FORMAT ITEMS CALLS
 10,000 clients over 16,384 buckets (the agent's default layout), ITEMS checks per call (each its own
 group, as the coalescer sends them), one sliding-window rule, 50 calls per pipeline. FORMAT is the
-script's argument layout: "specs" (nspecs, 4 per spec, 4 per item; since issue 14) or "flat" (9 per
-item, before). The same seed every time, so a second run repeats the first's keys (a warm state).
+script's argument layout: "pair" (9 per item, a sliding window's two window hashes as its keys;
+since issue 33), "specs" (nspecs, 4 per spec, 4 per item; tried in issue 14) or "flat" (9 per item,
+one key prefix per item). The same seed every time, so a second run repeats the first's keys (a warm state).
 With ALGO=concurrency (flat format only), each pipeline's calls alternate: an acquire of one unit of
 a concurrency rule under a lease for each of the call's clients, then the release of those leases.
 """
@@ -24,6 +25,12 @@ clients = [f"user:{i}" for i in range(10000)]
 def prefix(c):
     h = zlib.crc32(c.encode())
     return f"fg:{{{h % 1024}}}:bench/{h % 16384}"
+
+
+def keys_of(cs):
+    if fmt == "pair":
+        return [f"{prefix(c)}:w{w}" for c in cs for w in (0, 1)]
+    return [prefix(c) for c in cs]
 
 
 def args_of(cs):
@@ -65,6 +72,7 @@ for _ in range(calls // 50):
     p = r.pipeline(transaction=False)
     for _ in range(50):
         cs = rng.sample(clients, k)
-        p.evalsha(sha, len(cs), *[prefix(c) for c in cs], *args_of(cs))
+        keys = keys_of(cs)
+        p.evalsha(sha, len(keys), *keys, *args_of(cs))
     for res in p.execute():
         assert res[0] == 1, res

@@ -18,12 +18,13 @@ work="$(mktemp -d)"
 vp=""
 # A failed run must not leave its redis-server under valgrind behind.
 trap '[ -n "$vp" ] && kill "$vp" 2>/dev/null; rm -rf "$work"' EXIT
-for f in sliding_window token_bucket concurrency check; do
-  # concurrency.lua is newer than some revisions worth comparing: left out where it is not.
+for f in sliding_window token_bucket concurrency quota check; do
+  # concurrency.lua and quota.lua are newer than some revisions worth comparing: left out where not.
   if [ -n "$REV" ]; then git show "$REV:lua/$f.lua" 2>/dev/null || true; else cat "lua/$f.lua"; fi
 done > "$work/check.lua"
 fmt=flat
 grep -q nspecs "$work/check.lua" && fmt=specs
+grep -q sliding_window_key_now "$work/check.lua" && fmt=pair
 venv=target/script-cost-venv
 [ -x "$venv/bin/python" ] || { python3 -m venv "$venv" && "$venv/bin/pip" install -q redis; }
 port="$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')"

@@ -165,11 +165,13 @@ impl Conn {
                     let mut inv = script.prepare_invoke();
                     let key = format!("user:{k}");
                     let layout = Layout::default();
-                    inv.key(format!(
-                        "fg:{{{}}}:bench/{}",
-                        layout.tag(&key),
-                        layout.bucket(&key)
-                    ));
+                    for w in floodgate_core::store::WINDOW_HASHES {
+                        inv.key(format!(
+                            "fg:{{{}}}:bench/{}{w}",
+                            layout.tag(&key),
+                            layout.bucket(&key)
+                        ));
+                    }
                     // algorithm, limit, window_ms, burst, cost, enforce, target window, field, last:
                     // as the agent sends them.
                     inv.arg(1)

@@ -168,9 +168,17 @@ impl Shards {
             ));
         }
         if cluster {
+            // Redirects (MOVED, ASK) and TRYAGAIN are retried: a slot that is moving answers
+            // TRYAGAIN to a call whose keys are only partly moved (every key a script touches is
+            // declared), for the milliseconds its keys take. redis-rs waits at least 1.28 s by
+            // default, past any check's budget; here 1 ms, doubling, at most 8 ms, within the
+            // store timeout that bounds the call anyway.
             let mut builder = ClusterClient::builder(urls.iter().map(String::as_str))
                 .connection_timeout(Duration::from_millis(500))
-                .retries(2);
+                .retries(4)
+                .min_retry_wait(1)
+                .max_retry_wait(8)
+                .retry_wait_formula(1, 2);
             if let Some(p) = &access.password {
                 builder = builder.password(p);
             }

@@ -172,7 +172,8 @@ pub fn window_count(
     window_count_at(conn, rule_id, key, idx)
 }
 
-/// A sliding-window client's count in window `idx` and the window hash's TTL in ms.
+/// A sliding-window client's count in window `idx` (the current window or the one before: the
+/// window hashes are a pair, each reused two windows on) and the window hash's TTL in ms.
 pub fn window_count_at(
     conn: &mut impl redis::ConnectionLike,
     rule_id: &str,
@@ -181,9 +182,10 @@ pub fn window_count_at(
 ) -> (u64, i64) {
     let layout = floodgate_core::store::Layout::default();
     let hash = format!(
-        "fg:{{{}}}:{rule_id}/{}:{idx}",
+        "fg:{{{}}}:{rule_id}/{}{}",
         layout.tag(key),
-        layout.bucket(key)
+        layout.bucket(key),
+        floodgate_core::store::WINDOW_HASHES[(idx % 2) as usize]
     );
     let count: Option<u64> = redis::cmd("HGET").arg(&hash).arg(key).query(conn).expect("HGET");
     let ttl: i64 = redis::cmd("PTTL").arg(&hash).query(conn).expect("PTTL");

@@ -16,6 +16,11 @@ pub const DEFAULT_BUCKETS: u32 = 16_384;
 /// of them spread over the masters, and the most script calls one flush needs.
 pub const DEFAULT_TAGS: u32 = 128;
 
+/// The suffixes of a sliding window's two window hashes: window `i`'s counts are in
+/// `<state key><WINDOW_HASHES[i % 2]>` (lua/sliding_window.lua: each hash expires before the window of
+/// its parity comes again).
+pub const WINDOW_HASHES: [&str; 2] = [":w0", ":w1"];
+
 /// The bucket and tag counts. Every agent of a fleet must use the same values: a change moves every
 /// counter (limits then start over for one window).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,8 +65,8 @@ impl Layout {
         self.bucket(key) % self.tags
     }
 
-    /// The key passed to the script for (rule, client key): for the sliding window the prefix of the
-    /// window hashes (`fg:{7}:api/1543`, the script appends `:<window index>`), for the token bucket
+    /// Where (rule, client key)'s state lives: for the sliding window and the quota the prefix of
+    /// their hashes (`fg:{7}:api/1543`, see [`script_keys`](Self::script_keys)), for the token bucket
     /// the client's own hash (`fg:{7}:login/k/ip:1.2.3.4`), for a concurrency rule the client's
     /// sorted set of leases (`fg:{7}:gpu/c/apikey:abc`). Rule ids cannot contain `/`, so names
     /// never collide.
@@ -98,6 +103,55 @@ impl Layout {
             }
         }
     }
+
+    /// Every key the scripts touch for (rule, client key), handed to `emit` in the order the scripts
+    /// take them, built in `buf` (reused): a sliding window's two window hashes (`fg:{7}:api/1543:w0`
+    /// and `:w1`), a quota's hash of the period starting at `period_start` (`fg:{7}:day/1543:q<ms>`), a
+    /// token bucket's or a concurrency rule's own key. A script declares every key it touches, so a
+    /// Redis Cluster moving the slot routes the call to where they are, and a store that refuses
+    /// undeclared keys runs it.
+    pub fn script_keys(
+        &self,
+        buf: &mut String,
+        rule: &Rule,
+        key: &str,
+        period_start: u64,
+        mut emit: impl FnMut(&str),
+    ) {
+        buf.clear();
+        self.write_state_key(buf, rule, key);
+        match rule.algorithm {
+            Algorithm::SlidingWindow => {
+                let prefix = buf.len();
+                for suffix in WINDOW_HASHES {
+                    buf.truncate(prefix);
+                    buf.push_str(suffix);
+                    emit(buf);
+                }
+            }
+            Algorithm::Quota => {
+                buf.push_str(":q");
+                buf.push_str(itoa::Buffer::new().format(period_start));
+                emit(buf);
+            }
+            Algorithm::TokenBucket | Algorithm::Concurrency => emit(buf),
+        }
+    }
+
+    /// How many keys [`script_keys`](Self::script_keys) gives for a rule.
+    pub fn script_key_count(rule: &Rule) -> usize {
+        match rule.algorithm {
+            Algorithm::SlidingWindow => WINDOW_HASHES.len(),
+            Algorithm::Quota | Algorithm::TokenBucket | Algorithm::Concurrency => 1,
+        }
+    }
+
+    /// The hash holding a sliding window's counts of window `index` (tests and tools read it).
+    pub fn window_key(&self, rule: &Rule, key: &str, index: u64) -> String {
+        let mut out = self.state_key(rule, key);
+        out.push_str(WINDOW_HASHES[(index % 2) as usize]);
+        out
+    }
 }
 
 /// 64-bit FNV-1a (the protocol's, the one `wire_safe` hashes with): buckets and hash tags.
@@ -123,6 +177,38 @@ mod tests {
         );
         assert!(a.starts_with(&format!("fg:{{{tag}}}:a/")), "{a}");
         assert_eq!(b, format!("fg:{{{tag}}}:b/k/user:42"));
+    }
+
+    #[test]
+    fn the_scripts_are_given_every_key_they_touch() {
+        let rules = RuleSet::parse(
+            r#"{"rules":[{"id":"sw","dimension":"user","limit":1,"windowSeconds":1},
+                {"id":"q","dimension":"user","limit":1,"algorithm":"quota","period":"day"},
+                {"id":"tb","dimension":"user","limit":1,"windowSeconds":1,"algorithm":"token_bucket"}]}"#,
+        )
+        .unwrap();
+        let layout = Layout::default();
+        let keys = |id: &str| {
+            let rule = rules.get(id).unwrap();
+            let mut out = Vec::new();
+            layout.script_keys(&mut String::new(), rule, "user:42", 1_700_000_000_000, |k| {
+                out.push(k.to_string())
+            });
+            assert_eq!(out.len(), Layout::script_key_count(rule), "{id}");
+            out
+        };
+        let (tag, bucket) = (layout.tag("user:42"), layout.bucket("user:42"));
+        assert_eq!(
+            keys("sw"),
+            [
+                format!("fg:{{{tag}}}:sw/{bucket}:w0"),
+                format!("fg:{{{tag}}}:sw/{bucket}:w1")
+            ]
+        );
+        assert_eq!(keys("q"), [format!("fg:{{{tag}}}:q/{bucket}:q1700000000000")]);
+        assert_eq!(keys("tb"), [format!("fg:{{{tag}}}:tb/k/user:42")]);
+        let sw = rules.get("sw").unwrap();
+        assert_eq!(layout.window_key(sw, "user:42", 7), keys("sw")[1]);
     }
 
     #[test]

@@ -10,7 +10,7 @@ mod memory;
 
 use std::sync::Arc;
 
-pub use self::layout::Layout;
+pub use self::layout::{Layout, WINDOW_HASHES};
 pub use self::memory::{Clock, MemoryStore};
 
 use floodgate_protocol::CompactString;

@@ -86,19 +86,37 @@ impl Args for Vec<u8> {
     }
 }
 
-/// The arguments after `EVALSHA`: the script's hash, the key count, the items' state keys (one
+/// The keys of a call's items (`Layout::script_keys`: two for a sliding window, one otherwise).
+fn key_count(items: &[CallItem<'_>]) -> usize {
+    items.iter().map(|it| Layout::script_key_count(it.rule)).sum()
+}
+
+/// The arguments after `EVALSHA`: the script's hash, the key count, every key the items touch (one
 /// reused `String`), then nine arguments each (check.lua's ARGV). A layout with each rule's parameters
 /// once per call was measured and not kept (BENCHMARKS.md, "Redis's instructions per check-script
 /// call: script shapes tried"): fewer Redis instructions per item in a many-item call, more in a
 /// one-item call, the common one on a fleet's agents.
 fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
     out.text(script_hash);
-    out.num(items.len() as u64);
+    out.num(key_count(items) as u64);
+    // One reading of the clock for the call: a quota's key and its period's arguments name the same
+    // period.
+    let dated = |it: &CallItem<'_>| match it.rule.algorithm {
+        Algorithm::Quota => true,
+        Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => false,
+    };
+    let now = if items.iter().any(dated) {
+        floodgate_core::store::Clock::System.now_ms()
+    } else {
+        0
+    };
     let mut key = String::with_capacity(64);
     for it in items {
-        key.clear();
-        layout.write_state_key(&mut key, it.rule, it.key);
-        out.text(&key);
+        let period_start = match it.rule.algorithm {
+            Algorithm::Quota => quota_period(it.rule, it.target, now).0,
+            Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => 0,
+        };
+        layout.script_keys(&mut key, it.rule, it.key, period_start, |k| out.text(k));
     }
     for it in items {
         let r = it.rule;
@@ -114,7 +132,7 @@ fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[
             Algorithm::Quota => {
                 // The period (the agent's calendar): a write-back's or take-back's by its start, a
                 // check's the one holding now. Its end where the window goes, its start twice.
-                let (start, end) = quota_period(r, it.target);
+                let (start, end) = quota_period(r, it.target, now);
                 out.num(end);
                 out.num(start);
                 out.num(it.cost);
@@ -135,11 +153,11 @@ fn check_args(out: &mut impl Args, script_hash: &str, layout: &Layout, items: &[
 }
 
 /// A quota item's period: the one starting at `start` (a write-back's or take-back's), or with
-/// `start` 0 the one holding now.
-fn quota_period(rule: &Rule, start: u64) -> (u64, u64) {
+/// `start` 0 the one holding `now`.
+fn quota_period(rule: &Rule, start: u64, now: u64) -> (u64, u64) {
     match (rule.period, start) {
         (Some(p), s) if s != 0 => floodgate_core::algo::period_from_start(s, p, rule.zone()),
-        _ => rule.quota_period(floodgate_core::store::Clock::System.now_ms()),
+        _ => rule.quota_period(now),
     }
 }
 
@@ -151,20 +169,21 @@ pub(super) fn check_cmd(script_hash: &str, layout: &Layout, items: &[CallItem<'_
     cmd
 }
 
-/// The same EVALSHA as RESP, appended to `buf`: the array header (3 + 10 arguments per item), then
-/// the arguments, with no intermediate command.
+/// The same EVALSHA as RESP, appended to `buf`: the array header (3, the keys, and 9 arguments per
+/// item), then the arguments, with no intermediate command.
 pub(super) fn write_check(buf: &mut Vec<u8>, script_hash: &str, layout: &Layout, items: &[CallItem<'_>]) {
-    resp::evalsha(buf, 3 + 10 * items.len());
+    resp::evalsha(buf, 3 + key_count(items) + 9 * items.len());
     check_args(buf, script_hash, layout, items);
 }
 
-/// The breaker's probe: one log-mode sliding-window item on `fg:{probe}:probe` with a limit no probe
-/// reaches, in the same argument layout as every check.
+/// The breaker's probe: one log-mode sliding-window item on `fg:{probe}:probe`'s window hashes with
+/// a limit no probe reaches, in the same argument layout as every check.
 pub(super) fn probe_cmd(script_hash: &str) -> Cmd {
     let mut cmd = redis::cmd("EVALSHA");
     cmd.arg(script_hash)
-        .arg(1)
-        .arg("fg:{probe}:probe")
+        .arg(2)
+        .arg("fg:{probe}:probe:w0")
+        .arg("fg:{probe}:probe:w1")
         .arg(1)
         .arg(1u64 << 50)
         .arg(1_000)

@@ -127,9 +127,13 @@ impl RedisStore {
         let timeout = self.timeout.max(Duration::from_millis(250));
         let calls = groups.into_iter().map(|(route, chunk)| async move {
             let mut inv = self.flush.prepare_invoke();
+            let mut buf = String::with_capacity(64);
             for e in &chunk {
-                inv.key(self.layout.state_key(&e.rule, &e.key))
-                    .arg(e.rule.window_ms())
+                // A batched rule is a sliding window: its two window hashes.
+                self.layout.script_keys(&mut buf, &e.rule, &e.key, 0, |k| {
+                    inv.key(k);
+                });
+                inv.arg(e.rule.window_ms())
                     .arg(e.target)
                     .arg(e.units)
                     .arg(e.key.as_str());
