@@ -132,7 +132,8 @@ async fn a_redis_5_gets_auth_without_the_user_name() {
             (b"AUTH", 3) => b"-ERR wrong number of arguments for 'auth' command\r\n",
             (b"AUTH", 2) if cmd[1] == b"s3cret" => b"+OK\r\n",
             (b"PING", _) => b"+PONG\r\n",
-            (b"EVALSHA", 13) => ONE_ITEM_ALLOWED,
+            // EVALSHA, the hash, the key count, a sliding window's two hashes, nine arguments.
+            (b"EVALSHA", 14) => ONE_ITEM_ALLOWED,
             _ => b"-ERR not in this fake\r\n",
         };
         (reply.to_vec(), false)
