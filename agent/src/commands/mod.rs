@@ -7,7 +7,6 @@ mod check;
 mod docs;
 mod ledger;
 mod rules;
-mod rules_code;
 mod rules_server;
 mod status;
 
