@@ -27,16 +27,25 @@ impl Shards {
     }
 }
 
-/// A Redis Cluster of `n` masters, no replicas, every slot assigned.
+/// A Redis Cluster of real nodes, every slot assigned.
 pub struct Cluster {
     /// The nodes.
     pub nodes: Vec<RedisServer>,
 }
 
 impl Cluster {
-    /// Starts `n` cluster-enabled servers, joins them with `redis-cli --cluster create`, and waits
-    /// until every node reports `cluster_state:ok`. `REDIS_CLI_BIN` names another redis-cli.
+    /// Starts `n` cluster-enabled servers, joins them with `redis-cli --cluster create` as `n`
+    /// masters, and waits until every node reports `cluster_state:ok`. `REDIS_CLI_BIN` names
+    /// another redis-cli.
     pub fn start(n: usize) -> Self {
+        Cluster::start_with(n, 0)
+    }
+
+    /// [`start`](Self::start) of `masters` masters with `replicas` replicas each (which nodes
+    /// are which: [`masters`](Self::masters), [`replica_of`](Self::replica_of)); waits until every
+    /// replica is in sync too.
+    pub fn start_with(masters: usize, replicas: usize) -> Self {
+        let n = masters * (1 + replicas);
         let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
                 RedisServer::start_on(
@@ -51,7 +60,7 @@ impl Cluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap_or_else(|e| panic!("cannot run {cli} (install redis-tools or set REDIS_CLI_BIN): {e}"));
         assert!(
@@ -72,12 +81,16 @@ impl Cluster {
                     .unwrap_or_default();
                 info.contains("cluster_state:ok")
             });
-            if ok {
+            let synced = cluster.nodes.iter().all(|s| {
+                crate::replication_info(s, "role").as_deref() != Some("slave")
+                    || crate::replication_info(s, "master_link_status").as_deref() == Some("up")
+            });
+            if ok && synced {
                 return cluster;
             }
             assert!(
                 Instant::now() < deadline,
-                "the cluster did not reach cluster_state:ok in 20 s"
+                "the cluster did not reach cluster_state:ok with its replicas in sync in 20 s"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -94,6 +107,7 @@ impl Cluster {
     /// [`reshard`](Self::reshard) as an operator runs it, with no `--cluster-replace`: a key the
     /// importing node already holds stops the move half-way ("Target key exists"), which is the
     /// `Err` (redis-cli's output), the slot left open.
+    /// `from` and `to` are node indices.
     pub fn reshard_plain(&self, from: usize, to: usize, slots: u32) -> Result<(), String> {
         let id = |i: usize| -> String {
             redis::cmd("CLUSTER")
@@ -127,6 +141,61 @@ impl Cluster {
             ));
         }
         Ok(())
+    }
+
+    /// The masters' node indices, in the order of the slots they serve (the first serves slot 0).
+    pub fn masters(&self) -> Vec<usize> {
+        let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query(&mut self.nodes[0].conn())
+            .expect("CLUSTER SLOTS");
+        let mut owners: Vec<(i64, usize)> = Vec::new();
+        for range in &ranges {
+            let redis::Value::Array(v) = range else { continue };
+            let (Some(redis::Value::Int(start)), Some(redis::Value::Array(master))) = (v.first(), v.get(2))
+            else {
+                continue;
+            };
+            let Some(redis::Value::Int(port)) = master.get(1) else {
+                continue;
+            };
+            if let Some(i) = self.nodes.iter().position(|n| i64::from(n.port()) == *port) {
+                owners.push((*start, i));
+            }
+        }
+        owners.sort();
+        let mut masters: Vec<usize> = Vec::new();
+        for (_, i) in owners {
+            if !masters.contains(&i) {
+                masters.push(i);
+            }
+        }
+        masters
+    }
+
+    /// A replica of node `master`, if it has one in sync.
+    pub fn replica_of(&self, master: usize) -> Option<usize> {
+        let port = self.nodes[master].port().to_string();
+        (0..self.nodes.len()).find(|&i| {
+            crate::replication_info(&self.nodes[i], "role").as_deref() == Some("slave")
+                && crate::replication_info(&self.nodes[i], "master_port").as_deref() == Some(port.as_str())
+                && crate::replication_info(&self.nodes[i], "master_link_status").as_deref() == Some("up")
+        })
+    }
+
+    /// `CLUSTER FAILOVER` on node `replica` (a manual failover: its master stops taking writes,
+    /// the replica catches up and takes over its slots), then waits until node 0's slot map names
+    /// it a master.
+    pub fn failover(&self, replica: usize) {
+        let _: () = redis::cmd("CLUSTER")
+            .arg("FAILOVER")
+            .query(&mut self.nodes[replica].conn())
+            .expect("CLUSTER FAILOVER");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !self.masters().contains(&replica) {
+            assert!(Instant::now() < deadline, "the failover did not end in 30 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The seed URLs separated by commas, as `--redis` takes them with `--redis-cluster`.

@@ -8,9 +8,9 @@
 //!
 //! Deployments: one `redis-server` (faults: Redis killed, paused, slowed; an agent killed), or a
 //! master, its replica and a sentinel (faults: `SENTINEL FAILOVER`; an agent killed), or a Redis
-//! Cluster of three masters (faults: a reshard under load with plain `redis-cli --cluster reshard`;
-//! an agent killed). Not covered yet: a Cluster's failover (its masters have no replicas here),
-//! clock skew.
+//! Cluster of three masters with a replica each (faults: a reshard under load with plain
+//! `redis-cli --cluster reshard`; `CLUSTER FAILOVER` on a replica; an agent killed). Not covered
+//! yet: a Cluster master killed (an unplanned failover), clock skew.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -32,7 +32,7 @@ pub enum Deployment {
     Single,
     /// A master, its replica and a sentinel; agents on `redis+sentinel://`.
     Sentinel,
-    /// A Redis Cluster of three masters (no replicas); agents with `--redis-cluster`, their
+    /// A Redis Cluster of three masters with a replica each; agents with `--redis-cluster`, their
     /// rejection caches and hot-key promotion off, so every check on a moving slot reaches it.
     Cluster,
 }
@@ -92,14 +92,16 @@ pub enum Fault {
     AgentKilled { at_ms: u64, agent: usize, down_ms: u64 },
     /// `SENTINEL FAILOVER`: the replica promoted while the old master still runs, then demoted.
     SentinelFailover { at_ms: u64 },
-    /// `redis-cli --cluster reshard` of `slots` slots from master `from` to master `to`, without
-    /// `--cluster-replace`, under the load.
+    /// `redis-cli --cluster reshard` of `slots` slots from master `from` to master `to` (masters
+    /// by the slots they started with: 0 serves slot 0), without `--cluster-replace`, under the load.
     Reshard {
         at_ms: u64,
         from: usize,
         to: usize,
         slots: u64,
     },
+    /// `CLUSTER FAILOVER` on the replica of master `master` (numbered as for `Reshard`).
+    ClusterFailover { at_ms: u64, master: usize },
 }
 
 impl Fault {
@@ -110,7 +112,8 @@ impl Fault {
             | Fault::RedisSlow { at_ms, .. }
             | Fault::AgentKilled { at_ms, .. }
             | Fault::SentinelFailover { at_ms }
-            | Fault::Reshard { at_ms, .. } => at_ms,
+            | Fault::Reshard { at_ms, .. }
+            | Fault::ClusterFailover { at_ms, .. } => at_ms,
         }
     }
 
@@ -119,7 +122,7 @@ impl Fault {
             Fault::RedisKilled { down_ms, .. } | Fault::AgentKilled { down_ms, .. } => down_ms,
             Fault::RedisPaused { for_ms, .. } | Fault::RedisSlow { for_ms, .. } => for_ms,
             // Until the sentinel names the new master, measured; this much is planned for it.
-            Fault::SentinelFailover { .. } => 1_500,
+            Fault::SentinelFailover { .. } | Fault::ClusterFailover { .. } => 1_500,
             // redis-cli moves ~1,000 slots a second here; the runner waits for it to end.
             Fault::Reshard { slots, .. } => slots,
         }
@@ -226,9 +229,10 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
         }
         let lasts = rng.range(300, 1_500).min(end - at);
         if plan.deployment == Deployment::Cluster {
-            // A reshard first; then a reshard or an agent killed. A reshard takes a third to all of
-            // its source's slots, so every hash tag of the load may move.
-            let fault = if faults.is_empty() || rng.next() % 2 == 0 {
+            // A reshard first; then a reshard, a failover or an agent killed. A reshard takes a
+            // third to all of its source's slots, so every hash tag of the load may move.
+            let pick = if faults.is_empty() { 0 } else { rng.range(0, 3) };
+            let fault = if pick == 0 {
                 let from = rng.range(0, 3) as usize;
                 let to = (from + 1 + rng.range(0, 2) as usize) % 3;
                 let have = slots[from];
@@ -240,6 +244,11 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
                     from,
                     to,
                     slots: moved,
+                }
+            } else if pick == 1 {
+                Fault::ClusterFailover {
+                    at_ms: at,
+                    master: rng.range(0, 3) as usize,
                 }
             } else {
                 Fault::AgentKilled {
@@ -396,12 +405,14 @@ pub async fn run(plan: Plan) -> Report {
             (url, Some(r), Some(s), None)
         }
         Deployment::Cluster => {
-            let c = tokio::task::spawn_blocking(|| Cluster::start(3))
+            let c = tokio::task::spawn_blocking(|| Cluster::start_with(3, 1))
                 .await
                 .expect("cluster start");
             (c.urls(), None, None, Some(Arc::new(c)))
         }
     };
+    // The Cluster's masters by the slots they started with (a failover puts its replica there).
+    let mut masters = cluster.as_ref().map(|c| c.masters()).unwrap_or_default();
     let on_cluster = cluster.is_some();
     let hot = cluster.as_deref().and_then(|c| hot_key(c, &faults));
     let mut troubles = Vec::new();
@@ -545,12 +556,34 @@ pub async fn run(plan: Plan) -> Report {
             }
             Fault::Reshard { from, to, slots, .. } => {
                 let c = cluster.clone().expect("a cluster deployment");
+                let (from, to) = (masters[from], masters[to]);
                 let moved = tokio::task::spawn_blocking(move || c.reshard_plain(from, to, slots as u32))
                     .await
                     .expect("the reshard's thread");
                 if let Err(e) = moved {
                     troubles.push(e);
                 }
+            }
+            Fault::ClusterFailover { master, .. } => {
+                let c = cluster.clone().expect("a cluster deployment");
+                let old = masters[master];
+                let from_ms = unix_ms();
+                let promoted = tokio::task::spawn_blocking(move || {
+                    let replica = c.replica_of(old)?;
+                    c.failover(replica);
+                    Some(replica)
+                })
+                .await
+                .expect("the failover's thread");
+                match promoted {
+                    Some(replica) => masters[master] = replica,
+                    None => troubles.push(format!("master {master} (node {old}) has no replica in sync")),
+                }
+                spans.push(FaultSpan {
+                    kind: FaultKind::Failover,
+                    from_ms,
+                    to_ms: unix_ms(),
+                });
             }
         }
     }

@@ -6,8 +6,9 @@
 //! (BENCHMARKS.md). These seeds cover every fault kind the single deployment has, a Sentinel
 //! failover (`SENTINEL FAILOVER` under load), which admitted up to 1.95x a sliding window's limit
 //! before the agents followed the sentinels' answer and wrote their recent admissions again, and a
-//! Cluster's reshards under load with plain `redis-cli --cluster reshard`, which stopped half-way on
-//! "Target key exists" and admitted up to 1.65x before the scripts declared every key they touch.
+//! Cluster's reshard under load with plain `redis-cli --cluster reshard`, which stopped half-way on
+//! "Target key exists" and admitted up to 1.65x before the scripts declared every key they touch,
+//! then its `CLUSTER FAILOVER`.
 
 use floodgate_tests::faults::{run, schedule, Deployment, Fault, Plan};
 
@@ -105,15 +106,24 @@ async fn sentinel_seed_2_a_failover_then_an_agent_cold_started() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_seed_4_two_reshards_under_load() {
+async fn cluster_seed_9_a_reshard_then_a_cluster_failover() {
     let plan = Plan {
         deployment: Deployment::Cluster,
-        ..Plan::seed(4)
+        ..Plan::seed(9)
     };
-    let reshards = schedule(&plan)
-        .into_iter()
-        .filter(|f| matches!(f, Fault::Reshard { .. }))
-        .count();
-    assert_eq!(reshards, 2, "the seed's schedule");
-    holds_on(4, Deployment::Cluster).await;
+    let kinds: Vec<_> = schedule(&plan).iter().map(std::mem::discriminant).collect();
+    assert_eq!(
+        kinds,
+        [
+            std::mem::discriminant(&Fault::Reshard {
+                at_ms: 0,
+                from: 0,
+                to: 0,
+                slots: 0
+            }),
+            std::mem::discriminant(&Fault::ClusterFailover { at_ms: 0, master: 0 }),
+        ],
+        "the seed's schedule"
+    );
+    holds_on(9, Deployment::Cluster).await;
 }
