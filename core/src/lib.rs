@@ -3,7 +3,8 @@
 //!
 //! # Map
 //! - [`engine`]: resolves rules, asks the store, applies fail modes, combines verdicts; its
-//!   shared-store path (cache, batching, call groups, fallback, take-back) in `engine/shared_path.rs`.
+//!   shared-store path (cache, batching, call groups, fallback, take-back) in `engine/shared_path.rs`,
+//!   `engine/groups.rs` and `engine/modes.rs`.
 //! - [`shared_store`]: what the engine and the agent's loops ask of the fleet's shared store.
 //! - [`store`]: the embedded in-memory store, the store errors, the key layout.
 //! - [`algo`]: sliding window and token bucket as pure functions of (state, now).

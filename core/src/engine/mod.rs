@@ -16,6 +16,8 @@ use crate::store::{Clock, ItemMode, Lease, MemoryStore, Planned};
 
 mod decide;
 mod degraded;
+mod groups;
+mod modes;
 mod observe;
 mod plan;
 mod shared_path;
