@@ -1,5 +1,5 @@
-//! The agent's batched counters, per rule and key, and the flush bookkeeping: which rules are due,
-//! what to send, and what a reply teaches.
+//! The agent's batched counters, per rule and key: checks decided on them (`check`, `undo`), the
+//! flush intervals, and Redis's clock as flushes learn it; the flushes themselves are `flush.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -14,55 +14,24 @@ use crate::store::{Clock, Planned};
 /// The default flush interval (the design's ~100 ms).
 pub const DEFAULT_FLUSH_MS: u64 = 100;
 
-/// Most entries one flush pass carries (writes and learns of all rules): bounds the pass's memory and
-/// Redis time (~256 calls). What does not fit waits for the next pass: unwritten units stay pending,
-/// unlearned keys stay stale (one check per key and slot until learned).
-pub const MAX_FLUSH_ENTRIES: usize = 65_536;
-
 /// Most (rule, key) counters an agent tracks by default; past it new keys run sync (~100 B each).
 pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
-const SHARDS: usize = 16;
+/// The mutex shards of each rule's counters.
+pub(super) const SHARDS: usize = 16;
 
-/// One entry of a flush: a write of units admitted for (rule, key) in window `target`, or a learn
-/// (0 units) that reads the global counts back.
-#[derive(Debug, Clone)]
-pub struct FlushEntry {
-    /// The rule.
-    pub rule: Arc<Rule>,
-    /// The client key.
-    pub key: String,
-    /// The window the units belong to (Redis clock).
-    pub target: u64,
-    /// Units to add.
-    pub units: u64,
-    /// For a learn, the rule's learn sequence number.
-    pub seq: u32,
-    /// Whether this entry learns (reads) rather than writes.
-    pub learn: bool,
-}
-
-/// What Redis answered for one entry: its window index then, and the counts of that window and the
-/// one before.
-#[derive(Debug, Clone, Copy)]
-pub struct Learned {
-    /// Redis's window index when the entry was applied.
-    pub window: u64,
-    /// The global count of that window.
-    pub cur: u64,
-    /// The global count of the window before.
-    pub prev: u64,
-}
-
-struct RuleCounters {
-    window_ms: u64,
+/// One rule's counters and their flush state.
+pub(super) struct RuleCounters {
+    /// The rule's window the counts are in.
+    pub(super) window_ms: u64,
     /// Learns of this rule so far (+1): counts learned before the last learn are stale.
-    seq: AtomicU32,
+    pub(super) seq: AtomicU32,
     /// The shard the next flush pass starts at.
-    cursor: AtomicUsize,
+    pub(super) cursor: AtomicUsize,
     /// The flush slot (Redis time / interval) of the last write, and of the last learn.
-    slots: Mutex<(u64, u64)>,
-    shards: Vec<Mutex<CounterMap>>,
+    pub(super) slots: Mutex<(u64, u64)>,
+    /// The counters by key, `SHARDS` maps.
+    pub(super) shards: Vec<Mutex<CounterMap>>,
 }
 
 /// Counters in figures, for the admin API and benchmarks.
@@ -199,7 +168,7 @@ impl Batcher {
     }
 
     /// Drops the counters of rules no longer in the set (a rule removed or renamed by a reload).
-    fn forget_removed(&self, rules: &[Arc<Rule>]) {
+    pub(super) fn forget_removed(&self, rules: &[Arc<Rule>]) {
         let known =
             |map: &HashMap<String, Arc<RuleCounters>>| map.keys().all(|id| rules.iter().any(|r| &r.id == id));
         if known(&self.rules.read().unwrap_or_else(|p| p.into_inner())) {
@@ -222,7 +191,7 @@ impl Batcher {
         self.forget_keys(gone);
     }
 
-    fn forget_keys(&self, n: usize) {
+    pub(super) fn forget_keys(&self, n: usize) {
         let _ = self.keys.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |k| {
             Some(k.saturating_sub(n))
         });
@@ -230,7 +199,7 @@ impl Batcher {
 
     /// The counters of a rule as they are, if their window is still the rule's (a flush reply for a
     /// rule whose window has since changed teaches nothing).
-    fn existing(&self, rule: &Rule) -> Option<Arc<RuleCounters>> {
+    pub(super) fn existing(&self, rule: &Rule) -> Option<Arc<RuleCounters>> {
         let rules = self.rules.read().unwrap_or_else(|p| p.into_inner());
         rules
             .get(&rule.id)
@@ -328,148 +297,6 @@ impl Batcher {
         }
     }
 
-    /// The entries of every rule whose flush is due now (Redis clock): at the start of each flush
-    /// slot (time / interval) a write of what was admitted since the last one; half a slot later,
-    /// when every agent has written, a learn of the keys that need one (`Counter::needs_learn`: near
-    /// their share, or not learned for `LEARN_EVERY` passes).
-    /// With `force` (shutdown), a write of everything pending. Idle counters whose windows have
-    /// passed are dropped at each learn.
-    pub fn take_due(&self, rules: &[Arc<Rule>], n: u64, force: bool) -> Vec<FlushEntry> {
-        let redis_now = self.redis_now_ms();
-        let cap = if force { usize::MAX } else { MAX_FLUSH_ENTRIES };
-        let mut out = Vec::new();
-        self.forget_removed(rules);
-        for rule in rules {
-            let Some(rc) = self.existing(rule) else {
-                continue;
-            };
-            let interval = self.flush_ms(rule);
-            let slot = redis_now / interval;
-            let (write, learn) = {
-                let mut slots = rc.slots.lock().unwrap_or_else(|p| p.into_inner());
-                let write = force || slots.0 != slot;
-                let learn = !force && !write && slots.1 != slot && redis_now % interval >= interval / 2;
-                if write {
-                    slots.0 = slot;
-                }
-                if learn {
-                    slots.1 = slot;
-                }
-                (write, learn)
-            };
-            if !(write || learn) {
-                continue;
-            }
-            let seq = if learn {
-                rc.seq.fetch_add(1, Ordering::Relaxed) + 1
-            } else {
-                0
-            };
-            let idx = redis_now / rc.window_ms;
-            // A pass that hits the cap stops at a shard; the next one starts there, so no shard's
-            // keys wait behind the others' for more than a few passes.
-            let first = rc.cursor.load(Ordering::Relaxed);
-            for k in 0..SHARDS {
-                let s = (first + k) % SHARDS;
-                if out.len() >= cap {
-                    rc.cursor.store(s, Ordering::Relaxed);
-                    break;
-                }
-                let mut shard = rc.shards[s].lock().unwrap_or_else(|p| p.into_inner());
-                if learn {
-                    let dropped = shard.retain(|c| c.active || c.busy() || c.window + 2 > idx);
-                    self.forget_keys(dropped);
-                }
-                for (key, c) in shard.iter_mut() {
-                    if out.len() >= cap {
-                        break;
-                    }
-                    if write && c.pending() > 0 {
-                        for (target, units) in c.take() {
-                            if units > 0 {
-                                out.push(FlushEntry {
-                                    rule: rule.clone(),
-                                    key: key.to_string(),
-                                    target,
-                                    units,
-                                    seq,
-                                    learn: false,
-                                });
-                            }
-                        }
-                    }
-                    if learn && c.needs_learn(rule.limit.get(), rc.window_ms, redis_now, n, seq) {
-                        c.active = false;
-                        out.push(FlushEntry {
-                            rule: rule.clone(),
-                            key: key.to_string(),
-                            target: c.window,
-                            units: 0,
-                            seq,
-                            learn: true,
-                        });
-                    }
-                }
-            }
-        }
-        if !out.is_empty() {
-            self.stats.flushes.fetch_add(1, Ordering::Relaxed);
-        }
-        self.stats.entries.fetch_add(out.len() as u64, Ordering::Relaxed);
-        self.stats
-            .units
-            .fetch_add(out.iter().map(|e| e.units).sum(), Ordering::Relaxed);
-        out
-    }
-
-    /// Applies a flush reply: written units stay written and learns set the learned counts (`Ok`), written units
-    /// pending again (`Err(true)`: the call surely failed), or given up as uncertain (`Err(false)`:
-    /// it timed out and may have been applied).
-    pub fn apply(&self, entries: &[FlushEntry], reply: Result<&[Learned], bool>) {
-        match reply {
-            Err(false) => self
-                .stats
-                .uncertain_units
-                .fetch_add(entries.iter().map(|e| e.units).sum(), Ordering::Relaxed),
-            Err(true) => self.stats.errors.fetch_add(1, Ordering::Relaxed),
-            Ok(_) => 0,
-        };
-        for (i, e) in entries.iter().enumerate() {
-            let Some(rc) = self.existing(&e.rule) else {
-                continue;
-            };
-            let mut shard = rc.shards[shard_of(&e.key)]
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
-            let Some(c) = shard.get_mut(e.key.as_str()) else {
-                continue;
-            };
-            match reply {
-                Ok(learned) if e.learn => {
-                    if let Some(l) = learned.get(i) {
-                        c.learn(l.window, l.cur, l.prev, e.seq);
-                    }
-                }
-                Ok(learned) => {
-                    // A write answers with its window's count after it.
-                    if let Some(l) = learned.get(i) {
-                        crate::metrics::over_admitted(
-                            &e.rule,
-                            crate::metrics::OverSource::Flush,
-                            l.cur,
-                            e.units,
-                        );
-                    }
-                }
-                // A learn that failed teaches nothing: the counts stay as stale as they are.
-                Err(_) if e.learn => {}
-                // Written, or maybe written (a timeout): it stays counted as written.
-                Err(false) => {}
-                Err(true) => c.resend(e.target, e.units),
-            }
-        }
-    }
-
     /// Per rule: keys tracked, units not yet written to Redis, and units not yet in a learned count
     /// (those plus the written ones).
     pub fn snapshot(&self) -> Vec<(String, usize, u64, u64)> {
@@ -507,6 +334,7 @@ fn new_counters(window_ms: u64, slot: u64) -> Arc<RuleCounters> {
     })
 }
 
-fn shard_of(key: &str) -> usize {
+/// The shard of a key's counter.
+pub(super) fn shard_of(key: &str) -> usize {
     (crate::store::layout::fnv1a(key.as_bytes()) % SHARDS as u64) as usize
 }

@@ -3,9 +3,11 @@
 
 mod batcher;
 mod counter;
+mod flush;
 mod hot;
 mod map;
 
-pub use batcher::{BatchStats, Batcher, FlushEntry, Learned, DEFAULT_FLUSH_MS, DEFAULT_MAX_KEYS};
+pub use batcher::{BatchStats, Batcher, DEFAULT_FLUSH_MS, DEFAULT_MAX_KEYS};
 pub use counter::{Counter, Denial};
+pub use flush::{FlushEntry, Learned};
 pub use hot::HotKeys;
