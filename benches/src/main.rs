@@ -318,6 +318,9 @@ enum Command {
         /// Checks per second offered, over all agents.
         #[arg(long, default_value_t = 1_000)]
         rate: u64,
+        /// Client keys per rule (25 at 1,000 checks/s offers each rule about twice its limit).
+        #[arg(long, default_value_t = 25)]
+        keys: u64,
         /// Where the counters live: `single` (one redis-server: kills, pauses, latency),
         /// `sentinel` (a master, a replica and a sentinel: failovers) or `cluster` (three masters:
         /// reshards under load).
@@ -568,6 +571,7 @@ fn main() -> anyhow::Result<()> {
             seconds,
             agents,
             rate,
+            keys,
             deployment,
         }) => {
             let deployment = match deployment.as_str() {
@@ -583,7 +587,7 @@ fn main() -> anyhow::Result<()> {
                     seconds,
                     agents,
                     rate,
-                    keys: floodgate_tests::faults::Plan::seed(seed).keys,
+                    keys,
                     deployment,
                 };
                 let report = runtime.block_on(floodgate_tests::faults::run(plan));
