@@ -25,11 +25,14 @@
 //!
 //! Here: what the store sees of a node's task (the requests it takes, its shedding estimate, `spawn`);
 //! - `connect.rs`: where a node is, from its URL, and the connect and sign-in;
-//! - `task.rs`: the task's loop: coalescing, writing, reading and answering, and the connection's
-//!   failures and backoff.
+//! - `task.rs`: the task's loop: coalescing, writing and reading, and the connection's failures
+//!   and backoff;
+//! - `replies.rs`: the replies read, each answering its call (NOSCRIPT: the script loaded, the call
+//!   sent again).
 
 mod calls;
 mod connect;
+mod replies;
 mod task;
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

@@ -1,6 +1,6 @@
 //! A node's task: takes checks off its queue, coalesces them into one check-script call while fewer
-//! than [`MAX_IN_FLIGHT`] calls are live, writes it, reads the replies in order and answers each
-//! check; connects again with a backoff, and drops a connection that stops answering.
+//! than [`MAX_IN_FLIGHT`] calls are live, writes it, reads the replies (each answers its call in
+//! `replies.rs`); connects again with a backoff, and drops a connection that stops answering.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
@@ -18,8 +18,8 @@ use super::calls::{fail, write, Pending, Waiter};
 use super::connect::{Io, CONNECT_TIMEOUT};
 use super::{NodeTask, PipeState, Request};
 use crate::store::call;
-use crate::store::coalesce::MAX_IN_FLIGHT;
-use crate::store::resp::{self, Reply, RespError, MAX_REPLY};
+use crate::store::coalesce::{Job, MAX_IN_FLIGHT};
+use crate::store::resp;
 
 /// Calls written and not yet answered (their callers gone or not) that close the connection: Redis
 /// has not answered for that long, and the replies still owed are not worth waiting for.
@@ -34,16 +34,16 @@ const MAX_BACKOFF: Duration = Duration::from_millis(200);
 /// A node's task: its connection, the calls written on it and not yet answered, and the requests
 /// waiting for one of the [`MAX_IN_FLIGHT`] slots.
 pub(super) struct Node {
-    task: NodeTask,
+    pub(super) task: NodeTask,
     /// `SCRIPT LOAD` of the check script, as RESP.
-    load: Vec<u8>,
+    pub(super) load: Vec<u8>,
     conn: Option<Box<dyn Io>>,
-    rbuf: Vec<u8>,
-    rpos: usize,
-    pending: VecDeque<Pending>,
+    pub(super) rbuf: Vec<u8>,
+    pub(super) rpos: usize,
+    pub(super) pending: VecDeque<Pending>,
     waiting: VecDeque<Request>,
     /// Command buffers of answered calls, reused.
-    spare: Vec<Vec<u8>>,
+    pub(super) spare: Vec<Vec<u8>>,
     retry_at: Option<Instant>,
     backoff: Duration,
     last_error: StoreError,
@@ -55,7 +55,7 @@ pub(super) struct Node {
     /// store sheds new checks, so the queue drains and the checks it does take are answered within
     /// their budget; past capacity, a share of checks is answered by its fail mode at once rather
     /// than every check late.
-    state: Arc<PipeState>,
+    pub(super) state: Arc<PipeState>,
 }
 
 /// Waits for the timer (never ready without one).
@@ -196,82 +196,95 @@ impl Node {
                     return;
                 }
             }
-            let (cmd, waiter, items, timeout, traced) = match self.waiting.pop_front() {
+            let pending = match self.waiting.pop_front() {
                 Some(Request::Raw {
                     cmd,
                     items,
                     timeout,
                     reply,
-                }) => (cmd, Waiter::Raw(reply), items, timeout, None),
-                Some(Request::Check(first)) => {
-                    // Three quarters of its budget gone before it is even sent: the store sheds new
-                    // checks for half a store timeout, or until the queue drains. One whose budget is
-                    // gone is shed here (and new checks for a whole timeout): its caller's timer may
-                    // not have run yet on a saturated agent, and sending it would only delay the
-                    // checks behind it.
-                    let left = first.deadline.saturating_duration_since(now);
-                    if left.is_zero() {
-                        // Its caller's budget is gone: not sent.
-                        let _ = first.reply.send(Err(StoreError::Shed));
-                        self.state.set_overloaded(true, self.task.timeout);
-                        continue;
-                    }
-                    // Not `left` against the round trip: a Redis slower than the budget must still
-                    // be sent checks, whose timeouts open its breaker.
-                    if left < self.task.timeout / 4 {
-                        self.state.set_overloaded(true, self.task.timeout / 2);
-                    }
-                    let mut jobs = vec![first];
-                    let mut items = jobs[0].items.len();
-                    while items < self.task.max_items {
-                        match self.waiting.front() {
-                            Some(Request::Check(j)) if j.reply.is_closed() => {
-                                self.waiting.pop_front();
-                            }
-                            Some(Request::Check(_)) => {
-                                if let Some(Request::Check(j)) = self.waiting.pop_front() {
-                                    items += j.items.len();
-                                    jobs.push(j);
-                                }
-                            }
-                            _ => break,
-                        }
-                    }
-                    // These leave the agent's queue for Redis: a timeout of theirs from now on
-                    // may be Redis's (`Queued::sent`).
-                    let last = jobs.iter().map(|j| j.seq).max().unwrap_or(0);
-                    self.state.taken.fetch_max(last, Ordering::Relaxed);
-                    let mut cmd = self.spare.pop().unwrap_or_default();
-                    cmd.clear();
-                    let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
-                    call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
-                    drop(call_items);
-                    // The traced checks it serves, when traces are on.
-                    let traced = if floodgate_core::call_trace::enabled() {
-                        let served: Vec<_> = jobs.iter().filter_map(|j| j.span).collect();
-                        (!served.is_empty()).then(|| Box::new((served, jobs.len(), now)))
-                    } else {
-                        None
-                    };
-                    let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
-                    (cmd, waiter, items, self.task.timeout, traced)
-                }
+                }) => Pending {
+                    waiter: Waiter::Raw(reply),
+                    items,
+                    deadline: now + timeout,
+                    cmd,
+                    resent: false,
+                    traced: None,
+                },
+                Some(Request::Check(first)) => match self.coalesce(first, now) {
+                    Some(pending) => pending,
+                    None => continue,
+                },
                 None => return,
-            };
-            let pending = Pending {
-                waiter,
-                items,
-                deadline: now + timeout,
-                cmd,
-                resent: false,
-                traced,
             };
             self.send(pending).await;
         }
     }
 
+    /// The check first in the queue and the checks queued behind it, up to `max_items` items, as
+    /// one script call; `None` when the first's budget is gone (it is shed, not sent).
+    fn coalesce(&mut self, first: Job, now: Instant) -> Option<Pending> {
+        // Three quarters of its budget gone before it is even sent: the store sheds new
+        // checks for half a store timeout, or until the queue drains. One whose budget is
+        // gone is shed here (and new checks for a whole timeout): its caller's timer may
+        // not have run yet on a saturated agent, and sending it would only delay the
+        // checks behind it.
+        let left = first.deadline.saturating_duration_since(now);
+        if left.is_zero() {
+            // Its caller's budget is gone: not sent.
+            let _ = first.reply.send(Err(StoreError::Shed));
+            self.state.set_overloaded(true, self.task.timeout);
+            return None;
+        }
+        // Not `left` against the round trip: a Redis slower than the budget must still
+        // be sent checks, whose timeouts open its breaker.
+        if left < self.task.timeout / 4 {
+            self.state.set_overloaded(true, self.task.timeout / 2);
+        }
+        let mut jobs = vec![first];
+        let mut items = jobs[0].items.len();
+        while items < self.task.max_items {
+            match self.waiting.front() {
+                Some(Request::Check(j)) if j.reply.is_closed() => {
+                    self.waiting.pop_front();
+                }
+                Some(Request::Check(_)) => {
+                    if let Some(Request::Check(j)) = self.waiting.pop_front() {
+                        items += j.items.len();
+                        jobs.push(j);
+                    }
+                }
+                _ => break,
+            }
+        }
+        // These leave the agent's queue for Redis: a timeout of theirs from now on
+        // may be Redis's (`Queued::sent`).
+        let last = jobs.iter().map(|j| j.seq).max().unwrap_or(0);
+        self.state.taken.fetch_max(last, Ordering::Relaxed);
+        let mut cmd = self.spare.pop().unwrap_or_default();
+        cmd.clear();
+        let call_items = call::check_items(jobs.iter().map(|j| j.items.as_slice()));
+        call::write_check(&mut cmd, &self.task.script_hash, &self.task.layout, &call_items);
+        drop(call_items);
+        // The traced checks it serves, when traces are on.
+        let traced = if floodgate_core::call_trace::enabled() {
+            let served: Vec<_> = jobs.iter().filter_map(|j| j.span).collect();
+            (!served.is_empty()).then(|| Box::new((served, jobs.len(), now)))
+        } else {
+            None
+        };
+        let waiter = Waiter::Checks(jobs.into_iter().map(|j| (j.items.len(), j.reply)).collect());
+        Some(Pending {
+            waiter,
+            items,
+            deadline: now + self.task.timeout,
+            cmd,
+            resent: false,
+            traced,
+        })
+    }
+
     /// Writes a call and queues it for its reply; a failed write fails it and the connection.
-    async fn send(&mut self, p: Pending) {
+    pub(super) async fn send(&mut self, p: Pending) {
         let written = match &mut self.conn {
             Some(io) => write(io, &p.cmd, self.task.timeout).await,
             None => Err(StoreError::Connection("the connection to Redis closed".into())),
@@ -306,128 +319,8 @@ impl Node {
         }
     }
 
-    /// Answers every reply read so far.
-    async fn on_data(&mut self) {
-        let mut again = Vec::new();
-        let broken = loop {
-            let (reply, used) = match resp::parse(&self.rbuf[self.rpos..]) {
-                Ok(r) => r,
-                Err(RespError::Incomplete) if self.rbuf.len() - self.rpos > MAX_REPLY => {
-                    break Some("a reply longer than any the check script gives".to_string())
-                }
-                Err(RespError::Incomplete) => break None,
-                Err(e) => break Some(e.to_string()),
-            };
-            self.rpos += used;
-            let Some(mut p) = self.pending.pop_front() else {
-                break Some("a reply no call waits for".into());
-            };
-            if let Reply::Error(e) = &reply {
-                if e.starts_with("NOSCRIPT") && !p.resent {
-                    p.resent = true;
-                    again.push(p);
-                    continue;
-                }
-            }
-            self.answer(&mut p, reply);
-            if self.spare.len() < MAX_IN_FLIGHT * 2 {
-                self.spare.push(std::mem::take(&mut p.cmd));
-            }
-        };
-        if let Some(why) = broken {
-            let e = StoreError::Connection(why);
-            for p in again {
-                metrics::redis_call(self.task.shard, false);
-                fail(p.waiter, &e);
-            }
-            self.drop_conn(e);
-            return;
-        }
-        // What is left is the start of a reply still arriving: moved to the front, so the buffer never
-        // grows past the longest reply.
-        self.rbuf.drain(..self.rpos);
-        self.rpos = 0;
-        // NOSCRIPT: load the script, then the same call once more (its reply comes after the load's).
-        for p in again {
-            let load = Pending {
-                waiter: Waiter::Load,
-                items: 0,
-                deadline: p.deadline,
-                cmd: self.load.clone(),
-                resent: true,
-                traced: None,
-            };
-            self.send(load).await;
-            self.send(p).await;
-        }
-    }
-
-    /// Gives a call's reply to whoever waits for it.
-    fn answer(&self, p: &mut Pending, reply: Reply) {
-        if !p.resent && matches!(p.waiter, Waiter::Checks(_)) {
-            // A check call's time, sent to answered (its deadline is its send plus the checks'
-            // timeout; a raw call has a timeout of its own), in a moving average of 1/8 per call:
-            // what a check sent now should expect to wait.
-            let took = Instant::now()
-                .saturating_duration_since(p.deadline - self.task.timeout)
-                .as_micros() as u64;
-            let rtt = self.state.rtt_us.load(Ordering::Relaxed);
-            // The first call sets it; after that each moves it by an eighth.
-            let rtt = if rtt == 0 { took } else { (rtt * 7 + took) / 8 };
-            self.state.rtt_us.store(rtt.max(1), Ordering::Relaxed);
-        }
-        let waiter = std::mem::replace(&mut p.waiter, Waiter::Load);
-        let result = match reply {
-            Reply::Ints(v) if v.len() == p.items * 5 => Ok(v),
-            Reply::Ints(v) => Err(StoreError::Script(format!(
-                "script returned {} values for {} items",
-                v.len(),
-                p.items
-            ))),
-            Reply::Error(e) => Err(crate::store::errors::reply_error("", e)),
-            Reply::Int(_) | Reply::Other => {
-                Err(StoreError::Script("script returned no array of integers".into()))
-            }
-        };
-        if !matches!(waiter, Waiter::Load) {
-            // A reply past its deadline came too late for its callers: counted as the failure it was.
-            metrics::redis_call(self.task.shard, result.is_ok() && Instant::now() <= p.deadline);
-        }
-        if let Some(t) = p.traced.take() {
-            let (served, checks, sent) = *t;
-            floodgate_core::call_trace::report(floodgate_core::call_trace::CallReport {
-                shard: self.task.shard,
-                checks,
-                items: p.items,
-                sent,
-                answered: Instant::now(),
-                ok: result.is_ok(),
-                served,
-            });
-        }
-        match (waiter, result) {
-            (Waiter::Load, _) => {}
-            (Waiter::Raw(reply), result) => {
-                let _ = reply.send(result);
-            }
-            (Waiter::Checks(checks), Ok(v)) => {
-                let mut at = 0;
-                for (n, reply) in checks {
-                    let outcomes = v[at..at + n * 5].chunks_exact(5).map(call::outcome).collect();
-                    at += n * 5;
-                    let _ = reply.send(Ok(outcomes));
-                }
-            }
-            (Waiter::Checks(checks), Err(e)) => {
-                for (_, reply) in checks {
-                    let _ = reply.send(Err(e.clone()));
-                }
-            }
-        }
-    }
-
     /// Drops the connection; every call on it fails with `e`.
-    fn drop_conn(&mut self, e: StoreError) {
+    pub(super) fn drop_conn(&mut self, e: StoreError) {
         self.conn = None;
         self.rbuf.clear();
         self.rpos = 0;
