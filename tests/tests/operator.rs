@@ -387,3 +387,57 @@ async fn the_daemons_outlive_a_log_pipe_without_reader() {
         child.wait().unwrap();
     }
 }
+
+/// `floodgate agent --help` groups its ~55 flags under headings and ends with examples, each of
+/// whose flags the agent accepts (checked by parsing it with `--help` at its end: an unknown flag
+/// fails before the help is printed).
+#[test]
+fn the_agents_help_is_grouped_and_its_examples_parse() {
+    let out = Command::new(floodgate_bin())
+        .args(["agent", "--help"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let help = String::from_utf8(out.stdout).unwrap();
+    for heading in [
+        "Listeners:",
+        "Envoy gRPC:",
+        "Connections:",
+        "Redis:",
+        "Execution modes:",
+        "When Redis is slow or away:",
+        "Rules:",
+        "Observability:",
+        "Traces:",
+        "Examples:",
+    ] {
+        assert!(help.lines().any(|l| l == heading), "no {heading:?} in:\n{help}");
+    }
+    let examples: Vec<&str> = help
+        .lines()
+        .skip_while(|l| *l != "Examples:")
+        .filter_map(|l| l.strip_prefix("  floodgate "))
+        .collect();
+    assert_eq!(examples.len(), 4, "{help}");
+    for example in examples {
+        // The config file is read before the flags: the one the .deb installs there.
+        let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/debian/agent.toml");
+        let mut args: Vec<&str> = example
+            .split_whitespace()
+            .map(|a| {
+                if a == "/etc/floodgate/agent.toml" {
+                    shipped
+                } else {
+                    a
+                }
+            })
+            .collect();
+        args.push("--help");
+        let out = Command::new(floodgate_bin()).args(&args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "floodgate {example}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

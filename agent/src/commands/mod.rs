@@ -30,9 +30,23 @@ struct Cli {
     command: Command,
 }
 
+/// `floodgate agent --help`'s examples (each is run by `tests/tests/operator.rs`'s help test, up to
+/// its flags' parsing).
+pub const AGENT_EXAMPLES: &str = "Examples:
+  floodgate agent
+      the embedded store (exact limits on this host), the built-in example rules in its
+      rules API on 127.0.0.1:9791
+  floodgate agent --redis redis://127.0.0.1:6379 --rules rules.toml
+      limits shared by every agent on that Redis
+  floodgate agent --redis redis://redis:6379 --grpc 0.0.0.0:8081 --rules config.yaml
+      also Envoy's RateLimitService, with envoyproxy/ratelimit's YAML
+  floodgate agent --config /etc/floodgate/agent.toml
+      every setting from a file (keys: these flags in snake case)";
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the per-host agent (embedded store unless --redis is given).
+    #[command(after_help = AGENT_EXAMPLES)]
     Agent(Box<AgentConfig>),
     /// Run the rules service: the rules API over SQLite or PostgreSQL.
     RulesServer(RulesServerConfig),
