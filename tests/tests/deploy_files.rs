@@ -50,12 +50,12 @@ fn extension(path: &Path) -> &str {
 }
 
 /// Every document of a YAML stream.
-fn yaml_documents(text: &str) -> Result<Vec<serde_yaml::Value>, serde_yaml::Error> {
-    serde_yaml::Deserializer::from_str(text)
-        // This is `Value::deserialize(document)`, spelled through a function of serde_yaml's because
+fn yaml_documents(text: &str) -> Result<Vec<yaml_serde::Value>, yaml_serde::Error> {
+    yaml_serde::Deserializer::from_str(text)
+        // This is `Value::deserialize(document)`, spelled through a function of yaml_serde's because
         // this crate does not depend on serde, whose `Deserialize` trait that call needs.
         // `singleton_map` only changes how enums are read, and a `Value` has none.
-        .map(serde_yaml::with::singleton_map::deserialize::<serde_yaml::Value, _>)
+        .map(yaml_serde::with::singleton_map::deserialize::<yaml_serde::Value, _>)
         .collect()
 }
 

@@ -76,7 +76,7 @@ fn helm_ok(args: &[&str]) -> String {
 
 /// The documents of a YAML stream (`helm template`'s output), split on `---` lines; empty
 /// documents (only comments) are left out.
-fn documents(text: &str) -> Vec<serde_yaml::Value> {
+fn documents(text: &str) -> Vec<yaml_serde::Value> {
     let mut chunks = vec![String::new()];
     for line in text.lines() {
         if line.trim_end() == "---" {
@@ -90,7 +90,7 @@ fn documents(text: &str) -> Vec<serde_yaml::Value> {
     chunks
         .iter()
         .map(|chunk| {
-            serde_yaml::from_str::<serde_yaml::Value>(chunk)
+            yaml_serde::from_str::<yaml_serde::Value>(chunk)
                 .unwrap_or_else(|e| panic!("a rendered document is not YAML: {e}\n{chunk}"))
         })
         .filter(|doc| !doc.is_null())
@@ -98,7 +98,7 @@ fn documents(text: &str) -> Vec<serde_yaml::Value> {
 }
 
 /// Renders the chart as release `t`, with `extra` arguments (values files, `--set`).
-fn render(extra: &[&str]) -> Vec<serde_yaml::Value> {
+fn render(extra: &[&str]) -> Vec<yaml_serde::Value> {
     let chart = chart_dir();
     let chart = chart.to_str().expect("a UTF-8 path");
     let mut args = vec!["template", "t", chart];
@@ -115,7 +115,7 @@ fn production_values() -> String {
 }
 
 /// `value[a][b]…` for string keys and sequence indexes given as numbers.
-fn at<'a>(value: &'a serde_yaml::Value, path: &[&str]) -> &'a serde_yaml::Value {
+fn at<'a>(value: &'a yaml_serde::Value, path: &[&str]) -> &'a yaml_serde::Value {
     let mut v = value;
     for key in path {
         v = match key.parse::<usize>() {
@@ -126,37 +126,37 @@ fn at<'a>(value: &'a serde_yaml::Value, path: &[&str]) -> &'a serde_yaml::Value 
     v
 }
 
-fn str_at<'a>(value: &'a serde_yaml::Value, path: &[&str]) -> &'a str {
+fn str_at<'a>(value: &'a yaml_serde::Value, path: &[&str]) -> &'a str {
     at(value, path).as_str().unwrap_or("")
 }
 
-fn seq_at<'a>(value: &'a serde_yaml::Value, path: &[&str]) -> &'a [serde_yaml::Value] {
+fn seq_at<'a>(value: &'a yaml_serde::Value, path: &[&str]) -> &'a [yaml_serde::Value] {
     at(value, path).as_sequence().map(Vec::as_slice).unwrap_or(&[])
 }
 
-fn of_kind<'a>(docs: &'a [serde_yaml::Value], kind: &str) -> Vec<&'a serde_yaml::Value> {
+fn of_kind<'a>(docs: &'a [yaml_serde::Value], kind: &str) -> Vec<&'a yaml_serde::Value> {
     docs.iter().filter(|d| str_at(d, &["kind"]) == kind).collect()
 }
 
-fn the_one<'a>(docs: &'a [serde_yaml::Value], kind: &str) -> &'a serde_yaml::Value {
+fn the_one<'a>(docs: &'a [yaml_serde::Value], kind: &str) -> &'a yaml_serde::Value {
     let found = of_kind(docs, kind);
     assert_eq!(found.len(), 1, "expected one {kind}, found {}", found.len());
     found[0]
 }
 
-fn component(doc: &serde_yaml::Value) -> &str {
+fn component(doc: &yaml_serde::Value) -> &str {
     str_at(doc, &["metadata", "labels", "app.kubernetes.io/component"])
 }
 
 /// The agent's container of the DaemonSet.
-fn agent_container(daemonset: &serde_yaml::Value) -> &serde_yaml::Value {
+fn agent_container(daemonset: &yaml_serde::Value) -> &yaml_serde::Value {
     seq_at(daemonset, &["spec", "template", "spec", "containers"])
         .iter()
         .find(|c| str_at(c, &["name"]) == "agent")
         .expect("the DaemonSet has a container named agent")
 }
 
-fn agent_toml(docs: &[serde_yaml::Value]) -> String {
+fn agent_toml(docs: &[yaml_serde::Value]) -> String {
     let configmap = the_one(docs, "ConfigMap");
     str_at(configmap, &["data", "agent.toml"]).to_string()
 }
@@ -170,20 +170,20 @@ fn toml_value<'a>(toml: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// The volume named `name` of a pod template.
-fn volume<'a>(workload: &'a serde_yaml::Value, name: &str) -> Option<&'a serde_yaml::Value> {
+fn volume<'a>(workload: &'a yaml_serde::Value, name: &str) -> Option<&'a yaml_serde::Value> {
     seq_at(workload, &["spec", "template", "spec", "volumes"])
         .iter()
         .find(|v| str_at(v, &["name"]) == name)
 }
 
-fn mounts(container: &serde_yaml::Value) -> Vec<(&str, &str)> {
+fn mounts(container: &yaml_serde::Value) -> Vec<(&str, &str)> {
     seq_at(container, &["volumeMounts"])
         .iter()
         .map(|m| (str_at(m, &["name"]), str_at(m, &["mountPath"])))
         .collect()
 }
 
-fn env_secret<'a>(container: &'a serde_yaml::Value, name: &str) -> Option<(&'a str, &'a str)> {
+fn env_secret<'a>(container: &'a yaml_serde::Value, name: &str) -> Option<(&'a str, &'a str)> {
     seq_at(container, &["env"])
         .iter()
         .find(|e| str_at(e, &["name"]) == name)
@@ -197,7 +197,7 @@ fn env_secret<'a>(container: &'a serde_yaml::Value, name: &str) -> Option<(&'a s
 
 /// What both renders must have: the agent DaemonSet with its config file and host directories,
 /// the ConfigMap naming `redis_url`, the rules service and both disruption budgets.
-fn check_common(docs: &[serde_yaml::Value], redis_url: &str) {
+fn check_common(docs: &[yaml_serde::Value], redis_url: &str) {
     let daemonset = the_one(docs, "DaemonSet");
     let agent = agent_container(daemonset);
     let args: Vec<&str> = seq_at(agent, &["args"])
@@ -309,7 +309,7 @@ fn the_chart_lints() {
 #[test]
 fn the_defaults_render_an_agent_daemonset_and_a_rules_service() {
     let docs = render(&[]);
-    let values: serde_yaml::Value = serde_yaml::from_str(
+    let values: yaml_serde::Value = yaml_serde::from_str(
         &std::fs::read_to_string(chart_dir().join("values.yaml")).expect("read values.yaml"),
     )
     .expect("values.yaml is YAML");
@@ -337,8 +337,8 @@ fn the_defaults_render_an_agent_daemonset_and_a_rules_service() {
 fn the_production_values_mount_the_redis_secrets_and_serve_grpc() {
     let production = production_values();
     let docs = render(&["-f", production.as_str()]);
-    let values: serde_yaml::Value =
-        serde_yaml::from_str(&std::fs::read_to_string(&production).expect("read the production values"))
+    let values: yaml_serde::Value =
+        yaml_serde::from_str(&std::fs::read_to_string(&production).expect("read the production values"))
             .expect("the production values are YAML");
     let redis_url = str_at(&values, &["redis", "url"]);
     assert!(redis_url.starts_with("rediss://"), "production uses TLS to Redis");
@@ -436,7 +436,7 @@ fn a_bad_value_fails_the_schema() {
 fn every_compose_service_has_a_healthcheck() {
     let path = repo_root().join("deploy/compose/compose.yaml");
     let text = std::fs::read_to_string(&path).expect("read compose.yaml");
-    let mut compose: serde_yaml::Value = serde_yaml::from_str(&text).expect("compose.yaml is YAML");
+    let mut compose: yaml_serde::Value = yaml_serde::from_str(&text).expect("compose.yaml is YAML");
     // The redis nodes take theirs from an anchor merged with `<<`.
     compose.apply_merge().expect("the merge keys resolve");
     let services = at(&compose, &["services"])
@@ -448,8 +448,8 @@ fn every_compose_service_has_a_healthcheck() {
         let name = name.as_str().unwrap_or("?");
         let test = at(service, &["healthcheck", "test"]);
         let ok = match test {
-            serde_yaml::Value::Sequence(items) => items.len() > 1,
-            serde_yaml::Value::String(s) => !s.trim().is_empty(),
+            yaml_serde::Value::Sequence(items) => items.len() > 1,
+            yaml_serde::Value::String(s) => !s.trim().is_empty(),
             _ => false,
         };
         if !ok {

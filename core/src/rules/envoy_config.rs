@@ -50,7 +50,7 @@ struct RateLimit {
     unlimited: bool,
     name: Option<String>,
     #[serde(default)]
-    replaces: Vec<serde_yaml::Value>,
+    replaces: Vec<yaml_serde::Value>,
 }
 
 /// The seconds in one envoyproxy/ratelimit unit (month and year are calendar units, not windows).
@@ -77,7 +77,7 @@ pub fn rules_from_yaml(text: &str) -> Result<Vec<Rule>, UnmappableConfig> {
 }
 
 fn parse(text: &str) -> Result<Vec<Rule>, String> {
-    let file: File = serde_yaml::from_str(text).map_err(|e| format!("envoy ratelimit config: {e}"))?;
+    let file: File = yaml_serde::from_str(text).map_err(|e| format!("envoy ratelimit config: {e}"))?;
     let domain = match file.domain {
         Some(d) if !d.is_empty() => d,
         _ => return Err("envoy ratelimit config: the domain is missing or empty".into()),
