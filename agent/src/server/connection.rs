@@ -11,12 +11,13 @@ use futures::stream::{FuturesUnordered, StreamExt};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use floodgate_protocol::{decode, Body, DecodeError, ErrorBody, ErrorCode, Frame, MIN_VERSION, VERSION};
+use floodgate_protocol::ErrorCode;
 
-use floodgate_core::engine::{Answer, Engine};
+use floodgate_core::engine::Engine;
 use floodgate_core::tasks::stopped;
 
 use super::cap::{BufferBudget, Charge, BASE_BUFFER};
+use super::frames::{answer, error, process, Pending};
 
 /// Most checks one connection may have waiting on the store; past it the agent stops reading that
 /// connection until answers drain (backpressure instead of unbounded memory).
@@ -74,12 +75,7 @@ pub async fn connection<R, W>(
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let mut inbuf: Vec<u8> = Vec::with_capacity(BASE_BUFFER);
-    let mut charge = Charge::new(budget);
-    // When the last bytes came, and since when the frame at the buffer's head has been arriving:
-    // checked lazily by one timer, which fires at the earliest a limit could be passed.
-    let mut last_read = Instant::now();
-    let mut partial_since: Option<Instant> = None;
+    let mut inbound = Inbound::new(budget);
     let timer = tokio::time::sleep(limits.frame.min(limits.idle));
     tokio::pin!(timer);
     let mut out: Vec<u8> = Vec::with_capacity(4 * 1024);
@@ -120,24 +116,8 @@ pub async fn connection<R, W>(
             let _ = wr.shutdown().await;
             return;
         }
-        // Room for the next read: the rest of the frame at the head (its length is in its prefix),
-        // and at least MIN_READ. Past the base the budget pays, or the connection is refused.
-        let need = frame_len(&inbuf).max(inbuf.len() + MIN_READ);
-        if inbuf.capacity() < need && !closing {
-            if charge.cover(need) {
-                inbuf.reserve_exact(need - inbuf.len());
-            } else {
-                floodgate_core::metrics::connection_closed("buffers");
-                let mut bytes = Vec::new();
-                error(
-                    &mut bytes,
-                    0,
-                    ErrorCode::Overloaded,
-                    format!(
-                        "the agent's buffers for frames still arriving are full ({} MiB); a frame of {need} bytes cannot be read now",
-                        super::cap::BUFFER_BUDGET >> 20
-                    ),
-                );
+        if !closing {
+            if let Err(bytes) = inbound.make_room() {
                 fatal = Some(bytes);
                 closing = true;
                 continue;
@@ -155,109 +135,29 @@ pub async fn connection<R, W>(
                     answer(&mut out, id, result, peer);
                 }
             }
-            read = rd.read_buf(&mut inbuf), if !closing && pending.len() < MAX_IN_FLIGHT => {
+            read = rd.read_buf(&mut inbound.buf), if !closing && pending.len() < MAX_IN_FLIGHT => {
                 match read {
                     Ok(0) | Err(_) => closing = true,
                     Ok(_) => {
-                        let now = Instant::now();
-                        last_read = now;
-                        match process(&mut inbuf, &mut out, &mut pending, &engine, now, &mut peer) {
-                            Err(bytes) => {
-                                fatal = Some(bytes);
-                                closing = true;
-                            }
-                            // A frame completed: whatever is left is a new frame's head.
-                            Ok(used) if used > 0 => partial_since = (!inbuf.is_empty()).then_some(now),
-                            Ok(_) => {
-                                partial_since.get_or_insert(now);
-                            }
-                        }
-                        if inbuf.is_empty() && inbuf.capacity() > BASE_BUFFER {
-                            inbuf = Vec::with_capacity(BASE_BUFFER);
-                            charge.release();
+                        if let Some(bytes) = inbound.on_read(&mut out, &mut pending, &engine, &mut peer) {
+                            fatal = Some(bytes);
+                            closing = true;
                         }
                     }
                 }
             }
             _ = &mut stop, if !closing => closing = true,
             _ = &mut timer, if !closing => {
-                let now = Instant::now();
-                match partial_since {
-                    Some(since) if now >= since + limits.frame => {
-                        floodgate_core::metrics::connection_closed("frame_timeout");
-                        let mut bytes = Vec::new();
-                        error(
-                            &mut bytes,
-                            0,
-                            ErrorCode::MalformedFrame,
-                            format!("a frame was not completed within {:?}; closing", limits.frame),
-                        );
+                match inbound.expired(Instant::now(), pending.is_empty(), &limits) {
+                    Expiry::FrameLate(bytes) => {
                         fatal = Some(bytes);
                         closing = true;
                     }
-                    None if pending.is_empty() && now >= last_read + limits.idle => {
-                        floodgate_core::metrics::connection_closed("idle");
-                        tracing::debug!("closing a connection idle for {:?}", limits.idle);
-                        closing = true;
-                    }
-                    _ => {
-                        let next = match partial_since {
-                            Some(since) => since + limits.frame,
-                            None if pending.is_empty() => last_read + limits.idle,
-                            None => now + limits.frame,
-                        };
-                        timer.as_mut().reset(next.into());
-                    }
+                    Expiry::Idle => closing = true,
+                    Expiry::Next(next) => timer.as_mut().reset(next.into()),
                 }
             }
         }
-    }
-}
-
-type Pending = FuturesUnordered<InFlight>;
-
-/// A check waiting on the store: the engine's future with its request id and start time (no box of
-/// its own around the engine's).
-struct InFlight {
-    id: u32,
-    start: Option<std::time::Instant>,
-    /// Which items are charges (never counted as rejections; `metrics::charges`).
-    charges: u32,
-    /// The check's trace span, when traces are on and it is sampled.
-    span: Option<Box<crate::otel::SpanStart>>,
-    answer: std::pin::Pin<
-        Box<dyn std::future::Future<Output = Result<floodgate_protocol::Decision, ErrorBody>> + Send>,
-    >,
-}
-
-impl std::future::Future for InFlight {
-    type Output = (u32, Result<floodgate_protocol::Decision, ErrorBody>);
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        // A traced check names its span to the store call it may join (`call_trace`).
-        let result = match self.span.as_ref().map(|s| s.name()) {
-            Some(name) => std::task::ready!(floodgate_core::call_trace::poll_named(name, || self
-                .answer
-                .as_mut()
-                .poll(cx))),
-            None => std::task::ready!(self.answer.as_mut().poll(cx)),
-        };
-        if let Some(start) = self.start {
-            floodgate_core::metrics::check_charged(&result, start.elapsed(), self.charges);
-        }
-        if let Some(span) = self.span.take() {
-            let wait = span.elapsed();
-            crate::otel::end_check(
-                *span,
-                "frames",
-                result.as_ref().map(Some).map_err(|e| e.message.as_str()),
-                Some(wait),
-            );
-        }
-        std::task::Poll::Ready((self.id, result))
     }
 }
 
@@ -270,167 +170,122 @@ fn frame_len(buf: &[u8]) -> usize {
     .min(floodgate_protocol::MAX_FRAME)
 }
 
-/// Handles every complete frame in `inbuf`: the bytes consumed, or the encoded fatal Error when the
-/// stream is broken.
-fn process(
-    inbuf: &mut Vec<u8>,
-    out: &mut Vec<u8>,
-    pending: &mut Pending,
-    engine: &Arc<Engine>,
-    received: Instant,
-    peer: &mut u8,
-) -> Result<usize, Vec<u8>> {
-    let mut pos = 0;
-    let result = loop {
-        match decode(&inbuf[pos..]) {
-            Ok((frame, used)) => {
-                pos += used;
-                handle(frame, out, pending, engine, received, peer);
-            }
-            Err(DecodeError::Incomplete) => break Ok(pos),
-            Err(DecodeError::Rejected {
-                code,
-                request_id,
-                reason,
-                frame_len,
-            }) => {
-                pos += frame_len;
-                floodgate_core::metrics::check_error();
-                error(out, request_id, code, reason);
-            }
-            Err(DecodeError::Fatal {
-                code,
-                request_id,
-                reason,
-            }) => {
-                tracing::debug!(%code, %reason, "closing a connection that sent a bad frame");
-                let mut bytes = Vec::new();
-                error(&mut bytes, request_id.unwrap_or(0), code, reason);
-                break Err(bytes);
-            }
-            Err(other) => {
-                let mut bytes = Vec::new();
-                error(&mut bytes, 0, ErrorCode::MalformedFrame, other.to_string());
-                break Err(bytes);
-            }
-        }
-    };
-    inbuf.drain(..pos);
-    result
+/// The read side of a connection: its buffer (past `BASE_BUFFER`, charged to the agent's budget),
+/// when the last bytes came, and since when the frame at the buffer's head has been arriving:
+/// checked lazily by one timer, which fires at the earliest a limit could be passed.
+struct Inbound {
+    buf: Vec<u8>,
+    charge: Charge,
+    last_read: Instant,
+    partial_since: Option<Instant>,
 }
 
-fn handle(
-    frame: Frame,
-    out: &mut Vec<u8>,
-    pending: &mut Pending,
-    engine: &Arc<Engine>,
-    received: Instant,
-    peer: &mut u8,
-) {
-    let id = frame.request_id;
-    let trace = frame.trace;
-    match frame.body {
-        Body::Check(check) => {
-            // Off, one atomic load.
-            let span = if crate::otel::enabled() {
-                crate::otel::start_check(trace)
+impl Inbound {
+    fn new(budget: BufferBudget) -> Self {
+        Inbound {
+            buf: Vec::with_capacity(BASE_BUFFER),
+            charge: Charge::new(budget),
+            last_read: Instant::now(),
+            partial_since: None,
+        }
+    }
+
+    /// Room for the next read: the rest of the frame at the head (its length is in its prefix),
+    /// and at least MIN_READ. Past the base the budget pays, or the connection is refused (this
+    /// Error).
+    fn make_room(&mut self) -> Result<(), Vec<u8>> {
+        let need = frame_len(&self.buf).max(self.buf.len() + MIN_READ);
+        if self.buf.capacity() < need {
+            if self.charge.cover(need) {
+                self.buf.reserve_exact(need - self.buf.len());
             } else {
-                None
-            };
-            // The check's time runs from its frame's read (one clock read per read, not per check):
-            // the store's budget and the metric's duration both.
-            let start = floodgate_core::metrics::on().then_some(received);
-            let charges = if start.is_some() {
-                floodgate_core::metrics::charges(&check)
-            } else {
-                0
-            };
-            match engine.check_received(check, received) {
-                Answer::Ready(result) => {
-                    if let Some(start) = start {
-                        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
-                    }
-                    if let Some(span) = span {
-                        crate::otel::end_check(
-                            *span,
-                            "frames",
-                            result.as_ref().map(Some).map_err(|e| e.message.as_str()),
-                            None,
-                        );
-                    }
-                    answer(out, id, result, *peer)
-                }
-                Answer::Pending(answer) => pending.push(InFlight {
-                    id,
-                    start,
-                    charges,
-                    span,
-                    answer,
-                }),
+                return Err(buffers_full(need));
             }
         }
-        Body::Hello {
-            min_version,
-            max_version,
-        } => {
-            // The highest version both speak.
-            let version = max_version.min(VERSION);
-            if version >= min_version.max(MIN_VERSION) {
-                *peer = version;
-                encode(out, Frame::new(id, Body::HelloOk { version }));
-            } else {
+        Ok(())
+    }
+
+    /// Bytes arrived: every complete frame handled (`process`), the frame left at the head timed,
+    /// the buffer back to its base size once drained; the Error that closes the connection if the
+    /// stream broke.
+    fn on_read(
+        &mut self,
+        out: &mut Vec<u8>,
+        pending: &mut Pending,
+        engine: &Arc<Engine>,
+        peer: &mut u8,
+    ) -> Option<Vec<u8>> {
+        let now = Instant::now();
+        self.last_read = now;
+        let mut fatal = None;
+        match process(&mut self.buf, out, pending, engine, now, peer) {
+            Err(bytes) => fatal = Some(bytes),
+            // A frame completed: whatever is left is a new frame's head.
+            Ok(used) if used > 0 => self.partial_since = (!self.buf.is_empty()).then_some(now),
+            Ok(_) => {
+                self.partial_since.get_or_insert(now);
+            }
+        }
+        if self.buf.is_empty() && self.buf.capacity() > BASE_BUFFER {
+            self.buf = Vec::with_capacity(BASE_BUFFER);
+            self.charge.release();
+        }
+        fatal
+    }
+
+    /// The timer fired at `now`: is the frame at the head late, or the connection idle since its
+    /// last read with nothing in flight (`idle`), and if neither, when to look again.
+    fn expired(&self, now: Instant, idle: bool, limits: &Limits) -> Expiry {
+        match self.partial_since {
+            Some(since) if now >= since + limits.frame => {
+                floodgate_core::metrics::connection_closed("frame_timeout");
+                let mut bytes = Vec::new();
                 error(
-                    out,
-                    id,
-                    ErrorCode::UnsupportedVersion,
-                    format!(
-                        "client speaks {min_version}..={max_version}; this agent speaks {MIN_VERSION}..={VERSION}"
-                    ),
+                    &mut bytes,
+                    0,
+                    ErrorCode::MalformedFrame,
+                    format!("a frame was not completed within {:?}; closing", limits.frame),
                 );
+                Expiry::FrameLate(bytes)
             }
-        }
-        Body::Ping => encode(out, Frame::new(id, Body::Pong)),
-        Body::FailModes => {
-            let list = floodgate_core::rules::fail_mode_list(&engine.rules());
-            encode(out, Frame::new(id, Body::FailModeList(list)));
-        }
-        _ => error(
-            out,
-            id,
-            ErrorCode::UnexpectedFrame,
-            "only Hello, Check, Ping and FailModes go to an agent".into(),
-        ),
-    }
-}
-
-fn answer(out: &mut Vec<u8>, id: u32, result: Result<floodgate_protocol::Decision, ErrorBody>, peer: u8) {
-    match result {
-        Ok(d) => encode_for(out, Frame::new(id, Body::Decision(d)), peer),
-        Err(e) => encode(out, Frame::new(id, Body::Error(e))),
-    }
-}
-
-pub(super) fn error(out: &mut Vec<u8>, id: u32, code: ErrorCode, message: String) {
-    encode(out, Frame::new(id, Body::Error(ErrorBody { code, message })));
-}
-
-fn encode(out: &mut Vec<u8>, frame: Frame) {
-    encode_for(out, frame, 1);
-}
-
-/// Encodes a frame in the form a peer of version `peer` reads.
-fn encode_for(out: &mut Vec<u8>, frame: Frame, peer: u8) {
-    if let Err(e) = frame.encode_for(out, peer) {
-        // Only a decision with more items than the protocol allows can fail; the engine caps items
-        // at MAX_ITEMS, so this is a bug: say so to the client instead of dropping the request.
-        tracing::error!(error = %e, "could not encode an answer");
-        let _ = Frame::new(
-            frame.request_id,
-            Body::Error(ErrorBody {
-                code: ErrorCode::Internal,
-                message: e.to_string(),
+            None if idle && now >= self.last_read + limits.idle => {
+                floodgate_core::metrics::connection_closed("idle");
+                tracing::debug!("closing a connection idle for {:?}", limits.idle);
+                Expiry::Idle
+            }
+            _ => Expiry::Next(match self.partial_since {
+                Some(since) => since + limits.frame,
+                None if idle => self.last_read + limits.idle,
+                None => now + limits.frame,
             }),
-        )
-        .encode(out);
+        }
     }
+}
+
+/// What the connection's timer means when it fires.
+enum Expiry {
+    /// The frame at the buffer's head was not completed within the frame timeout: this Error, then
+    /// close.
+    FrameLate(Vec<u8>),
+    /// Nothing read and nothing in flight for the idle timeout: close.
+    Idle,
+    /// Neither yet: look again then.
+    Next(Instant),
+}
+
+/// The Error that closes a connection whose next read of `need` bytes the agent's read-buffer
+/// budget cannot cover.
+fn buffers_full(need: usize) -> Vec<u8> {
+    floodgate_core::metrics::connection_closed("buffers");
+    let mut bytes = Vec::new();
+    error(
+        &mut bytes,
+        0,
+        ErrorCode::Overloaded,
+        format!(
+            "the agent's buffers for frames still arriving are full ({} MiB); a frame of {need} bytes cannot be read now",
+            super::cap::BUFFER_BUDGET >> 20
+        ),
+    );
+    bytes
 }

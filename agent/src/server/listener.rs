@@ -13,7 +13,8 @@ use floodgate_core::tasks::stopped;
 use floodgate_protocol::ErrorCode;
 
 use super::cap::BufferBudget;
-use super::connection::{connection, error, Limits, WRITE_TIMEOUT};
+use super::connection::{connection, Limits, WRITE_TIMEOUT};
+use super::frames::error;
 use floodgate_core::admission::{warn_refused, ConnectionCap, Peer};
 
 /// Where the frames protocol is served.

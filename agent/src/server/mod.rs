@@ -2,11 +2,12 @@
 //! connection cap with a share per peer (`floodgate_core::admission`) and a shared read-buffer
 //! budget (`cap`), the accept loop
 //! (`listener`), and the pipelined per-connection loop with its idle and frame timeouts
-//! (`connection`).
+//! (`connection`), which hands each frame it reads to `frames`.
 
 mod bind;
 mod cap;
 mod connection;
+mod frames;
 mod listener;
 
 pub use bind::bind;
