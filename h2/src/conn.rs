@@ -3,7 +3,8 @@
 //!
 //! What it keeps per stream is a request head (three flags), its body until complete, and a send
 //! window; nothing is spawned per request and nothing is locked. The frames read are handled in
-//! `recv`, the answers written in `send`, and what a client may make it hold is in `budget`. What
+//! `recv`, the answers written in `send`, the read buffer and the timer's verdicts are `inbound`'s,
+//! a stream's state is in `stream`, and what a client may make it hold is in `budget`. What
 //! bounds a client: at most [`MAX_STREAMS`] streams at once (more are refused with REFUSED_STREAM);
 //! request bodies held in all count against a connection receive window of [`CONN_WINDOW`] that is
 //! credited back only when a body is used or dropped; a header block of at most
@@ -16,10 +17,8 @@
 //! yields it every [`TURN`]. A connection error is a GOAWAY naming it, then the close.
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
+use std::ops::ControlFlow;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::stream::FuturesUnordered;
@@ -29,10 +28,11 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use crate::budget::{ClosedStreams, Parked, CALM};
-use crate::frame::{self, code, setting, HEAD, MAX_PAYLOAD, PREFACE};
-use crate::head::RequestHead;
+use crate::frame::{self, code, setting, HEAD, MAX_PAYLOAD};
 use crate::hpack;
+use crate::inbound::{Inbound, Tick};
 use crate::service::{Config, Service};
+pub(crate) use crate::stream::{Answering, Continuing, State, Stream};
 
 /// Streams a client may have open at once (announced as SETTINGS_MAX_CONCURRENT_STREAMS).
 pub const MAX_STREAMS: usize = 1_024;
@@ -61,58 +61,6 @@ pub const KEEPALIVE_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest a connection keeps the worker before it lets other tasks run: one connection's flood
 /// of valid requests delays another's by about this much, not by its whole backlog.
 pub const TURN: Duration = Duration::from_micros(500);
-
-/// A call being answered, and its stream.
-pub(crate) struct Answering<F> {
-    pub id: u32,
-    pub answer: F,
-}
-
-impl<F: Future + Unpin> Future for Answering<F> {
-    type Output = (u32, F::Output);
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let id = self.id;
-        Pin::new(&mut self.answer).poll(cx).map(|a| (id, a))
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum State {
-    /// The request's frames are arriving.
-    Receiving,
-    /// Decided by the engine; the answer is on its way.
-    Answering,
-    /// The answer's DATA waits for flow-control window.
-    Sending,
-}
-
-pub(crate) struct Stream {
-    pub state: State,
-    pub head: RequestHead,
-    pub body: Vec<u8>,
-    /// DATA payload bytes received, padding included (the stream's receive window used).
-    pub received: usize,
-    /// Received bytes not yet credited back to the connection's window.
-    pub uncredited: usize,
-    pub send_window: i64,
-    /// When the stream's present wait began: its request opened (Receiving), or its answer parked
-    /// (Sending). Either is dropped once the frame timeout has passed since.
-    pub since: Instant,
-    /// The answer's DATA payload and how much of it is sent (state Sending).
-    pub data: Vec<u8>,
-    pub sent: usize,
-}
-
-/// A header block arriving in CONTINUATIONs.
-pub(crate) struct Continuing {
-    pub stream: u32,
-    /// Whether its HEADERS ended the stream.
-    pub end_stream: bool,
-    /// When its HEADERS arrived: the whole block is due within the frame timeout of this.
-    pub started: Instant,
-    /// CONTINUATION frames so far.
-    pub frames: u32,
-}
 
 /// A connection error: GOAWAY with this code, then close.
 pub(crate) struct ConnError {
@@ -249,54 +197,10 @@ where
     let (frame_timeout, write_timeout, idle_timeout) =
         (config.frame_timeout, config.write_timeout, config.idle_timeout);
     let mut idle = false;
-    let mut c = Conn {
-        trace: service.read_traceparent(),
-        service,
-        config,
-        hpack: hpack::Decoder::default(),
-        streams: HashMap::with_hasher(foldhash::fast::FixedState::default()),
-        last_stream: 0,
-        continuing: None,
-        self_dependent: None,
-        block: Vec::new(),
-        scratch: Vec::new(),
-        peer_initial: 65_535,
-        send_window: 65_535,
-        recv_window: CONN_WINDOW,
-        uncredited: 0,
-        blocked: VecDeque::new(),
-        parked: Parked::default(),
-        window_changed: false,
-        receiving: 0,
-        calm: CALM,
-        settled: false,
-        closed: ClosedStreams::default(),
-        going_away: false,
-        goaway_last: None,
-        peer_gone: false,
-        last_call: Instant::now(),
-        out: Vec::with_capacity(4 * 1024),
-        pending: FuturesUnordered::new(),
-    };
-    // The server's preface: its settings, and the connection window raised from 65,535.
-    frame::settings(
-        &mut c.out,
-        &[
-            (setting::MAX_CONCURRENT_STREAMS, MAX_STREAMS as u32),
-            (setting::ENABLE_PUSH, 0),
-            (setting::MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK as u32),
-        ],
-    );
-    frame::window_update(&mut c.out, 0, (CONN_WINDOW - 65_535) as u32);
-    let mut inbuf: Vec<u8> = Vec::with_capacity(HEAD + MAX_PAYLOAD);
-    let mut preface = false;
-    let opened = Instant::now();
-    let mut last_read = opened;
-    let mut partial_since: Option<Instant> = Some(opened);
-    let mut ping_sent: Option<Instant> = None;
+    let mut c = Conn::new(service, config);
+    let mut inbound = Inbound::new(Instant::now());
     let mut closing = false;
     let mut fatal: Option<ConnError> = None;
-    let mut turn = opened;
     let timer = tokio::time::sleep(frame_timeout);
     tokio::pin!(timer);
     // Shutdown is looked at every turn (one atomic load), since a client that keeps the socket
@@ -309,21 +213,8 @@ where
             c.going_away = true;
             c.goaway(code::NO_ERROR, "the agent is stopping");
         }
-        if let Some(e) = fatal.take() {
-            c.goaway(e.code, &e.why);
-            let _ = tokio::time::timeout(write_timeout, io.write_all(&c.out)).await;
-            let ended = Ended::Error {
-                code: e.code,
-                why: e.why,
-            };
-            return (ended, true);
-        }
-        if !c.out.is_empty() {
-            match tokio::time::timeout(write_timeout, io.write_all(&c.out)).await {
-                Ok(Ok(())) if c.out.capacity() > 64 * 1024 => c.out = Vec::with_capacity(4 * 1024),
-                Ok(Ok(())) => c.out.clear(),
-                _ => return (Ended::Closed, false),
-            }
+        if let Some(ended) = c.write_out(io, fatal.take(), write_timeout).await {
+            return ended;
         }
         let done = if closing {
             c.pending.is_empty()
@@ -333,8 +224,8 @@ where
         if done {
             return (if idle { Ended::Idle } else { Ended::Closed }, true);
         }
-        if inbuf.capacity() - inbuf.len() < 4 * 1024 {
-            inbuf.reserve(HEAD + MAX_PAYLOAD);
+        if inbound.buf.capacity() - inbound.buf.len() < 4 * 1024 {
+            inbound.buf.reserve(HEAD + MAX_PAYLOAD);
         }
         tokio::select! {
             biased;
@@ -345,65 +236,26 @@ where
                 }
                 c.flush_if_changed();
             }
-            read = io.read_buf(&mut inbuf), if !closing => {
+            read = io.read_buf(&mut inbound.buf), if !closing => {
                 match read {
                     Ok(0) | Err(_) => {
-                        // Nothing more will arrive: requests still arriving are dropped; those being
-                        // decided are answered if the socket still takes it.
                         closing = true;
-                        c.streams.retain(|_, s| s.state == State::Answering);
-                        c.blocked.clear();
-                        let parked = c.parked.bytes();
-                        c.parked.give(parked);
-                        c.receiving = 0;
-                        c.continuing = None;
-                        partial_since = None;
+                        inbound.closed(&mut c);
                     }
-                    Ok(_) => {
-                        let now = Instant::now();
-                        last_read = now;
-                        ping_sent = None;
-                        let mut pos = 0;
-                        if !preface {
-                            if inbuf.len() < PREFACE.len() {
-                                if !PREFACE.starts_with(&inbuf) {
-                                    fatal = Some(ConnError { code: code::PROTOCOL_ERROR, why: "not an HTTP/2 preface".into() });
-                                }
-                                continue;
+                    Ok(_) => match inbound.on_read(&mut c, timer.as_mut(), frame_timeout).await {
+                        // The client's preface not (all) there yet, or not a preface.
+                        ControlFlow::Break(e) => {
+                            if e.is_some() {
+                                fatal = e;
                             }
-                            if inbuf[..PREFACE.len()] != PREFACE[..] {
-                                fatal = Some(ConnError { code: code::PROTOCOL_ERROR, why: "not an HTTP/2 preface".into() });
-                                continue;
+                            continue;
+                        }
+                        ControlFlow::Continue(e) => {
+                            if e.is_some() {
+                                fatal = e;
                             }
-                            preface = true;
-                            pos = PREFACE.len();
                         }
-                        match c.process(&inbuf[pos..]) {
-                            Ok(used) => pos += used,
-                            Err(e) => fatal = Some(e),
-                        }
-                        inbuf.drain(..pos);
-                        // Window that came in this read is given to the waiting answers once,
-                        // however many WINDOW_UPDATE and SETTINGS frames brought it.
-                        c.flush_if_changed();
-                        // Since when the head of the buffer has been waiting: a read that completed
-                        // a frame starts the wait again (a busy connection's reads end mid-frame
-                        // every time, and that is progress), one that did not keeps it.
-                        partial_since = match (!inbuf.is_empty(), pos > 0) {
-                            (false, _) => None,
-                            (true, true) => Some(now),
-                            (true, false) => partial_since.or(Some(now)),
-                        };
-                        c.credit();
-                        // Something incomplete: the timer fires by the time it may be stale.
-                        if c.incomplete(partial_since) && timer.deadline() > now + frame_timeout {
-                            timer.as_mut().reset(now + frame_timeout);
-                        }
-                        if now >= turn + TURN {
-                            tokio::task::yield_now().await;
-                            turn = Instant::now();
-                        }
-                    }
+                    },
                 }
             }
             _ = &mut stop, if !c.going_away => {
@@ -411,62 +263,109 @@ where
                 c.goaway(code::NO_ERROR, "the agent is stopping");
             }
             _ = &mut timer => {
-                let now = Instant::now();
-                // A frame half-sent, or a header block whose CONTINUATIONs keep it open, each from
-                // the instant it started.
-                let stuck = [partial_since, c.continuing.as_ref().map(|b| b.started)];
-                if stuck.into_iter().flatten().any(|t| now >= t + frame_timeout) {
-                    fatal = Some(ConnError {
-                        code: code::PROTOCOL_ERROR,
-                        why: format!("a frame or header block was not completed within {frame_timeout:?}"),
-                    });
-                    continue;
-                }
-                if ping_sent.is_some_and(|t| now >= t + KEEPALIVE_TIMEOUT) {
-                    return (Ended::Closed, false);
-                }
-                if ping_sent.is_none() && now >= last_read + KEEPALIVE {
-                    frame::ping(&mut c.out, [0; 8], false);
-                    ping_sent = Some(now);
-                }
-                c.drop_stale(now, frame_timeout);
-                let quiet = c.streams.is_empty() && c.pending.is_empty();
-                if quiet && !c.going_away && now >= c.last_call + idle_timeout {
-                    // A connection that only answers PINGs holds a slot of the cap: it goes.
-                    idle = true;
-                    c.going_away = true;
-                    c.goaway(code::NO_ERROR, "no call within the idle timeout");
-                    continue;
-                }
-                let mut next = if c.incomplete(partial_since) {
-                    now + frame_timeout
-                } else {
-                    match ping_sent {
-                        Some(t) => t + KEEPALIVE_TIMEOUT,
-                        None => (last_read + KEEPALIVE).max(now + frame_timeout),
+                match inbound.on_timer(&mut c, Instant::now(), frame_timeout, idle_timeout) {
+                    Tick::Stuck(e) => {
+                        fatal = Some(e);
+                        continue;
                     }
-                };
-                if quiet && !c.going_away {
-                    next = next.min(c.last_call + idle_timeout);
+                    Tick::Dead => return (Ended::Closed, false),
+                    Tick::Idle => {
+                        idle = true;
+                        continue;
+                    }
+                    Tick::Next(next) => timer.as_mut().reset(next),
                 }
-                timer.as_mut().reset(next);
             }
         }
-        if fatal.is_none() && c.calm == 0 {
-            fatal = Some(ConnError {
-                code: code::ENHANCE_YOUR_CALM,
-                why: format!(
-                    "{CALM} streams reset or refused, or settings changed, more than calls answered"
-                ),
-            });
+        if fatal.is_none() {
+            fatal = c.calm_spent();
         }
     }
 }
 
 impl<S: Service> Conn<S> {
+    /// A connection's state, with the server's preface queued: its settings, and the connection
+    /// window raised from 65,535.
+    fn new(service: Arc<S>, config: Arc<Config>) -> Self {
+        let mut c = Conn {
+            trace: service.read_traceparent(),
+            service,
+            config,
+            hpack: hpack::Decoder::default(),
+            streams: HashMap::with_hasher(foldhash::fast::FixedState::default()),
+            last_stream: 0,
+            continuing: None,
+            self_dependent: None,
+            block: Vec::new(),
+            scratch: Vec::new(),
+            peer_initial: 65_535,
+            send_window: 65_535,
+            recv_window: CONN_WINDOW,
+            uncredited: 0,
+            blocked: VecDeque::new(),
+            parked: Parked::default(),
+            window_changed: false,
+            receiving: 0,
+            calm: CALM,
+            settled: false,
+            closed: ClosedStreams::default(),
+            going_away: false,
+            goaway_last: None,
+            peer_gone: false,
+            last_call: Instant::now(),
+            out: Vec::with_capacity(4 * 1024),
+            pending: FuturesUnordered::new(),
+        };
+        frame::settings(
+            &mut c.out,
+            &[
+                (setting::MAX_CONCURRENT_STREAMS, MAX_STREAMS as u32),
+                (setting::ENABLE_PUSH, 0),
+                (setting::MAX_HEADER_LIST_SIZE, MAX_HEADER_BLOCK as u32),
+            ],
+        );
+        frame::window_update(&mut c.out, 0, (CONN_WINDOW - 65_535) as u32);
+        c
+    }
+
+    /// What is queued written, within the write timeout. After a connection error (`fatal`), its
+    /// GOAWAY is written and the connection ends; a write that fails or times out ends it too.
+    async fn write_out<IO: AsyncWrite + Unpin>(
+        &mut self,
+        io: &mut IO,
+        fatal: Option<ConnError>,
+        write_timeout: Duration,
+    ) -> Option<(Ended, bool)> {
+        if let Some(e) = fatal {
+            self.goaway(e.code, &e.why);
+            let _ = tokio::time::timeout(write_timeout, io.write_all(&self.out)).await;
+            let ended = Ended::Error {
+                code: e.code,
+                why: e.why,
+            };
+            return Some((ended, true));
+        }
+        if !self.out.is_empty() {
+            match tokio::time::timeout(write_timeout, io.write_all(&self.out)).await {
+                Ok(Ok(())) if self.out.capacity() > 64 * 1024 => self.out = Vec::with_capacity(4 * 1024),
+                Ok(Ok(())) => self.out.clear(),
+                _ => return Some((Ended::Closed, false)),
+            }
+        }
+        None
+    }
+
+    /// The connection error of a client that has spent its [`CALM`] budget.
+    fn calm_spent(&self) -> Option<ConnError> {
+        (self.calm == 0).then(|| ConnError {
+            code: code::ENHANCE_YOUR_CALM,
+            why: format!("{CALM} streams reset or refused, or settings changed, more than calls answered"),
+        })
+    }
+
     /// Whether something waits on the frame timeout: a frame or header block half-sent, a request
     /// still arriving, or an answer waiting for window.
-    fn incomplete(&self, partial_since: Option<Instant>) -> bool {
+    pub(crate) fn incomplete(&self, partial_since: Option<Instant>) -> bool {
         partial_since.is_some() || self.continuing.is_some() || self.receiving > 0 || !self.blocked.is_empty()
     }
 }

@@ -52,9 +52,11 @@ pub mod grpc;
 mod head;
 mod hpack;
 mod huffman;
+mod inbound;
 mod recv;
 mod send;
 mod service;
+mod stream;
 
 pub use budget::{AGENT_PARKED_BYTES, CALM, MAX_PARKED_BYTES, MAX_PARKED_STREAMS};
 pub use conn::{
