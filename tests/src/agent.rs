@@ -78,6 +78,7 @@ pub struct AgentBuilder {
     wrapper: Vec<String>,
     ready_within: Option<Duration>,
     shipped_timeout: bool,
+    envs: Vec<(String, String)>,
 }
 
 /// The store timeout an agent under test gets unless the test sets one: a Redis on a loaded
@@ -118,6 +119,12 @@ impl AgentBuilder {
     /// Serve this socket path instead of a fresh temporary one.
     pub fn socket(mut self, path: &Path) -> Self {
         self.socket = Some(path.into());
+        self
+    }
+
+    /// An environment variable of the agent's (after the test's own `FLOODGATE_*` are removed).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.envs.push((key.into(), value.into()));
         self
     }
 
@@ -188,10 +195,11 @@ impl AgentBuilder {
         cmd.env("STATE_DIRECTORY", dir.path());
         // Keep the environment from leaking FLOODGATE_* settings into tests.
         for (k, _) in std::env::vars() {
-            if k.starts_with("FLOODGATE_") && k != "FLOODGATE_BIN" {
+            if (k.starts_with("FLOODGATE_") && k != "FLOODGATE_BIN") || k.starts_with("OTEL_") {
                 cmd.env_remove(k);
             }
         }
+        cmd.envs(self.envs.iter().map(|(k, v)| (k, v)));
         let logfile = std::fs::File::create(&log).expect("agent log");
         let child = cmd
             .stdin(Stdio::null())

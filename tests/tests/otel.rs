@@ -339,3 +339,80 @@ async fn the_redis_call_a_check_shared_is_a_linked_span() {
         assert_eq!(call["parentSpanId"], first["spanId"]);
     }
 }
+
+/// With no `--otlp-*` flag, OpenTelemetry's own variables configure the export: the endpoint, an
+/// auth header on every POST, the service name, the resource's attributes and the sampler
+/// (`always_on`: a check without a context is recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opentelemetrys_environment_variables_configure_the_export() {
+    let posts: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+    let store = posts.clone();
+    let app = Router::new().route(
+        "/v1/traces",
+        post(move |headers: axum::http::HeaderMap, body: String| {
+            let store = store.clone();
+            async move {
+                let auth = headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string();
+                store
+                    .lock()
+                    .unwrap()
+                    .push((auth, serde_json::from_str(&body).expect("OTLP/JSON")));
+                "{}"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let agent = Agent::builder()
+        .rules(RULES)
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{addr}"))
+        .env("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
+        .env("OTEL_SERVICE_NAME", "env-agent")
+        .env(
+            "OTEL_RESOURCE_ATTRIBUTES",
+            "deployment.environment=test,service.name=ignored",
+        )
+        .env("OTEL_TRACES_SAMPLER", "always_on")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    assert!(client.allow("user:1", "api", 1).await.unwrap().allowed);
+    let (auth, body) = eventually("a span is exported", Duration::from_secs(10), || {
+        std::future::ready(posts.lock().unwrap().first().cloned())
+    })
+    .await;
+    assert_eq!(auth, "Bearer s3cret");
+    let resource = &body["resourceSpans"][0]["resource"]["attributes"];
+    let value = |key: &str| {
+        resource
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["key"] == key)
+            .map(|a| a["value"]["stringValue"].clone())
+    };
+    assert_eq!(value("service.name"), Some("env-agent".into()), "{body}");
+    assert_eq!(value("deployment.environment"), Some("test".into()), "{body}");
+    let span = &body["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
+    assert_eq!(span["name"], "check", "{body}");
+    assert!(span.get("parentSpanId").is_none(), "a root span: {body}");
+
+    // A variable the agent cannot read stops its start, naming it.
+    let out = std::process::Command::new(floodgate_tests::floodgate_bin())
+        .args(["agent", "--socket", "/nonexistent/floodgate.sock"])
+        .env("OTEL_TRACES_SAMPLER", "jaeger_remote")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("OTEL_TRACES_SAMPLER"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

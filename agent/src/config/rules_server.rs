@@ -81,11 +81,8 @@ impl RulesServerConfig {
             token_file: self.token_file.clone(),
             tls: self.tls_cert.clone().zip(self.tls_key.clone()),
             limits: http_limits(self.http_max_connections, self.http_header_timeout_ms),
-            wrap: self
-                .otlp
-                .otlp_endpoint
-                .is_some()
-                .then_some(crate::otel::wrap_router as fn(axum::Router) -> axum::Router),
+            // The traces' layer, added by the caller once traces are on (flags or OTEL_*).
+            wrap: None,
         }
     }
 }

@@ -70,10 +70,21 @@ impl Built {
             (stop_tx, task)
         });
         // Traces' exporter, stopped last (drain step 7), so it sends every check's span.
-        let traces = crate::otel::install(&config.otlp.config()).map(|exporter| {
+        // Read when the agent started (`commands::agent`), so an error here is a variable changed
+        // since: traces stay off, and the log says why.
+        let otlp = config
+            .otlp
+            .config()
+            .inspect_err(
+                |e| tracing::error!(error = %e, "traces off: an OpenTelemetry variable cannot be read"),
+            )
+            .ok();
+        let traces = otlp.as_ref().and_then(crate::otel::install).map(|exporter| {
+            let otlp = otlp.as_ref().expect("installed from it");
             tracing::info!(
-                endpoint = config.otlp.otlp_endpoint.as_deref().unwrap_or_default(),
-                sample_ratio = config.otlp.otlp_sample_ratio,
+                endpoint = otlp.endpoint.as_deref().unwrap_or_default(),
+                sample_ratio = otlp.sample_ratio,
+                headers = otlp.headers.len(),
                 "exporting traces (OTLP/HTTP)"
             );
             let (stop_tx, stop_rx) = watch::channel(false);

@@ -26,14 +26,20 @@ pub struct Exporter {
     rx: mpsc::Receiver<SpanData>,
     endpoint: String,
     service: String,
+    headers: Vec<(String, String)>,
+    timeout: Duration,
+    resource: Vec<(String, String)>,
 }
 
 impl Exporter {
-    pub(super) fn new(rx: mpsc::Receiver<SpanData>, endpoint: &str, service: &str) -> Self {
+    pub(super) fn new(rx: mpsc::Receiver<SpanData>, endpoint: &str, config: &super::Config) -> Self {
         Exporter {
             rx,
             endpoint: endpoint.trim_end_matches('/').to_string(),
-            service: service.to_string(),
+            service: config.service_name.clone(),
+            headers: config.headers.clone(),
+            timeout: config.timeout,
+            resource: config.resource.clone(),
         }
     }
 }
@@ -69,15 +75,17 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             }
         }
         if !batch.is_empty() {
-            let body = otlp_json(&e.service, &batch).to_string();
+            let body = otlp_json(&e.service, &e.resource, &batch).to_string();
+            let headers: Vec<(&str, String)> =
+                e.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
             let sent = floodgate_rules_service::http::request(
                 &e.endpoint,
                 "POST",
                 "/v1/traces",
                 None,
-                &[],
+                &headers,
                 Some(body.as_bytes()),
-                POST_TIMEOUT,
+                e.timeout,
             )
             .await;
             let failure = match sent {
@@ -108,8 +116,9 @@ fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// One ExportTraceServiceRequest in OTLP's JSON mapping (ids in hex, 64-bit integers as strings).
-pub fn otlp_json(service: &str, spans: &[SpanData]) -> Value {
+/// One ExportTraceServiceRequest in OTLP's JSON mapping (ids in hex, 64-bit integers as strings),
+/// its resource `service.name`, `service.version` and `resource`'s other attributes.
+pub fn otlp_json(service: &str, resource: &[(String, String)], spans: &[SpanData]) -> Value {
     let spans: Vec<Value> = spans
         .iter()
         .map(|s| {
@@ -151,12 +160,18 @@ pub fn otlp_json(service: &str, spans: &[SpanData]) -> Value {
             span
         })
         .collect();
+    let mut attributes = vec![
+        json!({ "key": "service.name", "value": { "stringValue": service } }),
+        json!({ "key": "service.version", "value": { "stringValue": env!("CARGO_PKG_VERSION") } }),
+    ];
+    for (k, v) in resource {
+        if k != "service.name" && k != "service.version" {
+            attributes.push(json!({ "key": k, "value": { "stringValue": v } }));
+        }
+    }
     json!({
         "resourceSpans": [{
-            "resource": { "attributes": [
-                { "key": "service.name", "value": { "stringValue": service } },
-                { "key": "service.version", "value": { "stringValue": env!("CARGO_PKG_VERSION") } },
-            ]},
+            "resource": { "attributes": attributes },
             "scopeSpans": [{
                 "scope": { "name": "floodgate", "version": env!("CARGO_PKG_VERSION") },
                 "spans": spans,

@@ -18,7 +18,7 @@ mod span;
 
 use std::sync::OnceLock;
 
-pub use export::{run_exporter, Exporter};
+pub use export::{run_exporter, Exporter, POST_TIMEOUT};
 pub use layer::http_spans;
 pub use span::{Attr, SpanData, SpanStart, Tracer};
 
@@ -39,7 +39,7 @@ pub fn tracer() -> Option<&'static Tracer> {
 /// Turns traces on for the process (the first call wins) and returns the exporter to run.
 pub fn install(config: &Config) -> Option<Exporter> {
     let endpoint = config.endpoint.as_ref()?;
-    let (tracer, exporter) = span::pair(endpoint, &config.service_name, config.sample_ratio);
+    let (tracer, exporter) = span::pair(endpoint, config);
     TRACER.set(tracer).ok()?;
     floodgate_core::call_trace::install(report_call);
     Some(exporter)
@@ -88,6 +88,13 @@ pub struct Config {
     pub service_name: String,
     /// Share of requests without a sampled parent that start a recorded trace (0 to 1).
     pub sample_ratio: f64,
+    /// Headers sent with every export (`OTEL_EXPORTER_OTLP_HEADERS`: a backend's auth, say).
+    pub headers: Vec<(String, String)>,
+    /// Longest one export may take.
+    pub timeout: std::time::Duration,
+    /// The resource's attributes besides `service.name` and `service.version`
+    /// (`OTEL_RESOURCE_ATTRIBUTES`).
+    pub resource: Vec<(String, String)>,
 }
 
 /// Starts a check's span under the caller's context, if traces are on and it is sampled.

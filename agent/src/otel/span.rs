@@ -56,9 +56,9 @@ pub struct Tracer {
     counter: AtomicU64,
 }
 
-pub(super) fn pair(endpoint: &str, service: &str, ratio: f64) -> (Tracer, Exporter) {
+pub(super) fn pair(endpoint: &str, config: &super::Config) -> (Tracer, Exporter) {
     let (tx, rx) = mpsc::channel(QUEUE);
-    let ratio = ratio.clamp(0.0, 1.0);
+    let ratio = config.sample_ratio.clamp(0.0, 1.0);
     let threshold = if ratio >= 1.0 {
         u64::MAX
     } else {
@@ -72,7 +72,7 @@ pub(super) fn pair(endpoint: &str, service: &str, ratio: f64) -> (Tracer, Export
         key,
         counter: AtomicU64::new(0),
     };
-    (tracer, Exporter::new(rx, endpoint, service))
+    (tracer, Exporter::new(rx, endpoint, config))
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -192,9 +192,22 @@ mod tests {
 
     #[test]
     fn parents_decide_and_roots_follow_the_ratio() {
-        let (never, _) = pair("http://x", "s", 0.0);
-        let (always, _) = pair("http://x", "s", 1.0);
-        let (half, _) = pair("http://x", "s", 0.5);
+        let at = |sample_ratio| {
+            pair(
+                "http://x",
+                &crate::otel::Config {
+                    endpoint: Some("http://x".into()),
+                    service_name: "s".into(),
+                    sample_ratio,
+                    headers: Vec::new(),
+                    timeout: crate::otel::POST_TIMEOUT,
+                    resource: Vec::new(),
+                },
+            )
+        };
+        let (never, _) = at(0.0);
+        let (always, _) = at(1.0);
+        let (half, _) = at(0.5);
         let sampled = TraceContext {
             trace_id: [7; 16],
             span_id: [9; 8],
