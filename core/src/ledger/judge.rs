@@ -207,10 +207,44 @@ fn source_bit(s: &str) -> u8 {
     SOURCES.iter().position(|x| *x == s).map_or(0, |i| 1 << i)
 }
 
+/// A key-window: (rule, key, agent for a per-agent limit, window length, window index).
+type WindowKey<'a> = (&'a str, &'a str, Option<&'a str>, u64, u64);
+
+/// What the records admitted by key-window, the rules' summaries, and the records read.
+type Admitted<'a> = (
+    HashMap<WindowKey<'a>, Window<'a>>,
+    HashMap<&'a str, RuleSummary>,
+    u64,
+);
+
 /// Judges the ledgers of one run.
 pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
-    // (rule, key, agent for a per-agent limit, window index) → what it admitted.
-    let mut windows: HashMap<(&str, &str, Option<&str>, u64, u64), Window> = HashMap::new();
+    let (windows, mut summaries, records) = admitted(ledgers);
+    let mut breaches = breaches(windows, &mut summaries, opts);
+    breaches.sort_by(|a, b| {
+        let ratio = |x: &Breach| x.admitted as f64 / x.limit as f64;
+        ratio(b).total_cmp(&ratio(a)).then_with(|| a.key.cmp(&b.key))
+    });
+    let mut rules: Vec<RuleSummary> = summaries.into_values().collect();
+    rules.sort_by(|a, b| a.rule.cmp(&b.rule));
+    Judgement {
+        agents: ledgers.len(),
+        records,
+        dropped: ledgers.iter().map(|f| f.dropped).sum(),
+        unclosed: ledgers
+            .iter()
+            .filter(|f| !f.closed)
+            .map(|f| f.header.agent.clone())
+            .collect(),
+        rules,
+        breaches,
+    }
+}
+
+/// What the ledgers' counted records admitted, by key-window (a record whose check spans several
+/// windows is a maybe in each), the rules' summaries so far, and how many records were read.
+fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
+    let mut windows: HashMap<WindowKey, Window> = HashMap::new();
     let mut summaries: HashMap<&str, RuleSummary> = HashMap::new();
     let mut records = 0;
     for file in ledgers {
@@ -263,33 +297,22 @@ pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
             }
         }
     }
+    (windows, summaries, records)
+}
+
+/// Every key-window judged against its bound: the rules' summaries completed, the breaches found.
+fn breaches(
+    windows: HashMap<WindowKey<'_>, Window<'_>>,
+    summaries: &mut HashMap<&str, RuleSummary>,
+    opts: &Options,
+) -> Vec<Breach> {
     let mut breaches = Vec::new();
     for ((rule, key, agent, w, k), win) in windows {
         let Some(s) = summaries.get_mut(rule) else {
             continue;
         };
         let limit = win.limit.max(1);
-        let mut bound = match win.alg {
-            Some(Algorithm::TokenBucket) => win.burst + limit,
-            _ => limit,
-        };
-        // Φ: each agent whose fallback admitted here, its share of the limit (docs/accuracy.md).
-        for n in win.fallback_n.values() {
-            let share = |x: u64| (x / n).max(1);
-            bound += match win.alg {
-                Some(Algorithm::TokenBucket) => share(win.burst) + share(limit),
-                _ => share(limit),
-            };
-        }
-        if win.sources & source_bit("local") != 0 && agent.is_none() {
-            bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
-        }
-        let (start, end) = (k * w, (k + 1) * w);
-        for f in &opts.faults {
-            if f.from_ms < end && f.to_ms >= start {
-                bound += f.kind.allowance(win.alg, limit, win.burst);
-            }
-        }
+        let bound = bound(&win, limit, agent, w, k, opts);
         s.key_windows += 1;
         s.worst_ratio = s.worst_ratio.max(win.sure as f64 / limit as f64);
         if win.sure > bound {
@@ -311,24 +334,34 @@ pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
             });
         }
     }
-    breaches.sort_by(|a, b| {
-        let ratio = |x: &Breach| x.admitted as f64 / x.limit as f64;
-        ratio(b).total_cmp(&ratio(a)).then_with(|| a.key.cmp(&b.key))
-    });
-    let mut rules: Vec<RuleSummary> = summaries.into_values().collect();
-    rules.sort_by(|a, b| a.rule.cmp(&b.rule));
-    Judgement {
-        agents: ledgers.len(),
-        records,
-        dropped: ledgers.iter().map(|f| f.dropped).sum(),
-        unclosed: ledgers
-            .iter()
-            .filter(|f| !f.closed)
-            .map(|f| f.header.agent.clone())
-            .collect(),
-        rules,
-        breaches,
+    breaches
+}
+
+/// A key-window's bound (docs/accuracy.md): its limit (a token bucket's burst too), plus each
+/// fallback's share, the batched allowance, and what the faults that overlap it allow.
+fn bound(win: &Window, limit: u64, agent: Option<&str>, w: u64, k: u64, opts: &Options) -> u64 {
+    let mut bound = match win.alg {
+        Some(Algorithm::TokenBucket) => win.burst + limit,
+        Some(Algorithm::SlidingWindow | Algorithm::Concurrency | Algorithm::Quota) | None => limit,
+    };
+    // Φ: each agent whose fallback admitted here, its share of the limit (docs/accuracy.md).
+    for n in win.fallback_n.values() {
+        let share = |x: u64| (x / n).max(1);
+        bound += match win.alg {
+            Some(Algorithm::TokenBucket) => share(win.burst) + share(limit),
+            Some(Algorithm::SlidingWindow | Algorithm::Concurrency | Algorithm::Quota) | None => share(limit),
+        };
     }
+    if win.sources & source_bit("local") != 0 && agent.is_none() {
+        bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
+    }
+    let (start, end) = (k * w, (k + 1) * w);
+    for f in &opts.faults {
+        if f.from_ms < end && f.to_ms >= start {
+            bound += f.kind.allowance(win.alg, limit, win.burst);
+        }
+    }
+    bound
 }
 
 #[cfg(test)]
