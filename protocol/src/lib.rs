@@ -4,7 +4,8 @@
 //!
 //! # Layout
 //! - [`limits`]: the version, frame kinds and size limits.
-//! - `frame`: the frames as Rust values ([`Frame`], [`Body`], [`Check`], [`Decision`], …).
+//! - `frame`: the frames as Rust values ([`Frame`], [`Body`], [`Check`], [`Item`], …).
+//! - `decision`: what a check is answered with ([`Decision`], [`Verdict`], [`Source`], [`ErrorBody`]).
 //! - `codec`: [`Frame::encode`] and [`decode`]; decoding never panics on any input.
 //! - `error`: [`DecodeError`], [`EncodeError`] and the wire [`ErrorCode`]s.
 //! - `fail_modes`: version 2's [`FailModeList`], which checks it closes, and [`endpoint_matches`].
@@ -23,6 +24,7 @@
 //! ```
 
 mod codec;
+mod decision;
 mod error;
 mod fail_modes;
 mod frame;
