@@ -30,6 +30,8 @@ pub struct CallReport {
     pub ok: bool,
     /// The spans of its traced checks, in the order they were queued.
     pub served: Vec<SpanName>,
+    /// The node it went to: its host (or Unix socket path) and TCP port.
+    pub server: (String, Option<u16>),
 }
 
 static REPORTER: OnceLock<fn(CallReport)> = OnceLock::new();

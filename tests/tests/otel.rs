@@ -333,6 +333,12 @@ async fn the_redis_call_a_check_shared_is_a_linked_span() {
             .unwrap();
         let traced = call["links"].as_array().unwrap().len() as u64;
         assert!(coalesced >= traced && traced >= 1, "{call}");
+        // A call the agent made: a CLIENT span in OpenTelemetry's database conventions.
+        assert_eq!(call["kind"], 3, "{call}");
+        assert_eq!(attr(&call, "db.system.name")["stringValue"], "redis");
+        assert_eq!(attr(&call, "db.operation.name")["stringValue"], "EVALSHA");
+        assert_eq!(attr(&call, "server.address")["stringValue"], "127.0.0.1");
+        assert_eq!(attr(&call, "server.port")["intValue"], redis.port().to_string());
         // Its parent is the first check it served: a check span of one of the callers' traces.
         let first = &call["links"][0];
         assert_eq!(call["traceId"], first["traceId"]);

@@ -138,8 +138,9 @@ pub fn otlp_json(service: &str, resource: &[(String, String)], spans: &[SpanData
                 "traceId": hex(&s.trace_id),
                 "spanId": hex(&s.span_id),
                 "name": s.name,
-                // SPAN_KIND_SERVER: each span is a request this process answered.
-                "kind": 2,
+                // SPAN_KIND_SERVER (a request this process answered) or SPAN_KIND_CLIENT (a call
+                // it made).
+                "kind": match s.kind { super::SpanKind::Server => 2, super::SpanKind::Client => 3 },
                 "startTimeUnixNano": s.start_ns.to_string(),
                 "endTimeUnixNano": s.end_ns.to_string(),
                 "attributes": attributes,

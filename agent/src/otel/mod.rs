@@ -20,7 +20,7 @@ use std::sync::OnceLock;
 
 pub use export::{run_exporter, Exporter, POST_TIMEOUT};
 pub use layer::http_spans;
-pub use span::{Attr, SpanData, SpanStart, Tracer};
+pub use span::{Attr, SpanData, SpanKind, SpanStart, Tracer};
 
 static TRACER: OnceLock<Tracer> = OnceLock::new();
 
@@ -61,9 +61,15 @@ fn report_call(call: floodgate_core::call_trace::CallReport) {
         span_id: tracer.next_id().to_be_bytes(),
         parent: Some(parent),
         name: "redis.call".into(),
+        kind: SpanKind::Client,
         start_ns: now_ns.saturating_sub(ago(call.sent)),
         end_ns: now_ns.saturating_sub(ago(call.answered)),
         attributes: vec![
+            // OpenTelemetry's database conventions: what was asked of whom.
+            ("db.system.name", Attr::Str("redis".into())),
+            ("db.operation.name", Attr::Str("EVALSHA".into())),
+            ("server.address", Attr::Str(call.server.0)),
+            ("server.port", Attr::Int(call.server.1.map_or(0, i64::from))),
             ("floodgate.shard", Attr::Int(call.shard as i64)),
             ("floodgate.coalesced_checks", Attr::Int(call.checks as i64)),
             ("floodgate.traced_checks", Attr::Int(call.served.len() as i64)),

@@ -44,6 +44,17 @@ pub struct SpanData {
     pub error: bool,
     /// Spans it is linked to (a store call: the checks it served).
     pub links: Vec<([u8; 16], [u8; 8])>,
+    /// Whether this process answered it (a check, an API request) or asked it (a Redis call).
+    pub kind: SpanKind,
+}
+
+/// OTLP's span kinds this process records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpanKind {
+    /// A request this process answered.
+    Server,
+    /// A request this process sent (a Redis call).
+    Client,
 }
 
 /// The process's tracer: the sampler and the queue to the exporter.
@@ -177,6 +188,7 @@ impl SpanStart {
             attributes,
             error,
             links: Vec::new(),
+            kind: SpanKind::Server,
         });
     }
 

@@ -69,6 +69,14 @@ impl NodeAddr {
         }))
     }
 
+    /// The node's host and port (a Unix socket: its path, no port), for traces.
+    pub fn server(&self) -> (String, Option<u16>) {
+        match &self.target {
+            Target::Tcp(host, port) => (host.clone(), Some(*port)),
+            Target::Unix(path) => (path.display().to_string(), None),
+        }
+    }
+
     /// Connects and signs in (AUTH, SELECT).
     pub(super) async fn connect(&self) -> Result<Box<dyn Io>, StoreError> {
         let io_err = |e: std::io::Error| StoreError::Connection(e.to_string());

@@ -111,6 +111,7 @@ impl Node {
                 answered: Instant::now(),
                 ok: result.is_ok(),
                 served,
+                server: self.task.addr.server(),
             });
         }
         match (waiter, result) {
