@@ -356,6 +356,11 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
     }
     // The baseline: the per-pair layout the bucket hashes replaced, one hash {w, c, p} per (client,
     // rule) with a TTL.
+    // An expiry an hour ahead: a fixed one had passed, and Redis dropped the keys as it wrote them.
+    let expire_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+        + 3_600_000;
     let bytes = write_directly(keys, |pipe, k| {
         let key = format!("fg:{{user:{k}}}:bench");
         pipe.cmd("HSET")
@@ -366,7 +371,7 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
             .arg(1)
             .arg("p")
             .arg(0);
-        pipe.cmd("PEXPIREAT").arg(&key).arg(1_796_300_000_000u64);
+        pipe.cmd("PEXPIREAT").arg(&key).arg(expire_at);
     })?;
     push(
         "Redis, one hash per client (the layout before), written directly",
@@ -377,11 +382,7 @@ pub async fn memory(keys: usize) -> anyhow::Result<Vec<MemoryRow>> {
     let bytes = write_directly(keys, |pipe, k| {
         for w in [29_403_954u64, 29_403_955] {
             let key = format!("rl:{{user:{k}}}:bench:{w}");
-            pipe.cmd("SET")
-                .arg(&key)
-                .arg(3)
-                .arg("PXAT")
-                .arg(1_796_300_000_000u64);
+            pipe.cmd("SET").arg(&key).arg(3).arg("PXAT").arg(expire_at);
         }
     })?;
     push(
