@@ -196,7 +196,7 @@ async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Ne
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim());
     let Some(given) = given else {
-        return error(
+        return refused(
             StatusCode::UNAUTHORIZED,
             "a bearer token is required (Authorization: Bearer …)",
         );
@@ -213,8 +213,18 @@ async fn auth(State(state): State<Arc<ServiceState>>, mut req: Request, next: Ne
             req.extensions_mut().insert(Actor(t.name.clone()));
             next.run(req).await
         }
-        None => error(StatusCode::FORBIDDEN, "this token is not allowed"),
+        None => refused(StatusCode::FORBIDDEN, "this token is not allowed"),
     }
+}
+
+/// An answer to a request with no token or an unknown one, which also closes its connection
+/// (`Connection: close`): a client that cannot authenticate holds no kept-alive slot of the
+/// connection cap, which stays for the agents and operators that can.
+fn refused(status: StatusCode, message: &str) -> Response {
+    let mut r = error(status, message);
+    r.headers_mut()
+        .insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+    r
 }
 
 /// Whether two secrets are equal, in a time that does not depend on where they differ (`subtle`:

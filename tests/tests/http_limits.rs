@@ -191,3 +191,33 @@ async fn agent_http_listeners_answer_while_one_client_holds_half_sent_requests()
         closed_after_the_header_timeout(held, opened).await;
     }
 }
+
+/// A request without a valid token is answered and its connection closed (`Connection: close`), so
+/// clients that cannot authenticate hold no kept-alive slot; an authenticated client's connection
+/// stays open for its next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rules_server_closes_a_connection_that_cannot_authenticate() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = rules_server(&dir).await;
+    for auth in ["", "Authorization: Bearer wrong\r\n"] {
+        let mut c = connect_from(loopback(1), s.addr()).await;
+        let (status, head, _) = exchange(
+            &mut c,
+            &format!("GET /v1/rules HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n"),
+        )
+        .await;
+        assert!(status == 401 || status == 403, "{status} {head}");
+        assert!(head.to_ascii_lowercase().contains("connection: close"), "{head}");
+        until_closed("a refused client's connection", vec![c], 1).await;
+    }
+    let mut c = connect_from(loopback(1), s.addr()).await;
+    for _ in 0..2 {
+        let (status, head, _) = exchange(
+            &mut c,
+            "GET /v1/rules HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer s3cret\r\n\r\n",
+        )
+        .await;
+        assert_eq!(status, 200, "{head}");
+    }
+    assert!(!closed(&c), "an authenticated client's connection stays open");
+}
