@@ -50,6 +50,7 @@ mod conn;
 mod frame;
 pub mod grpc;
 mod head;
+mod headers;
 mod hpack;
 mod huffman;
 mod inbound;
