@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use floodgate_core::algo::Period;
-use floodgate_core::rules::{Algorithm, OverLimit, Rule};
+use floodgate_core::rules::{Algorithm, OverLimit, Rule, RuleSet};
 use floodgate_protocol::{Check, ErrorCode, Item, ItemMode, TraceContext, MAX_ITEMS};
 use prost::Message;
 use tonic::{Request, Response, Status};
@@ -14,6 +14,9 @@ use super::proto::{Entry, RateLimitOverride, RateLimitRequest, RateLimitResponse
 use super::reply::{self, GrpcHeaders, Slot};
 use floodgate_core::engine::{Answer, Engine};
 use floodgate_core::store::Clock;
+
+/// A request's descriptors as a check: what each became, the items, and those under their own limit.
+type Described = (Vec<Slot>, Vec<Item>, Vec<(usize, Arc<Rule>)>);
 
 /// The agent's `envoy.service.ratelimit.v3.RateLimitService`.
 pub struct EnvoyService {
@@ -89,6 +92,68 @@ impl EnvoyService {
             )));
         }
         let rules = self.engine.rules();
+        let (slots, mut items, under) = self.items(req, &rules)?;
+        if items.is_empty() {
+            floodgate_core::metrics::grpc_request("unmatched");
+            reply::write_unlimited(out, &slots);
+            if let Some(span) = span.take() {
+                crate::otel::end_check(*span, "grpc", Ok(None), None);
+            }
+            return Ok(());
+        }
+        let start = Instant::now();
+        self.looks_first(&mut items, &under).await;
+        let check = Check::Items(items);
+        let charges = floodgate_core::metrics::charges(&check);
+        // How long the check waited on the store (None: answered at once), for its span.
+        let mut waited = None;
+        let result = match self.engine.check_under(check, &under, Instant::now()) {
+            Answer::Ready(r) => r,
+            Answer::Pending(f) => {
+                let asked = Instant::now();
+                // A traced check names its span to the store call it may join (`call_trace`).
+                let r = match span.as_ref().map(|s| s.name()) {
+                    Some(name) => floodgate_core::call_trace::Traced::new(name, f).await,
+                    None => f.await,
+                };
+                waited = Some(asked.elapsed());
+                r
+            }
+        };
+        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
+        let decision = result.map_err(|e| {
+            floodgate_core::metrics::grpc_request("error");
+            match e.code {
+                ErrorCode::InvalidItem => Status::invalid_argument(e.message),
+                ErrorCode::Overloaded => Status::resource_exhausted(e.message),
+                ErrorCode::UnknownRule => {
+                    Status::unavailable(format!("rules changed mid-request: {}", e.message))
+                }
+                _ => Status::internal(e.message),
+            }
+        })?;
+        // The descriptor's own limit's unit, if it brought one; else its rule's.
+        let window_ms = |i: usize, item: &floodgate_protocol::ItemDecision| {
+            under
+                .iter()
+                .find(|(u, _)| *u == i)
+                .map(|(_, r)| r.window_ms())
+                .unwrap_or_else(|| rules.get(&item.rule_id).map_or(0, |r| r.window_ms()))
+        };
+        let now = Clock::System.now_ms();
+        let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
+        floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
+        if let Some(span) = span.take() {
+            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), waited);
+        }
+        Ok(())
+    }
+
+    /// The request's descriptors as a check's items (the same counter twice is one item, its
+    /// costs added), what each descriptor became, and the items checked under a descriptor's own
+    /// limit (a rule with `limitOverride`); refused if a counter both gives back and takes, or past
+    /// `MAX_ITEMS`.
+    fn items(&self, req: &RateLimitRequest, rules: &RuleSet) -> Result<Described, Status> {
         // What each descriptor became: an item of the check, or answered without one.
         let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
         let mut items: Vec<Item> = Vec::with_capacity(req.descriptors.len());
@@ -160,18 +225,13 @@ impl EnvoyService {
                 }
             }
         }
-        if items.is_empty() {
-            floodgate_core::metrics::grpc_request("unmatched");
-            reply::write_unlimited(out, &slots);
-            if let Some(span) = span.take() {
-                crate::otel::end_check(*span, "grpc", Ok(None), None);
-            }
-            return Ok(());
-        }
-        let start = Instant::now();
-        // A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
-        // request, as envoyproxy/ratelimit answers it; the others must then count nothing: the looks
-        // go first, and if one is over, the whole request is answered as looks.
+        Ok((slots, items, under))
+    }
+
+    /// A descriptor that only looks (hits_addend 0) and is already past its limit refuses the
+    /// request, as envoyproxy/ratelimit answers it; the others must then count nothing: the looks
+    /// go first, and if one is over, the whole request is answered as looks.
+    async fn looks_first(&self, items: &mut [Item], under: &[(usize, Arc<Rule>)]) {
         let peeks = items.iter().filter(|i| i.mode.only_looks()).count();
         if peeks > 0 && peeks < items.len() {
             let looking: Vec<usize> = (0..items.len()).filter(|&i| items[i].mode.only_looks()).collect();
@@ -194,50 +254,6 @@ impl EnvoyService {
                 }
             }
         }
-        let check = Check::Items(items);
-        let charges = floodgate_core::metrics::charges(&check);
-        // How long the check waited on the store (None: answered at once), for its span.
-        let mut waited = None;
-        let result = match self.engine.check_under(check, &under, Instant::now()) {
-            Answer::Ready(r) => r,
-            Answer::Pending(f) => {
-                let asked = Instant::now();
-                // A traced check names its span to the store call it may join (`call_trace`).
-                let r = match span.as_ref().map(|s| s.name()) {
-                    Some(name) => floodgate_core::call_trace::Traced::new(name, f).await,
-                    None => f.await,
-                };
-                waited = Some(asked.elapsed());
-                r
-            }
-        };
-        floodgate_core::metrics::check_charged(&result, start.elapsed(), charges);
-        let decision = result.map_err(|e| {
-            floodgate_core::metrics::grpc_request("error");
-            match e.code {
-                ErrorCode::InvalidItem => Status::invalid_argument(e.message),
-                ErrorCode::Overloaded => Status::resource_exhausted(e.message),
-                ErrorCode::UnknownRule => {
-                    Status::unavailable(format!("rules changed mid-request: {}", e.message))
-                }
-                _ => Status::internal(e.message),
-            }
-        })?;
-        // The descriptor's own limit's unit, if it brought one; else its rule's.
-        let window_ms = |i: usize, item: &floodgate_protocol::ItemDecision| {
-            under
-                .iter()
-                .find(|(u, _)| *u == i)
-                .map(|(_, r)| r.window_ms())
-                .unwrap_or_else(|| rules.get(&item.rule_id).map_or(0, |r| r.window_ms()))
-        };
-        let now = Clock::System.now_ms();
-        let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
-        floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
-        if let Some(span) = span.take() {
-            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), waited);
-        }
-        Ok(())
     }
 }
 
