@@ -100,28 +100,7 @@ pub fn write(
             longest = longest.max(until);
         }
         let window = window_ms(i, item);
-        nested(out, STATUSES, |o| {
-            uint(o, CODE, if over { Code::OverLimit } else { Code::Ok } as u64);
-            nested(o, CURRENT_LIMIT, |o| {
-                string(o, NAME, item.rule_id.as_bytes());
-                uint(o, REQUESTS_PER_UNIT, v.limit.min(u64::from(u32::MAX)));
-                uint(o, UNIT, unit(window) as u64);
-            });
-            // Over the limit is nothing left, whatever a larger cost would have found.
-            uint(
-                o,
-                LIMIT_REMAINING,
-                if over {
-                    0
-                } else {
-                    v.remaining.min(u64::from(u32::MAX))
-                },
-            );
-            nested(o, DURATION_UNTIL_RESET, |o| {
-                uint(o, SECONDS, until / 1_000);
-                uint(o, NANOS, (until % 1_000) * 1_000_000);
-            });
-        });
+        status(out, item, over, until, window);
     }
     // Envoy's overall code is OVER_LIMIT when any descriptor is: a hits_addend-0 descriptor past
     // its limit too, though a peek does not decide the check's consume items.
@@ -170,6 +149,33 @@ pub fn write(
         if allowed { Code::Ok } else { Code::OverLimit } as u64,
     );
     allowed
+}
+
+/// One descriptor's status: its code, the rule's limit in the unit of `window`, what remains (0
+/// over the limit), and `until` (ms) as the duration until reset.
+fn status(out: &mut Vec<u8>, item: &floodgate_protocol::ItemDecision, over: bool, until: u64, window: u64) {
+    nested(out, STATUSES, |o| {
+        uint(o, CODE, if over { Code::OverLimit } else { Code::Ok } as u64);
+        nested(o, CURRENT_LIMIT, |o| {
+            string(o, NAME, item.rule_id.as_bytes());
+            uint(o, REQUESTS_PER_UNIT, item.verdict.limit.min(u64::from(u32::MAX)));
+            uint(o, UNIT, unit(window) as u64);
+        });
+        // Over the limit is nothing left, whatever a larger cost would have found.
+        uint(
+            o,
+            LIMIT_REMAINING,
+            if over {
+                0
+            } else {
+                item.verdict.remaining.min(u64::from(u32::MAX))
+            },
+        );
+        nested(o, DURATION_UNTIL_RESET, |o| {
+            uint(o, SECONDS, until / 1_000);
+            uint(o, NANOS, (until % 1_000) * 1_000_000);
+        });
+    });
 }
 
 /// A request none of whose descriptors is limited: each OK, overall OK.
