@@ -45,12 +45,26 @@ impl Cluster {
     /// are which: [`masters`](Self::masters), [`replica_of`](Self::replica_of)); waits until every
     /// replica is in sync too.
     pub fn start_with(masters: usize, replicas: usize) -> Self {
+        Cluster::start_with_node_timeout(masters, replicas, 15_000)
+    }
+
+    /// [`start_with`](Self::start_with) with another `cluster-node-timeout` (Redis's default is
+    /// 15 s): how long a master may not answer before its replica takes over.
+    pub fn start_with_node_timeout(masters: usize, replicas: usize, node_timeout_ms: u64) -> Self {
         let n = masters * (1 + replicas);
+        let timeout = node_timeout_ms.to_string();
         let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
                 RedisServer::start_on(
                     cluster_port(),
-                    &["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        &timeout,
+                    ],
                 )
             })
             .collect();
@@ -145,9 +159,14 @@ impl Cluster {
 
     /// The masters' node indices, in the order of the slots they serve (the first serves slot 0).
     pub fn masters(&self) -> Vec<usize> {
+        self.masters_seen_by(0)
+    }
+
+    /// [`masters`](Self::masters) as node `node`'s slot map has them (ask a node that answers).
+    pub fn masters_seen_by(&self, node: usize) -> Vec<usize> {
         let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
             .arg("SLOTS")
-            .query(&mut self.nodes[0].conn())
+            .query(&mut self.nodes[node].conn())
             .expect("CLUSTER SLOTS");
         let mut owners: Vec<(i64, usize)> = Vec::new();
         for range in &ranges {
@@ -184,18 +203,29 @@ impl Cluster {
     }
 
     /// `CLUSTER FAILOVER` on node `replica` (a manual failover: its master stops taking writes,
-    /// the replica catches up and takes over its slots), then waits until node 0's slot map names
-    /// it a master.
+    /// the replica catches up and takes over its slots), then waits until the replica's slot map
+    /// names it a master. A manual failover that Redis gave up on (it has 5 s to agree with the
+    /// master; a loaded machine may not make it) is asked again, then with FORCE (no agreement with
+    /// the master, still the other masters' votes).
     pub fn failover(&self, replica: usize) {
-        let _: () = redis::cmd("CLUSTER")
-            .arg("FAILOVER")
-            .query(&mut self.nodes[replica].conn())
-            .expect("CLUSTER FAILOVER");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.masters().contains(&replica) {
-            assert!(Instant::now() < deadline, "the failover did not end in 30 s");
-            std::thread::sleep(Duration::from_millis(20));
+        for (how, wait) in [(None, 10), (None, 10), (Some("FORCE"), 20)] {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("FAILOVER");
+            if let Some(how) = how {
+                cmd.arg(how);
+            }
+            let _: () = cmd
+                .query(&mut self.nodes[replica].conn())
+                .expect("CLUSTER FAILOVER");
+            let deadline = Instant::now() + Duration::from_secs(wait);
+            while Instant::now() < deadline {
+                if self.masters_seen_by(replica).contains(&replica) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
+        panic!("node {replica} did not take over its master's slots in 40 s");
     }
 
     /// The seed URLs separated by commas, as `--redis` takes them with `--redis-cluster`.

@@ -9,8 +9,8 @@
 //! Deployments: one `redis-server` (faults: Redis killed, paused, slowed; an agent killed), or a
 //! master, its replica and a sentinel (faults: `SENTINEL FAILOVER`; an agent killed), or a Redis
 //! Cluster of three masters with a replica each (faults: a reshard under load with plain
-//! `redis-cli --cluster reshard`; `CLUSTER FAILOVER` on a replica; an agent killed). Not covered
-//! yet: a Cluster master killed (an unplanned failover), clock skew.
+//! `redis-cli --cluster reshard`; `CLUSTER FAILOVER` on a replica; a master paused past the node
+//! timeout, an unplanned failover; an agent killed). Not covered yet: clock skew.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -102,6 +102,9 @@ pub enum Fault {
     },
     /// `CLUSTER FAILOVER` on the replica of master `master` (numbered as for `Reshard`).
     ClusterFailover { at_ms: u64, master: usize },
+    /// SIGSTOP of master `master` for `for_ms`, past the Cluster's node timeout (2 s here): its
+    /// replica takes over unasked, then the old master wakes up to find itself demoted.
+    ClusterMasterPaused { at_ms: u64, master: usize, for_ms: u64 },
 }
 
 impl Fault {
@@ -113,14 +116,17 @@ impl Fault {
             | Fault::AgentKilled { at_ms, .. }
             | Fault::SentinelFailover { at_ms }
             | Fault::Reshard { at_ms, .. }
-            | Fault::ClusterFailover { at_ms, .. } => at_ms,
+            | Fault::ClusterFailover { at_ms, .. }
+            | Fault::ClusterMasterPaused { at_ms, .. } => at_ms,
         }
     }
 
     fn lasts_ms(&self) -> u64 {
         match *self {
             Fault::RedisKilled { down_ms, .. } | Fault::AgentKilled { down_ms, .. } => down_ms,
-            Fault::RedisPaused { for_ms, .. } | Fault::RedisSlow { for_ms, .. } => for_ms,
+            Fault::RedisPaused { for_ms, .. }
+            | Fault::RedisSlow { for_ms, .. }
+            | Fault::ClusterMasterPaused { for_ms, .. } => for_ms,
             // Until the sentinel names the new master, measured; this much is planned for it.
             Fault::SentinelFailover { .. } | Fault::ClusterFailover { .. } => 1_500,
             // redis-cli moves ~1,000 slots a second here; the runner waits for it to end.
@@ -229,9 +235,10 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
         }
         let lasts = rng.range(300, 1_500).min(end - at);
         if plan.deployment == Deployment::Cluster {
-            // A reshard first; then a reshard, a failover or an agent killed. A reshard takes a
-            // third to all of its source's slots, so every hash tag of the load may move.
-            let pick = if faults.is_empty() { 0 } else { rng.range(0, 3) };
+            // A reshard first; then a reshard, a failover, a master paused past the node timeout
+            // or an agent killed. A reshard takes a third to all of its source's slots, so every
+            // hash tag of the load may move.
+            let pick = if faults.is_empty() { 0 } else { rng.range(0, 4) };
             let fault = if pick == 0 {
                 let from = rng.range(0, 3) as usize;
                 let to = (from + 1 + rng.range(0, 2) as usize) % 3;
@@ -249,6 +256,12 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
                 Fault::ClusterFailover {
                     at_ms: at,
                     master: rng.range(0, 3) as usize,
+                }
+            } else if pick == 2 {
+                Fault::ClusterMasterPaused {
+                    at_ms: at,
+                    master: rng.range(0, 3) as usize,
+                    for_ms: rng.range(4_000, 6_000),
                 }
             } else {
                 Fault::AgentKilled {
@@ -405,7 +418,7 @@ pub async fn run(plan: Plan) -> Report {
             (url, Some(r), Some(s), None)
         }
         Deployment::Cluster => {
-            let c = tokio::task::spawn_blocking(|| Cluster::start_with(3, 1))
+            let c = tokio::task::spawn_blocking(|| Cluster::start_with_node_timeout(3, 1, 2_000))
                 .await
                 .expect("cluster start");
             (c.urls(), None, None, Some(Arc::new(c)))
@@ -563,6 +576,53 @@ pub async fn run(plan: Plan) -> Report {
                 if let Err(e) = moved {
                     troubles.push(e);
                 }
+            }
+            Fault::ClusterMasterPaused { master, .. } => {
+                let c = cluster.clone().expect("a cluster deployment");
+                let old = masters[master];
+                let replica = {
+                    let c = c.clone();
+                    tokio::task::spawn_blocking(move || c.replica_of(old))
+                        .await
+                        .expect("the replica's lookup")
+                };
+                let Some(replica) = replica else {
+                    troubles.push(format!("master {master} (node {old}) has no replica in sync"));
+                    continue;
+                };
+                let pid = c.nodes[old].pid().expect("the master runs");
+                let from_ms = unix_ms();
+                pause_process(pid);
+                // The replica takes over once the others have marked the master failed (the node
+                // timeout) and voted: polled from the replica, which answers throughout.
+                let until = Instant::now() + lasts;
+                let mut promoted = false;
+                while Instant::now() < until {
+                    let c = c.clone();
+                    promoted =
+                        tokio::task::spawn_blocking(move || c.masters_seen_by(replica).contains(&replica))
+                            .await
+                            .expect("the slot map's read");
+                    if promoted {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                tokio::time::sleep_until(until.into()).await;
+                resume_process(pid);
+                if promoted {
+                    masters[master] = replica;
+                } else {
+                    troubles.push(format!(
+                        "master {master} paused {} ms: its replica did not take over",
+                        lasts.as_millis()
+                    ));
+                }
+                spans.push(FaultSpan {
+                    kind: FaultKind::Failover,
+                    from_ms,
+                    to_ms: unix_ms(),
+                });
             }
             Fault::ClusterFailover { master, .. } => {
                 let c = cluster.clone().expect("a cluster deployment");
