@@ -221,6 +221,15 @@ impl Rng {
     }
 }
 
+/// An agent drawn from the seed, killed at `at_ms` and started again `down_ms` later.
+fn agent_killed(rng: &mut Rng, plan: &Plan, at_ms: u64, down_ms: u64) -> Fault {
+    Fault::AgentKilled {
+        at_ms,
+        agent: rng.range(0, plan.agents as u64) as usize,
+        down_ms,
+    }
+}
+
 /// The seed's schedule: one to three faults, one after another, from 2 s into the load until 3 s
 /// before its end.
 pub fn schedule(plan: &Plan) -> Vec<Fault> {
@@ -264,11 +273,7 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
                     for_ms: rng.range(4_000, 6_000),
                 }
             } else {
-                Fault::AgentKilled {
-                    at_ms: at,
-                    agent: rng.range(0, plan.agents as u64) as usize,
-                    down_ms: lasts,
-                }
+                agent_killed(&mut rng, plan, at, lasts)
             };
             at += fault.lasts_ms() + rng.range(1_000, 3_000);
             faults.push(fault);
@@ -279,11 +284,7 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
             let fault = if faults.is_empty() || rng.next() % 2 == 0 {
                 Fault::SentinelFailover { at_ms: at }
             } else {
-                Fault::AgentKilled {
-                    at_ms: at,
-                    agent: rng.range(0, plan.agents as u64) as usize,
-                    down_ms: lasts,
-                }
+                agent_killed(&mut rng, plan, at, lasts)
             };
             at += fault.lasts_ms() + rng.range(1_000, 3_000);
             faults.push(fault);
@@ -303,11 +304,7 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
                 for_ms: lasts,
                 delay_ms: rng.range(60, 200),
             },
-            _ => Fault::AgentKilled {
-                at_ms: at,
-                agent: rng.range(0, plan.agents as u64) as usize,
-                down_ms: lasts,
-            },
+            _ => agent_killed(&mut rng, plan, at, lasts),
         };
         faults.push(fault);
         at += lasts + rng.range(500, 2_000);
