@@ -7,9 +7,12 @@ use std::path::PathBuf;
 
 mod otlp;
 mod rules_server;
+mod values;
 
 pub use otlp::OtlpArgs;
 pub use rules_server::RulesServerConfig;
+use values::{http_header_timeout_ms, http_max_connections, parse_admin, parse_grpc, parse_mode};
+pub use values::{http_limits, Admin, LogFormat};
 
 /// How `floodgate agent` runs. Every field has a flag and an environment variable; the table in
 /// docs/configuration.md mirrors this struct.
@@ -377,25 +380,6 @@ pub struct AgentConfig {
     pub log_format: LogFormat,
 }
 
-/// How log lines are written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum LogFormat {
-    /// Human-readable text.
-    #[default]
-    Text,
-    /// One JSON object per line.
-    Json,
-}
-
-/// Where the admin HTTP API listens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admin {
-    /// Not served.
-    Off,
-    /// Served at this address (port 0 picks a free one, logged at start).
-    At(SocketAddr),
-}
-
 impl AgentConfig {
     /// The gRPC listener's TLS files, when `--grpc-tls-cert` is given.
     pub fn grpc_tls_files(&self) -> Option<crate::envoy::TlsFiles> {
@@ -514,70 +498,9 @@ impl AgentConfig {
     }
 }
 
-/// An HTTP listener's limits from its two flags.
-pub fn http_limits(
-    max_connections: usize,
-    header_timeout_ms: u64,
-) -> floodgate_rules_service::listen::Limits {
-    floodgate_rules_service::listen::Limits::new(max_connections)
-        .header_timeout(std::time::Duration::from_millis(header_timeout_ms))
-}
-
-/// `--http-max-connections`: 1 to 1,000,000 (past a million the file descriptors run out first).
-fn http_max_connections() -> clap::builder::RangedU64ValueParser<usize> {
-    clap::builder::RangedU64ValueParser::new().range(1..=1_000_000)
-}
-
-/// `--http-header-timeout-ms`: 1 ms to 10 minutes.
-fn http_header_timeout_ms() -> clap::builder::RangedU64ValueParser<u64> {
-    clap::builder::RangedU64ValueParser::new().range(1..=600_000)
-}
-
-fn parse_mode(s: &str) -> Result<u32, String> {
-    let mode = u32::from_str_radix(s.trim_start_matches("0o"), 8)
-        .map_err(|e| format!("{s:?} is not an octal mode: {e}"))?;
-    if mode > 0o777 {
-        return Err(format!("{s:?} is not a file mode (0000 to 0777)"));
-    }
-    Ok(mode)
-}
-
-fn parse_grpc(s: &str) -> Result<SocketAddr, String> {
-    if s.eq_ignore_ascii_case("on") {
-        return Ok(SocketAddr::from(([127, 0, 0, 1], 8081)));
-    }
-    s.parse()
-        .map_err(|e| format!("{s:?} is not an address like 127.0.0.1:8081 or on: {e}"))
-}
-
-fn parse_admin(s: &str) -> Result<Admin, String> {
-    if s.eq_ignore_ascii_case("off") {
-        return Ok(Admin::Off);
-    }
-    s.parse()
-        .map(Admin::At)
-        .map_err(|e| format!("{s:?} is not an address like 127.0.0.1:9790 or off: {e}"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn modes_and_addresses_parse() {
-        assert_eq!(parse_mode("0660"), Ok(0o660));
-        assert_eq!(parse_mode("600"), Ok(0o600));
-        assert!(parse_mode("0999").is_err());
-        assert!(parse_mode("1777").is_err());
-        assert_eq!(parse_admin("off"), Ok(Admin::Off));
-        assert_eq!(
-            parse_admin("127.0.0.1:0"),
-            Ok(Admin::At("127.0.0.1:0".parse().unwrap()))
-        );
-        assert!(parse_admin("localhost").is_err());
-        assert_eq!(parse_grpc("on"), Ok("127.0.0.1:8081".parse().unwrap()));
-        assert!(parse_grpc("8081").is_err());
-    }
 
     #[test]
     fn the_rules_token_comes_from_a_flag_or_a_file_not_both() {
