@@ -31,17 +31,8 @@ from typing import Any, AsyncIterator, Deque, Dict, Iterable, List, Optional, Tu
 
 from . import fail_modes as fm
 from . import protocol as p
-from .decision import (
-    TIMEOUT,
-    UNAVAILABLE,
-    ClientConfig,
-    ClientStats,
-    Core,
-    Decision,
-    Degraded,
-    FailPolicy,
-    Subject,
-)
+from ._policy import TIMEOUT, UNAVAILABLE, Policy, Subject
+from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
 from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
 from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
@@ -179,7 +170,7 @@ class AsyncClient:
         # The agent's address in use, or tried last (public: it is what health() reports).
         self.path = self._given if self._given is not None else default_socket_path()
         self._reach = Reachability(self.path, config.fail.value)
-        self._core = Core(config)
+        self._core = Policy(config)
         self._config = config
         self._pending: Dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)

@@ -33,17 +33,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
-from .decision import (
-    TIMEOUT,
-    UNAVAILABLE,
-    ClientConfig,
-    ClientStats,
-    Core,
-    Decision,
-    Degraded,
-    FailPolicy,
-    Subject,
-)
+from ._policy import TIMEOUT, UNAVAILABLE, Policy, Subject
+from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
 from .errors import UnsupportedByAgent
 from .health import Health, Reachability, describe
 from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
@@ -122,7 +113,7 @@ class Client:
         # The agent's address in use, or tried last (public: it is what health() reports).
         self.path = self._given if self._given is not None else default_socket_path()
         self._config = config
-        self._core = Core(config)
+        self._core = Policy(config)
         self._reach = Reachability(self.path, config.fail.value)
         self._forked = False
         self._closed = False
@@ -170,7 +161,7 @@ class Client:
                     except OSError:
                         pass
             # The parent's fail-mode list is the last one known: kept, as across a disconnection.
-            self._core = Core(self._config, self._core.fail_modes)
+            self._core = Policy(self._config, self._core.fail_modes)
             self._reach = Reachability(self.path, self._config.fail.value)
             self._start()
 
