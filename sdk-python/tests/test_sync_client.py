@@ -209,7 +209,7 @@ def test_close_answers_waiting_calls_and_stops_the_thread(make_agent) -> None:  
     t = threading.Thread(target=call)
     t.start()
     try:
-        eventually("the call is waiting", lambda: len(client._pending) == 1)
+        eventually("the call is waiting", lambda: len(client._core.pending) == 1)
         started = time.monotonic()
         client.close()
         t.join(5)

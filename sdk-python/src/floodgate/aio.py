@@ -1,5 +1,9 @@
 """The asyncio client: one multiplexed Unix-socket connection per event loop, many checks in flight.
 
+A transport over the sans-I/O core (:mod:`floodgate._core`), which builds the requests, matches the
+answers, judges the Hello and answers by the fail policy; this module connects, writes, and waits
+with futures and timers.
+
 Every call returns within its timeout (10 ms by default), whatever the agent does: when the agent
 is unreachable, late or confused the call answers by its fail policy (open by default, closed per
 client or per call, or the agent's fail-closed rules) and the client reconnects in the background
@@ -24,40 +28,34 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
-import random
 import time
-from typing import Any, AsyncIterator, Deque, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
-from ._policy import TIMEOUT, UNAVAILABLE, Policy, Subject
+from ._core import FAIL_MODES, MAX_UNSENT, Backoff, Core, HandshakeError, Request, configure
+from ._policy import TIMEOUT, UNAVAILABLE
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
-from .errors import UnsupportedByAgent
-from .health import Health, Reachability, describe
-from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
-from .socket_path import default_socket_path
+from .health import Health
+from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_taken
 
-# Past this many bytes waiting in the socket's send buffer (an agent that stopped reading), calls
-# answer by their policy instead of queueing more.
-_MAX_WRITE_BUFFER = 1 << 20
-_CONSUME = p.ItemMode.CONSUME
-_PEEK = p.ItemMode.PEEK
-_CHARGE = p.ItemMode.CHARGE
-_RELEASE = p.ItemMode.RELEASE
 _Mode = Union[p.ItemMode, int, str]
 """An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
 
 
-class _HandshakeError(Exception):
-    pass
+def _settle(fut: asyncio.Future, reply: object) -> None:
+    """Wakes a waiting call with ``reply``, unless its timeout woke it first."""
+    if not fut.done():
+        fut.set_result(reply)
 
 
 class _Conn(asyncio.Protocol):
-    """One connection: parses what the agent sends and wakes the waiting calls."""
+    """One connection: feeds what the agent sends to the client's core, which wakes the waiting
+    calls."""
 
-    def __init__(self, client: "AsyncClient", loop: asyncio.AbstractEventLoop) -> None:
-        self.client = client
+    def __init__(self, core: Core, loop: asyncio.AbstractEventLoop, lost: Callable[[_Conn], None]) -> None:
+        self.core = core
+        self.on_lost = lost
         self.buf = bytearray()
         self.transport: Optional[asyncio.Transport] = None
         self.hello: asyncio.Future = loop.create_future()
@@ -71,55 +69,24 @@ class _Conn(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self.buf
         buf += data
-        pos = 0
-        pending = self.client._pending
-        decode = p.decode_reply
-        while True:
-            status, value, used = decode(buf, pos)
-            if status == 0:
-                break
-            if status == 3:
-                self._broken(f"agent sent a broken frame: {value}")
+        if not self.hello.done():
+            try:
+                version = self.core.hello(buf)
+            except HandshakeError as e:
+                self._broken(str(e))
                 return
-            pos += used
-            if status == 1:
-                rid, body = value  # type: ignore[misc]
-                if not self.hello.done():
-                    self._handshake_answer(body)
-                    if self.transport is None or self.transport.is_closing():
-                        return
-                    continue
-                if isinstance(body, (p.DecisionBody, p.ErrorBody)):
-                    fut = pending.pop(rid, None)
-                    if fut is not None and not fut.done():
-                        fut.set_result(body)
-                elif isinstance(body, p.FailModeList):
-                    self.client._core.learn(body)
-                # HelloOk or Pong after the handshake: nothing waits for them.
-            else:
-                # An answer this SDK cannot read (bad text, another version): its call answers by
-                # its fail policy now instead of waiting out its timeout.
-                fut = pending.pop(value, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(UNAVAILABLE)
-        if pos:
-            del buf[:pos]
-
-    def _handshake_answer(self, body: object) -> None:
-        if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
-            self.version = body.version
+            if version is None:
+                return
+            self.version = version
             self.hello.set_result(None)
-        elif isinstance(body, p.HelloOk):
-            self._broken(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
-        elif isinstance(body, p.ErrorBody):
-            self._broken(f"agent refused Hello: {int(body.code)}: {body.message}")
-        else:
-            self._broken("unexpected answer to Hello")
+        broken = self.core.dispatch(buf, _settle)
+        if broken is not None:
+            self._broken(broken)
 
     def _broken(self, why: str) -> None:
         self.why = why
         if not self.hello.done():
-            self.hello.set_exception(_HandshakeError(why))
+            self.hello.set_exception(HandshakeError(why))
         self.buf.clear()
         if self.transport is not None:
             self.transport.abort()
@@ -128,10 +95,10 @@ class _Conn(asyncio.Protocol):
         if self.why is None and exc is not None:
             self.why = f"connection lost: {exc}"
         if not self.hello.done():
-            self.hello.set_exception(_HandshakeError("the agent closed the connection during Hello"))
+            self.hello.set_exception(HandshakeError("the agent closed the connection during Hello"))
         if not self.lost.done():
             self.lost.set_result(None)
-        self.client._lost(self)
+        self.on_lost(self)
 
 
 class AsyncClient:
@@ -161,19 +128,8 @@ class AsyncClient:
         config: Optional[ClientConfig] = None,
         **overrides: Any,
     ) -> None:
-        config = config or ClientConfig()
-        if overrides:
-            config = ClientConfig(**{**config.__dict__, **overrides})
-        self._given = None if path is None else str(path)
-        if self._given is not None:
-            p.tcp_address(self._given)  # a bad tcp:// address given here is the caller's mistake: raise now
-        # The agent's address in use, or tried last (public: it is what health() reports).
-        self.path = self._given if self._given is not None else default_socket_path()
-        self._reach = Reachability(self.path, config.fail.value)
-        self._core = Policy(config)
-        self._config = config
-        self._pending: Dict[int, asyncio.Future] = {}
-        self._ids = itertools.count(1)
+        self._config = configure(config, overrides)
+        self._core = Core(path, self._config)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._task: Optional[asyncio.Task] = None
         self._conn: Optional[_Conn] = None
@@ -244,6 +200,11 @@ class AsyncClient:
     def config(self) -> ClientConfig:
         return self._config
 
+    @property
+    def path(self) -> str:
+        """The agent's address in use, or tried last (what :meth:`health` reports)."""
+        return self._core.path
+
     def is_connected(self) -> bool:
         """Whether the client holds a live connection to the agent right now."""
         c = self._conn
@@ -258,14 +219,13 @@ class AsyncClient:
 
     def stats(self) -> ClientStats:
         """Counts of degraded answers and connections, for the service's metrics."""
-        return self._core.snapshot()
+        return self._core.policy.snapshot()
 
     def health(self) -> Health:
         """Whether the agent is reachable, where, why not, and how many calls the fail policy
         answered, and the fail-closed rules it knows: for a service's health endpoint (an
         unreachable agent otherwise shows only as requests passing without rate-limit headers)."""
-        s = self._core.snapshot()
-        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts, self._core.fail_modes)
+        return self._core.health(self.is_connected())
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -280,9 +240,7 @@ class AsyncClient:
         traceparent: Optional[str] = None,
     ) -> Decision:
         """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost)
-        return await self._call(rid, data, timeout, fail, ((key, rule_id, cost),), 1, traceparent)
+        return await self._call(self._core.allow(key, rule_id, cost), timeout, fail, traceparent)
 
     async def peek(
         self,
@@ -298,9 +256,7 @@ class AsyncClient:
         a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
         limit. Needs an agent speaking protocol version 2 (:class:`~floodgate.UnsupportedByAgent`
         otherwise); when the agent cannot answer, the fail policy decides as for any check."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
-        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2, traceparent)
+        return await self._call(self._core.peek(key, rule_id, cost), timeout, fail, traceparent)
 
     async def charge(
         self,
@@ -316,9 +272,7 @@ class AsyncClient:
         bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
         the decision is the state after it (``remaining`` floored at 0). Needs an agent speaking
         protocol version 2, as :meth:`peek` does."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
-        return await self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2, traceparent)
+        return await self._call(self._core.charge(key, rule_id, cost), timeout, fail, traceparent)
 
     async def acquire(
         self,
@@ -340,10 +294,8 @@ class AsyncClient:
         late agent may have taken the lease all the same, its release is sent at once, without
         waiting for an answer; so it is when the call is cancelled while it waits."""
         lease = new_lease_id()
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
         try:
-            d = await self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3, traceparent)
+            d = await self._call(self._core.acquire(key, rule_id, cost, lease), timeout, fail, traceparent)
         except asyncio.CancelledError:
             # The acquire may be on its way, or taken already: nobody would release it.
             self._release_unanswered(p.Item.release(key, rule_id, cost, lease), traceparent)
@@ -366,10 +318,7 @@ class AsyncClient:
         longer held changes nothing). Never raises for an agent that cannot answer: the decision is
         then the fail policy's, and the lease runs out by itself after the rule's
         ``leaseSeconds``. Needs protocol version 3, as :meth:`acquire` does."""
-        rid = self._next_id()
-        item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
-        data = p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease)
-        return await self._call(rid, data, timeout, fail, (item,), 3, traceparent)
+        return await self._call(self._core.release(lease), timeout, fail, traceparent)
 
     @contextlib.asynccontextmanager
     async def hold(
@@ -408,10 +357,7 @@ class AsyncClient:
         """Up to 16 items at once: allowed only if every enforced item is; a denial consumes
         nothing. Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples;
         peek and charge items (see :meth:`peek`, :meth:`charge`) need an agent speaking version 2."""
-        items = list(items)
-        rid = self._next_id()
-        data = p.check_items_frame(rid, items)
-        return await self._call(rid, data, timeout, fail, items, p.check_version(data), traceparent)
+        return await self._call(self._core.check(list(items)), timeout, fail, traceparent)
 
     async def check_attributes(
         self,
@@ -449,9 +395,7 @@ class AsyncClient:
         traceparent: Optional[str] = None,
     ) -> Decision:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
-        rid = self._next_id()
-        data = p.check_attributes_frame(rid, attributes)
-        return await self._call(rid, data, timeout, fail, attributes, p.check_version(data), traceparent)
+        return await self._call(self._core.check_request(attributes), timeout, fail, traceparent)
 
     def _release_unanswered(self, release: Union[p.Attributes, p.Item], traceparent: Optional[str] = None) -> None:
         """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
@@ -462,24 +406,13 @@ class AsyncClient:
         have taken the lease. Called on the client's event loop."""
         conn = self._conn
         transport = conn.transport if conn is not None else None
-        if conn is None or transport is None or transport.is_closing():
-            precaution_not_sent(release.lease, "no connection to the agent")
+        live = conn is not None and transport is not None and not transport.is_closing()
+        data = self._core.unanswered_release(release, conn.version if live else None, traceparent)
+        if data is None or transport is None:
             return
-        if conn.version < 3:
-            precaution_not_sent(release.lease, f"the agent speaks protocol version {conn.version}")
-            return
-        if transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
+        if transport.get_write_buffer_size() > MAX_UNSENT:
             precaution_not_sent(release.lease, "the agent is not reading")
             return
-        try:
-            data = release_frame(self._next_id(), release)
-        except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
-            precaution_not_sent(release.lease, e)
-            return
-        if traceparent is not None and conn.version >= p.TRACE_CONTEXT:
-            trace = p.TraceContext.parse(traceparent)
-            if trace is not None:
-                data = p.traced(data, trace)
         if self._out:
             # Behind the checks queued for the next flush (the released check may be among them).
             self._out.append(data)
@@ -489,28 +422,19 @@ class AsyncClient:
         else:
             transport.write(data)
 
-    def _next_id(self) -> int:
-        while True:
-            rid = next(self._ids) & 0xFFFF_FFFF
-            if rid != 0 and rid not in self._pending:
-                return rid
-
     async def _call(
         self,
-        rid: int,
-        data: bytes,
+        req: Request,
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
-        subject: Subject,
-        need: int = 1,
-        traceparent: Optional[str] = None,
+        traceparent: Optional[str],
     ) -> Decision:
-        """Sends a check and waits for its answer. ``need``: the protocol version the connection
-        must speak to be sent it (:func:`~floodgate.protocol.check_version`). ``traceparent``: the
-        caller's trace context, added (form 4) only on a connection of version 5; one that does not
-        parse is left out."""
+        """Sends a request and waits for its answer. ``traceparent``: the caller's trace context,
+        added (form 4) only on a connection of version 5; one that does not parse is left out."""
+        rid, data, subject, need = req
         core = self._core
-        policy = core.policy(fail)
+        policy = core.policy
+        own = policy.policy(fail)
         loop = self._ensure_started()
         tmo = max(self._config.timeout if timeout is None else timeout, 0.0)
         conn = self._conn
@@ -525,23 +449,16 @@ class AsyncClient:
                 pass
             waited = loop.time() - started
             conn = self._conn
-        pending = self._pending
+        pending = core.pending
         if (
             conn is None
             or conn.transport is None
             or conn.transport.is_closing()
             or len(pending) >= self._config.max_pending
-            or conn.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER
+            or conn.transport.get_write_buffer_size() > MAX_UNSENT
         ):
-            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
-        if need > conn.version:
-            # A version-1 agent cannot parse the check and would close the connection.
-            raise UnsupportedByAgent(need, conn.version, self.path)
-        if traceparent is not None and conn.version >= p.TRACE_CONTEXT:
-            # Only to this connection's agent (version 5): an older one cannot parse form 4.
-            trace = p.TraceContext.parse(traceparent)
-            if trace is not None:
-                data = p.traced(data, trace)
+            return policy.degraded(own, Degraded.UNAVAILABLE, subject)
+        data = core.prepare(data, need, conn.version, traceparent)
         fut = loop.create_future()
         if not pending and not self._out:
             # Nothing in flight: write now (a lone caller pays no extra loop iteration).
@@ -553,7 +470,7 @@ class AsyncClient:
                 self._flush_scheduled = True
                 loop.call_soon(self._flush)
         pending[rid] = fut
-        core.note_in_flight(len(pending))
+        policy.note_in_flight(len(pending))
         if waited is None:
             self._deadline(loop, tmo, fut)
         else:
@@ -562,7 +479,7 @@ class AsyncClient:
             reply = await fut
         finally:
             pending.pop(rid, None)
-        return core.result(reply, policy, subject)
+        return policy.result(reply, own, subject)
 
     def _deadline(self, loop: asyncio.AbstractEventLoop, timeout: float, fut: asyncio.Future) -> None:
         """Wakes ``fut`` with TIMEOUT after ``timeout`` unless it is answered first.
@@ -592,50 +509,41 @@ class AsyncClient:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff: Optional[float] = None
-        cfg = self._config
+        core = self._core
+        backoff = Backoff(self._config)
         assert self._ready is not None
         while not self._closed:
             conn = None
-            # Looked up on every attempt: an agent started after this process is found where it is.
-            path = self._given if self._given is not None else default_socket_path()
-            self.path = path
+            path = core.next_address()
             try:
-                conn = await asyncio.wait_for(self._handshake(loop, path), cfg.connect_timeout)
+                conn = await asyncio.wait_for(self._handshake(loop, path), self._config.connect_timeout)
             except asyncio.CancelledError:
                 raise
-            except (OSError, asyncio.TimeoutError, _HandshakeError, ValueError) as e:
+            except (OSError, asyncio.TimeoutError, HandshakeError, ValueError) as e:
                 # ValueError: a bad tcp:// address in $FLOODGATE_SOCKET.
                 conn = None
                 if self._closed:
                     return
-                self._reach.failed(path, describe(e, cfg.connect_timeout))
+                core.failed(path, e)
             if conn is not None:
                 up_since = time.monotonic()
                 self._conn = conn
-                self._core.connected()
-                self._reach.connected(path)
+                core.connected(path)
                 self._ready.set()
                 await self._serve(conn)
                 self._conn = None
-                self._reach.lost(conn.why or "the agent closed the connection")
+                core.lost(conn.why or "the agent closed the connection")
                 self._fail_pending()
                 if self._closed:
                     return
-                # Back off afresh only after a connection that lasted: an agent that accepts and
-                # then drops every connection must not be hammered every reconnect_min.
-                if time.monotonic() - up_since >= 1.0:
-                    backoff = None
+                backoff.lasted(time.monotonic() - up_since)
             self._ready.set()
-            delay = cfg.reconnect_min if backoff is None else min(backoff * 2, cfg.reconnect_max)
-            backoff = delay
-            # Jitter: a fleet of processes whose agent restarted must not reconnect in lockstep.
-            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            await asyncio.sleep(backoff.next_delay())
 
     async def _serve(self, conn: _Conn) -> None:
         """Waits for the connection to end; on version 2, asks for the fail-mode list again every
         ``fail_modes.REFRESH_EVERY`` seconds meanwhile."""
-        if conn.version < 2:
+        if conn.version < FAIL_MODES:
             await asyncio.shield(conn.lost)
             return
         while True:
@@ -645,22 +553,26 @@ class AsyncClient:
                 return
             t = conn.transport
             # An agent that stopped reading is asked again next time, not buffered for.
-            if t is not None and not t.is_closing() and t.get_write_buffer_size() <= _MAX_WRITE_BUFFER:
-                t.write(p.fail_modes_frame(self._next_id()))
+            if t is not None and not t.is_closing() and t.get_write_buffer_size() <= MAX_UNSENT:
+                ask = self._core.fail_modes_ask(conn.version)
+                if ask is not None:
+                    t.write(ask)
 
     async def _handshake(self, loop: asyncio.AbstractEventLoop, path: str) -> _Conn:
         tcp = p.tcp_address(path)
+        core = self._core
         if tcp is not None:
             # asyncio sets TCP_NODELAY on its TCP transports: a check is not held back for Nagle.
-            transport, conn = await loop.create_connection(lambda: _Conn(self, loop), *tcp)
+            transport, conn = await loop.create_connection(lambda: _Conn(core, loop, self._lost), *tcp)
         else:
-            transport, conn = await loop.create_unix_connection(lambda: _Conn(self, loop), path)
+            transport, conn = await loop.create_unix_connection(lambda: _Conn(core, loop, self._lost), path)
         try:
             transport.write(p.HELLO_FRAME)
             await conn.hello
-            if conn.version >= 2:
+            ask = core.fail_modes_ask(conn.version)
+            if ask is not None:
                 # Before any check can be written: the list arrives as soon as the agent can say it.
-                transport.write(p.fail_modes_frame(self._next_id()))
+                transport.write(ask)
         except BaseException:
             transport.abort()
             raise
@@ -673,11 +585,9 @@ class AsyncClient:
 
     def _fail_pending(self) -> None:
         """Wakes every waiting call: the connection is gone, they answer by their policy."""
-        pending, self._pending = self._pending, {}
         self._out = []
-        for fut in pending.values():
-            if not fut.done():
-                fut.set_result(UNAVAILABLE)
+        for fut in self._core.drain():
+            _settle(fut, UNAVAILABLE)
 
 
 class _Deadlines:
@@ -714,5 +624,4 @@ class _Deadlines:
 
 
 def _expire(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(TIMEOUT)
+    _settle(fut, TIMEOUT)

@@ -1,10 +1,12 @@
 """The synchronous client, for WSGI apps and threads: thread-safe, one connection per process.
 
-A background thread owns the socket: it connects and says Hello, reads answers and wakes the
-calling thread by request id, writes what callers could not write at once, asks a version-2 agent
-for its fail-mode list every 10 s, and reconnects with backoff and jitter. Callers write their own checks when the socket takes them (the common case),
-so a call costs one ``send`` and one wake-up. Like the asyncio client, every call returns within
-its timeout, answering by its fail policy when the agent cannot.
+A transport over the sans-I/O core (:mod:`floodgate._core`), which builds the requests, matches
+the answers, judges the Hello and answers by the fail policy. A background thread owns the socket:
+it connects and says Hello, reads answers and wakes the calling thread by request id, writes what
+callers could not write at once, asks a version-2 agent for its fail-mode list every 10 s, and
+reconnects with backoff and jitter. Callers write their own checks when the socket takes them (the
+common case), so a call costs one ``send`` and one wake-up. Like the asyncio client, every call
+returns within its timeout, answering by its fail policy when the agent cannot.
 
 Example::
 
@@ -21,30 +23,23 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
-import random
 import selectors
 import socket
 import threading
 import time
 import weakref
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
-from ._policy import TIMEOUT, UNAVAILABLE, Policy, Subject
+from ._core import FAIL_MODES, MAX_UNSENT, Backoff, Core, HandshakeError, Request, configure
+from ._policy import TIMEOUT, UNAVAILABLE
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
 from .errors import UnsupportedByAgent
-from .health import Health, Reachability, describe
-from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_frame, release_taken
-from .socket_path import default_socket_path
+from .health import Health, describe
+from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_taken
 
-_MAX_OUT = 1 << 20
-_CONSUME = p.ItemMode.CONSUME
-_PEEK = p.ItemMode.PEEK
-_CHARGE = p.ItemMode.CHARGE
-_RELEASE = p.ItemMode.RELEASE
 _Mode = Union[p.ItemMode, int, str]
 """An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
 
@@ -104,17 +99,8 @@ class Client:
     """
 
     def __init__(self, path: Optional[str] = None, config: Optional[ClientConfig] = None, **overrides: Any):
-        config = config or ClientConfig()
-        if overrides:
-            config = ClientConfig(**{**config.__dict__, **overrides})
-        self._given = None if path is None else str(path)
-        if self._given is not None:
-            p.tcp_address(self._given)  # a bad tcp:// address given here is the caller's mistake: raise now
-        # The agent's address in use, or tried last (public: it is what health() reports).
-        self.path = self._given if self._given is not None else default_socket_path()
-        self._config = config
-        self._core = Policy(config)
-        self._reach = Reachability(self.path, config.fail.value)
+        self._config = configure(config, overrides)
+        self._core = Core(path, self._config)
         self._forked = False
         self._closed = False
         self._init_state()
@@ -122,9 +108,7 @@ class Client:
         self._start()
 
     def _init_state(self) -> None:
-        self._lock = threading.Lock()  # guards _sock and _out
-        self._pending: Dict[int, _Waiter] = {}
-        self._ids = itertools.count(1)
+        self._lock = threading.Lock()  # guards _sock, _version and _out
         self._sock: Optional[socket.socket] = None
         # The version the connection's HelloOk chose (set with _sock, under _lock): a check that
         # needs more is refused before it is written.
@@ -160,9 +144,8 @@ class Client:
                         s.close()
                     except OSError:
                         pass
-            # The parent's fail-mode list is the last one known: kept, as across a disconnection.
-            self._core = Policy(self._config, self._core.fail_modes)
-            self._reach = Reachability(self.path, self._config.fail.value)
+            # No calls, no counters; the parent's fail-mode list, the last one known, is kept.
+            self._core = self._core.renewed()
             self._start()
 
     def close(self) -> None:
@@ -184,6 +167,11 @@ class Client:
     def config(self) -> ClientConfig:
         return self._config
 
+    @property
+    def path(self) -> str:
+        """The agent's address in use, or tried last (what :meth:`health` reports)."""
+        return self._core.path
+
     def is_connected(self) -> bool:
         """Whether the client holds a live connection to the agent right now."""
         return self._sock is not None
@@ -196,14 +184,13 @@ class Client:
 
     def stats(self) -> ClientStats:
         """Counts of degraded answers and connections, for the service's metrics."""
-        return self._core.snapshot()
+        return self._core.policy.snapshot()
 
     def health(self) -> Health:
         """Whether the agent is reachable, where, why not, and how many calls the fail policy
         answered, and the fail-closed rules it knows: for a service's health endpoint (an
         unreachable agent otherwise shows only as requests passing without rate-limit headers)."""
-        s = self._core.snapshot()
-        return self._reach.health(self.is_connected(), s.unavailable + s.timeouts, self._core.fail_modes)
+        return self._core.health(self.is_connected())
 
     # --- calls -------------------------------------------------------------------------------
 
@@ -218,9 +205,7 @@ class Client:
         traceparent: Optional[str] = None,
     ) -> Decision:
         """One ``(key, rule_id, cost)`` item: consumes ``cost`` if it passes."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost)
-        return self._call(rid, data, timeout, fail, ((key, rule_id, cost),), 1, traceparent)
+        return self._call(self._core.allow(key, rule_id, cost), timeout, fail, traceparent)
 
     def peek(
         self,
@@ -236,9 +221,7 @@ class Client:
         a denial says when ``cost`` could pass. A cost of 0 asks whether the key is already past its
         limit. Needs an agent speaking protocol version 2 (:class:`~floodgate.UnsupportedByAgent`
         otherwise); when the agent cannot answer, the fail policy decides as for any check."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _PEEK)
-        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _PEEK),), 2, traceparent)
+        return self._call(self._core.peek(key, rule_id, cost), timeout, fail, traceparent)
 
     def charge(
         self,
@@ -254,9 +237,7 @@ class Client:
         bytes): past the limit it is a debt that later checks wait out. The agent always allows it;
         the decision is the state after it (``remaining`` floored at 0). Needs an agent speaking
         protocol version 2, as :meth:`peek` does."""
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _CHARGE)
-        return self._call(rid, data, timeout, fail, (p.Item(key, rule_id, cost, _CHARGE),), 2, traceparent)
+        return self._call(self._core.charge(key, rule_id, cost), timeout, fail, traceparent)
 
     def acquire(
         self,
@@ -278,9 +259,7 @@ class Client:
         late agent may have taken the lease all the same, its release is sent at once, without
         waiting for an answer."""
         lease = new_lease_id()
-        rid = self._next_id()
-        data = p.check_one_frame(rid, key, rule_id, cost, _CONSUME, lease)
-        d = self._call(rid, data, timeout, fail, (p.Item.acquire(key, rule_id, cost, lease),), 3, traceparent)
+        d = self._call(self._core.acquire(key, rule_id, cost, lease), timeout, fail, traceparent)
         if not d.from_agent:
             # Late or lost: the agent may still have taken the lease. Released at once, without
             # waiting for the answer (a release of a lease not held changes nothing).
@@ -299,10 +278,7 @@ class Client:
         longer held changes nothing). Never raises for an agent that cannot answer: the decision is
         then the fail policy's, and the lease runs out by itself after the rule's
         ``leaseSeconds``. Needs protocol version 3, as :meth:`acquire` does."""
-        rid = self._next_id()
-        item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
-        data = p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease)
-        return self._call(rid, data, timeout, fail, (item,), 3, traceparent)
+        return self._call(self._core.release(lease), timeout, fail, traceparent)
 
     @contextlib.contextmanager
     def hold(
@@ -340,10 +316,7 @@ class Client:
         """Up to 16 items at once: allowed only if every enforced item is; a denial consumes nothing.
         Items are :class:`~floodgate.Item` or ``(key, rule_id[, cost[, mode]])`` tuples; peek and
         charge items (see :meth:`peek`, :meth:`charge`) need an agent speaking version 2."""
-        items = list(items)
-        rid = self._next_id()
-        data = p.check_items_frame(rid, items)
-        return self._call(rid, data, timeout, fail, items, p.check_version(data), traceparent)
+        return self._call(self._core.check(list(items)), timeout, fail, traceparent)
 
     def check_attributes(
         self,
@@ -380,9 +353,7 @@ class Client:
         traceparent: Optional[str] = None,
     ) -> Decision:
         """:meth:`check_attributes` with an :class:`~floodgate.Attributes`."""
-        rid = self._next_id()
-        data = p.check_attributes_frame(rid, attributes)
-        return self._call(rid, data, timeout, fail, attributes, p.check_version(data), traceparent)
+        return self._call(self._core.check_request(attributes), timeout, fail, traceparent)
 
     def _release_unanswered(self, release: Union[p.Attributes, p.Item], traceparent: Optional[str] = None) -> None:
         """Sends ``release`` (mode release, with the lease of a check the agent did not answer: it
@@ -390,72 +361,62 @@ class Client:
         answer (dropped when it comes, as a late answer is). Never raises: one that cannot be sent
         (no connection, an agent older than version 3) is logged at debug, since the agent may
         never have taken the lease."""
+        frame = self._core.unanswered_release(release, self.protocol_version, traceparent)
+        if frame is None:
+            return
         try:
-            trace = None if traceparent is None else p.TraceContext.parse(traceparent)
-            sent = self._send(release_frame(self._next_id(), release), 3, trace)
+            # The version checked again under the lock: the connection may have changed meanwhile.
+            sent = self._send(frame, p.check_version(frame))
         except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
             precaution_not_sent(release.lease, e)
             return
         if not sent:
             precaution_not_sent(release.lease, "no connection to the agent")
 
-    def _next_id(self) -> int:
-        while True:
-            rid = next(self._ids) & 0xFFFF_FFFF
-            if rid != 0 and rid not in self._pending:
-                return rid
-
     def _call(
         self,
-        rid: int,
-        data: bytes,
+        req: Request,
         timeout: Optional[float],
         fail: Union[FailPolicy, str, None],
-        subject: Subject,
-        need: int = 1,
-        traceparent: Optional[str] = None,
+        traceparent: Optional[str],
     ) -> Decision:
-        """Sends a check and waits for its answer. ``need``: the protocol version the connection
-        must speak to be sent it (:func:`~floodgate.protocol.check_version`). ``traceparent``: the
-        caller's trace context, added (form 4) only on a connection of version 5; one that does not
-        parse is left out."""
+        """Sends a request and waits for its answer. ``traceparent``: the caller's trace context,
+        added (form 4) only on a connection of version 5; one that does not parse is left out."""
         if self._forked:
             self._restart_after_fork()
-        core = self._core
-        policy = core.policy(fail)
-        pending = self._pending
+        rid, data, subject, need = req
+        policy = self._core.policy
+        own = policy.policy(fail)
+        pending = self._core.pending
         if self._sock is None or len(pending) >= self._config.max_pending:
-            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
+            return policy.degraded(own, Degraded.UNAVAILABLE, subject)
         w = _Waiter()
         pending[rid] = w
-        core.note_in_flight(len(pending))
+        policy.note_in_flight(len(pending))
         try:
-            sent = self._send(data, need, None if traceparent is None else p.TraceContext.parse(traceparent))
+            sent = self._send(data, need, traceparent)
         except UnsupportedByAgent:
             pending.pop(rid, None)
             raise
         if not sent:
             pending.pop(rid, None)
-            return core.degraded(policy, Degraded.UNAVAILABLE, subject)
+            return policy.degraded(own, Degraded.UNAVAILABLE, subject)
         w.lock.acquire(True, max(self._config.timeout if timeout is None else timeout, 0.0))
         pending.pop(rid, None)
         reply = w.reply
-        return core.result(TIMEOUT if reply is None else reply, policy, subject)
+        return policy.result(TIMEOUT if reply is None else reply, own, subject)
 
-    def _send(self, data: bytes, need: int = 1, trace: Optional[p.TraceContext] = None) -> bool:
+    def _send(self, data: bytes, need: int = 1, traceparent: Optional[str] = None) -> bool:
         """Writes a frame now if the socket takes it, else queues it for the I/O thread. False when
-        there is no connection or the queue is full (an agent that stopped reading). Raises
-        :class:`~floodgate.UnsupportedByAgent` when the connection's version is below ``need``, and
-        wraps a check in ``trace`` (form 4) only when it is 5 or more: both checked under the lock,
-        so against the very connection the frame goes to (a queued frame never outlives it)."""
+        there is no connection or the queue is full (an agent that stopped reading). The core's
+        :meth:`~floodgate._core.Core.prepare` (:class:`~floodgate.UnsupportedByAgent` below ``need``,
+        the trace context for version 5) runs under the lock, so against the very connection the
+        frame goes to (a queued frame never outlives it)."""
         with self._lock:
             sock = self._sock
-            if sock is None or self._out_len > _MAX_OUT:
+            if sock is None or self._out_len > MAX_UNSENT:
                 return False
-            if need > self._version:
-                raise UnsupportedByAgent(need, self._version, self.path)
-            if trace is not None and self._version >= p.TRACE_CONTEXT:
-                data = p.traced(data, trace)
+            data = self._core.prepare(data, need, self._version, traceparent)
             if self._out:
                 self._out.append(data)
                 self._out_len += len(data)
@@ -486,24 +447,23 @@ class Client:
     # --- the I/O thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
-        backoff: Optional[float] = None
-        cfg = self._config
+        core = self._core  # this thread's: a forked child starts another thread with another core
+        backoff = Backoff(self._config)
         while not self._stop.is_set():
-            conn = self._handshake()
+            conn = self._handshake(core)
             if conn is not None:
-                sock, leftover, version = conn
+                sock, leftover, version, path = conn
                 up_since = time.monotonic()
                 with self._lock:
                     self._sock = sock
                     self._version = version
-                self._core.connected()
-                self._reach.connected(self.path)
+                core.connected(path)
                 self._ready.set()
                 try:
-                    why = self._serve(sock, leftover, version)
+                    why = self._serve(core, sock, leftover, version)
                 except Exception as e:  # noqa: BLE001 - never let the I/O thread die; reconnect instead
                     why = f"connection lost: {e}"
-                self._reach.lost(why)
+                core.lost(why)
                 with self._lock:
                     self._sock = None
                     self._out = []
@@ -513,14 +473,11 @@ class Client:
                 except OSError:
                     pass
                 self._fail_pending()
-                if time.monotonic() - up_since >= 1.0:
-                    backoff = None
+                backoff.lasted(time.monotonic() - up_since)
             self._ready.set()
             if self._stop.is_set():
                 break
-            delay = cfg.reconnect_min if backoff is None else min(backoff * 2, cfg.reconnect_max)
-            backoff = delay
-            self._stop.wait(delay * random.uniform(0.5, 1.0))
+            self._stop.wait(backoff.next_delay())
         self._fail_pending()
         for s in (self._wake_r, self._wake_w):
             try:
@@ -528,30 +485,27 @@ class Client:
             except OSError:
                 pass
 
-    def _handshake(self) -> Optional[Tuple[socket.socket, bytearray, int]]:
-        """One connection attempt and its Hello: the socket, what was read past the HelloOk and the
-        version chosen; None (and the failure recorded) when it fails. On version 2 the first ask
-        for the fail-mode list is sent before any check can be."""
-        deadline = time.monotonic() + self._config.connect_timeout
+    def _handshake(self, core: Core) -> Optional[Tuple[socket.socket, bytearray, int, str]]:
+        """One connection attempt and its Hello: the socket, what was read past the HelloOk, the
+        version chosen and the address; None (and the failure recorded) when it fails. On version
+        2 the first ask for the fail-mode list is sent before any check can be."""
+        timeout = self._config.connect_timeout
+        deadline = time.monotonic() + timeout
         sock: Optional[socket.socket] = None
-        # Looked up on every attempt: an agent started after this process is found where it is.
-        path = self._given if self._given is not None else default_socket_path()
-        self.path = path
+        path = core.next_address()
         try:
-            try:
-                tcp = p.tcp_address(path)
-            except ValueError as e:  # a bad tcp:// address in $FLOODGATE_SOCKET
-                raise OSError(str(e)) from None
+            tcp = p.tcp_address(path)  # ValueError: a bad tcp:// address in $FLOODGATE_SOCKET
             if tcp is not None:
-                sock = socket.create_connection(tcp, timeout=self._config.connect_timeout)
+                sock = socket.create_connection(tcp, timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(self._config.connect_timeout)
+                sock.settimeout(timeout)
                 sock.connect(path)
             sock.sendall(p.HELLO_FRAME)
             buf = bytearray()
-            while True:
+            version = None
+            while version is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise socket.timeout("Hello timed out")
@@ -560,42 +514,33 @@ class Client:
                 if not chunk:
                     raise OSError("the agent closed the connection during Hello")
                 buf += chunk
-                status, value, used = p.decode_reply(buf, 0)
-                if status == 0:
-                    continue
-                if status == 1:
-                    _, body = value  # type: ignore[misc]
-                    if isinstance(body, p.HelloOk) and p.MIN_VERSION <= body.version <= p.VERSION:
-                        del buf[:used]
-                        if body.version >= 2:
-                            sock.sendall(p.fail_modes_frame(self._next_id()))
-                        sock.setblocking(False)
-                        return sock, buf, body.version
-                    if isinstance(body, p.HelloOk):
-                        raise OSError(f"agent chose version {body.version}; this SDK speaks {p.MIN_VERSION} to {p.VERSION}")
-                    if isinstance(body, p.ErrorBody):
-                        raise OSError(f"agent refused Hello: {int(body.code)}: {body.message}")
-                raise OSError("unexpected answer to Hello (not a Floodgate agent?)")
-        except OSError as e:
+                version = core.hello(buf)
+            ask = core.fail_modes_ask(version)
+            if ask is not None:
+                sock.sendall(ask)
+            sock.setblocking(False)
+            return sock, buf, version, path
+        except (OSError, HandshakeError, ValueError) as e:
             if sock is not None:
                 try:
                     sock.close()
                 except OSError:
                     pass
-            self._reach.failed(path, describe(e, self._config.connect_timeout))
+            core.failed(path, e)
             return None
 
-    def _serve(self, sock: socket.socket, buf: bytearray, version: int) -> str:
+    def _serve(self, core: Core, sock: socket.socket, buf: bytearray, version: int) -> str:
         """Serves the connection until it ends; returns why it ended. On version 2 it asks for the
         fail-mode list again every ``fail_modes.REFRESH_EVERY`` seconds."""
         sel = selectors.DefaultSelector()
-        broken = "the agent sent a broken frame"
-        next_ask = time.monotonic() + fm.REFRESH_EVERY if version >= 2 else None
+        wake = _Waiter.wake
+        next_ask = time.monotonic() + fm.REFRESH_EVERY if version >= FAIL_MODES else None
         try:
             sel.register(sock, selectors.EVENT_READ, "sock")
             sel.register(self._wake_r, selectors.EVENT_READ, "wake")
             writing = False
-            if buf and not self._dispatch(buf):
+            broken = core.dispatch(buf, wake) if buf else None
+            if broken is not None:
                 return broken
             while not self._stop.is_set():
                 with self._lock:
@@ -608,7 +553,9 @@ class Client:
                 if next_ask is not None and time.monotonic() >= next_ask:
                     # Queued behind callers' checks when the socket is full; dropped (asked again
                     # next time) when the queue is over its cap.
-                    self._send(p.fail_modes_frame(self._next_id()))
+                    ask = core.fail_modes_ask(version)
+                    if ask is not None:
+                        self._send(ask)
                     next_ask = time.monotonic() + fm.REFRESH_EVERY
                 for key, events in ready:
                     if key.data == "wake":
@@ -631,7 +578,8 @@ class Client:
                         if not chunk:
                             return "the agent closed the connection"
                         buf += chunk
-                        if not self._dispatch(buf):
+                        broken = core.dispatch(buf, wake)
+                        if broken is not None:
                             return broken
             return "client closed"
         finally:
@@ -653,39 +601,6 @@ class Client:
             self._out_len = len(rest)
         return True
 
-    def _dispatch(self, buf: bytearray) -> bool:
-        """Wakes the calls answered in ``buf`` and drops what was used; False when the stream broke."""
-        pos = 0
-        pending = self._pending
-        decode = p.decode_reply
-        try:
-            while True:
-                status, value, used = decode(buf, pos)
-                if status == 0:
-                    return True
-                if status == 3:
-                    return False
-                pos += used
-                if status == 1:
-                    rid, body = value  # type: ignore[misc]
-                    if isinstance(body, (p.DecisionBody, p.ErrorBody)):
-                        w = pending.pop(rid, None)
-                        if w is not None:
-                            w.wake(body)
-                    elif isinstance(body, p.FailModeList):
-                        self._core.learn(body)
-                else:
-                    w = pending.pop(value, None)
-                    if w is not None:
-                        w.wake(UNAVAILABLE)
-        finally:
-            if pos:
-                del buf[:pos]
-
     def _fail_pending(self) -> None:
-        # Emptied in place: a caller that registered its waiter just now is in this same dict.
-        pending = self._pending
-        for rid in list(pending):
-            w = pending.pop(rid, None)
-            if w is not None:
-                w.wake(UNAVAILABLE)
+        for w in self._core.drain():
+            w.wake(UNAVAILABLE)
