@@ -7,13 +7,15 @@ connection's protocol version cannot carry and adds the trace context, matches r
 waiting for them, judges the agent's answer to Hello, asks for the fail-mode list, picks the
 reconnection delays, and through its :class:`~floodgate._policy.Policy` answers by the fail policy
 and keeps the counters behind ``stats()`` and ``health()``. It opens nothing, awaits nothing and
-reads no clock it is not given, so tests drive it with bytes (tests/test_core.py).
+reads no clock it is not given (its one look outside is the socket lookup, which it is given too),
+so tests drive it with bytes (tests/test_core.py).
 """
 
 from __future__ import annotations
 
 import itertools
 import random
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import protocol as p
@@ -68,20 +70,33 @@ def configure(config: Optional[ClientConfig], overrides: Dict[str, Any]) -> Clie
 
 class Core:
     """One client's state and decisions, whatever carries its bytes. ``path`` is the address the
-    client was given (``None``: looked up on each connection attempt). Used from one event loop, or
-    from several threads as the threaded client does: what it changes in place is one atomic step
-    under the GIL (a dict's set or pop, the id counter's ``next``), and its
-    :class:`~floodgate._policy.Policy` and :class:`~floodgate.health.Reachability` lock themselves."""
+    client was given (``None``: looked up with ``lookup`` on each connection attempt). ``lookup``,
+    ``clock`` (monotonic seconds) and ``wall`` (Unix seconds) are the world as the core sees it,
+    given by tests. Used from one event loop, or from several threads as the threaded client does:
+    what it changes in place is one atomic step under the GIL (a dict's set or pop, the id
+    counter's ``next``), and its :class:`~floodgate._policy.Policy` and
+    :class:`~floodgate.health.Reachability` lock themselves."""
 
-    def __init__(self, path: Optional[str], config: ClientConfig, fail_modes: Optional[FailModeList] = None) -> None:
+    def __init__(
+        self,
+        path: Optional[str],
+        config: ClientConfig,
+        fail_modes: Optional[FailModeList] = None,
+        *,
+        lookup: Callable[[], str] = default_socket_path,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.given = None if path is None else str(path)
         if self.given is not None:
             p.tcp_address(self.given)  # a bad tcp:// address given here is the caller's mistake: raise now
-        self.path = self.given if self.given is not None else default_socket_path()
+        self._lookup = lookup
+        self.path = self.given if self.given is not None else lookup()
         """The agent's address in use, or tried last."""
         self.config = config
-        self.policy = Policy(config, fail_modes)
-        self.reach = Reachability(self.path, config.fail.value)
+        self._clocks = (clock, wall)
+        self.policy = Policy(config, fail_modes, clock=clock, wall=wall)
+        self.reach = Reachability(self.path, config.fail.value, clock)
         self.pending: Dict[int, Any] = {}
         """The calls waiting for an answer, by request id: whatever the transport wakes them with."""
         self._ids = itertools.count(1)  # next() on it is atomic: threads never draw the same id
@@ -89,7 +104,8 @@ class Core:
     def renewed(self) -> "Core":
         """A fresh core for the same address and configuration (a forked process's): no calls, no
         counters, and the fail-mode list known so far, kept as across a disconnection."""
-        return Core(self.given, self.config, self.policy.fail_modes)
+        clock, wall = self._clocks
+        return Core(self.given, self.config, self.policy.fail_modes, lookup=self._lookup, clock=clock, wall=wall)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -239,7 +255,7 @@ class Core:
     def next_address(self) -> str:
         """The address to try now: the one given, else looked up again on every attempt (an agent
         started after this process is found where it is)."""
-        self.path = self.given if self.given is not None else default_socket_path()
+        self.path = self.given if self.given is not None else self._lookup()
         return self.path
 
     def connected(self, path: str) -> None:
