@@ -29,8 +29,8 @@ from .socket_path import default_socket_path
 
 MAX_UNSENT = 1 << 20
 """Past this many bytes written but not yet taken by the socket (an agent that stopped reading),
-calls answer by their policy instead of queueing more: 1 MiB is some 20,000 checks, far more than
-a live agent leaves unread."""
+calls answer by their policy instead of queueing more: 1 MiB is some 20,000 one-item checks, more
+than the 8,192 a client has in flight at most by default (``max_pending``)."""
 
 FAIL_MODES = 2
 """The protocol version from which the agent keeps a fail-mode list: asked right after Hello and
