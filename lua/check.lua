@@ -33,11 +33,13 @@
 --            3 add and take back.
 --          Concurrency: modes 1 and 0 acquire the lease `target` (taken only if the group passes),
 --            4 peeks, 3 (take back) and 6 release the lease `target`, 7 releases `cost` units of
---            whole leases by count; a release never blocks the group.
+--            whole leases by count, 2 takes the lease `target` whatever the limit (renewed if held);
+--            a release never blocks the group.
 -- returns  5 integers per item: allowed (1 | 0), limit, remaining, reset_at_ms, retry_after_ms
 --          (modes 2 and 3: 1, limit, units applied, now, count: for a sliding window's add, the
 --          client's count in the target window afterwards, as flush.lua answers, from which the agent
---          learns what landed past the limit; 0 for a take-back and for a token bucket, whose debt
+--          learns what landed past the limit; for a concurrency add, the units held after it, or 0 if
+--          the lease was held already; 0 for a take-back and for a token bucket, whose debt
 --          after a write-back would overstate it, the bucket having refilled meanwhile). An add or a
 --          take-back that Redis refuses (its key holds another type) does not stop the call: the
 --          entry answers -1 as its first figure, nothing of it applied, and the agent drops it, so
@@ -55,9 +57,13 @@ local function adjust(key, key2, algorithm, mode, field, now, limit, window, bur
   end
   if algorithm == '3' then
     -- A concurrency take-back frees the lease `target` (the string as sent: a 64-bit id is not a
-    -- Lua number); an add is never sent (leases held while the store was away stay the agent's).
-    if mode == '3' then concurrency_release(key, now, limit, cost, target) end
-    return cost, 0
+    -- Lua number); an add takes it (a lease the fallback granted while the store was away), for
+    -- `window` ms from now, and answers the units held after it (0 if it was held already).
+    if mode == '3' then
+      concurrency_release(key, now, limit, cost, target)
+      return cost, 0
+    end
+    return cost, concurrency_take(key, now, window, cost, target)
   end
   if algorithm == '1' then
     local units = cost

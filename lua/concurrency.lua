@@ -79,6 +79,23 @@ local function concurrency_acquire(key, now, limit, lease_ms, cost, id)
   end
 end
 
+-- Takes lease `id` of `cost` units for `lease_ms` whatever the limit: a lease the agent's fallback
+-- granted while Redis was away, written back once it answers so that the fleet counts it. A lease
+-- already held (the acquire that timed out ran after all) is renewed, never counted twice. Answers
+-- the units held after it, or 0 when it was held already.
+local function concurrency_take(key, now, lease_ms, cost, id)
+  local held = concurrency_held(key, now)
+  local member = id .. ':' .. cost
+  local expires = now + lease_ms
+  local last = math.max(concurrency_last(key, now), expires)
+  local known = redis.call('ZSCORE', key, member)
+  redis.call('ZADD', key, expires, member)
+  redis.call('PEXPIREAT', key, last)
+  if known then return 0 end
+  redis.call('ZINCRBY', key, -cost, '#')
+  return held + cost
+end
+
 -- Releases lease `id` of `cost` units, or (id false) up to `cost` units of whole leases, the soonest
 -- to run out first. Answers the figures after it, allowed.
 local function concurrency_release(key, now, limit, cost, id)

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use floodgate_protocol::Item;
 use floodgate_sdk::{Client, Source};
-use floodgate_tests::{patient_client, redis_time_ms, Agent, RedisServer};
+use floodgate_tests::{agent_status, eventually, patient_client, redis_time_ms, Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[
   {"id":"slots","dimension":"api_key","limit":3,"algorithm":"concurrency","leaseSeconds":60},
@@ -218,4 +218,115 @@ async fn leases_while_redis_is_away() {
     client.release(&leases.pop().unwrap()).await.unwrap();
     let (d, _) = client.acquire("apikey:away", "slots", 1).await.unwrap();
     assert!(d.allowed, "the release freed a unit in the fallback: {d:?}");
+}
+
+/// An agent on Redis whose breaker reopens the shard quickly once Redis answers again, and counts
+/// itself alone (N = 1): its fallback's share of a concurrency rule is the whole limit.
+async fn quick_agent(redis: &RedisServer) -> Agent {
+    Agent::builder()
+        .redis(&redis.url())
+        .rules(RULES)
+        .arg("--redis-timeout-ms")
+        .arg("20")
+        .arg("--breaker-cooldown-ms")
+        .arg("200")
+        .arg("--agents")
+        .arg("1")
+        .start()
+        .await
+}
+
+/// Acquires `slots` leases of 1 on `key` until one is refused; answers those held and the sources
+/// that answered them.
+async fn acquire_all(client: &Client, key: &str) -> (Vec<floodgate_sdk::Lease>, Vec<Source>) {
+    let (mut held, mut sources) = (Vec::new(), Vec::new());
+    for _ in 0..10 {
+        let (d, lease) = client.acquire(key, "slots", 1).await.unwrap();
+        sources.push(d.items[0].verdict.source);
+        match lease {
+            Some(l) => held.push(l),
+            None => break,
+        }
+    }
+    (held, sources)
+}
+
+/// Waits for the agent's breaker to close and its fallback's write-back to be done.
+async fn written_back(agent: &Agent) {
+    eventually(
+        "the breaker closes and the write-back is done",
+        Duration::from_secs(10),
+        || async {
+            let s = agent_status(agent).await;
+            let done = s["breakers"][0]["state"] == "closed"
+                && s["fallback"]["pendingWriteBack"] == 0
+                && s["fallback"]["writtenBackUnits"].as_u64() > Some(0);
+            done.then_some(())
+        },
+    )
+    .await
+}
+
+/// Leases the fallback granted while Redis was away are taken in Redis once it answers again (issue
+/// 33: Redis knew nothing of them and granted its whole limit again, so a limit of 3 held 6 until
+/// the clients released). A release then frees them in both places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_granted_while_redis_was_away_are_taken_there_when_it_answers() {
+    let mut redis = RedisServer::start();
+    let agent = quick_agent(&redis).await;
+    let client = patient_client(agent.socket()).await;
+    redis.kill();
+    let (mut held, sources) = acquire_all(&client, "apikey:back").await;
+    assert_eq!(held.len(), 3, "the fallback holds the limit (N = 1): {sources:?}");
+    assert!(sources.iter().all(|s| *s == Source::Fallback), "{sources:?}");
+    redis.restart();
+    written_back(&agent).await;
+    let (d, lease) = client.acquire("apikey:back", "slots", 1).await.unwrap();
+    assert!(
+        !d.allowed && lease.is_none() && d.items[0].verdict.source == Source::Redis,
+        "Redis holds the 3 leases the fallback granted: {d:?}"
+    );
+    // A release reaches Redis's copy too: one unit is free again, and only one.
+    client.release(&held.pop().unwrap()).await.unwrap();
+    let (d, lease) = client.acquire("apikey:back", "slots", 1).await.unwrap();
+    assert!(d.allowed && d.items[0].verdict.source == Source::Redis, "{d:?}");
+    held.push(lease.unwrap());
+    let (d, _) = client.acquire("apikey:back", "slots", 1).await.unwrap();
+    assert!(!d.allowed, "{d:?}");
+}
+
+/// The same while Redis is only stopped: acquires that timed out may still run in Redis when it
+/// wakes, under the same lease ids the fallback granted; taking a lease Redis already holds renews
+/// it, so each unit is held there once (the cold start's case: a first call that outlasts the store
+/// timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_taken_late_by_redis_and_by_the_write_back_counts_once() {
+    let redis = RedisServer::start();
+    let agent = quick_agent(&redis).await;
+    let client = patient_client(agent.socket()).await;
+    let pid = redis.pid().unwrap();
+    floodgate_tests::pause_process(pid);
+    let (held, sources) = acquire_all(&client, "apikey:late").await;
+    floodgate_tests::resume_process(pid);
+    assert_eq!(held.len(), 3, "the fallback holds the limit (N = 1): {sources:?}");
+    written_back(&agent).await;
+    let mut conn = redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("fg:*/c/apikey:late")
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(keys.len(), 1, "{keys:?}");
+    let members: Vec<(String, f64)> = redis::cmd("ZRANGE")
+        .arg(&keys[0])
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query(&mut conn)
+        .unwrap();
+    let leases: Vec<&String> = members.iter().map(|(m, _)| m).filter(|m| *m != "#").collect();
+    assert_eq!(leases.len(), 3, "each lease held once: {members:?}");
+    let units = members.iter().find(|(m, _)| m == "#").map(|(_, s)| -s);
+    assert_eq!(units, Some(3.0), "3 units held: {members:?}");
+    let (d, _) = client.acquire("apikey:late", "slots", 1).await.unwrap();
+    assert!(!d.allowed && d.items[0].verdict.source == Source::Redis, "{d:?}");
 }

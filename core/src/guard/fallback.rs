@@ -10,9 +10,10 @@ use std::sync::{Arc, Mutex};
 
 use floodgate_protocol::CompactString;
 
+use super::leases::LeaseLedger;
 use crate::algo::Outcome;
 use crate::rules::{Algorithm, Rule};
-use crate::store::{Clock, MemoryStore, Planned};
+use crate::store::{Clock, ItemMode, MemoryStore, Planned};
 
 /// Most (rule, key) pairs the ledger holds; past it new pairs are not recorded (and counted), so a
 /// flood of distinct keys during an outage cannot exhaust the agent. ~100 B each: ~100 MB at most.
@@ -28,8 +29,8 @@ pub struct LedgerEntry {
     pub rule: Arc<Rule>,
     /// The client key.
     pub key: CompactString,
-    /// The window index (local clock) the units belong to; for a concurrency rule's take-back, the
-    /// lease to free.
+    /// The window index (local clock) the units belong to; for a concurrency rule, the lease (to
+    /// take, or for a take-back to free).
     pub window: u64,
     /// Units admitted.
     pub units: u64,
@@ -42,6 +43,8 @@ pub struct Fallback {
     /// Per rule id: the rule at limit / N, with what it was made from.
     scaled: Mutex<HashMap<String, Scaled>>,
     ledger: Mutex<HashMap<(CompactString, CompactString), LedgerEntry>>,
+    /// The concurrency rules' leases granted here, to be taken in the store once it answers.
+    leases: LeaseLedger,
     /// Checks decided here.
     pub decided: AtomicU64,
     /// Units written back to Redis after recoveries.
@@ -77,6 +80,7 @@ impl Fallback {
             clock,
             scaled: Mutex::new(HashMap::new()),
             ledger: Mutex::new(HashMap::new()),
+            leases: LeaseLedger::default(),
             decided: AtomicU64::new(0),
             written_back: AtomicU64::new(0),
             write_back_refused: AtomicU64::new(0),
@@ -161,12 +165,14 @@ impl Fallback {
             .iter()
             .zip(&outcomes)
             .all(|(p, o)| o.allowed || !p.rule.enforced());
+        if committed {
+            self.leases_granted(items, &outcomes);
+        }
         if committed && record.iter().any(|r| *r) {
             let now = self.clock.now_ms();
             let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
             for ((p, o), rec) in items.iter().zip(&outcomes).zip(record) {
-                // A concurrency rule's leases are the agent's own while the store is away: nothing
-                // of them is written back (Redis's leases run out by themselves).
+                // A concurrency rule's leases are kept apart (`leases_granted`).
                 if !o.allowed || !rec || p.rule.is_concurrency() {
                     continue;
                 }
@@ -210,13 +216,32 @@ impl Fallback {
         outcomes
     }
 
+    /// Keeps the leases a committed check acquired here, for the store to take once it answers.
+    /// Every one, also those of acquires that timed out (and may have run in the store): taking a
+    /// lease the store holds already renews it.
+    fn leases_granted(&self, items: &[Planned], outcomes: &[Outcome]) {
+        let now = self.clock.now_ms();
+        for (p, o) in items.iter().zip(outcomes) {
+            let Some(id) = p.lease.id() else { continue };
+            let acquired = p.rule.is_concurrency() && o.allowed && p.mode == ItemMode::Consume;
+            if acquired && !self.leases.granted(&p.rule, &p.key, id, p.cost, now) {
+                self.ledger_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
     /// Frees a concurrency item's lease (or units by count) among the leases held here while the
     /// store was away, at limit / `n`: a release reaches them whether or not the store answered.
+    /// A lease not yet taken in the store is forgotten there too.
     pub fn release(&self, item: &Planned, n: u64) -> Outcome {
         let local = Planned {
             rule: self.scaled(&item.rule, n),
             ..item.clone()
         };
+        match item.lease.id() {
+            Some(id) => self.leases.released(&item.rule.id, &item.key, id),
+            None => self.leases.released_by_count(&item.rule.id, &item.key, item.cost),
+        }
         self.store.check(std::slice::from_ref(&local))[0]
     }
 
@@ -243,14 +268,23 @@ impl Fallback {
             .map(|(k, _)| k.clone())
             .take(max)
             .collect();
-        keys.into_iter().filter_map(|k| ledger.remove(&k)).collect()
+        let mut taken: Vec<LedgerEntry> = keys.into_iter().filter_map(|k| ledger.remove(&k)).collect();
+        drop(ledger);
+        let room = max.saturating_sub(taken.len());
+        taken.extend(self.leases.drain(room, now, ready));
+        taken
     }
 
     /// Puts entries back after a failed write-back (merging with what was admitted since), so a
     /// write-back tried while Redis is still failing loses nothing.
     pub fn restore(&self, entries: Vec<LedgerEntry>) {
+        let now = self.clock.now_ms();
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         for e in entries {
+            if e.rule.is_concurrency() {
+                self.leases.restore(e, now);
+                continue;
+            }
             match ledger.get_mut(&(CompactString::from(e.rule.id.as_str()), e.key.clone())) {
                 Some(cur) if cur.window == e.window => cur.units += e.units,
                 // Units of the window before the one now recorded for this key are dropped: one
@@ -265,7 +299,7 @@ impl Fallback {
 
     /// Entries waiting to be written back.
     pub fn pending(&self) -> usize {
-        self.ledger.lock().unwrap_or_else(|p| p.into_inner()).len()
+        self.ledger.lock().unwrap_or_else(|p| p.into_inner()).len() + self.leases.len()
     }
 
     /// Entries not yet written back: waiting, and in a write-back call still in flight (what

@@ -3,6 +3,7 @@
 
 mod breaker;
 mod fallback;
+mod leases;
 pub mod membership;
 mod recent;
 
