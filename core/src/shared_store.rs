@@ -55,8 +55,11 @@ pub trait SharedStore: Send + Sync + 'static {
     fn flush(&self, entries: Vec<FlushEntry>) -> BoxFuture<'_, Flushed>;
     /// The breaker's probe of one shard: succeeds only when checks would.
     fn probe(&self, shard: usize) -> BoxFuture<'_, Result<(), StoreError>>;
-    /// Loads the scripts on every shard ahead of the checks.
-    fn preload(&self) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Loads the scripts on every shard ahead of the checks, each load waiting at most `patience`.
+    fn preload(&self, patience: Duration) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Loads the scripts and opens the check path's connection to every shard, each step waiting at
+    /// most `patience` (before the agent serves).
+    fn warm_up(&self, patience: Duration) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Writes this agent's heartbeat (removes it when `leaving`); answers the live-agent count.
     fn heartbeat<'a>(
         &'a self,

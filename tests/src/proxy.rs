@@ -8,11 +8,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 /// Forwards 127.0.0.1:`port()` to a target port, delaying every chunk the target sends back by the
-/// current delay. Runs on its own thread and runtime, so it keeps time even when a test's runtime is
+/// current delay, and each new connection's opening by the connect delay. Runs on its own thread and runtime, so it keeps time even when a test's runtime is
 /// busy; stops on drop.
 pub struct Proxy {
     port: u16,
     delay_ms: Arc<AtomicU64>,
+    connect_delay_ms: Arc<AtomicU64>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -24,6 +25,8 @@ impl Proxy {
         std_listener.set_nonblocking(true).expect("nonblocking");
         let port = std_listener.local_addr().expect("addr").port();
         let delay_ms = Arc::new(AtomicU64::new(0));
+        let connect_delay_ms = Arc::new(AtomicU64::new(0));
+        let connect_delay = connect_delay_ms.clone();
         let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
         let delay = delay_ms.clone();
         let thread = std::thread::spawn(move || {
@@ -39,7 +42,11 @@ impl Proxy {
                         accepted = listener.accept() => {
                             let Ok((client, _)) = accepted else { continue };
                             let delay = delay.clone();
+                            let opening = connect_delay.load(Ordering::Relaxed);
                             tokio::spawn(async move {
+                                if opening > 0 {
+                                    tokio::time::sleep(Duration::from_millis(opening)).await;
+                                }
                                 let Ok(upstream) = TcpStream::connect(("127.0.0.1", target_port)).await else { return };
                                 let (mut cr, mut cw) = client.into_split();
                                 let (mut ur, mut uw) = upstream.into_split();
@@ -68,6 +75,7 @@ impl Proxy {
         Proxy {
             port,
             delay_ms,
+            connect_delay_ms,
             stop: Some(stop),
             thread: Some(thread),
         }
@@ -86,6 +94,13 @@ impl Proxy {
     /// Delays every answer from the target by `d` from now on.
     pub fn set_delay(&self, d: Duration) {
         self.delay_ms.store(d.as_millis() as u64, Ordering::Relaxed);
+    }
+
+    /// Delays the opening of every connection accepted from now on by `d` (a slow connect, TLS
+    /// handshake or AUTH): nothing is forwarded either way until then.
+    pub fn set_connect_delay(&self, d: Duration) {
+        self.connect_delay_ms
+            .store(d.as_millis() as u64, Ordering::Relaxed);
     }
 }
 

@@ -330,3 +330,40 @@ async fn a_lease_taken_late_by_redis_and_by_the_write_back_counts_once() {
     let (d, _) = client.acquire("apikey:late", "slots", 1).await.unwrap();
     assert!(!d.allowed && d.items[0].verdict.source == Source::Redis, "{d:?}");
 }
+
+/// Cold start (issue 33: "4 units held in 8 of 10 rounds"): two fresh agents on a Redis whose
+/// connections take 300 ms to open (a slow connect or handshake), a concurrency rule of limit 2,
+/// four clients acquiring at once. Each agent loads its scripts, opens its connections and learns
+/// N before it serves, so Redis decides the first acquires; before, they outlasted the store timeout
+/// and each agent's fallback, counting itself alone, granted the whole limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_start_holds_no_more_than_the_limit() {
+    const TWO: &str = r#"{"rules":[{"id":"two","dimension":"api_key","limit":2,"algorithm":"concurrency"}]}"#;
+    let redis = RedisServer::start();
+    let proxy = floodgate_tests::Proxy::start(redis.port());
+    proxy.set_connect_delay(Duration::from_millis(300));
+    let cold = || {
+        Agent::builder()
+            .redis(&proxy.url())
+            .rules(TWO)
+            .arg("--redis-timeout-ms")
+            .arg("100")
+            .start()
+    };
+    let (a, b) = tokio::join!(cold(), cold());
+    let clients = [
+        patient_client(a.socket()).await,
+        patient_client(a.socket()).await,
+        patient_client(b.socket()).await,
+        patient_client(b.socket()).await,
+    ];
+    let acquires = clients.iter().map(|c| c.acquire("apikey:cold", "two", 1));
+    let decisions = futures::future::join_all(acquires).await;
+    let held: Vec<_> = decisions
+        .iter()
+        .map(|r| r.as_ref().unwrap())
+        .filter(|(_, lease)| lease.is_some())
+        .map(|(d, _)| d.items[0].verdict.source)
+        .collect();
+    assert_eq!(held, [Source::Redis; 2], "{decisions:?}\n{}", a.log());
+}

@@ -38,6 +38,8 @@ pub(crate) struct Built {
         StreamConfig,
     )>,
     pub(super) listeners: Listeners,
+    /// Whether the store was warmed up before serving (scripts loaded, connections open).
+    pub(super) warmed: bool,
 }
 
 /// Every listener the agent serves, bound.
@@ -77,6 +79,14 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         })?)),
         None => Store::Memory(Arc::new(MemoryStore::default())),
     };
+    let guard = match &store {
+        Store::Shared(r) => Some(Arc::new(guard(&config, r.shard_count()))),
+        Store::Memory(_) => None,
+    };
+    let warmed = match (&store, &guard) {
+        (Store::Shared(r), Some(g)) => warm_up(r.as_ref(), g).await,
+        _ => false,
+    };
     let socket = bind_socket(&config)?;
     // A build that fails from here on leaves no socket file behind (the next start would replace
     // it as stale, but a client would meanwhile find a socket nobody answers).
@@ -89,10 +99,6 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         bound.0.push(path.clone());
     }
 
-    let guard = match &store {
-        Store::Shared(r) => Some(Arc::new(guard(&config, r.shard_count()))),
-        Store::Memory(_) => None,
-    };
     let metrics = if config.metrics {
         Some(crate::exporter::install()?)
     } else {
@@ -153,6 +159,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         metrics,
         events,
         listeners,
+        warmed,
     })
 }
 
@@ -177,6 +184,47 @@ fn guard(config: &AgentConfig, shards: usize) -> Guard {
         "guard: circuit breaker, limit/N fallback, heartbeats"
     );
     Guard::new(breaker, membership, shards)
+}
+
+/// Longest a start waits for Redis before it serves.
+const WARM_UP: Duration = Duration::from_secs(1);
+
+/// Before the agent serves: the scripts loaded, the check path's connections open and the first
+/// heartbeat answered (N learned), at most [`WARM_UP`]. Otherwise a cold agent's first checks pay
+/// the connect and the load within their store timeout, and those that outlast it are answered by
+/// the fallback counting this agent alone: a concurrency rule of limit 2 held 4 with two cold
+/// agents (issue 33). Until the socket is bound, SDKs answer by their fail policy at once; a Redis
+/// that does not answer in time leaves the rest to the guard's loop, and the fail modes decide.
+/// Answers whether the store was ready.
+async fn warm_up(redis: &dyn floodgate_core::shared_store::SharedStore, guard: &Guard) -> bool {
+    let started = std::time::Instant::now();
+    let config = guard.membership.config();
+    let warm = async {
+        redis.warm_up(WARM_UP).await?;
+        redis.heartbeat(&config.id, config.ttl, false).await
+    };
+    match tokio::time::timeout(WARM_UP, warm).await {
+        Ok(Ok(n)) => {
+            guard.membership.observe(n);
+            tracing::info!(
+                live_agents = n,
+                ms = started.elapsed().as_millis() as u64,
+                "store ready: scripts loaded, connections open"
+            );
+            true
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "store not ready at start; serving anyway (rules' fail modes decide until it answers)");
+            false
+        }
+        Err(_) => {
+            tracing::warn!(
+                wait_ms = WARM_UP.as_millis() as u64,
+                "store did not answer at start; serving anyway (rules' fail modes decide until it answers)"
+            );
+            false
+        }
+    }
 }
 
 /// Binds the frames socket, and says so first.

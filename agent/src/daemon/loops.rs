@@ -66,6 +66,7 @@ pub(super) async fn guard_loop(
     guard: Arc<Guard>,
     redis: Arc<dyn SharedStore>,
     engine: Arc<Engine>,
+    warmed: bool,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let interval = guard.membership.config().interval;
@@ -75,8 +76,11 @@ pub(super) async fn guard_loop(
     let mut sweep = tokio::time::interval(Duration::from_secs(5));
     let id = guard.membership.config().id.clone();
     let ttl = guard.membership.config().ttl;
-    if let Err(e) = redis.preload().await {
-        tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
+    // Loaded already when the start warmed the store up.
+    if !warmed {
+        if let Err(e) = redis.preload(Duration::from_millis(250)).await {
+            tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
+        }
     }
     let mut failovers = redis.failovers();
     // A failover's admissions are written again twice: at once, and one tick later for the calls

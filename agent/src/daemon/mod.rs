@@ -58,6 +58,7 @@ impl Built {
             metrics,
             events,
             listeners,
+            warmed,
         } = self;
         if let Some(handle) = &metrics {
             tokio::spawn(exporter::upkeep(handle.clone(), shutdown.clone()));
@@ -108,6 +109,7 @@ impl Built {
                 g,
                 r.clone(),
                 engine.clone(),
+                warmed,
                 shutdown.clone(),
             ))),
             _ => None,

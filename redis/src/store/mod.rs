@@ -230,8 +230,12 @@ impl SharedStore for RedisStore {
         Box::pin(RedisStore::probe(self, shard))
     }
 
-    fn preload(&self) -> BoxFuture<'_, Result<(), StoreError>> {
-        Box::pin(RedisStore::preload(self))
+    fn preload(&self, patience: Duration) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::preload(self, patience))
+    }
+
+    fn warm_up(&self, patience: Duration) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(RedisStore::warm_up(self, patience))
     }
 
     fn heartbeat<'a>(

@@ -195,20 +195,33 @@ impl RedisStore {
         self.invoke(&cmd, shard, 1, self.timeout).await.map(|_| ())
     }
 
-    /// Loads the check and flush scripts (SCRIPT LOAD) on every shard, so that a burst of checks after a start or
-    /// a Redis restart finds it cached instead of each paying NOSCRIPT and a reload within its timeout.
-    pub async fn preload(&self) -> Result<(), StoreError> {
+    /// Loads the check and flush scripts (SCRIPT LOAD) on every shard, so that a burst of checks after
+    /// a start or a Redis restart finds them cached instead of each paying NOSCRIPT and a reload
+    /// within its timeout. Each load waits at most `patience` (at least the store timeout).
+    pub async fn preload(&self, patience: Duration) -> Result<(), StoreError> {
+        let patience = patience.max(self.timeout);
         for shard in 0..self.shards.len() {
             let mut conn = self.shards.conn(shard).await?;
             for script in [&self.script, &self.flush] {
-                tokio::time::timeout(
-                    self.timeout.max(Duration::from_millis(250)),
-                    script.prepare_invoke().load_async(&mut conn),
-                )
-                .await
-                .map_err(|_| StoreError::Timeout(self.timeout))?
-                .map_err(classify)?;
+                tokio::time::timeout(patience, script.prepare_invoke().load_async(&mut conn))
+                    .await
+                    .map_err(|_| StoreError::Timeout(self.timeout))?
+                    .map_err(classify)?;
             }
+        }
+        Ok(())
+    }
+
+    /// [`preload`](Self::preload), and the check path's own connection to every shard opened (one
+    /// call of the breaker's probe), each step waiting at most `patience`: what a start does before
+    /// it serves, so that its first checks do not pay a connect and a load within their timeout (a
+    /// cold agent's first checks were answered by its fallback: issue 33).
+    pub async fn warm_up(&self, patience: Duration) -> Result<(), StoreError> {
+        self.preload(patience).await?;
+        let patience = patience.max(self.timeout);
+        for shard in 0..self.shards.len() {
+            let cmd = call::probe_cmd(self.script.get_hash());
+            self.invoke(&cmd, shard, 1, patience).await?;
         }
         Ok(())
     }
