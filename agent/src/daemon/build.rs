@@ -112,6 +112,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         accuracy: config.accuracy,
         events: None,
         ledger: None,
+        clock: floodgate_core::store::Clock::System,
     };
     if let Some(path) = &config.ledger {
         let agent = guard

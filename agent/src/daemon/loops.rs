@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::engine::Engine;
-use floodgate_core::guard::{BreakerState, Guard, Permit, Transition};
+use floodgate_core::guard::{upkeep, BreakerState, Guard};
 use floodgate_core::rules::Rule;
-use floodgate_core::shared_store::{Adjust, Route, SharedStore};
+use floodgate_core::shared_store::{Adjust, SharedStore};
 use floodgate_core::store::{Clock, StoreError};
 use floodgate_core::tasks::stopped;
 use tokio::sync::watch;
@@ -109,11 +109,11 @@ pub(super) async fn guard_loop(
                 }
                 for shard in 0..guard.breakers.len() {
                     if guard.breaker(shard).snapshot().state != BreakerState::Closed {
-                        probe(&guard, redis.as_ref(), shard).await;
+                        upkeep::probe(&guard, redis.as_ref(), shard, std::time::Instant::now).await;
                     }
                 }
                 if guard.fallback.pending() > 0 {
-                    write_back(&guard, redis.as_ref()).await;
+                    upkeep::write_back(&guard, redis.as_ref(), std::time::Instant::now()).await;
                 }
             }
             _ = sweep.tick() => {
@@ -123,7 +123,7 @@ pub(super) async fn guard_loop(
             _ = stopped(&mut shutdown) => break,
         }
     }
-    write_back(&guard, redis.as_ref()).await;
+    upkeep::write_back(&guard, redis.as_ref(), std::time::Instant::now()).await;
     let _ = redis.heartbeat(&id, ttl, true).await;
 }
 
@@ -148,83 +148,4 @@ async fn reapply(engine: &Engine, redis: &dyn SharedStore) {
             tracing::warn!(error = %e, keys, units, applied = done.units, "the store failed over: writing this agent's recent admissions into the new primary failed part-way")
         }
     }
-}
-
-/// Once the cool-down is over, one background call decides whether the store is back: it loads the
-/// check script (a restarted Redis has an empty cache) with a timeout no check could afford, so a
-/// slow reconnection does not keep the breaker open, and no caller waits on it.
-async fn probe(guard: &Guard, redis: &dyn SharedStore, shard: usize) {
-    let breaker = guard.breaker(shard);
-    let permit = breaker.permit(std::time::Instant::now());
-    if permit != Permit::Probe {
-        return;
-    }
-    let ok = redis.probe(shard).await.is_ok();
-    if breaker.record(permit, ok, std::time::Instant::now()) == Some(Transition::Closed) {
-        tracing::info!(shard, "store answers again: circuit breaker closed");
-    }
-}
-
-/// Most ledger entries one write-back pass takes: bounded work per pass on the agent's thread.
-const WRITE_BACK_BATCH: usize = 10_000;
-
-/// Most ledger entries a write-back pass takes while a shard sheds checks (the agent is past its
-/// capacity toward it): one call's worth, so that the write-back does not hold one of the node's two
-/// call slots for many calls while checks are being shed for want of one.
-const WRITE_BACK_WHILE_SHEDDING: usize = 64;
-
-/// Writes back what the fallback admitted, for the shards whose breaker is closed (the rest waits
-/// in the ledger, untouched).
-async fn write_back(guard: &Guard, redis: &dyn SharedStore) {
-    let shards = redis.shard_count();
-    let closed: Vec<bool> = (0..shards)
-        .map(|shard| guard.breaker(shard).snapshot().state == BreakerState::Closed)
-        .collect();
-    if !closed.contains(&true) {
-        return;
-    }
-    let now = std::time::Instant::now();
-    let shedding = (0..shards).any(|shard| {
-        let call = u32::try_from(shard).unwrap_or(u32::MAX);
-        closed[shard] && redis.sheds(&Route { shard, call }, now)
-    });
-    let max = if shedding {
-        WRITE_BACK_WHILE_SHEDDING
-    } else {
-        WRITE_BACK_BATCH
-    };
-    let ready = guard
-        .fallback
-        .drain(max, |e| closed.get(redis.route(&e.key).shard) == Some(&true));
-    if ready.is_empty() {
-        return;
-    }
-    let keys = ready.len();
-    let in_flight = &guard.fallback.writing_back;
-    in_flight.fetch_add(keys as u64, std::sync::atomic::Ordering::Relaxed);
-    let done = redis.adjust(ready, Adjust::Add).await;
-    guard
-        .fallback
-        .written_back
-        .fetch_add(done.units, std::sync::atomic::Ordering::Relaxed);
-    guard
-        .fallback
-        .write_back_refused
-        .fetch_add(done.refused, std::sync::atomic::Ordering::Relaxed);
-    match done.error {
-        None => tracing::info!(
-            keys,
-            units = done.units,
-            over_limit = done.over,
-            refused_units = done.refused,
-            "wrote back what the fallback admitted while Redis was away"
-        ),
-        Some(e) => {
-            // A timed-out call may have been applied: it is dropped rather than risk counting twice.
-            tracing::warn!(error = %e, keys, units = done.units, over_limit = done.over, refused_units = done.refused, retry = done.retry.len(), unknown_units = done.unknown, "write-back failed part-way; retrying the rest");
-            guard.fallback.restore(done.retry);
-        }
-    }
-    // After the counters and the retries' return: a status read in between sees them waiting.
-    in_flight.fetch_sub(keys as u64, std::sync::atomic::Ordering::Relaxed);
 }

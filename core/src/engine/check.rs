@@ -14,7 +14,7 @@ use crate::store::{ItemMode, Lease, Planned};
 impl Engine {
     /// Decides a check.
     pub fn check(self: &Arc<Self>, check: Check) -> Answer {
-        self.check_received(check, std::time::Instant::now())
+        self.check_received(check, self.clock.instant())
     }
 
     /// [`check`](Self::check) of a frame read at `received`: the store's budget runs from then, so

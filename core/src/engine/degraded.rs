@@ -3,7 +3,6 @@
 //! the limit/N fallback.
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
 
 use floodgate_protocol::Source;
 
@@ -68,7 +67,10 @@ impl Engine {
         };
         let retry = |p: &Planned| {
             let shard = store.map_or(0, |r| r.route(&p.key).shard);
-            let cooldown = guard.breaker(shard).cooldown_left(Instant::now()).as_millis() as u64;
+            let cooldown = guard
+                .breaker(shard)
+                .cooldown_left(self.clock.instant())
+                .as_millis() as u64;
             FAIL_CLOSED_RETRY_MS.max(cooldown)
         };
         let closed = |p: &Planned| p.rule.fail_mode == FailMode::Closed;

@@ -105,10 +105,10 @@ impl Engine {
             // A shed check never reached Redis: it says nothing of Redis's health either way
             // (counting it as an answer would reset the failures of a Redis too slow to answer).
             let shed = matches!(result, Err(StoreError::Shed));
-            if !shed && breaker.record(permit, answered, Instant::now()) == Some(Transition::Opened) {
+            if !shed && breaker.record(permit, answered, self.clock.instant()) == Some(Transition::Opened) {
                 tracing::warn!(
                     shard = g.route.shard,
-                    cooldown_ms = breaker.cooldown_left(Instant::now()).as_millis() as u64,
+                    cooldown_ms = breaker.cooldown_left(self.clock.instant()).as_millis() as u64,
                     live_agents = guard.membership.live(),
                     "circuit breaker open: deciding locally (fail-open rules at limit / live agents)"
                 );

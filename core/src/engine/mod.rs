@@ -79,6 +79,8 @@ pub struct EngineOptions {
     pub events: Option<Arc<crate::events::Events>>,
     /// Where every decision is recorded (none: the ledger is off, the default).
     pub ledger: Option<Arc<crate::ledger::Ledger>>,
+    /// The engine's clock (the system's; a manual one in simulations).
+    pub clock: Clock,
 }
 
 impl Default for EngineOptions {
@@ -91,6 +93,7 @@ impl Default for EngineOptions {
             accuracy: DEFAULT_ACCURACY,
             events: None,
             ledger: None,
+            clock: Clock::System,
         }
     }
 }
@@ -164,7 +167,7 @@ impl Engine {
             rules: RwLock::new(Arc::new(rules)),
             store,
             guard,
-            clock: Clock::System,
+            clock: options.clock.clone(),
             cache: RejectionCache::new(options.cache_cap),
             dry_run: Default::default(),
             batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),

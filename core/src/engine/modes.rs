@@ -99,7 +99,9 @@ impl Engine {
             if let (Some(guard), Some(permit)) = (&this.guard, permit) {
                 let answered = !matches!(&result, Err(e) if !matches!(e, StoreError::Script(_)));
                 if !matches!(&result, Err(StoreError::Shed)) {
-                    guard.breaker(shard).record(permit, answered, Instant::now());
+                    guard
+                        .breaker(shard)
+                        .record(permit, answered, this.clock.instant());
                 }
             }
             result

@@ -6,11 +6,14 @@ mod fallback;
 mod leases;
 pub mod membership;
 mod recent;
+pub mod upkeep;
 
 pub use breaker::{Breaker, BreakerConfig, BreakerSnapshot, BreakerState, Permit, Transition};
 pub use fallback::{Fallback, LedgerEntry};
 pub use membership::{Membership, MembershipConfig};
 pub use recent::{Recent, REPLAY_MS};
+
+use crate::store::Clock;
 
 /// What guards one Redis store: a breaker per shard, the fallback limiter and fleet membership.
 pub struct Guard {
@@ -25,9 +28,19 @@ pub struct Guard {
 impl Guard {
     /// A guard for `shards` shards with these settings.
     pub fn new(breaker: BreakerConfig, membership: MembershipConfig, shards: usize) -> Self {
+        Self::with_clock(breaker, membership, shards, Clock::System)
+    }
+
+    /// The same on `clock` (a manual one in simulations).
+    pub fn with_clock(
+        breaker: BreakerConfig,
+        membership: MembershipConfig,
+        shards: usize,
+        clock: Clock,
+    ) -> Self {
         Guard {
             breakers: (0..shards.max(1)).map(|_| Breaker::new(breaker)).collect(),
-            fallback: Fallback::default(),
+            fallback: Fallback::new(clock),
             membership: Membership::new(membership),
         }
     }

@@ -34,6 +34,20 @@ impl Clock {
             Clock::Manual(t) => t.load(Ordering::Relaxed),
         }
     }
+
+    /// Now as an `Instant` (what the breaker's streaks and cool-downs and a check's budget are
+    /// measured in): the system's, or for a manual clock one fixed instant plus its ms, so that a
+    /// simulation moves them with its clock (the model test, `core/tests/model.rs`).
+    pub fn instant(&self) -> std::time::Instant {
+        match self {
+            Clock::System => std::time::Instant::now(),
+            Clock::Manual(t) => {
+                static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+                *BASE.get_or_init(std::time::Instant::now)
+                    + std::time::Duration::from_millis(t.load(Ordering::Relaxed))
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
