@@ -7,8 +7,10 @@
 //!
 //! The double is an instrument: it keeps Redis's counts in the embedded store's algorithms (which
 //! `lua/` mirrors) and decides when a call fails; the real-process runs (`loadgen faults`) stay the
-//! proof. Not modelled: batched rules (their flush loop), concurrency and quota rules (the checker
-//! does not judge them yet), failovers and reshards, several shards.
+//! proof. Concurrency rules are driven by clients that acquire under lease ids and release after a
+//! while (or never: the lease runs out), and judged by units held at once. Not modelled: batched
+//! rules (their flush loop), quota rules (the checker does not judge them yet), failovers and
+//! reshards, several shards.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,16 +23,17 @@ use floodgate_core::guard::{upkeep, BreakerConfig, Guard, LedgerEntry, Membershi
 use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Header, LedgerFile, Options, Record};
 use floodgate_core::rules::RuleSet;
 use floodgate_core::shared_store::{Adjust, Adjusted, BoxFuture, Flushed, Route, SharedStore};
-use floodgate_core::store::{Clock, ItemMode, MemoryStore, Planned, StoreError};
+use floodgate_core::store::{Clock, ItemMode, Lease, MemoryStore, Planned, StoreError};
 use floodgate_protocol::{Check, Item};
 
-/// Seeds `scripts/test` runs (each 5 simulated seconds of two or three agents, ~5,000 checks).
+/// Seeds `scripts/test` runs (each 4 simulated seconds of two or three agents, ~5,600 checks).
 const SEEDS: u64 = 2_000;
 
 const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":20,"windowSeconds":1},
   {"id":"tb","dimension":"user","limit":20,"windowSeconds":1,"algorithm":"token_bucket","burst":10},
-  {"id":"closed","dimension":"user","limit":10,"windowSeconds":1,"failMode":"closed"}
+  {"id":"closed","dimension":"user","limit":10,"windowSeconds":1,"failMode":"closed"},
+  {"id":"conc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":1}
 ]}"#;
 
 /// The store's state of health, as the schedule sets it.
@@ -104,10 +107,22 @@ impl SharedStore for Double {
                 let counts = self.counts();
                 for e in &entries {
                     assert_eq!(how, Adjust::Add, "one shard: nothing is taken back");
-                    counts.check(&[Planned {
-                        mode: ItemMode::Charge,
-                        ..Planned::consume(e.rule.clone(), &e.key, e.units)
-                    }]);
+                    let item = if e.rule.is_concurrency() {
+                        // A lease the fallback granted, taken whatever the count (check.lua's
+                        // concurrency add): an acquire with no limit, renewed if held.
+                        let mut unlimited = (*e.rule).clone();
+                        unlimited.limit = std::num::NonZeroU64::new(u64::MAX / 4).unwrap();
+                        Planned {
+                            lease: Lease::Client(e.window),
+                            ..Planned::consume(Arc::new(unlimited), &e.key, e.units)
+                        }
+                    } else {
+                        Planned {
+                            mode: ItemMode::Charge,
+                            ..Planned::consume(e.rule.clone(), &e.key, e.units)
+                        }
+                    };
+                    counts.check(&[item]);
                     done.units += e.units;
                 }
             }
@@ -196,7 +211,7 @@ struct Run {
 }
 
 /// Simulated run length and the start of its clock (Unix ms, mid-window so that seeds vary it).
-const RUN_MS: u64 = 5_000;
+const RUN_MS: u64 = 4_000;
 const T0: u64 = 1_800_000_000_000;
 
 fn schedule(rng: &mut Rng) -> Vec<Fault> {
@@ -260,11 +275,16 @@ fn run(seed: u64, tell: bool) -> Run {
         })
         .collect();
     let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    // Some checks are spawned (a release: it must land even if its caller goes away).
+    let _runtime = rt.enter();
     let rules = RuleSet::parse(RULES).unwrap();
     let ids = ["sw", "tb", "closed"];
     let keys = ["user:a", "user:b", "user:c"];
     let mut ledgers: Vec<Vec<Record>> = vec![Vec::new(); agents as usize];
     let mut spans = Vec::new();
+    // Leases the clients hold: (agent, key, lease id, when they release it).
+    let mut leases: Vec<(usize, floodgate_protocol::CompactString, u64, u64)> = Vec::new();
+    let mut next_lease = seed << 32;
     let (mut decisions, mut fallback) = (0, 0);
     for ms in 0..RUN_MS {
         let now = start + ms;
@@ -302,43 +322,68 @@ fn run(seed: u64, tell: bool) -> Run {
                 });
             }
         }
-        // The load: one check a ms over all agents on average, ~7x what the rules admit in all.
+        // The load: one check a ms over all agents on average, ~7x what the rules admit in all; and
+        // a lease acquired every 5 ms on average, held up to 800 ms (one in eight never released:
+        // it runs out), ~7x the concurrency limit in demand.
+        let mut load: Vec<(usize, Item)> = Vec::new();
         for _ in 0..rng.below(3) {
             let agent = rng.below(agents) as usize;
             let rule = ids[rng.below(3) as usize];
             let key = keys[rng.below(3) as usize];
-            let answer = engines[agent]
-                .0
-                .check(Check::Items(vec![Item::new(key, rule, 1)]));
+            load.push((agent, Item::new(key, rule, 1)));
+        }
+        while let Some(i) = leases.iter().position(|l| l.3 <= ms) {
+            let (agent, key, id, _) = leases.swap_remove(i);
+            load.push((agent, Item::release(key, "conc", 1, Some(id))));
+        }
+        if rng.below(5) == 0 {
+            let agent = rng.below(agents) as usize;
+            next_lease += 1;
+            let key = keys[rng.below(3) as usize];
+            load.push((agent, Item::acquire(key, "conc", 1, next_lease)));
+        }
+        for (agent, item) in load {
+            let (key, rule, lease, mode) = (item.key.clone(), item.rule_id.clone(), item.lease, item.mode);
+            let answer = engines[agent].0.check(Check::Items(vec![item]));
             let decision = match answer {
                 Answer::Ready(d) => d,
                 Answer::Pending(f) => rt.block_on(f),
             }
             .expect("a known rule is decided");
-            let r = rules.get(rule).unwrap();
+            let r = rules.get(rule.as_str()).unwrap();
             let item = &decision.items[0];
             decisions += 1;
             let source = item.verdict.source.as_str();
             if source == "fallback" {
                 fallback += 1;
             }
+            if let (ItemMode::Consume, Some(id), true) = (mode, lease, item.verdict.allowed) {
+                let hold = rng.below(800);
+                let until = if rng.below(8) == 0 {
+                    u64::MAX
+                } else {
+                    ms + 1 + hold
+                };
+                leases.push((agent, key.clone(), id, until));
+            }
             ledgers[agent].push(Record {
                 recv: now,
                 done: now,
                 off: 0,
-                rule: rule.into(),
+                rule: rule.to_string(),
                 ver: r.version,
                 alg: r.algorithm,
                 window_ms: r.window_ms(),
                 limit: r.limit.get(),
                 burst: r.burst.map_or(r.limit.get(), |b| b.get()),
                 enforced: r.enforced(),
-                key: key.into(),
+                key: key.to_string(),
                 cost: 1,
-                mode: "consume".into(),
+                mode: mode.as_str().into(),
                 allowed: item.verdict.allowed,
                 source: source.into(),
                 n: engines[agent].1.membership.live(),
+                lease,
             });
         }
     }

@@ -19,8 +19,8 @@
 //!   share adds ⌊B / n⌋);
 //! - with admissions from batched local counters: plus `batched_allowance` of the limit.
 //!
-//! Not judged yet (counted as such): concurrency rules (units held, not a window's sum) and
-//! calendar quotas (periods by time zone).
+//! Concurrency rules are judged by units held at once (`held.rs`). Not judged yet (counted as
+//! such): calendar quotas (periods by time zone).
 
 use std::collections::HashMap;
 
@@ -221,6 +221,7 @@ type Admitted<'a> = (
 pub fn judge(ledgers: &[LedgerFile], opts: &Options) -> Judgement {
     let (windows, mut summaries, records) = admitted(ledgers);
     let mut breaches = breaches(windows, &mut summaries, opts);
+    breaches.extend(super::held::breaches(ledgers, opts, &mut summaries));
     breaches.sort_by(|a, b| {
         let ratio = |x: &Breach| x.admitted as f64 / x.limit as f64;
         ratio(b).total_cmp(&ratio(a)).then_with(|| a.key.cmp(&b.key))
@@ -265,10 +266,8 @@ fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
             }
             match r.alg {
                 Algorithm::SlidingWindow | Algorithm::TokenBucket => {}
-                Algorithm::Concurrency => {
-                    s.not_judged = Some("concurrency: units held, not a window's sum".into());
-                    continue;
-                }
+                // Units held at once: `held.rs`.
+                Algorithm::Concurrency => continue,
                 Algorithm::Quota => {
                     s.not_judged = Some("quota: calendar periods are not judged yet".into());
                     continue;
@@ -394,6 +393,7 @@ mod tests {
             allowed: true,
             source: source.into(),
             n: 2,
+            lease: None,
         }
     }
 

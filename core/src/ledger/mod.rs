@@ -5,8 +5,10 @@
 //! - `record.rs`: one decided item as a ledger line (JSON), and the file's first line;
 //! - `writer.rs`: the engine's side: a bounded queue the request path only `try_send`s to, and the
 //!   thread that writes it to a file;
-//! - `judge.rs`: the checker: key-windows by the store's clock, admitted units against the bound.
+//! - `judge.rs`: the checker: key-windows by the store's clock, admitted units against the bound;
+//! - `held.rs`: its concurrency part: units held at once against the bound.
 
+mod held;
 mod judge;
 mod record;
 mod writer;

@@ -53,6 +53,10 @@ pub struct Record {
     /// Live agents as this agent counted them when it decided (the N of its limit/N fallback).
     #[serde(default = "one")]
     pub n: u64,
+    /// A concurrency item's lease id (the client's, or one the agent picked); none for a release by
+    /// count and for other rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lease: Option<u64>,
 }
 
 fn one() -> u64 {

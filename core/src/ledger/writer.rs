@@ -32,6 +32,7 @@ struct Item {
     mode: ItemMode,
     allowed: bool,
     source: &'static str,
+    lease: Option<u64>,
 }
 
 enum Msg {
@@ -117,6 +118,7 @@ impl Ledger {
                 mode: p.mode,
                 allowed: d.verdict.allowed,
                 source: d.verdict.source.as_str(),
+                lease: p.lease.id(),
             })
             .collect();
         let Decided { recv, done, off, n } = at;
@@ -221,6 +223,7 @@ fn write_loop(
                         allowed: it.allowed,
                         source: it.source.into(),
                         n,
+                        lease: it.lease,
                     };
                     line.clear();
                     if serde_json::to_writer(&mut line, &record).is_ok() {
