@@ -40,10 +40,12 @@ pub enum Deployment {
 /// Slots each master of the Cluster deployment starts with (`redis-cli --cluster create`'s split).
 const CLUSTER_SLOTS: [u64; 3] = [5_461, 5_462, 5_461];
 
-/// The rules of a run: a sync sliding window and a token bucket, both fail open (the default).
+/// The rules of a run: a sync sliding window, a token bucket and a concurrency rule, all fail open
+/// (the default).
 pub const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":20,"windowSeconds":2},
-  {"id":"tb","dimension":"user","limit":20,"windowSeconds":2,"algorithm":"token_bucket","burst":10}
+  {"id":"tb","dimension":"user","limit":20,"windowSeconds":2,"algorithm":"token_bucket","burst":10},
+  {"id":"conc","dimension":"user","limit":2,"algorithm":"concurrency","leaseSeconds":2}
 ]}"#;
 
 /// What a run does.
@@ -469,9 +471,35 @@ pub async fn run(plan: Plan) -> Report {
                         Some(hot) if rng.next() % 4 == 0 => hot.clone(),
                         _ => format!("user:{}", rng.range(0, plan.keys)),
                     };
-                    let rule = if rng.next() % 2 == 0 { "sw" } else { "tb" };
                     let (by_agent, by_sdk) = (by_agent.clone(), by_sdk.clone());
                     sent.fetch_add(1, Ordering::Relaxed);
+                    // A tenth are acquires of the concurrency rule, each lease released after up to
+                    // 1.5 s (its 2 s lease time runs out if its agent is killed first).
+                    if rng.next() % 10 == 0 {
+                        let key = format!("user:{}", rng.range(0, plan.keys));
+                        let hold = Duration::from_millis(rng.range(0, 1_500));
+                        let sent = sent.clone();
+                        tasks.spawn(async move {
+                            let count = |d: &floodgate_sdk::Decision| match d.origin {
+                                Origin::Agent(_) => by_agent.fetch_add(1, Ordering::Relaxed),
+                                _ => by_sdk.fetch_add(1, Ordering::Relaxed),
+                            };
+                            let Ok((d, lease)) = client.acquire(&key, "conc", 1).await else {
+                                return;
+                            };
+                            count(&d);
+                            if let Some(lease) = lease {
+                                tokio::time::sleep(hold).await;
+                                // The release is a check of its own (and a ledger record).
+                                sent.fetch_add(1, Ordering::Relaxed);
+                                if let Ok(d) = client.release(&lease).await {
+                                    count(&d);
+                                }
+                            }
+                        });
+                        continue;
+                    }
+                    let rule = if rng.next() % 2 == 0 { "sw" } else { "tb" };
                     tasks.spawn(async move {
                         if let Ok(d) = client.allow(&key, rule, 1).await {
                             match d.origin {
