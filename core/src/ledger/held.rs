@@ -6,9 +6,11 @@
 //!
 //! At every instant a lease starts, the units held are judged against the contract's bound
 //! (docs/accuracy.md): the limit, plus each agent's fallback share while a lease its fallback
-//! granted is held (max(1, ⌊L / n⌋)), plus the limit while the leases a restarted-empty store lost
-//! may still be held (until a lease time after it). A key with a release by count (no lease id) is
-//! not judged: which leases it freed is the store's choice.
+//! granted is held (max(1, ⌊L / n⌋)), plus the limit while the leases a restarted-empty store or a
+//! failover lost may still be held (until a lease time after it; the contract's "≤ L" for both).
+//! A key with a release by count (no lease id) is not judged: which leases it freed is the store's
+//! choice. A killed agent's ledger may lack its last ~50 ms, releases included: a lease it granted
+//! with no release on record is held at most until that ledger's last record.
 
 use std::collections::HashMap;
 
@@ -23,9 +25,18 @@ struct Hold<'a> {
     fallback: Option<(&'a str, u64)>,
 }
 
-/// An admitted acquire: read, answered (ms, store clock), units, and the agent whose fallback granted
-/// it with the N it counted.
-type Acquire<'a> = (u64, u64, u64, Option<(&'a str, u64)>);
+/// An admitted acquire.
+#[derive(Clone, Copy)]
+struct Acquire<'a> {
+    /// Read and answered, ms by the store's clock.
+    recv: u64,
+    done: u64,
+    units: u64,
+    /// The agent whose fallback granted it, and the N it counted.
+    fallback: Option<(&'a str, u64)>,
+    /// Its ledger's last record, when that ledger was not closed (its agent was killed).
+    cut: Option<u64>,
+}
 
 /// Per (rule, key): the leases' acquires and releases as read.
 #[derive(Default)]
@@ -54,18 +65,20 @@ pub(super) fn breaches(
             }
             let at = |t: u64| (t as i64 + r.off).max(0) as u64;
             let k = keys.entry((&r.rule, &r.key)).or_default();
+            let cut = (!file.closed).then(|| file.records.last().map_or(0, |l| at(l.done)));
             k.limit = k.limit.max(r.limit);
             k.lease_ms = k.lease_ms.max(r.window_ms);
             match (r.mode.as_str(), r.lease) {
                 ("consume", Some(id)) if r.allowed => {
                     let fallback =
                         (r.source == "fallback").then_some((file.header.agent.as_str(), r.n.max(1)));
-                    k.acquires.entry(id).or_default().push((
-                        at(r.recv),
-                        at(r.done.max(r.recv)),
-                        r.cost,
+                    k.acquires.entry(id).or_default().push(Acquire {
+                        recv: at(r.recv),
+                        done: at(r.done.max(r.recv)),
+                        units: r.cost,
                         fallback,
-                    ));
+                        cut,
+                    });
                 }
                 ("release", Some(id)) => k.releases.entry(id).or_default().push(at(r.recv)),
                 ("release", None) => k.by_count = true,
@@ -127,12 +140,20 @@ fn holds<'a>(k: &Key<'a>) -> Vec<Hold<'a>> {
     let mut out = Vec::new();
     for (id, acquires) in &k.acquires {
         let mut acquires = acquires.clone();
-        acquires.sort_by_key(|a| a.0);
+        acquires.sort_by_key(|a| a.recv);
         let releases = k.releases.get(id).map(Vec::as_slice).unwrap_or(&[]);
         let mut mine: Vec<Hold<'a>> = Vec::new();
-        for (recv, done, units, fallback) in acquires {
+        for Acquire {
+            recv,
+            done,
+            units,
+            fallback,
+            cut,
+        } in acquires
+        {
             let released = releases.iter().copied().filter(|&r| r >= recv).min();
-            let until = released.map_or(recv + k.lease_ms, |r| r.min(recv + k.lease_ms));
+            let ends = (recv + k.lease_ms).min(cut.unwrap_or(u64::MAX));
+            let until = released.map_or(ends, |r| r.min(recv + k.lease_ms));
             if until <= done {
                 continue;
             }
@@ -166,7 +187,8 @@ fn bound(live: &[&Hold], limit: u64, lease_ms: u64, t: u64, opts: &Options) -> u
     }
     bound += agents.values().map(|n| (limit / n).max(1)).sum::<u64>();
     for f in &opts.faults {
-        if f.kind == FaultKind::RestartEmpty && f.from_ms <= t && t < f.to_ms + lease_ms {
+        let lost = matches!(f.kind, FaultKind::RestartEmpty | FaultKind::Failover);
+        if lost && f.from_ms <= t && t < f.to_ms + lease_ms {
             bound += limit;
         }
     }
