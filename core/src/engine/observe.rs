@@ -7,7 +7,7 @@ use floodgate_protocol::{CompactString, Decision, Source};
 
 use super::{Answer, Engine};
 use crate::rules::Rule;
-use crate::store::Planned;
+use crate::store::{ItemMode, Planned};
 
 impl Engine {
     /// The answer, recorded once decided: in the ledger, the plan's items and their verdicts, with
@@ -24,9 +24,19 @@ impl Engine {
             let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
             if let Some(recent) = &this.recent {
                 for (p, it) in plan.iter().zip(&d.items) {
-                    let counted = p.mode.counts();
-                    if counted && it.verdict.allowed && it.verdict.source == Source::Redis {
-                        recent.record(&p.rule, &p.key, p.cost, recv, done);
+                    let by_store = it.verdict.allowed && it.verdict.source == Source::Redis;
+                    match (p.rule.is_concurrency(), p.lease.id()) {
+                        (true, Some(id)) if p.mode == ItemMode::Release => {
+                            recent.released(&p.rule.id, &p.key, id)
+                        }
+                        (true, Some(id)) if p.mode == ItemMode::Consume && by_store => {
+                            recent.leased(&p.rule, &p.key, id, p.cost, done)
+                        }
+                        (true, _) => {}
+                        (false, _) if p.mode.counts() && by_store => {
+                            recent.record(&p.rule, &p.key, p.cost, recv, done)
+                        }
+                        (false, _) => {}
                     }
                 }
             }

@@ -2,7 +2,9 @@
 //! store can fail over (Sentinel): a failover loses the writes the old primary took after its
 //! replica's promotion (and those it had not replicated), so the agent writes what it admitted in
 //! that span again into the new primary. Units that had in fact been replicated are then counted
-//! twice: later checks are stricter, never looser (docs/accuracy.md, "Sentinel failover").
+//! twice: later checks are stricter, never looser (docs/accuracy.md, "Sentinel failover"). A
+//! concurrency rule's leases taken in that span and not released are taken again (renewed where
+//! the new primary has them).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -33,7 +35,7 @@ impl Recent {
     /// `now_ms` (the agent's clock): Redis counted them in the window holding some instant between,
     /// so where the two lie in different windows, both are given them (stricter, never looser; the
     /// fault runner's Sentinel seed 1 admitted 21 of 20 in a window whose edge such a check
-    /// crossed). Concurrency rules are not kept: their leases run out by themselves.
+    /// crossed). Concurrency rules keep their leases instead ([`leased`](Self::leased)).
     pub fn record(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, recv_ms: u64, now_ms: u64) {
         let window_at = |t: u64| match rule.algorithm {
             Algorithm::Concurrency => None,
@@ -47,6 +49,21 @@ impl Recent {
         self.add(rule, key, units, window, now_ms);
     }
 
+    /// Records lease `id` of `units` taken for `key` at `now_ms` (an acquire the store granted).
+    pub fn leased(&self, rule: &Arc<Rule>, key: &CompactString, id: u64, units: u64, now_ms: u64) {
+        self.add(rule, key, units, id, now_ms);
+    }
+
+    /// Forgets lease `id` (released: not to be taken again).
+    pub fn released(&self, rule: &str, key: &CompactString, id: u64) {
+        let k = (CompactString::from(rule), key.clone(), id);
+        for (_, slot) in self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            slot.remove(&k);
+        }
+    }
+
+    /// Adds units to (rule, key, window) in the current slot; a lease (window: its id) is kept once,
+    /// a renewal not counted again.
     fn add(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, window: u64, now_ms: u64) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let start = now_ms - now_ms % SLOT_MS;
@@ -59,9 +76,14 @@ impl Recent {
         {
             slots.pop_front();
         }
+        let lease = rule.is_concurrency();
         let Some((_, slot)) = slots.back_mut() else { return };
         slot.entry((CompactString::from(rule.id.as_str()), key.clone(), window))
-            .and_modify(|e| e.units += units)
+            .and_modify(|e| {
+                if !lease {
+                    e.units += units
+                }
+            })
             .or_insert_with(|| LedgerEntry {
                 rule: rule.clone(),
                 key: key.clone(),
@@ -80,7 +102,14 @@ impl Recent {
                 continue;
             }
             for (k, e) in slot {
-                all.entry(k).and_modify(|a| a.units += e.units).or_insert(e);
+                let lease = e.rule.is_concurrency();
+                all.entry(k)
+                    .and_modify(|a| {
+                        if !lease {
+                            a.units += e.units
+                        }
+                    })
+                    .or_insert(e);
             }
         }
         all.into_values().collect()
@@ -107,10 +136,19 @@ mod tests {
             recent.record(&r, &key, 1, t, t); // windows 9 (three) and 10 (one)
         }
         recent.record(&r, &key, 1, 19_990, 20_010); // read in window 9, answered in 10: both
-        recent.record(&c, &key, 1, 20_100, 20_100); // leases are not replayed
-        let mut got: Vec<(u64, u64)> = recent.take(20_200).iter().map(|e| (e.window, e.units)).collect();
+        recent.record(&c, &key, 1, 20_100, 20_100); // a lease is kept by its id, not counted
+        recent.leased(&c, &key, 7, 1, 19_000);
+        recent.leased(&c, &key, 7, 1, 20_000); // renewed: once
+        recent.leased(&c, &key, 8, 2, 20_000);
+        recent.released("c", &key, 8); // released: not taken again
+        let mut got: Vec<(&str, u64, u64)> = recent
+            .take(20_200)
+            .iter()
+            .map(|e| (e.rule.id.as_str(), e.window, e.units))
+            .map(|(r, w, u)| (if r == "c" { "c" } else { "r" }, w, u))
+            .collect();
         got.sort();
-        assert_eq!(got, [(9, 4), (10, 2)]);
+        assert_eq!(got, [("c", 7, 1), ("r", 9, 4), ("r", 10, 2)]);
         assert!(recent.take(20_300).is_empty(), "given once");
     }
 }
