@@ -12,6 +12,7 @@
 //! - `sentinel`: [`Sentinel`], a real `redis-server --sentinel` watching one master.
 //! - `proxy`: [`Proxy`], a TCP proxy that injects latency between an agent and Redis.
 //! - `rules`: [`RulesServer`] (a `floodgate rules-server` process) and [`PgDatabase`].
+//! - `fleet`: [`Fleet`], one fixture for a Redis, a rules service and agents following both.
 //! - [`raw_h2`]: hand-made HTTP/2 frames to the agent's gRPC listener, and its answers read back.
 //! - [`raw_http`]: hand-made HTTP/1.1 from a chosen loopback address: half-sent requests, one
 //!   exchange on a kept-alive connection, whether the server closed it.
@@ -31,6 +32,7 @@
 mod agent;
 mod cluster;
 pub mod faults;
+mod fleet;
 mod proxy;
 pub mod raw_h2;
 pub mod raw_http;
@@ -42,6 +44,7 @@ mod wire;
 
 pub use agent::{floodgate_bin, Agent, AgentBuilder, PATIENT_STORE_TIMEOUT_MS};
 pub use cluster::{command_calls, dbsize, Cluster, Shards};
+pub use fleet::{rules_version, wait_rules_version, Fleet, OPERATOR_TOKEN};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
 pub use rules::{PgDatabase, RulesServer};

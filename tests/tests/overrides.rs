@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use floodgate_protocol::Item;
 use floodgate_rules_service::http::{request, Response};
-use floodgate_tests::{eventually, floodgate_bin, http_get, patient_client, Agent, RedisServer, RulesServer};
-
-const TOKEN: &str = "s3cret";
+use floodgate_tests::{
+    eventually, floodgate_bin, http_get, patient_client, Agent, Fleet, RulesServer, OPERATOR_TOKEN as TOKEN,
+};
 
 async fn call(s: &RulesServer, method: &str, path: &str, body: Option<&str>) -> Response {
     request(
@@ -40,34 +40,17 @@ async fn overrides_held(a: &Agent) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_override_reaches_every_agent_for_its_key_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let service = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await;
+    let fleet = Fleet::start().await;
+    let service = &fleet.rules;
     let r = call(
-        &service,
+        service,
         "PUT",
         "/v1/rules/api",
         Some(r#"{"dimension":"api_key","limit":2,"windowSeconds":3600}"#),
     )
     .await;
     assert_eq!(r.status, 201, "{}", String::from_utf8_lossy(&r.body));
-    let redis = RedisServer::start();
-    let mut agents = Vec::new();
-    for _ in 0..4 {
-        agents.push(
-            Agent::builder()
-                .redis(&redis.url())
-                .arg("--rules-url")
-                .arg(&service.url())
-                .arg("--rules-token")
-                .arg(TOKEN)
-                .start()
-                .await,
-        );
-    }
+    let agents = fleet.agents(4).await;
     let mut clients = Vec::new();
     for a in &agents {
         clients.push(patient_client(a.socket()).await);
@@ -82,7 +65,7 @@ async fn an_override_reaches_every_agent_for_its_key_only() {
     }
 
     let r = call(
-        &service,
+        service,
         "PUT",
         "/v1/rules/api/overrides/apikey:big",
         Some(r#"{"limit":5,"reason":"enterprise deal #42"}"#),
@@ -110,7 +93,7 @@ async fn an_override_reaches_every_agent_for_its_key_only() {
     assert_eq!(d.limit, 2);
 
     // Deleted: the rule's limit again everywhere.
-    let r = call(&service, "DELETE", "/v1/rules/api/overrides/apikey:big", None).await;
+    let r = call(service, "DELETE", "/v1/rules/api/overrides/apikey:big", None).await;
     assert_eq!(r.status, 204);
     for a in &agents {
         eventually(
@@ -125,7 +108,7 @@ async fn an_override_reaches_every_agent_for_its_key_only() {
 
     // One that has expired applies nowhere.
     let r = call(
-        &service,
+        service,
         "PUT",
         "/v1/rules/api/overrides/apikey:old",
         Some(r#"{"limit":100,"expiresAt":1,"reason":"a trial that ended"}"#),
@@ -292,34 +275,18 @@ async fn penalties(a: &Agent) -> serde_json::Value {
 /// status shows it, it ends by itself or is lifted; a bad penalty is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_penalty_scales_or_blocks_a_key_until_it_ends() {
-    let dir = tempfile::tempdir().unwrap();
-    let service = RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["abuse:s3cret"],
-    )
-    .await;
+    let fleet = Fleet::start().await;
+    let service = &fleet.rules;
     call(
-        &service,
+        service,
         "PUT",
         "/v1/rules/api",
         Some(r#"{"dimension":"api_key","limit":20,"windowSeconds":3600}"#),
     )
     .await;
-    let redis = RedisServer::start();
     let mut agents = Vec::new();
     for _ in 0..2 {
-        agents.push(
-            Agent::builder()
-                .redis(&redis.url())
-                .arg("--rules-url")
-                .arg(&service.url())
-                .arg("--rules-token")
-                .arg(TOKEN)
-                .arg("--rejection-cache")
-                .arg("0")
-                .start()
-                .await,
-        );
+        agents.push(fleet.agent().arg("--rejection-cache").arg("0").start().await);
     }
     let clients = [
         patient_client(agents[0].socket()).await,
@@ -411,7 +378,7 @@ async fn a_penalty_scales_or_blocks_a_key_until_it_ends() {
     // One that ends by itself.
     let until = floodgate_core::store::Clock::System.now_ms() + 1_500;
     let r = call(
-        &service,
+        service,
         "PUT",
         "/v1/penalties/apikey:brief",
         Some(&format!(
@@ -437,7 +404,7 @@ async fn a_penalty_scales_or_blocks_a_key_until_it_ends() {
         format!(r#"{{"until":{},"reason":"x"}}"#, until + 60_000),
         r#"{"block":true,"until":1,"reason":"x"}"#.to_string(),
     ] {
-        let r = call(&service, "PUT", "/v1/penalties/apikey:x", Some(&body)).await;
+        let r = call(service, "PUT", "/v1/penalties/apikey:x", Some(&body)).await;
         assert_eq!(r.status, 400, "{body}: {}", String::from_utf8_lossy(&r.body));
     }
 }

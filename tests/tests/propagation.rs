@@ -7,88 +7,17 @@ use std::time::Duration;
 use floodgate_rules_service::http::request;
 use floodgate_sdk::{Origin, Source};
 use floodgate_tests::{
-    eventually, http_get, patient_client, rejection_events, Agent, RedisServer, RulesServer,
+    eventually, patient_client, rejection_events, rules_version, wait_rules_version as wait_version, Agent,
+    Fleet, OPERATOR_TOKEN as TOKEN,
 };
-
-const TOKEN: &str = "s3cret";
-
-async fn put(s: &RulesServer, id: &str, body: &str) -> u64 {
-    let r = request(
-        &s.url(),
-        "PUT",
-        &format!("/v1/rules/{id}"),
-        Some(TOKEN),
-        &[],
-        Some(body.as_bytes()),
-        Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
-    assert!(
-        r.status == 200 || r.status == 201,
-        "{}",
-        String::from_utf8_lossy(&r.body)
-    );
-    let set = request(
-        &s.url(),
-        "GET",
-        "/v1/rules",
-        Some(TOKEN),
-        &[],
-        None,
-        Duration::from_secs(10),
-    )
-    .await
-    .unwrap();
-    serde_json::from_slice::<serde_json::Value>(&set.body).unwrap()["version"]
-        .as_u64()
-        .unwrap()
-}
-
-async fn rules_version(a: &Agent) -> u64 {
-    let (_, body) = http_get(a.admin_addr().await, "/v1/status").await;
-    serde_json::from_str::<serde_json::Value>(&body).unwrap()["rulesVersion"]
-        .as_u64()
-        .unwrap_or(0)
-}
-
-async fn wait_version(a: &Agent, v: u64) {
-    eventually(
-        &format!("the agent holds rules version {v}"),
-        Duration::from_secs(10),
-        || async { (rules_version(a).await >= v).then_some(()) },
-    )
-    .await;
-}
-
-/// A rules service over a SQLite file in `dir`, with the operator token.
-async fn service(dir: &tempfile::TempDir) -> RulesServer {
-    RulesServer::start(
-        &format!("sqlite://{}", dir.path().join("r.db").display()),
-        &["ops:s3cret"],
-    )
-    .await
-}
-
-fn follower(redis: &RedisServer, s: &RulesServer) -> floodgate_tests::AgentBuilder {
-    Agent::builder()
-        .redis(&redis.url())
-        .arg("--rules-url")
-        .arg(&s.url())
-        .arg("--rules-token")
-        .arg(TOKEN)
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = service(&dir).await;
-    let redis = RedisServer::start();
-    let (a, b) = (
-        follower(&redis, &s).start().await,
-        follower(&redis, &s).start().await,
-    );
-    let v1 = put(&s, "p", r#"{"dimension":"user","limit":1,"windowSeconds":60}"#).await;
+    let fleet = Fleet::start().await;
+    let (a, b) = (fleet.agent().start().await, fleet.agent().start().await);
+    let v1 = fleet
+        .put_rule("p", r#"{"dimension":"user","limit":1,"windowSeconds":60}"#)
+        .await;
     wait_version(&a, v1).await;
     wait_version(&b, v1).await;
     let client = patient_client(a.socket()).await;
@@ -102,7 +31,9 @@ async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
         "the rejection is cached"
     );
     // Raising the limit unblocks at once: the cached rejection was made under the old rule.
-    let v2 = put(&s, "p", r#"{"dimension":"user","limit":3,"windowSeconds":60}"#).await;
+    let v2 = fleet
+        .put_rule("p", r#"{"dimension":"user","limit":3,"windowSeconds":60}"#)
+        .await;
     wait_version(&a, v2).await;
     let d = client.allow("user:u", "p", 1).await.unwrap();
     assert!(d.allowed, "{d:?}");
@@ -117,33 +48,28 @@ async fn a_change_reaches_every_agent_and_a_raised_limit_unblocks_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut s = service(&dir).await;
-    let redis = RedisServer::start();
-    let socket = dir.path().join("agent.sock");
-    let cache = dir.path().join("rules-cache.json");
-    let url = s.url();
-    let builder = || {
-        Agent::builder()
-            .redis(&redis.url())
-            .arg("--rules-url")
-            .arg(&url)
-            .arg("--rules-token")
-            .arg(TOKEN)
+    let mut fleet = Fleet::start().await;
+    let socket = fleet.path("agent.sock");
+    let cache = fleet.path("rules-cache.json");
+    let builder = |fleet: &Fleet| {
+        fleet
+            .agent()
             .socket(&socket)
             .arg("--rules-cache")
             .arg(cache.to_str().unwrap())
     };
-    let mut a = builder().start().await;
-    let v = put(&s, "kept", r#"{"dimension":"user","limit":2,"windowSeconds":60}"#).await;
+    let mut a = builder(&fleet).start().await;
+    let v = fleet
+        .put_rule("kept", r#"{"dimension":"user","limit":2,"windowSeconds":60}"#)
+        .await;
     wait_version(&a, v).await;
-    s.kill();
+    fleet.rules.kill();
     // The service is gone: the agent keeps enforcing what it has.
     let client = patient_client(&socket).await;
     assert!(client.allow("user:k", "kept", 1).await.unwrap().allowed);
     // And across a restart, from the cache file.
     assert_eq!(a.terminate().await, Some(0));
-    let a = builder().start().await;
+    let a = builder(&fleet).start().await;
     assert!(a.log().contains("cache"), "{}", a.log());
     assert_eq!(rules_version(&a).await, v);
     let client = patient_client(&socket).await;
@@ -156,17 +82,18 @@ async fn the_last_good_set_survives_the_service_and_an_agent_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_watch_the_poll_still_converges() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = service(&dir).await;
-    let redis = RedisServer::start();
-    let a = follower(&redis, &s)
+    let fleet = Fleet::start().await;
+    let a = fleet
+        .agent()
         .arg("--rules-watch-s")
         .arg("0")
         .arg("--rules-poll-ms")
         .arg("300")
         .start()
         .await;
-    let v = put(&s, "polled", r#"{"dimension":"ip","limit":9,"windowSeconds":1}"#).await;
+    let v = fleet
+        .put_rule("polled", r#"{"dimension":"ip","limit":9,"windowSeconds":1}"#)
+        .await;
     wait_version(&a, v).await;
     let d = patient_client(a.socket())
         .await
@@ -217,16 +144,14 @@ async fn the_embedded_default_serves_the_rules_api_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_mode_reports_what_it_would_have_rejected() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = service(&dir).await;
-    let redis = RedisServer::start();
-    let a = follower(&redis, &s).start().await;
-    let v = put(
-        &s,
-        "dry",
-        r#"{"dimension":"user","limit":1,"windowSeconds":60,"mode":"log"}"#,
-    )
-    .await;
+    let fleet = Fleet::start().await;
+    let a = fleet.agent().start().await;
+    let v = fleet
+        .put_rule(
+            "dry",
+            r#"{"dimension":"user","limit":1,"windowSeconds":60,"mode":"log"}"#,
+        )
+        .await;
     wait_version(&a, v).await;
     let client = patient_client(a.socket()).await;
     for key in [
@@ -244,17 +169,7 @@ async fn log_mode_reports_what_it_would_have_rejected() {
         "the service has the agent's dry-run report",
         Duration::from_secs(20),
         || async {
-            let r = request(
-                &s.url(),
-                "GET",
-                "/v1/rules/dry/dry-run",
-                Some(TOKEN),
-                &[],
-                None,
-                Duration::from_secs(10),
-            )
-            .await
-            .ok()?;
+            let r = fleet.call("GET", "/v1/rules/dry/dry-run", None).await;
             let v: serde_json::Value = serde_json::from_slice(&r.body).ok()?;
             // Reports come every 5 s: one may carry only part of the five checks.
             (v["wouldReject"].as_u64()? >= 3).then_some(v)
@@ -267,7 +182,15 @@ async fn log_mode_reports_what_it_would_have_rejected() {
     assert_eq!(report["topKeys"][0]["count"], 3);
     // The CLI reads it too, readable by default.
     let out = std::process::Command::new(floodgate_tests::floodgate_bin())
-        .args(["rules", "--server", &s.url(), "--token", TOKEN, "dry-run", "dry"])
+        .args([
+            "rules",
+            "--server",
+            &fleet.rules.url(),
+            "--token",
+            TOKEN,
+            "dry-run",
+            "dry",
+        ])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -283,19 +206,17 @@ async fn log_mode_reports_what_it_would_have_rejected() {
 /// the dry run, not streamed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn log_mode_would_be_rejections_are_events_with_the_rule_version() {
-    let dir = tempfile::tempdir().unwrap();
-    let s = service(&dir).await;
-    let redis = RedisServer::start();
-    let a = follower(&redis, &s).start().await;
+    let fleet = Fleet::start().await;
+    let a = fleet.agent().start().await;
     let client = patient_client(a.socket()).await;
-    let mut conn = redis.conn();
+    let mut conn = fleet.redis.conn();
     for (limit, key) in [(1, "user:l1"), (2, "user:l2")] {
-        let v = put(
-            &s,
-            "watch",
-            &format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60,"mode":"log"}}"#),
-        )
-        .await;
+        let v = fleet
+            .put_rule(
+                "watch",
+                &format!(r#"{{"dimension":"user","limit":{limit},"windowSeconds":60,"mode":"log"}}"#),
+            )
+            .await;
         wait_version(&a, v).await;
         for i in 0..4 {
             let d = client.allow(key, "watch", 1).await.unwrap();
