@@ -117,30 +117,29 @@ fn string(out: &mut Vec<u8>, s: &[u8]) {
     out.extend_from_slice(s);
 }
 
+/// What gRPC escapes in `grpc-message` besides every byte outside ASCII: control characters and `%`.
+const GRPC_MESSAGE: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+
 /// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`, as `%XX`; cut
 /// at a character boundary before `max` bytes.
 pub fn percent_encode(message: &str, max: usize) -> Vec<u8> {
-    let mut out = Vec::with_capacity(message.len());
-    for c in message.chars() {
-        let mut buf = [0; 4];
-        let bytes = c.encode_utf8(&mut buf).as_bytes();
+    // The longest prefix whose encoding fits, cut between characters, then encoded whole.
+    let (mut used, mut end) = (0, 0);
+    for (i, c) in message.char_indices() {
         let need = if c.is_ascii() && c != '%' && !c.is_ascii_control() {
             1
         } else {
-            3 * bytes.len()
+            3 * c.len_utf8()
         };
-        if out.len() + need > max {
+        if used + need > max {
             break;
         }
-        for &b in bytes {
-            if need == 1 {
-                out.push(b);
-            } else {
-                out.extend_from_slice(format!("%{b:02X}").as_bytes());
-            }
-        }
+        used += need;
+        end = i + c.len_utf8();
     }
-    out
+    percent_encoding::utf8_percent_encode(&message[..end], GRPC_MESSAGE)
+        .to_string()
+        .into_bytes()
 }
 
 /// Why a request body is not one gRPC message.
@@ -188,6 +187,17 @@ pub fn declared_len(body: &[u8]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_grpc_message_escapes_what_grpc_says_and_is_cut_between_characters() {
+        assert_eq!(
+            percent_encode("héllo 100%\n", 1_024),
+            b"h%C3%A9llo 100%25%0A".to_vec()
+        );
+        // "é" needs 6 bytes encoded: with 6 left after "a" it fits, with 5 it is left out whole.
+        assert_eq!(percent_encode("aé", 7), b"a%C3%A9".to_vec());
+        assert_eq!(percent_encode("aéb", 6), b"a".to_vec());
+    }
     use crate::hpack::{tests::fields, Decoder};
 
     fn decoded(block: &[u8]) -> Vec<(String, String)> {

@@ -277,33 +277,12 @@ pub(crate) async fn audit(State(state): State<Arc<ServiceState>>, uri: Uri) -> R
     }
 }
 
-/// A query value's `%XX` escapes and `+` decoded (a client key may hold `/` and `:`).
+/// A query value's `%XX` escapes and `+` decoded (a client key may hold `/` and `:`); an escape that
+/// is not one, and bytes that are not UTF-8, are kept as they are.
 fn percent_decode(s: &str) -> String {
-    let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match (
-            b[i],
-            b.get(i + 1).copied().and_then(hex),
-            b.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(hi), Some(lo)) => {
-                out.push(hi << 4 | lo);
-                i += 3;
-            }
-            (b'+', _, _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (c, _, _) => {
-                out.push(c);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    percent_encoding::percent_decode_str(&s.replace('+', " "))
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 #[cfg(test)]

@@ -132,21 +132,19 @@ fn key_values(text: &str) -> Result<Vec<(String, String)>, String> {
         .collect()
 }
 
+/// `%XX` escapes decoded; `None` for an escape that is not two hex digits, or bytes that are not UTF-8.
 fn percent_decode(s: &str) -> Option<String> {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' {
-            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
+    let escapes_ok = s
+        .split('%')
+        .skip(1)
+        .all(|rest| rest.len() >= 2 && rest.as_bytes()[..2].iter().all(u8::is_ascii_hexdigit));
+    if !escapes_ok {
+        return None;
     }
-    String::from_utf8(out).ok()
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|v| v.into_owned())
 }
 
 fn parse_ratio(s: &str) -> Result<f64, String> {

@@ -42,15 +42,24 @@ pub fn if_match(v: Option<u64>) -> Vec<(&'static str, String)> {
         .unwrap_or_default()
 }
 
+/// What a path segment or query value keeps as it is: RFC 3986's unreserved characters, and `:`
+/// (a client key's separator, legal in a segment).
+const KEPT: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'_')
+    .remove(b'.')
+    .remove(b'~')
+    .remove(b':');
+
 /// A path segment or query value with everything but unreserved characters percent-encoded.
 pub fn encode(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for b in s.bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~' | b':') {
-            out.push(b as char);
-        } else {
-            out.push_str(&format!("%{b:02X}"));
-        }
+    percent_encoding::utf8_percent_encode(s, KEPT).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_key_is_one_path_segment() {
+        assert_eq!(super::encode("apikey:a/b c%é~"), "apikey:a%2Fb%20c%25%C3%A9~");
     }
-    out
 }
