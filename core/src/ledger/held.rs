@@ -100,10 +100,25 @@ pub(super) fn breaches(
         s.key_windows += 1;
         s.admitted += holds.iter().map(|h| h.units).sum::<u64>();
         let mut worst: Option<Breach> = None;
-        for h in &holds {
-            let t = h.from;
-            let live: Vec<&Hold> = holds.iter().filter(|x| x.from <= t && t < x.until).collect();
-            let held: u64 = live.iter().map(|x| x.units).sum();
+        // One sweep over the holds' starts and ends (an end before a start at the same instant: a
+        // hold is [from, until)), judging at each start: O(n log n) for a key's n leases.
+        let mut events: Vec<(u64, bool, usize)> = Vec::with_capacity(2 * holds.len());
+        for (i, h) in holds.iter().enumerate() {
+            events.push((h.from, true, i));
+            events.push((h.until, false, i));
+        }
+        events.sort_unstable();
+        let (mut open, mut held) = (std::collections::HashSet::new(), 0u64);
+        for (t, starts, i) in events {
+            if !starts {
+                if open.remove(&i) {
+                    held -= holds[i].units;
+                }
+                continue;
+            }
+            open.insert(i);
+            held += holds[i].units;
+            let live: Vec<&Hold> = open.iter().map(|&j| &holds[j]).collect();
             s.worst_ratio = s.worst_ratio.max(held as f64 / limit as f64);
             let bound = bound(&live, limit, k.lease_ms, t, opts);
             if held > bound && worst.as_ref().is_none_or(|w| held > w.admitted) {
