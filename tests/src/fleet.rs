@@ -63,17 +63,7 @@ impl Fleet {
 
     /// One call to the rules API with the operator token.
     pub async fn call(&self, method: &str, path: &str, body: Option<&str>) -> Response {
-        request(
-            &self.rules.url(),
-            method,
-            path,
-            Some(OPERATOR_TOKEN),
-            &[],
-            body.map(str::as_bytes),
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("the rules service answers")
+        rules_call(&self.rules, method, path, body).await
     }
 
     /// Puts rule `id` (its JSON); answers the rule set's version after it.
@@ -89,6 +79,21 @@ impl Fleet {
             .as_u64()
             .expect("a version")
     }
+}
+
+/// One call to `server`'s rules API with the operator token (a service started with `ops:s3cret`).
+pub async fn rules_call(server: &RulesServer, method: &str, path: &str, body: Option<&str>) -> Response {
+    request(
+        &server.url(),
+        method,
+        path,
+        Some(OPERATOR_TOKEN),
+        &[],
+        body.map(str::as_bytes),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("the rules service answers")
 }
 
 /// The rules version an agent holds (`rulesVersion` in its `/v1/status`; 0 before any).

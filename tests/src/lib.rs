@@ -44,7 +44,7 @@ mod wire;
 
 pub use agent::{floodgate_bin, Agent, AgentBuilder, PATIENT_STORE_TIMEOUT_MS};
 pub use cluster::{command_calls, dbsize, Cluster, Shards};
-pub use fleet::{rules_version, wait_rules_version, Fleet, OPERATOR_TOKEN};
+pub use fleet::{rules_call, rules_version, wait_rules_version, Fleet, OPERATOR_TOKEN};
 pub use proxy::Proxy;
 pub use redis::{redis_time_ms, sleep_until_window_offset, window_count, window_count_at, RedisServer};
 pub use rules::{PgDatabase, RulesServer};

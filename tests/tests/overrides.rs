@@ -8,22 +8,9 @@ use std::time::Duration;
 use floodgate_protocol::Item;
 use floodgate_rules_service::http::{request, Response};
 use floodgate_tests::{
-    eventually, floodgate_bin, http_get, patient_client, Agent, Fleet, RulesServer, OPERATOR_TOKEN as TOKEN,
+    eventually, floodgate_bin, http_get, patient_client, rules_call as call, Agent, Fleet, RulesServer,
+    OPERATOR_TOKEN as TOKEN,
 };
-
-async fn call(s: &RulesServer, method: &str, path: &str, body: Option<&str>) -> Response {
-    request(
-        &s.url(),
-        method,
-        path,
-        Some(TOKEN),
-        &[],
-        body.map(str::as_bytes),
-        Duration::from_secs(10),
-    )
-    .await
-    .unwrap()
-}
 
 fn json(r: &Response) -> serde_json::Value {
     serde_json::from_slice(&r.body).unwrap_or_default()
