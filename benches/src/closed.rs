@@ -24,6 +24,8 @@ pub struct LoopResult {
     pub all_checks: u64,
     /// Checks (measured) the agent answered from its fail mode because the store was late or away.
     pub fallbacks: u64,
+    /// The latencies of those fail-mode answers alone, ns (open loop only; empty otherwise).
+    pub fallback_hist: Histogram<u64>,
 }
 
 /// Runs `clients` connections with `pipeline` checks in flight each, over `keys` keys.
@@ -88,5 +90,6 @@ pub async fn run(
         elapsed,
         all_checks,
         fallbacks,
+        fallback_hist: Histogram::new(3)?,
     })
 }

@@ -135,6 +135,7 @@ pub fn run(
         handles.push(drive(socket, per_connection, offset, t0, warmup + measure, key)?);
     }
     let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut fallback_hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
     let (mut checks, mut fallbacks, mut all_checks) = (0, 0, 0);
     for h in handles {
         let answers = h.join().map_err(|_| anyhow::anyhow!("load thread panicked"))??;
@@ -142,7 +143,10 @@ pub fn run(
         for a in answers.into_iter().filter(|a| a.at >= warmup) {
             hist.saturating_record(a.latency.as_nanos() as u64);
             checks += 1;
-            fallbacks += u64::from(a.source == Some(Source::Fallback));
+            if a.source == Some(Source::Fallback) {
+                fallbacks += 1;
+                fallback_hist.saturating_record(a.latency.as_nanos() as u64);
+            }
         }
     }
     Ok(LoopResult {
@@ -151,5 +155,6 @@ pub fn run(
         elapsed: measure,
         all_checks,
         fallbacks,
+        fallback_hist,
     })
 }

@@ -32,6 +32,12 @@ pub struct Level {
     pub p999_us: f64,
     /// Share of the measured answers the fail mode gave (source fallback), %.
     pub fail_mode_pct: f64,
+    /// The p99 of the store's answers alone (every answer but the fail mode's), µs: a check queued
+    /// toward Redis waits up to its budget there.
+    pub store_p99_us: f64,
+    /// The p99 of the fail mode's answers alone, µs: a shed check is answered at once, so what it
+    /// waited is the agent being behind on reading (0 with none).
+    pub fail_mode_p99_us: f64,
     /// Checks offered in all (warm-up included) that got no answer within 5 s of the end.
     pub unanswered: u64,
     /// The same rate against the bare Unix-socket echo server, same run: its p99, µs (what this
@@ -128,6 +134,8 @@ pub(crate) async fn run(setup: Setup) -> anyhow::Result<Report> {
             .await??;
             let offered_all = (rate as f64 * (measure + measure / 4).as_secs_f64()).round() as u64;
             let q = |p: f64| result.hist.value_at_quantile(p) as f64 / 1e3;
+            let mut store_hist = result.hist.clone();
+            store_hist.subtract(&result.fallback_hist)?;
             let level = Level {
                 run,
                 factor,
@@ -137,12 +145,14 @@ pub(crate) async fn run(setup: Setup) -> anyhow::Result<Report> {
                 p99_us: q(0.99),
                 p999_us: q(0.999),
                 fail_mode_pct: 100.0 * result.fallbacks as f64 / result.checks.max(1) as f64,
+                store_p99_us: store_hist.value_at_quantile(0.99) as f64 / 1e3,
+                fail_mode_p99_us: result.fallback_hist.value_at_quantile(0.99) as f64 / 1e3,
                 unanswered: offered_all.saturating_sub(result.all_checks),
                 echo_p99_us: echo.hist.value_at_quantile(0.99) as f64 / 1e3,
             };
             println!(
-                "  {factor:>4}x  offered {:>8.0}/s  answered {:>8.0}/s  p50 {:>9.1} µs  p99 {:>9.1} µs  p99.9 {:>9.1} µs  fail mode {:>5.1} %  unanswered {}  echo p99 {:>9.1} µs",
-                level.offered, level.answered, level.p50_us, level.p99_us, level.p999_us, level.fail_mode_pct, level.unanswered, level.echo_p99_us
+                "  {factor:>4}x  offered {:>8.0}/s  answered {:>8.0}/s  p50 {:>9.1} µs  p99 {:>9.1} µs  p99.9 {:>9.1} µs  fail mode {:>5.1} %  p99 store {:>9.1} µs  p99 fail mode {:>9.1} µs  unanswered {}  echo p99 {:>9.1} µs",
+                level.offered, level.answered, level.p50_us, level.p99_us, level.p999_us, level.fail_mode_pct, level.store_p99_us, level.fail_mode_p99_us, level.unanswered, level.echo_p99_us
             );
             report.levels.push(level);
         }
@@ -160,10 +170,12 @@ pub(crate) async fn run(setup: Setup) -> anyhow::Result<Report> {
             v[v.len() / 2]
         };
         println!(
-            "  {factor:>4}x  answered {:>8.0}/s  p99 {:>9.1} µs  fail mode {:>5.1} %  echo p99 {:>9.1} µs",
+            "  {factor:>4}x  answered {:>8.0}/s  p99 {:>9.1} µs  fail mode {:>5.1} %  p99 store {:>9.1} µs  p99 fail mode {:>9.1} µs  echo p99 {:>9.1} µs",
             of(|l| l.answered),
             of(|l| l.p99_us),
             of(|l| l.fail_mode_pct),
+            of(|l| l.store_p99_us),
+            of(|l| l.fail_mode_p99_us),
             of(|l| l.echo_p99_us)
         );
     }
