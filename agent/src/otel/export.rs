@@ -1,8 +1,14 @@
 //! The exporter: spans from the tracer's queue, in batches of at most [`BATCH`] or every
 //! [`INTERVAL`], as OTLP/JSON (`ExportTraceServiceRequest`) POSTed to `<endpoint>/v1/traces`.
 //!
-//! A failed POST is logged (once per minute at most) and its batch dropped and counted: the
-//! collector's outage never holds spans, memory or requests back.
+//! A POST the collector refuses for now (429, 502, 503, 504, as OTLP/HTTP names them) or that
+//! cannot reach it is sent again, up to [`RETRIES`] times, after a backoff that doubles from
+//! [`FIRST_BACKOFF`] with jitter, or after the collector's `Retry-After` (seconds) where it gives
+//! one, never waiting more than [`MAX_BACKOFF`] at once. While it waits new spans queue in the
+//! tracer's bounded queue (past it they are dropped and counted, as always); a shutdown ends the
+//! wait. A batch refused for good (any other status), or still refused after its retries, is
+//! logged (once per minute at most) and dropped and counted: the collector's outage never holds
+//! spans, memory or requests back for long.
 
 use std::time::Duration;
 
@@ -20,6 +26,15 @@ pub const INTERVAL: Duration = Duration::from_secs(1);
 
 /// Longest one POST may take.
 pub const POST_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Most times one batch is sent again after a retryable failure.
+pub const RETRIES: u32 = 3;
+
+/// The wait before a batch's first retry, doubled for each next one (±25 % jitter).
+pub const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+
+/// The longest wait before one retry, whatever the collector's `Retry-After` asks.
+pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// The exporter, waiting to be run.
 pub struct Exporter {
@@ -40,6 +55,81 @@ impl Exporter {
             headers: config.headers.clone(),
             timeout: config.timeout,
             resource: config.resource.clone(),
+        }
+    }
+}
+
+/// What one POST came to.
+enum Sent {
+    Done,
+    /// Refused for good (a status OTLP/HTTP does not retry).
+    Refused(String),
+    /// Refused for now, or the collector not reached; the wait it asked for, if it did.
+    Retry(String, Option<Duration>),
+}
+
+async fn post(e: &Exporter, headers: &[(&str, String)], body: &[u8]) -> Sent {
+    let sent = floodgate_rules_service::http::request(
+        &e.endpoint,
+        "POST",
+        "/v1/traces",
+        None,
+        headers,
+        Some(body),
+        e.timeout,
+    )
+    .await;
+    match sent {
+        Ok(r) if (200..300).contains(&r.status) => Sent::Done,
+        Ok(r) if matches!(r.status, 429 | 502 | 503 | 504) => {
+            let after = r
+                .header("retry-after")
+                .and_then(|v| v.trim().parse::<u64>().ok())
+                .map(Duration::from_secs);
+            Sent::Retry(format!("HTTP {}", r.status), after)
+        }
+        Ok(r) => Sent::Refused(format!("HTTP {}", r.status)),
+        Err(why) => Sent::Retry(why, None),
+    }
+}
+
+/// The wait before retry `n` (0-based): the collector's ask, or the doubling backoff with ±25 %
+/// jitter from `seed`; at most [`MAX_BACKOFF`].
+fn backoff(n: u32, asked: Option<Duration>, seed: u64) -> Duration {
+    let wait = asked.unwrap_or_else(|| {
+        let base = FIRST_BACKOFF * 2u32.saturating_pow(n);
+        // 75 % to 125 % of the base.
+        base.mul_f64(0.75 + (seed % 1_000) as f64 / 2_000.0)
+    });
+    wait.min(MAX_BACKOFF)
+}
+
+/// Sends one batch, retrying what may succeed later; the failure that drops it, if any. No retry
+/// once `stopping` (the agent is shutting down), and a shutdown ends a wait.
+async fn export(
+    e: &Exporter,
+    headers: &[(&str, String)],
+    body: &[u8],
+    shutdown: &mut watch::Receiver<bool>,
+    mut stopping: bool,
+) -> Option<String> {
+    let mut n = 0;
+    loop {
+        match post(e, headers, body).await {
+            Sent::Done => return None,
+            Sent::Refused(why) => return Some(why),
+            Sent::Retry(why, _) if stopping || n >= RETRIES => return Some(why),
+            Sent::Retry(why, asked) => {
+                let seed =
+                    std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), n);
+                let wait = backoff(n, asked, seed);
+                tracing::debug!(error = %why, retry_in_ms = wait.as_millis() as u64, "span export refused for now; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = floodgate_core::tasks::stopped(shutdown) => stopping = true,
+                }
+                n += 1;
+            }
         }
     }
 }
@@ -78,21 +168,7 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             let body = otlp_json(&e.service, &e.resource, &batch).to_string();
             let headers: Vec<(&str, String)> =
                 e.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-            let sent = floodgate_rules_service::http::request(
-                &e.endpoint,
-                "POST",
-                "/v1/traces",
-                None,
-                &headers,
-                Some(body.as_bytes()),
-                e.timeout,
-            )
-            .await;
-            let failure = match sent {
-                Ok(r) if (200..300).contains(&r.status) => None,
-                Ok(r) => Some(format!("HTTP {}", r.status)),
-                Err(why) => Some(why),
-            };
+            let failure = export(&e, &headers, body.as_bytes(), &mut shutdown, stopping).await;
             if let Some(why) = failure {
                 for _ in 0..batch.len() {
                     floodgate_core::metrics::trace_span_dropped();
@@ -179,4 +255,28 @@ pub fn otlp_json(service: &str, resource: &[(String, String)], spans: &[SpanData
             }],
         }]
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_with_jitter_and_honours_retry_after_up_to_its_cap() {
+        for seed in [0, 499, 999, 12_345] {
+            let first = backoff(0, None, seed);
+            assert!(
+                first >= FIRST_BACKOFF.mul_f64(0.75) && first <= FIRST_BACKOFF.mul_f64(1.25),
+                "{first:?}"
+            );
+            let third = backoff(2, None, seed);
+            assert!(third >= (FIRST_BACKOFF * 4).mul_f64(0.75), "{third:?}");
+        }
+        assert_eq!(backoff(30, None, 7), MAX_BACKOFF);
+        assert_eq!(
+            backoff(0, Some(Duration::from_secs(2)), 7),
+            Duration::from_secs(2)
+        );
+        assert_eq!(backoff(0, Some(Duration::from_secs(3_600)), 7), MAX_BACKOFF);
+    }
 }
