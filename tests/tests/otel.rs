@@ -194,6 +194,32 @@ async fn checks_and_rules_api_requests_become_child_spans() {
     assert_eq!(span["parentSpanId"], hex(&via_grpc.span_id));
     assert_eq!(attr(&span, "floodgate.protocol")["stringValue"], "grpc");
     assert_eq!(attr(&span, "floodgate.rules")["stringValue"], "edge-ip");
+    // OpenTelemetry's RPC conventions.
+    assert_eq!(attr(&span, "rpc.system.name")["stringValue"], "grpc");
+    assert_eq!(
+        attr(&span, "rpc.method")["stringValue"],
+        "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
+    );
+    assert_eq!(attr(&span, "rpc.response.status_code")["stringValue"], "OK");
+    // A request the agent refuses: its status, and an error span.
+    let refused = context(0x34, true);
+    let mut request = tonic::Request::new(RateLimitRequest {
+        domain: String::new(),
+        descriptors: vec![],
+        hits_addend: 1,
+    });
+    request
+        .metadata_mut()
+        .insert("traceparent", refused.traceparent().parse().unwrap());
+    let status = g.call(request).await.unwrap_err();
+    assert_eq!(status.code(), tonic::Code::InvalidArgument);
+    let span = got.span_of(&hex(&refused.trace_id)).await;
+    assert_eq!(
+        attr(&span, "rpc.response.status_code")["stringValue"],
+        "INVALID_ARGUMENT"
+    );
+    assert_eq!(attr(&span, "error.type")["stringValue"], "INVALID_ARGUMENT");
+    assert_eq!(span["status"]["code"], 2, "{span}");
 
     // A rules-API request, on the rules service run with the same flags.
     let dir = tempfile::tempdir().unwrap();
@@ -420,5 +446,124 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
         String::from_utf8_lossy(&out.stderr).contains("OTEL_TRACES_SAMPLER"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Every POST a receiver was sent: when, and the trace ids of its spans.
+type Posts = Arc<Mutex<Vec<(std::time::Instant, Vec<String>)>>>;
+
+/// A receiver that answers the POSTs carrying trace `marked` (hex) in turn with `answers`
+/// (status, `Retry-After`), and every other POST with 200.
+async fn scripted(marked: String, answers: Vec<(u16, Option<&'static str>)>) -> (Posts, SocketAddr) {
+    let posts = Posts::default();
+    let seen = posts.clone();
+    let app = Router::new().route(
+        "/v1/traces",
+        post(move |body: String| {
+            let seen = seen.clone();
+            let marked = marked.clone();
+            let answers = answers.clone();
+            async move {
+                let v: Value = serde_json::from_str(&body).expect("OTLP/JSON");
+                let traces: Vec<String> = v["resourceSpans"][0]["scopeSpans"][0]["spans"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|s| s["traceId"].as_str().unwrap().to_string())
+                    .collect();
+                let mut posts = seen.lock().unwrap();
+                let before = posts.iter().filter(|(_, t)| t.contains(&marked)).count();
+                let answer = if traces.contains(&marked) {
+                    answers.get(before).copied().unwrap_or((200, None))
+                } else {
+                    (200, None)
+                };
+                posts.push((std::time::Instant::now(), traces));
+                let mut headers = axum::http::HeaderMap::new();
+                if let Some(after) = answer.1 {
+                    headers.insert("retry-after", after.parse().unwrap());
+                }
+                (axum::http::StatusCode::from_u16(answer.0).unwrap(), headers, "{}")
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (posts, addr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not() {
+    let first = context(0x51, true);
+    let marked = hex(&first.trace_id);
+    // The batch with the first check's span: 503 with Retry-After 1 s, then 400 (for good).
+    let (posts, addr) = scripted(marked.clone(), vec![(503, Some("1")), (400, None)]).await;
+    let agent = Agent::builder()
+        .rules(RULES)
+        .arg("--otlp-endpoint")
+        .arg(&format!("http://{addr}"))
+        .arg("--otlp-sample-ratio")
+        .arg("1")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let check = |t: TraceContext| {
+        let client = client.clone();
+        async move {
+            let options = CallOptions {
+                trace: Some(t),
+                ..CallOptions::default()
+            };
+            let check = Check::Items(vec![Item::new("user:1", "api", 1)]);
+            assert!(client.check_with(check, options).await.unwrap().allowed);
+        }
+    };
+    let carrying = |trace: &str| {
+        let posts = posts.lock().unwrap();
+        posts
+            .iter()
+            .filter(|(_, t)| t.iter().any(|x| x == trace))
+            .map(|(at, _)| *at)
+            .collect::<Vec<_>>()
+    };
+    check(first).await;
+    let p = posts.clone();
+    let m = marked.clone();
+    eventually(
+        "the batch refused for now is sent again",
+        Duration::from_secs(15),
+        move || {
+            let n = p.lock().unwrap().iter().filter(|(_, t)| t.contains(&m)).count();
+            std::future::ready((n >= 2).then_some(()))
+        },
+    )
+    .await;
+    // A later span's batch arrives after any further try of the first would have (one exporter,
+    // one batch at a time).
+    let second = context(0x52, true);
+    check(second).await;
+    let p = posts.clone();
+    let later = hex(&second.trace_id);
+    eventually("the next batch arrives", Duration::from_secs(15), move || {
+        let n = p
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, t)| t.contains(&later))
+            .count();
+        std::future::ready((n >= 1).then_some(()))
+    })
+    .await;
+    let tries = carrying(&marked);
+    assert_eq!(
+        tries.len(),
+        2,
+        "sent once, again after the 503, never after the 400"
+    );
+    assert!(
+        tries[1] - tries[0] >= Duration::from_millis(900),
+        "the retry waited for the collector's Retry-After (1 s): {:?}",
+        tries[1] - tries[0]
     );
 }

@@ -55,7 +55,12 @@ impl EnvoyService {
             other => other,
         };
         if let (Some(span), Err(e)) = (span, &result) {
-            crate::otel::end_check(*span, "grpc", Err(e.message()), None);
+            crate::otel::end_check(
+                *span,
+                crate::otel::Via::Grpc(e.code() as i32),
+                Err(e.message()),
+                None,
+            );
         }
         result.map(|()| out)
     }
@@ -97,7 +102,7 @@ impl EnvoyService {
             floodgate_core::metrics::grpc_request("unmatched");
             reply::write_unlimited(out, &slots);
             if let Some(span) = span.take() {
-                crate::otel::end_check(*span, "grpc", Ok(None), None);
+                crate::otel::end_check(*span, crate::otel::Via::Grpc(0), Ok(None), None);
             }
             return Ok(());
         }
@@ -144,7 +149,7 @@ impl EnvoyService {
         let allowed = reply::write(out, &decision, &slots, window_ms, self.headers, now);
         floodgate_core::metrics::grpc_request(if allowed { "ok" } else { "over_limit" });
         if let Some(span) = span.take() {
-            crate::otel::end_check(*span, "grpc", Ok(Some(&decision)), waited);
+            crate::otel::end_check(*span, crate::otel::Via::Grpc(0), Ok(Some(&decision)), waited);
         }
         Ok(())
     }

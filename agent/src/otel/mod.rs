@@ -109,16 +109,73 @@ pub fn start_check(parent: Option<floodgate_protocol::TraceContext>) -> Option<B
     tracer()?.start(parent, "check").map(Box::new)
 }
 
+/// How a check came: the frames protocol, or a gRPC ShouldRateLimit answered with this status
+/// code (0, OK, for every answer but a refused request, over limit included).
+#[derive(Debug, Clone, Copy)]
+pub enum Via {
+    /// The frames protocol (the SDKs, the Unix socket or TCP).
+    Frames,
+    /// gRPC, answered with this status code.
+    Grpc(i32),
+}
+
+/// The gRPC method a ShouldRateLimit span names (`rpc.method`, fully qualified).
+pub const RLS_METHOD: &str = "envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit";
+
+/// A gRPC status code's name, as `rpc.response.status_code` gives it.
+pub fn grpc_status_name(code: i32) -> &'static str {
+    const NAMES: [&str; 17] = [
+        "OK",
+        "CANCELLED",
+        "UNKNOWN",
+        "INVALID_ARGUMENT",
+        "DEADLINE_EXCEEDED",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNIMPLEMENTED",
+        "INTERNAL",
+        "UNAVAILABLE",
+        "DATA_LOSS",
+        "UNAUTHENTICATED",
+    ];
+    usize::try_from(code)
+        .ok()
+        .and_then(|i| NAMES.get(i))
+        .copied()
+        .unwrap_or("UNKNOWN")
+}
+
 /// Ends a check's span: its rules, verdict, source and items (`Ok(None)`: a gRPC request none of
 /// whose descriptors has a rule), and how long it waited on the store (`store_wait`: None when the
-/// engine answered at once).
+/// engine answered at once). A gRPC check's span also carries OpenTelemetry's RPC attributes
+/// (`rpc.system.name`, `rpc.method`, `rpc.response.status_code`, and `error.type` on an error).
 pub fn end_check(
     span: SpanStart,
-    protocol: &'static str,
+    via: Via,
     result: Result<Option<&floodgate_protocol::Decision>, &str>,
     store_wait: Option<std::time::Duration>,
 ) {
-    let mut attributes = vec![("floodgate.protocol", Attr::Str(protocol.into()))];
+    let mut attributes = match via {
+        Via::Frames => vec![("floodgate.protocol", Attr::Str("frames".into()))],
+        Via::Grpc(code) => {
+            let status = grpc_status_name(code);
+            let mut a = vec![
+                ("floodgate.protocol", Attr::Str("grpc".into())),
+                ("rpc.system.name", Attr::Str("grpc".into())),
+                ("rpc.method", Attr::Str(RLS_METHOD.into())),
+                ("rpc.response.status_code", Attr::Str(status.into())),
+            ];
+            if code != 0 {
+                a.push(("error.type", Attr::Str(status.into())));
+            }
+            a
+        }
+    };
     let error = match result {
         // No descriptor had a rule (gRPC): nothing decided, allowed.
         Ok(None) => {

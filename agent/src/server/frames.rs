@@ -49,7 +49,7 @@ impl std::future::Future for InFlight {
             let wait = span.elapsed();
             crate::otel::end_check(
                 *span,
-                "frames",
+                crate::otel::Via::Frames,
                 result.as_ref().map(Some).map_err(|e| e.message.as_str()),
                 Some(wait),
             );
@@ -143,7 +143,7 @@ fn handle(
                     if let Some(span) = span {
                         crate::otel::end_check(
                             *span,
-                            "frames",
+                            crate::otel::Via::Frames,
                             result.as_ref().map(Some).map_err(|e| e.message.as_str()),
                             None,
                         );
