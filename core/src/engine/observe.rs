@@ -20,8 +20,12 @@ impl Engine {
         received: std::time::Instant,
     ) -> Answer {
         let record = move |this: &Engine, d: &Decision| {
-            let done = this.clock.now_ms();
-            let recv = done.saturating_sub(received.elapsed().as_millis() as u64);
+            // Both truncated from µs, so each is the ms it happened in: the read's ms was `done`
+            // less the whole ms elapsed before, up to 1 ms late, which the judge of concurrency
+            // rules took for a lease still held (single seed 8).
+            let now_us = this.clock.now_us();
+            let done = now_us / 1_000;
+            let recv = now_us.saturating_sub(received.elapsed().as_micros() as u64) / 1_000;
             if let Some(recent) = &this.recent {
                 for (p, it) in plan.iter().zip(&d.items) {
                     let by_store = it.verdict.allowed && it.verdict.source == Source::Redis;

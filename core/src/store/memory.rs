@@ -35,6 +35,17 @@ impl Clock {
         }
     }
 
+    /// Now, Unix µs (a manual clock's ms, × 1,000).
+    pub fn now_us(&self) -> u64 {
+        match self {
+            Clock::System => SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_micros() as u64)
+                .unwrap_or(0),
+            Clock::Manual(t) => t.load(Ordering::Relaxed) * 1_000,
+        }
+    }
+
     /// Now as an `Instant` (what the breaker's streaks and cool-downs and a check's budget are
     /// measured in): the system's, or for a manual clock one fixed instant plus its ms, so that a
     /// simulation moves them with its clock (the model test, `core/tests/model.rs`).
