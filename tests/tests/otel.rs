@@ -373,26 +373,36 @@ async fn the_redis_call_a_check_shared_is_a_linked_span() {
 }
 
 /// With no `--otlp-*` flag, OpenTelemetry's own variables configure the export: the endpoint, an
-/// auth header on every POST, the service name, the resource's attributes and the sampler
+/// auth header on every POST, gzip-compressed bodies, the service name, the resource's attributes and the sampler
 /// (`always_on`: a check without a context is recorded).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opentelemetrys_environment_variables_configure_the_export() {
-    let posts: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+    let posts: Arc<Mutex<Vec<(String, String, Value)>>> = Arc::default();
     let store = posts.clone();
     let app = Router::new().route(
         "/v1/traces",
-        post(move |headers: axum::http::HeaderMap, body: String| {
+        post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
             let store = store.clone();
             async move {
-                let auth = headers
-                    .get("authorization")
-                    .and_then(|v| v.to_str().ok())
-                    .unwrap_or_default()
-                    .to_string();
-                store
-                    .lock()
-                    .unwrap()
-                    .push((auth, serde_json::from_str(&body).expect("OTLP/JSON")));
+                let header = |name: &str| {
+                    headers
+                        .get(name)
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string()
+                };
+                let (auth, encoding) = (header("authorization"), header("content-encoding"));
+                let mut json = Vec::new();
+                if encoding == "gzip" {
+                    use std::io::Read;
+                    flate2::read::GzDecoder::new(&body[..])
+                        .read_to_end(&mut json)
+                        .expect("a gzip body");
+                } else {
+                    json = body.to_vec();
+                }
+                let body = serde_json::from_slice(&json).expect("OTLP/JSON");
+                store.lock().unwrap().push((auth, encoding, body));
                 "{}"
             }
         }),
@@ -405,6 +415,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
         .rules(RULES)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{addr}"))
         .env("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
+        .env("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
         .env("OTEL_SERVICE_NAME", "env-agent")
         .env(
             "OTEL_RESOURCE_ATTRIBUTES",
@@ -415,11 +426,12 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
         .await;
     let client = patient_client(agent.socket()).await;
     assert!(client.allow("user:1", "api", 1).await.unwrap().allowed);
-    let (auth, body) = eventually("a span is exported", Duration::from_secs(10), || {
+    let (auth, encoding, body) = eventually("a span is exported", Duration::from_secs(10), || {
         std::future::ready(posts.lock().unwrap().first().cloned())
     })
     .await;
     assert_eq!(auth, "Bearer s3cret");
+    assert_eq!(encoding, "gzip");
     let resource = &body["resourceSpans"][0]["resource"]["attributes"];
     let value = |key: &str| {
         resource

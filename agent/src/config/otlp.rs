@@ -27,7 +27,7 @@ pub const DEFAULT_SAMPLE_RATIO: f64 = 0.01;
 
 impl OtlpArgs {
     /// The tracer's configuration: the flags, then OpenTelemetry's environment variables
-    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT` and their `_TRACES_` forms,
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT`, `_COMPRESSION` and their `_TRACES_` forms,
     /// `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` and `_ARG`), then the
     /// defaults. A variable that cannot be read is an error naming it.
     pub fn config(&self) -> Result<crate::otel::Config, String> {
@@ -82,12 +82,24 @@ impl OtlpArgs {
             },
             None => crate::otel::POST_TIMEOUT,
         };
+        let gzip = match either(
+            "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
+            "OTEL_EXPORTER_OTLP_COMPRESSION",
+        ) {
+            Some((name, v)) => match v.trim() {
+                "gzip" => true,
+                "none" => false,
+                _ => return Err(format!("{name}={v:?}: gzip or none")),
+            },
+            None => false,
+        };
         Ok(crate::otel::Config {
             endpoint,
             service_name,
             sample_ratio,
             headers,
             timeout,
+            gzip,
             resource,
         })
     }
@@ -180,6 +192,7 @@ mod tests {
                     "authorization=Bearer%20abc,x-team=edge",
                 ),
                 ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
+                ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
                 (
                     "OTEL_RESOURCE_ATTRIBUTES",
                     "service.name=from-resource,deployment.environment=prod",
@@ -197,6 +210,7 @@ mod tests {
             ]
         );
         assert_eq!(c.timeout, std::time::Duration::from_millis(2500));
+        assert!(c.gzip);
         assert_eq!(c.service_name, "from-resource");
         assert_eq!(c.sample_ratio, 0.25);
         assert_eq!(c.resource[1], ("deployment.environment".into(), "prod".into()));
@@ -212,12 +226,15 @@ mod tests {
                 ),
                 ("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "a=1"),
                 ("OTEL_EXPORTER_OTLP_HEADERS", "b=2"),
+                ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "none"),
+                ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
                 ("OTEL_TRACES_SAMPLER", "always_off"),
             ]))
             .unwrap();
         assert_eq!(c.service_name, "svc");
         assert_eq!(c.endpoint.as_deref(), Some("http://traces:4318"));
         assert_eq!(c.headers, [("a".into(), "1".into())]);
+        assert!(!c.gzip);
         assert_eq!(c.sample_ratio, 0.0);
     }
 
@@ -252,6 +269,7 @@ mod tests {
             ("OTEL_TRACES_SAMPLER_ARG", "2"),
             ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals-sign"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon"),
+            ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd"),
             ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://x:4318/elsewhere"),
         ] {
             let mut vars = vec![(k, v)];

@@ -1,5 +1,6 @@
 //! The exporter: spans from the tracer's queue, in batches of at most [`BATCH`] or every
-//! [`INTERVAL`], as OTLP/JSON (`ExportTraceServiceRequest`) POSTed to `<endpoint>/v1/traces`.
+//! [`INTERVAL`], as OTLP/JSON (`ExportTraceServiceRequest`) POSTed to `<endpoint>/v1/traces`,
+//! gzip-compressed when configured (`Content-Encoding: gzip`).
 //!
 //! A POST the collector refuses for now (429, 502, 503, 504, as OTLP/HTTP names them) or that
 //! cannot reach it is sent again, up to [`RETRIES`] times, after a backoff that doubles from
@@ -43,6 +44,7 @@ pub struct Exporter {
     service: String,
     headers: Vec<(String, String)>,
     timeout: Duration,
+    gzip: bool,
     resource: Vec<(String, String)>,
 }
 
@@ -54,9 +56,20 @@ impl Exporter {
             service: config.service_name.clone(),
             headers: config.headers.clone(),
             timeout: config.timeout,
+            gzip: config.gzip,
             resource: config.resource.clone(),
         }
     }
+}
+
+/// `body` gzip-compressed (flate2, the default level).
+fn gzip(body: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut z =
+        flate2::write::GzEncoder::new(Vec::with_capacity(body.len() / 4), flate2::Compression::default());
+    // Writing into a Vec cannot fail.
+    z.write_all(body).expect("gzip into memory");
+    z.finish().expect("gzip into memory")
 }
 
 /// What one POST came to.
@@ -165,10 +178,16 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             }
         }
         if !batch.is_empty() {
-            let body = otlp_json(&e.service, &e.resource, &batch).to_string();
-            let headers: Vec<(&str, String)> =
+            let json = otlp_json(&e.service, &e.resource, &batch).to_string();
+            let mut headers: Vec<(&str, String)> =
                 e.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-            let failure = export(&e, &headers, body.as_bytes(), &mut shutdown, stopping).await;
+            let body = if e.gzip {
+                headers.push(("content-encoding", "gzip".into()));
+                gzip(json.as_bytes())
+            } else {
+                json.into_bytes()
+            };
+            let failure = export(&e, &headers, &body, &mut shutdown, stopping).await;
             if let Some(why) = failure {
                 for _ in 0..batch.len() {
                     floodgate_core::metrics::trace_span_dropped();

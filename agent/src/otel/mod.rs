@@ -98,6 +98,8 @@ pub struct Config {
     pub headers: Vec<(String, String)>,
     /// Longest one export may take.
     pub timeout: std::time::Duration,
+    /// Whether exports are gzip-compressed (`OTEL_EXPORTER_OTLP_COMPRESSION=gzip`).
+    pub gzip: bool,
     /// The resource's attributes besides `service.name` and `service.version`
     /// (`OTEL_RESOURCE_ATTRIBUTES`).
     pub resource: Vec<(String, String)>,

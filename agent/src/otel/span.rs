@@ -213,6 +213,7 @@ mod tests {
                     sample_ratio,
                     headers: Vec::new(),
                     timeout: crate::otel::POST_TIMEOUT,
+                    gzip: false,
                     resource: Vec::new(),
                 },
             )
