@@ -9,7 +9,7 @@
 //! `lua/` mirrors) and decides when a call fails; the real-process runs (`loadgen faults`) stay the
 //! proof. Concurrency rules are driven by clients that acquire under lease ids and release after a
 //! while (or never: the lease runs out), and judged by units held at once. Not modelled: batched
-//! rules (their flush loop), quota rules (the checker does not judge them yet), failovers and
+//! rules (their flush loop), quota rules, failovers and
 //! reshards, several shards.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -384,6 +384,7 @@ fn run(seed: u64, tell: bool) -> Run {
                 source: source.into(),
                 n: engines[agent].1.membership.live(),
                 lease,
+                period: None,
             });
         }
     }

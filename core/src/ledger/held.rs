@@ -238,6 +238,7 @@ mod tests {
             source: source.into(),
             n: 2,
             lease,
+            period: None,
         }
     }
 

@@ -9,9 +9,9 @@
 //! from timing, at the price of missing an over-admission hidden in the uncertain spans (their
 //! total is reported).
 //!
-//! What is judged: consume and charge items admitted by enforced rules of the sliding-window and
-//! token-bucket algorithms. Per key-window (aligned windows of the rule's length on the store's
-//! clock):
+//! What is judged: consume and charge items admitted by enforced rules of the sliding-window,
+//! token-bucket and calendar-quota algorithms. Per key-window (aligned windows of the rule's length
+//! on the store's clock; a quota's period as the agent named it, from the ledger):
 //! - decided by the shared store (and its rejection cache) only: the limit (a token bucket: its
 //!   burst plus one window's refill);
 //! - with admissions of the limit/N fallback (fail open while the store was away): plus Φ, each
@@ -19,8 +19,7 @@
 //!   share adds ⌊B / n⌋);
 //! - with admissions from batched local counters: plus `batched_allowance` of the limit.
 //!
-//! Concurrency rules are judged by units held at once (`held.rs`). Not judged yet (counted as
-//! such): calendar quotas (periods by time zone).
+//! Concurrency rules are judged by units held at once (`held.rs`).
 
 use std::collections::HashMap;
 
@@ -199,6 +198,8 @@ struct Window<'a> {
     sources: u8,
     /// Per agent whose fallback admitted here: the fewest live agents it counted (its largest share).
     fallback_n: HashMap<&'a str, u64>,
+    /// A quota period's start and end (its key-window is not `w` ms long).
+    span: Option<(u64, u64)>,
 }
 
 const SOURCES: [&str; 4] = ["redis", "local", "cache", "fallback"];
@@ -264,23 +265,37 @@ fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
             if !counts {
                 continue;
             }
-            match r.alg {
-                Algorithm::SlidingWindow | Algorithm::TokenBucket => {}
+            // Windows of `w` ms numbered `first..=last` (a quota: its period, keyed by its start
+            // with `w` 1), whether the decision is surely in one, and a quota period's span.
+            let (w, first, last, sure, span) = match (r.alg, r.period) {
+                (Algorithm::SlidingWindow | Algorithm::TokenBucket, _) => {
+                    let w = r.window_ms.max(1);
+                    let at = |t: u64| (t as i64 + r.off).max(0) as u64 / w;
+                    let (first, last) = (at(r.recv), at(r.done.max(r.recv)));
+                    (w, first, last, first == last, None)
+                }
                 // Units held at once: `held.rs`.
-                Algorithm::Concurrency => continue,
-                Algorithm::Quota => {
-                    s.not_judged = Some("quota: calendar periods are not judged yet".into());
+                (Algorithm::Concurrency, _) => continue,
+                // The period the agent named when it decided (the contract's key-window: "as the
+                // agents' clocks name it"); a check read before that period began may have been
+                // counted in the one before: a maybe.
+                (Algorithm::Quota, Some([start, end])) => {
+                    (1, start, start, r.recv >= start, Some((start, end)))
+                }
+                (Algorithm::Quota, None) => {
+                    s.not_judged = Some(
+                        "quota: the ledger names no periods (written by an agent that did not record them)"
+                            .into(),
+                    );
                     continue;
                 }
-            }
+            };
             s.admitted += r.cost;
-            let w = r.window_ms.max(1);
-            let at = |t: u64| (t as i64 + r.off).max(0) as u64 / w;
-            let (first, last) = (at(r.recv), at(r.done.max(r.recv)));
             // A span over more than a few windows says nothing of any of them.
             for k in first..=last.min(first + 3) {
                 let win = windows.entry((&r.rule, &r.key, agent, w, k)).or_default();
-                if first == last {
+                win.span = win.span.or(span);
+                if sure {
                     win.sure += r.cost;
                 } else {
                     win.maybe += r.cost;
@@ -354,7 +369,7 @@ fn bound(win: &Window, limit: u64, agent: Option<&str>, w: u64, k: u64, opts: &O
     if win.sources & source_bit("local") != 0 && agent.is_none() {
         bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
     }
-    let (start, end) = (k * w, (k + 1) * w);
+    let (start, end) = win.span.unwrap_or((k * w, (k + 1) * w));
     for f in &opts.faults {
         if f.from_ms < end && f.to_ms >= start {
             bound += f.kind.allowance(win.alg, limit, win.burst);
@@ -394,6 +409,7 @@ mod tests {
             source: source.into(),
             n: 2,
             lease: None,
+            period: None,
         }
     }
 
@@ -424,6 +440,49 @@ mod tests {
             ("a", 12, 10, 1_000)
         );
         assert_eq!(j.rules[0].worst_ratio, 1.2);
+    }
+
+    #[test]
+    fn a_quota_is_judged_per_period_as_the_agents_named_it() {
+        // A quota of 10 a "day" [10_000, 20_000): 6 + 6 admitted in it by two agents is a breach;
+        // 10 in it and 10 in the next day are not; one read before the period began is a maybe.
+        let quota = |key: &str, at: u64, period: [u64; 2]| Record {
+            alg: Algorithm::Quota,
+            window_ms: 10_000,
+            period: Some(period),
+            ..admit(key, at, "redis")
+        };
+        let (day, next) = ([10_000, 20_000], [20_000, 30_000]);
+        let one: Vec<Record> = (0..6).map(|i| quota("a", 12_000 + i, day)).collect();
+        let mut two: Vec<Record> = (0..6).map(|i| quota("a", 19_000 + i, day)).collect();
+        two.extend((0..10).map(|i| quota("b", 11_000 + i, day)));
+        two.extend((0..10).map(|i| quota("b", 21_000 + i, next)));
+        let mut late = quota("b", 19_999, next);
+        late.done = 20_001;
+        two.push(late);
+        let j = judge(
+            &[file("x", "shared", one), file("y", "shared", two)],
+            &Options::contract(),
+        );
+        assert_eq!(j.breaches.len(), 1, "{j:?}");
+        let b = &j.breaches[0];
+        assert_eq!(
+            (b.key.as_str(), b.admitted, b.bound, b.window_start_ms),
+            ("a", 12, 10, 10_000)
+        );
+        assert_eq!(j.rules[0].not_judged, None);
+        assert_eq!(j.rules[0].admitted, 33);
+        // Redis restarted empty within the day: its count before (≤ 10) may be admitted again.
+        let restart = Options {
+            faults: vec![FaultSpan {
+                kind: FaultKind::RestartEmpty,
+                from_ms: 15_000,
+                to_ms: 15_500,
+            }],
+            ..Options::contract()
+        };
+        let one: Vec<Record> = (0..12).map(|i| quota("a", 12_000 + i * 500, day)).collect();
+        assert!(judge(&[file("x", "shared", one)], &restart).breaches.is_empty());
     }
 
     #[test]

@@ -57,6 +57,11 @@ pub struct Record {
     /// count and for other rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease: Option<u64>,
+    /// A quota item's period as the agent named it when it decided: its start and end, Unix ms by
+    /// the agent's clock (the period the store counted it in, unless the check was read in the one
+    /// before); none for other rules.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period: Option<[u64; 2]>,
 }
 
 fn one() -> u64 {

@@ -13,7 +13,7 @@ use std::time::Duration;
 use floodgate_protocol::{CompactString, Decision, ItemMode};
 
 use super::record::{Header, Record};
-use crate::rules::Rule;
+use crate::rules::{Algorithm, Rule};
 use crate::store::Planned;
 
 /// Decisions the queue holds before new ones are dropped (counted): at 100K checks/s, 0.65 s of
@@ -224,6 +224,15 @@ fn write_loop(
                         source: it.source.into(),
                         n,
                         lease: it.lease,
+                        period: match it.rule.algorithm {
+                            Algorithm::Quota => {
+                                let (start, end) = it.rule.quota_period(done);
+                                Some([start, end])
+                            }
+                            Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {
+                                None
+                            }
+                        },
                     };
                     line.clear();
                     if serde_json::to_writer(&mut line, &record).is_ok() {
