@@ -21,7 +21,7 @@ use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile,
 use floodgate_sdk::Origin;
 
 use crate::{
-    eventually, patient_client, pause_process, replica_and_sentinel, resume_process, Agent, Cluster, Proxy,
+    eventually, patient_client, pause_process, replica_and_sentinel, replication_info, resume_process, Agent, Cluster, Proxy,
     RedisServer,
 };
 
@@ -40,12 +40,14 @@ pub enum Deployment {
 /// Slots each master of the Cluster deployment starts with (`redis-cli --cluster create`'s split).
 const CLUSTER_SLOTS: [u64; 3] = [5_461, 5_462, 5_461];
 
-/// The rules of a run: a sync sliding window, a token bucket and a concurrency rule, all fail open
-/// (the default).
+/// The rules of a run: a sync sliding window, a token bucket, a concurrency rule and a daily
+/// calendar quota (a run's keys pass its limit within seconds, then it refuses them until UTC
+/// midnight), all fail open (the default).
 pub const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":20,"windowSeconds":2},
   {"id":"tb","dimension":"user","limit":20,"windowSeconds":2,"algorithm":"token_bucket","burst":10},
-  {"id":"conc","dimension":"user","limit":2,"algorithm":"concurrency","leaseSeconds":2}
+  {"id":"conc","dimension":"user","limit":2,"algorithm":"concurrency","leaseSeconds":2},
+  {"id":"quota","dimension":"user","limit":40,"algorithm":"quota","period":"day"}
 ]}"#;
 
 /// What a run does.
@@ -499,7 +501,12 @@ pub async fn run(plan: Plan) -> Report {
                         });
                         continue;
                     }
-                    let rule = if rng.next() % 2 == 0 { "sw" } else { "tb" };
+                    // Of the rest, a tenth check the quota, the others the window or the bucket.
+                    let rule = match rng.next() % 10 {
+                        0 => "quota",
+                        r if r % 2 == 0 => "sw",
+                        _ => "tb",
+                    };
                     tasks.spawn(async move {
                         if let Ok(d) = client.allow(&key, rule, 1).await {
                             match d.origin {
@@ -572,6 +579,19 @@ pub async fn run(plan: Plan) -> Report {
             Fault::SentinelFailover { .. } => {
                 let s = sentinel.as_ref().expect("a sentinel deployment");
                 let before = s.master_port();
+                if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
+                    for node in std::iter::once(&redis).chain(_replica.as_ref()) {
+                        let info = |f| replication_info(node, f).unwrap_or_default();
+                        eprintln!(
+                            "{} ms: node {}: role {}, link {}, offset {}",
+                            unix_ms(),
+                            node.port(),
+                            info("role"),
+                            info("master_link_status"),
+                            info("master_repl_offset")
+                        );
+                    }
+                }
                 let from_ms = unix_ms();
                 let _: redis::RedisResult<String> = s.cmd(&["SENTINEL", "FAILOVER", "mymaster"]);
                 if std::env::var_os("FLOODGATE_FAULTS_LOGS").is_some() {
