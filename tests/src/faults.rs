@@ -21,8 +21,8 @@ use floodgate_core::ledger::{judge, FaultKind, FaultSpan, Judgement, LedgerFile,
 use floodgate_sdk::Origin;
 
 use crate::{
-    eventually, patient_client, pause_process, replica_and_sentinel, replication_info, resume_process, Agent, Cluster, Proxy,
-    RedisServer,
+    eventually, patient_client, pause_process, replica_and_sentinel, replication_info, resume_process, Agent,
+    Cluster, Proxy, RedisServer,
 };
 
 /// Where the agents' counters live.

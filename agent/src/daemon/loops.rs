@@ -127,8 +127,9 @@ pub(super) async fn guard_loop(
     let _ = redis.heartbeat(&id, ttl, true).await;
 }
 
-/// After a failover: writes what this agent admitted through the store in the last
-/// [`REPLAY_MS`](floodgate_core::guard::REPLAY_MS) into the new primary, which may have lost it
+/// After a failover: writes what this agent admitted through the store in the last 3 to 15 s (as
+/// long as each rule's counts last: [`horizon`](floodgate_core::guard::horizon)) into the new
+/// primary, which may have lost it
 /// (docs/accuracy.md, "Sentinel failover"). Units it had in fact received count twice: stricter,
 /// never looser.
 async fn reapply(engine: &Engine, redis: &dyn SharedStore) {

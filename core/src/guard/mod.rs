@@ -11,7 +11,7 @@ pub mod upkeep;
 pub use breaker::{Breaker, BreakerConfig, BreakerSnapshot, BreakerState, Permit, Transition};
 pub use fallback::{Fallback, LedgerEntry};
 pub use membership::{Membership, MembershipConfig};
-pub use recent::{Recent, REPLAY_MS};
+pub use recent::{horizon, Recent, LONG_REPLAY_MS, REPLAY_MS};
 
 use crate::store::Clock;
 

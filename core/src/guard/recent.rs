@@ -14,20 +14,42 @@ use floodgate_protocol::CompactString;
 use super::LedgerEntry;
 use crate::rules::{Algorithm, Rule};
 
-/// How far back a failover's re-application reaches, ms: a `SENTINEL FAILOVER` was seen ~0.8 s
-/// after the promotion (issue 33), the agent notices the sentinels' new answer within its 100 ms
-/// watch, and replication lag adds milliseconds; 3 s covers them with room.
+/// How far back a failover's re-application reaches at least, ms: a `SENTINEL FAILOVER` was seen
+/// ~0.8 s after the promotion (issue 33), the agent notices the sentinels' new answer within its
+/// 100 ms watch, and replication lag adds milliseconds; 3 s covers them with room.
 pub const REPLAY_MS: u64 = 3_000;
 
-/// Slots the span is kept in: the oldest is dropped whole.
+/// How far back it reaches for counts that last longer (see [`horizon`]), ms. Sentinel turns an
+/// old primary into a replica only when it next looks at it (its `INFO` every 10 s): a second
+/// failover before then may promote the old primary itself, with nothing of what the fleet wrote
+/// since the first (the fault runner's Sentinel seed 1: both nodes masters 6 s after the first
+/// failover, and a daily quota's keys at 45 of 40). 15 s covers that look with room.
+pub const LONG_REPLAY_MS: u64 = 15_000;
+
+/// How long `rule`'s admissions are kept for a failover: as long as they still count (a sliding
+/// window's two windows, a token bucket's refill time taken as two windows too, a lease's time, a
+/// quota's whole period), at least [`REPLAY_MS`] and at most [`LONG_REPLAY_MS`].
+pub fn horizon(rule: &Rule) -> u64 {
+    let lasts = match rule.algorithm {
+        Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency => {
+            rule.window_ms().saturating_mul(2)
+        }
+        Algorithm::Quota => u64::MAX,
+    };
+    lasts.clamp(REPLAY_MS, LONG_REPLAY_MS)
+}
+
+/// Slots the span is kept in: the oldest is dropped whole, and entries whose rule's horizon a slot
+/// has outlived are dropped from it once (so short windows cost no more than before).
 const SLOT_MS: u64 = 250;
 
 type Slot = HashMap<(CompactString, CompactString, u64), LedgerEntry>;
 
-/// The admissions of the last [`REPLAY_MS`], by (rule, key, window), in slots of 250 ms.
+/// The admissions of the last [`REPLAY_MS`] to [`LONG_REPLAY_MS`] (by rule, [`horizon`]), by
+/// (rule, key, window), in slots of 250 ms: (start, pruned of the short-lived, entries).
 #[derive(Default)]
 pub struct Recent {
-    slots: Mutex<VecDeque<(u64, Slot)>>,
+    slots: Mutex<VecDeque<(u64, bool, Slot)>>,
 }
 
 impl Recent {
@@ -57,7 +79,7 @@ impl Recent {
     /// Forgets lease `id` (released: not to be taken again).
     pub fn released(&self, rule: &str, key: &CompactString, id: u64) {
         let k = (CompactString::from(rule), key.clone(), id);
-        for (_, slot) in self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+        for (_, _, slot) in self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
             slot.remove(&k);
         }
     }
@@ -67,17 +89,29 @@ impl Recent {
     fn add(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, window: u64, now_ms: u64) {
         let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let start = now_ms - now_ms % SLOT_MS;
-        if slots.back().is_none_or(|(s, _)| *s < start) {
-            slots.push_back((start, HashMap::new()));
+        if slots.back().is_none_or(|(s, _, _)| *s < start) {
+            slots.push_back((start, false, HashMap::new()));
         }
         while slots
             .front()
-            .is_some_and(|(s, _)| s + REPLAY_MS + SLOT_MS <= now_ms)
+            .is_some_and(|(s, _, _)| s + LONG_REPLAY_MS + SLOT_MS <= now_ms)
         {
             slots.pop_front();
         }
+        // Each slot, once past the shortest horizon, keeps only what lasts longer.
+        for (s, pruned, slot) in slots.iter_mut() {
+            if *s + REPLAY_MS + SLOT_MS > now_ms {
+                break;
+            }
+            if !*pruned {
+                slot.retain(|_, e| horizon(&e.rule) > REPLAY_MS);
+                *pruned = true;
+            }
+        }
         let lease = rule.is_concurrency();
-        let Some((_, slot)) = slots.back_mut() else { return };
+        let Some((_, _, slot)) = slots.back_mut() else {
+            return;
+        };
         slot.entry((CompactString::from(rule.id.as_str()), key.clone(), window))
             .and_modify(|e| {
                 if !lease {
@@ -92,16 +126,16 @@ impl Recent {
             });
     }
 
-    /// Everything admitted in the last [`REPLAY_MS`] before `now_ms`, one entry per (rule, key,
+    /// Everything admitted within its rule's [`horizon`] before `now_ms`, one entry per (rule, key,
     /// window), and forgets it (what the new primary is given once).
     pub fn take(&self, now_ms: u64) -> Vec<LedgerEntry> {
         let slots = std::mem::take(&mut *self.slots.lock().unwrap_or_else(|p| p.into_inner()));
         let mut all: Slot = HashMap::new();
-        for (start, slot) in slots {
-            if start + REPLAY_MS + SLOT_MS <= now_ms {
-                continue;
-            }
+        for (start, _, slot) in slots {
             for (k, e) in slot {
+                if start + horizon(&e.rule) + SLOT_MS <= now_ms {
+                    continue;
+                }
                 let lease = e.rule.is_concurrency();
                 all.entry(k)
                     .and_modify(|a| {
@@ -150,5 +184,43 @@ mod tests {
         got.sort();
         assert_eq!(got, [("c", 7, 1), ("r", 9, 4), ("r", 10, 2)]);
         assert!(recent.take(20_300).is_empty(), "given once");
+    }
+
+    #[test]
+    fn what_counts_longer_is_kept_longer_up_to_fifteen_seconds() {
+        let rules = RuleSet::parse(
+            r#"{"rules":[{"id":"short","dimension":"user","limit":100,"windowSeconds":1},
+                {"id":"minute","dimension":"user","limit":100,"windowSeconds":60},
+                {"id":"q","dimension":"user","limit":40,"algorithm":"quota","period":"day"}]}"#,
+        )
+        .unwrap();
+        let rule = |id| rules.get(id).unwrap().clone();
+        assert_eq!(
+            [
+                horizon(&rule("short")),
+                horizon(&rule("minute")),
+                horizon(&rule("q"))
+            ],
+            [REPLAY_MS, LONG_REPLAY_MS, LONG_REPLAY_MS]
+        );
+        let recent = Recent::default();
+        let key = CompactString::from("user:1");
+        // 10 s before the failover (a stale replica promoted): a 1 s window's units no longer
+        // count; a minute window's and a quota's do. 20 s before: nothing is kept.
+        let t = 100_000;
+        for (units, ago) in [(3, 20_000), (1, 10_000)] {
+            for id in ["short", "minute", "q"] {
+                recent.record(&rule(id), &key, units, t - ago, t - ago);
+            }
+        }
+        // Later admissions prune the short-lived from old slots.
+        recent.record(&rule("short"), &key, 2, t - 100, t - 100);
+        let mut got: Vec<(String, u64)> = recent
+            .take(t)
+            .iter()
+            .map(|e| (e.rule.id.clone(), e.units))
+            .collect();
+        got.sort();
+        assert_eq!(got, [("minute".into(), 1), ("q".into(), 1), ("short".into(), 2)]);
     }
 }
