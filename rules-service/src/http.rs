@@ -135,7 +135,11 @@ pub async fn request(
     }
     let body = body.unwrap_or_default();
     if !body.is_empty() || method == "PUT" || method == "POST" {
-        rb = rb.header("content-type", "application/json").body(body.to_vec());
+        // JSON unless the caller named its body's type (an OTLP/protobuf export).
+        if !extra.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-type")) {
+            rb = rb.header("content-type", "application/json");
+        }
+        rb = rb.body(body.to_vec());
     }
     let what = |e: reqwest::Error| {
         if e.is_timeout() {

@@ -579,3 +579,80 @@ async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not
         tries[1] - tries[0]
     );
 }
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`: the batch is an `ExportTraceServiceRequest` in
+/// protobuf (what an OpenTelemetry SDK sends by default), `Content-Type: application/x-protobuf`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_export_speaks_protobuf_when_asked() {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+    use prost::Message;
+
+    let got: Arc<Mutex<Vec<(String, ExportTraceServiceRequest)>>> = Arc::default();
+    let store = got.clone();
+    let app = Router::new().route(
+        "/v1/traces",
+        post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
+            let store = store.clone();
+            async move {
+                let kind = headers
+                    .get("content-type")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_string();
+                let request = ExportTraceServiceRequest::decode(&body[..]).expect("OTLP/protobuf");
+                store.lock().unwrap().push((kind, request));
+                ""
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let agent = Agent::builder()
+        .rules(RULES)
+        .arg("--otlp-endpoint")
+        .arg(&format!("http://{addr}"))
+        .arg("--otlp-sample-ratio")
+        .arg("1")
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let parent = context(0x61, true);
+    let options = CallOptions {
+        trace: Some(parent),
+        ..CallOptions::default()
+    };
+    let check = Check::Items(vec![Item::new("user:1", "api", 1)]);
+    assert!(client.check_with(check, options).await.unwrap().allowed);
+    let (kind, request) = eventually("a batch arrives", Duration::from_secs(10), || {
+        std::future::ready(got.lock().unwrap().first().cloned())
+    })
+    .await;
+    assert_eq!(kind, "application/x-protobuf");
+    let rs = &request.resource_spans[0];
+    let service = rs
+        .resource
+        .as_ref()
+        .unwrap()
+        .attributes
+        .iter()
+        .find(|a| a.key == "service.name");
+    assert_eq!(
+        service.and_then(|a| a.value.clone()).and_then(|v| v.value),
+        Some(Any::StringValue("floodgate".into()))
+    );
+    let span = rs.scope_spans[0]
+        .spans
+        .iter()
+        .find(|s| s.trace_id == parent.trace_id)
+        .expect("the check's span, in its caller's trace");
+    assert_eq!(span.name, "check");
+    assert_eq!(span.parent_span_id, parent.span_id);
+    let protocol = span.attributes.iter().find(|a| a.key == "floodgate.protocol");
+    assert_eq!(
+        protocol.and_then(|a| a.value.clone()).and_then(|v| v.value),
+        Some(Any::StringValue("frames".into()))
+    );
+}

@@ -5,7 +5,8 @@
 #[derive(Debug, Clone, clap::Args)]
 pub struct OtlpArgs {
     /// Export traces to this OTLP/HTTP collector (`http://collector:4318`; spans are POSTed as
-    /// OTLP/JSON to `<endpoint>/v1/traces`): a span per check and per rules-API request. Unset:
+    /// OTLP/JSON, or protobuf per `OTEL_EXPORTER_OTLP_PROTOCOL`, to `<endpoint>/v1/traces`): a span
+    /// per check and per rules-API request. Unset:
     /// `OTEL_EXPORTER_OTLP_ENDPOINT`, else off.
     #[arg(long, env = "FLOODGATE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
@@ -27,7 +28,8 @@ pub const DEFAULT_SAMPLE_RATIO: f64 = 0.01;
 
 impl OtlpArgs {
     /// The tracer's configuration: the flags, then OpenTelemetry's environment variables
-    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT`, `_COMPRESSION` and their `_TRACES_` forms,
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT`, `_COMPRESSION`, `_PROTOCOL` and their
+    /// `_TRACES_` forms,
     /// `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` and `_ARG`), then the
     /// defaults. A variable that cannot be read is an error naming it.
     pub fn config(&self) -> Result<crate::otel::Config, String> {
@@ -93,6 +95,21 @@ impl OtlpArgs {
             },
             None => false,
         };
+        let encoding = match either(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ) {
+            Some((name, v)) => match v.trim() {
+                "http/json" => crate::otel::Encoding::Json,
+                "http/protobuf" => crate::otel::Encoding::Protobuf,
+                _ => {
+                    return Err(format!(
+                        "{name}={v:?}: http/json or http/protobuf (OTLP over gRPC is not spoken)"
+                    ))
+                }
+            },
+            None => crate::otel::Encoding::Json,
+        };
         Ok(crate::otel::Config {
             endpoint,
             service_name,
@@ -100,6 +117,7 @@ impl OtlpArgs {
             headers,
             timeout,
             gzip,
+            encoding,
             resource,
         })
     }
@@ -193,6 +211,7 @@ mod tests {
                 ),
                 ("OTEL_EXPORTER_OTLP_TIMEOUT", "2500"),
                 ("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip"),
+                ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
                 (
                     "OTEL_RESOURCE_ATTRIBUTES",
                     "service.name=from-resource,deployment.environment=prod",
@@ -211,6 +230,7 @@ mod tests {
         );
         assert_eq!(c.timeout, std::time::Duration::from_millis(2500));
         assert!(c.gzip);
+        assert_eq!(c.encoding, crate::otel::Encoding::Protobuf);
         assert_eq!(c.service_name, "from-resource");
         assert_eq!(c.sample_ratio, 0.25);
         assert_eq!(c.resource[1], ("deployment.environment".into(), "prod".into()));
@@ -235,6 +255,7 @@ mod tests {
         assert_eq!(c.endpoint.as_deref(), Some("http://traces:4318"));
         assert_eq!(c.headers, [("a".into(), "1".into())]);
         assert!(!c.gzip);
+        assert_eq!(c.encoding, crate::otel::Encoding::Json);
         assert_eq!(c.sample_ratio, 0.0);
     }
 
@@ -270,6 +291,7 @@ mod tests {
             ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals-sign"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon"),
             ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
             ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://x:4318/elsewhere"),
         ] {
             let mut vars = vec![(k, v)];

@@ -1,6 +1,6 @@
 //! The exporter: spans from the tracer's queue, in batches of at most [`BATCH`] or every
-//! [`INTERVAL`], as OTLP/JSON (`ExportTraceServiceRequest`) POSTed to `<endpoint>/v1/traces`,
-//! gzip-compressed when configured (`Content-Encoding: gzip`).
+//! [`INTERVAL`], as one OTLP `ExportTraceServiceRequest` (JSON or protobuf: `encode`) POSTed to
+//! `<endpoint>/v1/traces`, gzip-compressed when configured (`Content-Encoding: gzip`).
 //!
 //! A POST the collector refuses for now (429, 502, 503, 504, as OTLP/HTTP names them) or that
 //! cannot reach it is sent again, up to [`RETRIES`] times, after a backoff that doubles from
@@ -13,11 +13,9 @@
 
 use std::time::Duration;
 
-use floodgate_protocol::push_hex;
-use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
-use super::span::{Attr, SpanData};
+use super::span::SpanData;
 
 /// Most spans in one POST.
 pub const BATCH: usize = 512;
@@ -45,6 +43,7 @@ pub struct Exporter {
     headers: Vec<(String, String)>,
     timeout: Duration,
     gzip: bool,
+    encoding: super::Encoding,
     resource: Vec<(String, String)>,
 }
 
@@ -57,6 +56,7 @@ impl Exporter {
             headers: config.headers.clone(),
             timeout: config.timeout,
             gzip: config.gzip,
+            encoding: config.encoding,
             resource: config.resource.clone(),
         }
     }
@@ -178,14 +178,15 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             }
         }
         if !batch.is_empty() {
-            let json = otlp_json(&e.service, &e.resource, &batch).to_string();
+            let body = e.encoding.body(&e.service, &e.resource, &batch);
             let mut headers: Vec<(&str, String)> =
                 e.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            headers.push(("content-type", e.encoding.content_type().into()));
             let body = if e.gzip {
                 headers.push(("content-encoding", "gzip".into()));
-                gzip(json.as_bytes())
+                gzip(&body)
             } else {
-                json.into_bytes()
+                body
             };
             let failure = export(&e, &headers, &body, &mut shutdown, stopping).await;
             if let Some(why) = failure {
@@ -203,77 +204,6 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             return;
         }
     }
-}
-
-fn hex(bytes: &[u8]) -> String {
-    let mut s = String::with_capacity(2 * bytes.len());
-    push_hex(&mut s, bytes);
-    s
-}
-
-/// One ExportTraceServiceRequest in OTLP's JSON mapping (ids in hex, 64-bit integers as strings),
-/// its resource `service.name`, `service.version` and `resource`'s other attributes.
-pub fn otlp_json(service: &str, resource: &[(String, String)], spans: &[SpanData]) -> Value {
-    let spans: Vec<Value> = spans
-        .iter()
-        .map(|s| {
-            let attributes: Vec<Value> = s
-                .attributes
-                .iter()
-                .map(|(k, v)| {
-                    let value = match v {
-                        Attr::Str(x) => json!({ "stringValue": x }),
-                        Attr::Int(x) => json!({ "intValue": x.to_string() }),
-                        Attr::Bool(x) => json!({ "boolValue": x }),
-                    };
-                    json!({ "key": k, "value": value })
-                })
-                .collect();
-            let mut span = json!({
-                "traceId": hex(&s.trace_id),
-                "spanId": hex(&s.span_id),
-                "name": s.name,
-                // SPAN_KIND_SERVER (a request this process answered) or SPAN_KIND_CLIENT (a call
-                // it made).
-                "kind": match s.kind { super::SpanKind::Server => 2, super::SpanKind::Client => 3 },
-                "startTimeUnixNano": s.start_ns.to_string(),
-                "endTimeUnixNano": s.end_ns.to_string(),
-                "attributes": attributes,
-                // STATUS_CODE_ERROR, or unset.
-                "status": if s.error { json!({ "code": 2 }) } else { json!({}) },
-            });
-            if let Some(p) = s.parent {
-                span["parentSpanId"] = json!(hex(&p));
-            }
-            if !s.links.is_empty() {
-                let links: Vec<Value> = s
-                    .links
-                    .iter()
-                    .map(|(t, sp)| json!({ "traceId": hex(t), "spanId": hex(sp) }))
-                    .collect();
-                span["links"] = json!(links);
-            }
-            span
-        })
-        .collect();
-    let mut attributes = vec![
-        json!({ "key": "service.name", "value": { "stringValue": service } }),
-        json!({ "key": "service.version", "value": { "stringValue": env!("CARGO_PKG_VERSION") } }),
-    ];
-    for (k, v) in resource {
-        if k != "service.name" && k != "service.version" {
-            attributes.push(json!({ "key": k, "value": { "stringValue": v } }));
-        }
-    }
-    json!({
-        "resourceSpans": [{
-            "resource": { "attributes": attributes },
-            "scopeSpans": [{
-                "scope": { "name": "floodgate", "version": env!("CARGO_PKG_VERSION") },
-                "spans": spans,
-            }],
-        }]
-    })
 }
 
 #[cfg(test)]

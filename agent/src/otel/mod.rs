@@ -1,6 +1,6 @@
 //! OpenTelemetry traces, opt-in (`--otlp-endpoint`): a span per check (frames and gRPC) and per
 //! rules-service request, each a child of the caller's W3C trace context when it sent one, sent in
-//! batches to an OTLP/HTTP collector as JSON.
+//! batches to an OTLP/HTTP collector as JSON or protobuf.
 //!
 //! Off (the default) it costs a check one atomic load (`enabled`). On, a span is recorded when the
 //! caller's context says sampled, or, for a request without one, when its new trace id falls under
@@ -9,15 +9,18 @@
 //! when the exporter's queue is full the span is dropped and counted.
 //!
 //! - `span`: ids, sampling, `SpanStart` and its end.
-//! - `export`: the exporter task: batches, OTLP/JSON, POST to `<endpoint>/v1/traces`.
+//! - `export`: the exporter task: batches, POST to `<endpoint>/v1/traces`, retries.
+//! - `encode`: a batch as OTLP/JSON or OTLP/protobuf.
 //! - `layer`: the rules service's HTTP requests as spans.
 
+mod encode;
 mod export;
 mod layer;
 mod span;
 
 use std::sync::OnceLock;
 
+pub use encode::{otlp_json, otlp_protobuf, Encoding};
 pub use export::{run_exporter, Exporter, POST_TIMEOUT};
 pub use layer::http_spans;
 pub use span::{Attr, SpanData, SpanKind, SpanStart, Tracer};
@@ -100,6 +103,9 @@ pub struct Config {
     pub timeout: std::time::Duration,
     /// Whether exports are gzip-compressed (`OTEL_EXPORTER_OTLP_COMPRESSION=gzip`).
     pub gzip: bool,
+    /// How a batch is encoded (`OTEL_EXPORTER_OTLP_PROTOCOL`: `http/json`, the default, or
+    /// `http/protobuf`).
+    pub encoding: Encoding,
     /// The resource's attributes besides `service.name` and `service.version`
     /// (`OTEL_RESOURCE_ATTRIBUTES`).
     pub resource: Vec<(String, String)>,

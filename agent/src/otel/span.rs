@@ -214,6 +214,7 @@ mod tests {
                     headers: Vec::new(),
                     timeout: crate::otel::POST_TIMEOUT,
                     gzip: false,
+                    encoding: crate::otel::Encoding::Json,
                     resource: Vec::new(),
                 },
             )
