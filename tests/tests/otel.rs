@@ -51,9 +51,7 @@ impl Received {
                 }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let addr = serve(app).await;
         (got, addr)
     }
 
@@ -81,6 +79,34 @@ impl Received {
     fn all(&self) -> Vec<Value> {
         self.0.lock().unwrap().clone()
     }
+}
+
+/// Serves `app` (a test's OTLP receiver) on a free loopback port.
+async fn serve(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    addr
+}
+
+/// An agent exporting every trace to the receiver at `addr`.
+fn exporting_to(addr: SocketAddr) -> floodgate_tests::AgentBuilder {
+    Agent::builder()
+        .rules(RULES)
+        .arg("--otlp-endpoint")
+        .arg(&format!("http://{addr}"))
+        .arg("--otlp-sample-ratio")
+        .arg("1")
+}
+
+/// One allowed check of `api` under the caller's trace context `t`.
+async fn traced_check(client: &floodgate_sdk::Client, t: TraceContext) {
+    let options = CallOptions {
+        trace: Some(t),
+        ..CallOptions::default()
+    };
+    let check = Check::Items(vec![Item::new("user:1", "api", 1)]);
+    assert!(client.check_with(check, options).await.unwrap().allowed);
 }
 
 fn attr<'a>(span: &'a Value, key: &str) -> &'a Value {
@@ -407,9 +433,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = serve(app).await;
 
     let agent = Agent::builder()
         .rules(RULES)
@@ -499,9 +523,7 @@ async fn scripted(marked: String, answers: Vec<(u16, Option<&'static str>)>) -> 
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let addr = serve(app).await;
     (posts, addr)
 }
 
@@ -511,26 +533,8 @@ async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not
     let marked = hex(&first.trace_id);
     // The batch with the first check's span: 503 with Retry-After 1 s, then 400 (for good).
     let (posts, addr) = scripted(marked.clone(), vec![(503, Some("1")), (400, None)]).await;
-    let agent = Agent::builder()
-        .rules(RULES)
-        .arg("--otlp-endpoint")
-        .arg(&format!("http://{addr}"))
-        .arg("--otlp-sample-ratio")
-        .arg("1")
-        .start()
-        .await;
+    let agent = exporting_to(addr).start().await;
     let client = patient_client(agent.socket()).await;
-    let check = |t: TraceContext| {
-        let client = client.clone();
-        async move {
-            let options = CallOptions {
-                trace: Some(t),
-                ..CallOptions::default()
-            };
-            let check = Check::Items(vec![Item::new("user:1", "api", 1)]);
-            assert!(client.check_with(check, options).await.unwrap().allowed);
-        }
-    };
     let carrying = |trace: &str| {
         let posts = posts.lock().unwrap();
         posts
@@ -539,7 +543,7 @@ async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not
             .map(|(at, _)| *at)
             .collect::<Vec<_>>()
     };
-    check(first).await;
+    traced_check(&client, first).await;
     let p = posts.clone();
     let m = marked.clone();
     eventually(
@@ -554,7 +558,7 @@ async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not
     // A later span's batch arrives after any further try of the first would have (one exporter,
     // one batch at a time).
     let second = context(0x52, true);
-    check(second).await;
+    traced_check(&client, second).await;
     let p = posts.clone();
     let later = hex(&second.trace_id);
     eventually("the next batch arrives", Duration::from_secs(15), move || {
@@ -606,26 +610,14 @@ async fn the_export_speaks_protobuf_when_asked() {
             }
         }),
     );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let agent = Agent::builder()
-        .rules(RULES)
-        .arg("--otlp-endpoint")
-        .arg(&format!("http://{addr}"))
-        .arg("--otlp-sample-ratio")
-        .arg("1")
+    let addr = serve(app).await;
+    let agent = exporting_to(addr)
         .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
         .start()
         .await;
     let client = patient_client(agent.socket()).await;
     let parent = context(0x61, true);
-    let options = CallOptions {
-        trace: Some(parent),
-        ..CallOptions::default()
-    };
-    let check = Check::Items(vec![Item::new("user:1", "api", 1)]);
-    assert!(client.check_with(check, options).await.unwrap().allowed);
+    traced_check(&client, parent).await;
     let (kind, request) = eventually("a batch arrives", Duration::from_secs(10), || {
         std::future::ready(got.lock().unwrap().first().cloned())
     })

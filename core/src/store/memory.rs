@@ -26,13 +26,7 @@ pub enum Clock {
 impl Clock {
     /// Now, Unix ms.
     pub fn now_ms(&self) -> u64 {
-        match self {
-            Clock::System => SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map(|d| d.as_millis() as u64)
-                .unwrap_or(0),
-            Clock::Manual(t) => t.load(Ordering::Relaxed),
-        }
+        self.now_us() / 1_000
     }
 
     /// Now, Unix µs (a manual clock's ms, × 1,000).
