@@ -46,10 +46,18 @@ const SLOT_MS: u64 = 250;
 type Slot = HashMap<(CompactString, CompactString, u64), LedgerEntry>;
 
 /// The admissions of the last [`REPLAY_MS`] to [`LONG_REPLAY_MS`] (by rule, [`horizon`]), by
-/// (rule, key, window), in slots of 250 ms: (start, pruned of the short-lived, entries).
+/// (rule, key, window), in slots of 250 ms.
 #[derive(Default)]
 pub struct Recent {
-    slots: Mutex<VecDeque<(u64, bool, Slot)>>,
+    slots: Mutex<Slots>,
+}
+
+/// The slots, oldest first, each (its start, its entries); the first `pruned` of them are past
+/// [`REPLAY_MS`] and hold only what lasts longer (pruned once each: O(1) per admission).
+#[derive(Default)]
+struct Slots {
+    list: VecDeque<(u64, Slot)>,
+    pruned: usize,
 }
 
 impl Recent {
@@ -79,7 +87,13 @@ impl Recent {
     /// Forgets lease `id` (released: not to be taken again).
     pub fn released(&self, rule: &str, key: &CompactString, id: u64) {
         let k = (CompactString::from(rule), key.clone(), id);
-        for (_, _, slot) in self.slots.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+        for (_, slot) in self
+            .slots
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .list
+            .iter_mut()
+        {
             slot.remove(&k);
         }
     }
@@ -87,29 +101,29 @@ impl Recent {
     /// Adds units to (rule, key, window) in the current slot; a lease (window: its id) is kept once,
     /// a renewal not counted again.
     fn add(&self, rule: &Arc<Rule>, key: &CompactString, units: u64, window: u64, now_ms: u64) {
-        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let Slots { list, pruned } = &mut *guard;
         let start = now_ms - now_ms % SLOT_MS;
-        if slots.back().is_none_or(|(s, _, _)| *s < start) {
-            slots.push_back((start, false, HashMap::new()));
+        if list.back().is_none_or(|(s, _)| *s < start) {
+            list.push_back((start, HashMap::new()));
         }
-        while slots
+        while list
             .front()
-            .is_some_and(|(s, _, _)| s + LONG_REPLAY_MS + SLOT_MS <= now_ms)
+            .is_some_and(|(s, _)| s + LONG_REPLAY_MS + SLOT_MS <= now_ms)
         {
-            slots.pop_front();
+            list.pop_front();
+            *pruned = pruned.saturating_sub(1);
         }
         // Each slot, once past the shortest horizon, keeps only what lasts longer.
-        for (s, pruned, slot) in slots.iter_mut() {
+        while let Some((s, slot)) = list.get_mut(*pruned) {
             if *s + REPLAY_MS + SLOT_MS > now_ms {
                 break;
             }
-            if !*pruned {
-                slot.retain(|_, e| horizon(&e.rule) > REPLAY_MS);
-                *pruned = true;
-            }
+            slot.retain(|_, e| horizon(&e.rule) > REPLAY_MS);
+            *pruned += 1;
         }
         let lease = rule.is_concurrency();
-        let Some((_, _, slot)) = slots.back_mut() else {
+        let Some((_, slot)) = list.back_mut() else {
             return;
         };
         slot.entry((CompactString::from(rule.id.as_str()), key.clone(), window))
@@ -131,7 +145,7 @@ impl Recent {
     pub fn take(&self, now_ms: u64) -> Vec<LedgerEntry> {
         let slots = std::mem::take(&mut *self.slots.lock().unwrap_or_else(|p| p.into_inner()));
         let mut all: Slot = HashMap::new();
-        for (start, _, slot) in slots {
+        for (start, slot) in slots.list {
             for (k, e) in slot {
                 if start + horizon(&e.rule) + SLOT_MS <= now_ms {
                     continue;
