@@ -174,7 +174,8 @@ fn holds<'a>(k: &Key<'a>) -> Vec<Hold<'a>> {
             }
             match mine.last_mut() {
                 // Renewed while held: one lease, held longer.
-                Some(last) if last.from <= done && done < last.until => {
+                // (Its start is the ms after an answer: a renewal answered in that ms is one too.)
+                Some(last) if last.from <= done + 1 && done < last.until => {
                     last.until = last.until.max(until);
                 }
                 // From just after `done`: the stamps are whole ms, truncated, so the acquire may
@@ -311,6 +312,17 @@ mod tests {
         ]);
         assert!(j.breaches.is_empty(), "{j:?}");
         assert_eq!(j.rules[0].worst_ratio, 1.0);
+    }
+
+    #[test]
+    fn a_renewal_answered_in_the_grants_ms_is_the_same_lease() {
+        // Lease 2 granted and renewed within ms 111: one lease, so lease 1 and 2 are two of two.
+        let j = verdict(vec![
+            item("consume", Some(1), 100, true, "redis"),
+            item("consume", Some(2), 110, true, "redis"),
+            item("consume", Some(2), 110, true, "redis"),
+        ]);
+        assert!(j.breaches.is_empty(), "{j:?}");
     }
 
     #[test]
