@@ -91,6 +91,12 @@ fn build(ca: Option<&std::path::Path>) -> Result<reqwest::Client, String> {
 const POOL_IDLE: Duration = Duration::from_secs(4);
 const _: () = assert!(POOL_IDLE.as_secs() * 1_000 < crate::listen::DEFAULT_HEADER_TIMEOUT_MS);
 
+/// The process's HTTP client (the system's roots and `--rules-ca`'s), for another use than the rules
+/// service: the span exporter's OTLP/HTTP posts.
+pub fn shared_client() -> Result<reqwest::Client, String> {
+    client().cloned()
+}
+
 fn client() -> Result<&'static reqwest::Client, String> {
     CLIENT.get_or_init(|| build(None)).as_ref().map_err(Clone::clone)
 }

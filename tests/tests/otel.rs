@@ -1,4 +1,4 @@
-//! OpenTelemetry traces against an OTLP/HTTP receiver started by the test: with `--otlp-endpoint`,
+//! OpenTelemetry traces against OTLP receivers started by the test (HTTP, gRPC): with `--otlp-endpoint`,
 //! a check over the frames protocol (the SDK's trace context, the Layer's `traceparent` header, on
 //! the request's check and on its lease's release),
 //! a ShouldRateLimit over gRPC (`traceparent` metadata) and a rules-API request each become a span
@@ -22,6 +22,23 @@ const RULES: &str = r#"{"rules":[
   {"id":"edge-ip","dimension":"descriptor","limit":100,"windowSeconds":60,
    "envoy":{"domain":"edge","descriptors":[{"key":"remote_address"}]}}]}"#;
 
+/// An OTLP/HTTP body as OTLP/JSON: JSON as sent, protobuf (the agent's default) decoded and
+/// written in OTLP's JSON mapping by opentelemetry-proto's serde (the mapping its JSON export uses).
+fn otlp_json(headers: &axum::http::HeaderMap, body: &[u8]) -> Value {
+    use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+    use prost::Message;
+    let kind = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    if kind == "application/x-protobuf" {
+        let request = ExportTraceServiceRequest::decode(body).expect("OTLP/protobuf");
+        serde_json::to_value(request).expect("OTLP/JSON")
+    } else {
+        serde_json::from_slice(body).expect("OTLP/JSON")
+    }
+}
+
 /// Every span the receiver was sent.
 #[derive(Clone, Default)]
 struct Received(Arc<Mutex<Vec<Value>>>);
@@ -32,13 +49,20 @@ impl Received {
         let store = got.clone();
         let app = Router::new().route(
             "/v1/traces",
-            post(move |body: String| {
+            post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
                 let store = store.clone();
                 async move {
-                    let v: Value = serde_json::from_str(&body).expect("OTLP/JSON");
+                    let v = otlp_json(&headers, &body);
                     let mut spans = store.0.lock().unwrap();
                     for rs in v["resourceSpans"].as_array().unwrap() {
-                        let service = rs["resource"]["attributes"][0]["value"]["stringValue"].clone();
+                        // The resource's attributes come in no set order.
+                        let service = rs["resource"]["attributes"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .find(|a| a["key"] == "service.name")
+                            .map(|a| a["value"]["stringValue"].clone())
+                            .unwrap_or_default();
                         for ss in rs["scopeSpans"].as_array().unwrap() {
                             for s in ss["spans"].as_array().unwrap() {
                                 let mut s = s.clone();
@@ -114,6 +138,12 @@ fn attr<'a>(span: &'a Value, key: &str) -> &'a Value {
     &a.iter()
         .find(|a| a["key"] == key)
         .unwrap_or_else(|| panic!("no {key} in {span}"))["value"]
+}
+
+/// Whether an OTLP/JSON span has no parent: `parentSpanId` absent or empty (protobuf's JSON mapping
+/// may write an empty bytes field either way).
+fn is_root(span: &Value) -> bool {
+    span.get("parentSpanId").is_none_or(|p| p == "")
 }
 
 fn context(n: u8, sampled: bool) -> TraceContext {
@@ -194,7 +224,7 @@ async fn checks_and_rules_api_requests_become_child_spans() {
         std::future::ready((spans.len() > before).then(|| spans[before].clone()))
     })
     .await;
-    assert!(root.get("parentSpanId").is_none(), "{root}");
+    assert!(is_root(&root), "{root}");
     assert_eq!(root["name"], "check");
 
     // gRPC: the traceparent metadata Envoy forwards.
@@ -418,8 +448,10 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
                         .to_string()
                 };
                 let (auth, encoding) = (header("authorization"), header("content-encoding"));
+                // The auth header and the encodings, as one string each.
+                let encoding = format!("{encoding} {}", header("content-type"));
                 let mut json = Vec::new();
-                if encoding == "gzip" {
+                if encoding.starts_with("gzip ") {
                     use std::io::Read;
                     flate2::read::GzDecoder::new(&body[..])
                         .read_to_end(&mut json)
@@ -427,7 +459,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
                 } else {
                     json = body.to_vec();
                 }
-                let body = serde_json::from_slice(&json).expect("OTLP/JSON");
+                let body = otlp_json(&headers, &json);
                 store.lock().unwrap().push((auth, encoding, body));
                 "{}"
             }
@@ -440,6 +472,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{addr}"))
         .env("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
         .env("OTEL_EXPORTER_OTLP_COMPRESSION", "gzip")
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
         .env("OTEL_SERVICE_NAME", "env-agent")
         .env(
             "OTEL_RESOURCE_ATTRIBUTES",
@@ -455,7 +488,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
     })
     .await;
     assert_eq!(auth, "Bearer s3cret");
-    assert_eq!(encoding, "gzip");
+    assert_eq!(encoding, "gzip application/json");
     let resource = &body["resourceSpans"][0]["resource"]["attributes"];
     let value = |key: &str| {
         resource
@@ -469,7 +502,7 @@ async fn opentelemetrys_environment_variables_configure_the_export() {
     assert_eq!(value("deployment.environment"), Some("test".into()), "{body}");
     let span = &body["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
     assert_eq!(span["name"], "check", "{body}");
-    assert!(span.get("parentSpanId").is_none(), "a root span: {body}");
+    assert!(is_root(span), "a root span: {body}");
 
     // A variable the agent cannot read stops its start, naming it.
     let out = std::process::Command::new(floodgate_tests::floodgate_bin())
@@ -495,12 +528,12 @@ async fn scripted(marked: String, answers: Vec<(u16, Option<&'static str>)>) -> 
     let seen = posts.clone();
     let app = Router::new().route(
         "/v1/traces",
-        post(move |body: String| {
+        post(move |headers: axum::http::HeaderMap, body: axum::body::Bytes| {
             let seen = seen.clone();
             let marked = marked.clone();
             let answers = answers.clone();
             async move {
-                let v: Value = serde_json::from_str(&body).expect("OTLP/JSON");
+                let v = otlp_json(&headers, &body);
                 let traces: Vec<String> = v["resourceSpans"][0]["scopeSpans"][0]["spans"]
                     .as_array()
                     .unwrap()
@@ -584,10 +617,10 @@ async fn an_export_refused_for_now_is_sent_again_and_one_refused_for_good_is_not
     );
 }
 
-/// `OTEL_EXPORTER_OTLP_PROTOCOL=http/protobuf`: the batch is an `ExportTraceServiceRequest` in
-/// protobuf (what an OpenTelemetry SDK sends by default), `Content-Type: application/x-protobuf`.
+/// By default (`OTEL_EXPORTER_OTLP_PROTOCOL` unset, as an OpenTelemetry SDK does) the batch is an
+/// `ExportTraceServiceRequest` in protobuf, `Content-Type: application/x-protobuf`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_export_speaks_protobuf_when_asked() {
+async fn the_export_speaks_protobuf_by_default() {
     use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
     use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
     use prost::Message;
@@ -611,10 +644,7 @@ async fn the_export_speaks_protobuf_when_asked() {
         }),
     );
     let addr = serve(app).await;
-    let agent = exporting_to(addr)
-        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-        .start()
-        .await;
+    let agent = exporting_to(addr).start().await;
     let client = patient_client(agent.socket()).await;
     let parent = context(0x61, true);
     traced_check(&client, parent).await;
@@ -646,5 +676,70 @@ async fn the_export_speaks_protobuf_when_asked() {
     assert_eq!(
         protocol.and_then(|a| a.value.clone()).and_then(|v| v.value),
         Some(Any::StringValue("frames".into()))
+    );
+}
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`: the batch is an OTLP/gRPC `TraceService/Export` call to the
+/// endpoint, the headers as its metadata.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_export_speaks_otlp_grpc_when_asked() {
+    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+        TraceService, TraceServiceServer,
+    };
+    use opentelemetry_proto::tonic::collector::trace::v1::{
+        ExportTraceServiceRequest, ExportTraceServiceResponse,
+    };
+
+    type Calls = Arc<Mutex<Vec<(Option<String>, ExportTraceServiceRequest)>>>;
+    struct Collector(Calls);
+    #[tonic::async_trait]
+    impl TraceService for Collector {
+        async fn export(
+            &self,
+            request: tonic::Request<ExportTraceServiceRequest>,
+        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+            let auth = request
+                .metadata()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            self.0.lock().unwrap().push((auth, request.into_inner()));
+            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+        }
+    }
+
+    let calls = Calls::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let collector = TraceServiceServer::new(Collector(calls.clone()));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(collector)
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    let agent = Agent::builder()
+        .rules(RULES)
+        .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{addr}"))
+        .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+        .env("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20s3cret")
+        .start()
+        .await;
+    let client = patient_client(agent.socket()).await;
+    let parent = context(0x71, true);
+    traced_check(&client, parent).await;
+    let (auth, request) = eventually("an Export call arrives", Duration::from_secs(10), || {
+        std::future::ready(calls.lock().unwrap().first().cloned())
+    })
+    .await;
+    assert_eq!(auth.as_deref(), Some("Bearer s3cret"));
+    let span = request
+        .resource_spans
+        .iter()
+        .flat_map(|rs| rs.scope_spans.iter().flat_map(|ss| ss.spans.iter()))
+        .find(|s| s.trace_id == parent.trace_id)
+        .expect("the check's span, in its caller's trace");
+    assert_eq!(
+        (span.name.as_str(), &span.parent_span_id[..]),
+        ("check", &parent.span_id[..])
     );
 }

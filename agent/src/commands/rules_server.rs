@@ -9,7 +9,8 @@ pub(super) fn run(config: RulesServerConfig) -> anyhow::Result<()> {
     super::runtime(1)?.block_on(async move {
         let shutdown = super::shutdown_on_signals()?;
         let otlp = config.otlp.config().map_err(|e| anyhow::anyhow!("traces: {e}"))?;
-        let traces = crate::otel::install(&otlp).map(|exporter| {
+        let exporter = crate::otel::install(&otlp).map_err(|e| anyhow::anyhow!("traces: {e}"))?;
+        let traces = exporter.map(|exporter| {
             let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
             (
                 stop_tx,

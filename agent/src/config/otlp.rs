@@ -4,10 +4,10 @@
 /// OpenTelemetry traces: where spans go, under which service name, and how many new traces are kept.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OtlpArgs {
-    /// Export traces to this OTLP/HTTP collector (`http://collector:4318`; spans are POSTed as
-    /// OTLP/JSON, or protobuf per `OTEL_EXPORTER_OTLP_PROTOCOL`, to `<endpoint>/v1/traces`): a span
-    /// per check and per rules-API request. Unset:
-    /// `OTEL_EXPORTER_OTLP_ENDPOINT`, else off.
+    /// Export traces to this OTLP collector (`http://collector:4318`; spans are POSTed as
+    /// OTLP/protobuf, or JSON per `OTEL_EXPORTER_OTLP_PROTOCOL`, to `<endpoint>/v1/traces`, or sent
+    /// over OTLP/gRPC to `http://collector:4317` with `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`): a span
+    /// per check and per rules-API request. Unset: `OTEL_EXPORTER_OTLP_ENDPOINT`, else off.
     #[arg(long, env = "FLOODGATE_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 
@@ -43,8 +43,23 @@ impl OtlpArgs {
                 .map(|v| (traces.to_string(), v))
                 .or_else(|| env(general).map(|v| (general.to_string(), v)))
         };
+        let encoding = match either(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ) {
+            Some((name, v)) => match v.trim() {
+                "http/json" => crate::otel::Encoding::Json,
+                "http/protobuf" => crate::otel::Encoding::Protobuf,
+                "grpc" => crate::otel::Encoding::Grpc,
+                _ => return Err(format!("{name}={v:?}: http/json, http/protobuf or grpc")),
+            },
+            // OpenTelemetry's default, and an eighth of OTLP/JSON's bytes (BENCHMARKS.md).
+            None => crate::otel::Encoding::Protobuf,
+        };
         let endpoint = match (&self.otlp_endpoint, env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")) {
             (Some(e), _) => Some(e.clone()),
+            // OTLP/gRPC has no path: the traces endpoint is the collector's address.
+            (None, Some(url)) if encoding == crate::otel::Encoding::Grpc => Some(url),
             // The traces endpoint is the whole URL spans go to; ours appends `/v1/traces`.
             (None, Some(url)) => Some(
                 url.trim_end_matches('/')
@@ -82,7 +97,7 @@ impl OtlpArgs {
                 Ok(ms) if ms > 0 => std::time::Duration::from_millis(ms),
                 _ => return Err(format!("{name}={v:?}: a timeout in milliseconds")),
             },
-            None => crate::otel::POST_TIMEOUT,
+            None => crate::otel::EXPORT_TIMEOUT,
         };
         let gzip = match either(
             "OTEL_EXPORTER_OTLP_TRACES_COMPRESSION",
@@ -94,21 +109,6 @@ impl OtlpArgs {
                 _ => return Err(format!("{name}={v:?}: gzip or none")),
             },
             None => false,
-        };
-        let encoding = match either(
-            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-            "OTEL_EXPORTER_OTLP_PROTOCOL",
-        ) {
-            Some((name, v)) => match v.trim() {
-                "http/json" => crate::otel::Encoding::Json,
-                "http/protobuf" => crate::otel::Encoding::Protobuf,
-                _ => {
-                    return Err(format!(
-                        "{name}={v:?}: http/json or http/protobuf (OTLP over gRPC is not spoken)"
-                    ))
-                }
-            },
-            None => crate::otel::Encoding::Json,
         };
         Ok(crate::otel::Config {
             endpoint,
@@ -255,7 +255,8 @@ mod tests {
         assert_eq!(c.endpoint.as_deref(), Some("http://traces:4318"));
         assert_eq!(c.headers, [("a".into(), "1".into())]);
         assert!(!c.gzip);
-        assert_eq!(c.encoding, crate::otel::Encoding::Json);
+        // Unset: OpenTelemetry's default.
+        assert_eq!(c.encoding, crate::otel::Encoding::Protobuf);
         assert_eq!(c.sample_ratio, 0.0);
     }
 
@@ -291,7 +292,7 @@ mod tests {
             ("OTEL_EXPORTER_OTLP_HEADERS", "no-equals-sign"),
             ("OTEL_EXPORTER_OTLP_TIMEOUT", "soon"),
             ("OTEL_EXPORTER_OTLP_COMPRESSION", "zstd"),
-            ("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"),
+            ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/thrift"),
             ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://x:4318/elsewhere"),
         ] {
             let mut vars = vec![(k, v)];

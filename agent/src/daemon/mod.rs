@@ -80,13 +80,20 @@ impl Built {
                 |e| tracing::error!(error = %e, "traces off: an OpenTelemetry variable cannot be read"),
             )
             .ok();
-        let traces = otlp.as_ref().and_then(crate::otel::install).map(|exporter| {
+        let exporter = otlp.as_ref().and_then(|c| {
+            crate::otel::install(c)
+                .inspect_err(|e| tracing::error!(error = %e, "traces off"))
+                .ok()
+                .flatten()
+        });
+        let traces = exporter.map(|exporter| {
             let otlp = otlp.as_ref().expect("installed from it");
             tracing::info!(
                 endpoint = otlp.endpoint.as_deref().unwrap_or_default(),
                 sample_ratio = otlp.sample_ratio,
                 headers = otlp.headers.len(),
-                "exporting traces (OTLP/HTTP)"
+                encoding = ?otlp.encoding,
+                "exporting traces (OTLP)"
             );
             let (stop_tx, stop_rx) = watch::channel(false);
             (

@@ -1,149 +1,227 @@
 //! The exporter: spans from the tracer's queue, in batches of at most [`BATCH`] or every
-//! [`INTERVAL`], as one OTLP `ExportTraceServiceRequest` (JSON or protobuf: `encode`) POSTed to
-//! `<endpoint>/v1/traces`, gzip-compressed when configured (`Content-Encoding: gzip`).
+//! [`INTERVAL`], handed to `opentelemetry-otlp`'s span exporter: OTLP/HTTP (JSON or protobuf) to
+//! `<endpoint>/v1/traces`, or OTLP/gRPC to `<endpoint>`, gzip-compressed when configured.
 //!
-//! A POST the collector refuses for now (429, 502, 503, 504, as OTLP/HTTP names them) or that
-//! cannot reach it is sent again, up to [`RETRIES`] times, after a backoff that doubles from
-//! [`FIRST_BACKOFF`] with jitter, or after the collector's `Retry-After` (seconds) where it gives
-//! one, never waiting more than [`MAX_BACKOFF`] at once. While it waits new spans queue in the
-//! tracer's bounded queue (past it they are dropped and counted, as always); a shutdown ends the
-//! wait. A batch refused for good (any other status), or still refused after its retries, is
-//! logged (once per minute at most) and dropped and counted: the collector's outage never holds
-//! spans, memory or requests back for long.
+//! The crate retries what OTLP names retryable (HTTP 429, 502, 503, 504 or no answer; gRPC
+//! UNAVAILABLE and the like): up to [`RETRIES`] times, after a backoff that doubles from
+//! [`FIRST_BACKOFF`] (plus up to [`JITTER`]) to at most [`MAX_BACKOFF`], or after the collector's
+//! `Retry-After` (HTTP) or `RetryInfo` (gRPC), all within the export's timeout. While it waits new
+//! spans queue in the tracer's bounded queue (past it they are dropped and counted, as always). A
+//! batch refused for good, or not sent within the timeout, is logged (once per minute at most) and
+//! dropped and counted: the collector's outage never holds spans, memory or requests back for long.
+//!
+//! Our own here: the queue and the batching (no SDK tracer provider: a span is recorded on the
+//! request path as a plain struct, `span`), and the conversion of a span into the SDK's `SpanData`.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::time::{Duration, UNIX_EPOCH};
 
+use opentelemetry::trace::{
+    Link, SpanContext, SpanId, SpanKind as OtelKind, Status, TraceFlags, TraceId, TraceState,
+};
+use opentelemetry::{InstrumentationScope, KeyValue, Value};
+use opentelemetry_otlp::{
+    Compression, Protocol, RetryPolicy, WithExportConfig, WithHttpConfig, WithTonicConfig,
+};
+use opentelemetry_sdk::trace::{SpanExporter, SpanLinks};
+use opentelemetry_sdk::Resource;
 use tokio::sync::{mpsc, watch};
 
-use super::span::SpanData;
+use super::span::{Attr, SpanData, SpanKind};
 
-/// Most spans in one POST.
+/// Most spans in one export.
 pub const BATCH: usize = 512;
 
 /// Longest a span waits for its batch.
 pub const INTERVAL: Duration = Duration::from_secs(1);
 
-/// Longest one POST may take.
-pub const POST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Longest one batch's export may take, its retries included (`OTEL_EXPORTER_OTLP_TIMEOUT`).
+pub const EXPORT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Most times one batch is sent again after a retryable failure.
-pub const RETRIES: u32 = 3;
+pub const RETRIES: usize = 3;
 
-/// The wait before a batch's first retry, doubled for each next one (±25 % jitter).
+/// The wait before a batch's first retry, doubled for each next one.
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 
-/// The longest wait before one retry, whatever the collector's `Retry-After` asks.
+/// At most this much is added to each wait, at random.
+pub const JITTER: Duration = Duration::from_millis(250);
+
+/// The longest wait before one retry the backoff reaches (a collector's `Retry-After` may ask
+/// longer, within the export's timeout).
 pub const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// How a batch travels (`OTEL_EXPORTER_OTLP_PROTOCOL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// `http/json`: OTLP/HTTP, JSON.
+    Json,
+    /// `http/protobuf`: OTLP/HTTP, protobuf.
+    Protobuf,
+    /// `grpc`: OTLP/gRPC.
+    Grpc,
+}
 
 /// The exporter, waiting to be run.
 pub struct Exporter {
     rx: mpsc::Receiver<SpanData>,
     endpoint: String,
-    service: String,
-    headers: Vec<(String, String)>,
     timeout: Duration,
-    gzip: bool,
-    encoding: super::Encoding,
-    resource: Vec<(String, String)>,
+    otlp: opentelemetry_otlp::SpanExporter,
+    scope: InstrumentationScope,
 }
 
 impl Exporter {
-    pub(super) fn new(rx: mpsc::Receiver<SpanData>, endpoint: &str, config: &super::Config) -> Self {
-        Exporter {
-            rx,
-            endpoint: endpoint.trim_end_matches('/').to_string(),
-            service: config.service_name.clone(),
-            headers: config.headers.clone(),
-            timeout: config.timeout,
-            gzip: config.gzip,
-            encoding: config.encoding,
-            resource: config.resource.clone(),
-        }
-    }
-}
-
-/// `body` gzip-compressed (flate2, the default level).
-fn gzip(body: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    let mut z =
-        flate2::write::GzEncoder::new(Vec::with_capacity(body.len() / 4), flate2::Compression::default());
-    // Writing into a Vec cannot fail.
-    z.write_all(body).expect("gzip into memory");
-    z.finish().expect("gzip into memory")
-}
-
-/// What one POST came to.
-enum Sent {
-    Done,
-    /// Refused for good (a status OTLP/HTTP does not retry).
-    Refused(String),
-    /// Refused for now, or the collector not reached; the wait it asked for, if it did.
-    Retry(String, Option<Duration>),
-}
-
-async fn post(e: &Exporter, headers: &[(&str, String)], body: &[u8]) -> Sent {
-    let sent = floodgate_rules_service::http::request(
-        &e.endpoint,
-        "POST",
-        "/v1/traces",
-        None,
-        headers,
-        Some(body),
-        e.timeout,
-    )
-    .await;
-    match sent {
-        Ok(r) if (200..300).contains(&r.status) => Sent::Done,
-        Ok(r) if matches!(r.status, 429 | 502 | 503 | 504) => {
-            let after = r
-                .header("retry-after")
-                .and_then(|v| v.trim().parse::<u64>().ok())
-                .map(Duration::from_secs);
-            Sent::Retry(format!("HTTP {}", r.status), after)
-        }
-        Ok(r) => Sent::Refused(format!("HTTP {}", r.status)),
-        Err(why) => Sent::Retry(why, None),
-    }
-}
-
-/// The wait before retry `n` (0-based): the collector's ask, or the doubling backoff with ±25 %
-/// jitter from `seed`; at most [`MAX_BACKOFF`].
-fn backoff(n: u32, asked: Option<Duration>, seed: u64) -> Duration {
-    let wait = asked.unwrap_or_else(|| {
-        let base = FIRST_BACKOFF * 2u32.saturating_pow(n);
-        // 75 % to 125 % of the base.
-        base.mul_f64(0.75 + (seed % 1_000) as f64 / 2_000.0)
-    });
-    wait.min(MAX_BACKOFF)
-}
-
-/// Sends one batch, retrying what may succeed later; the failure that drops it, if any. No retry
-/// once `stopping` (the agent is shutting down), and a shutdown ends a wait.
-async fn export(
-    e: &Exporter,
-    headers: &[(&str, String)],
-    body: &[u8],
-    shutdown: &mut watch::Receiver<bool>,
-    mut stopping: bool,
-) -> Option<String> {
-    let mut n = 0;
-    loop {
-        match post(e, headers, body).await {
-            Sent::Done => return None,
-            Sent::Refused(why) => return Some(why),
-            Sent::Retry(why, _) if stopping || n >= RETRIES => return Some(why),
-            Sent::Retry(why, asked) => {
-                let seed =
-                    std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), n);
-                let wait = backoff(n, asked, seed);
-                tracing::debug!(error = %why, retry_in_ms = wait.as_millis() as u64, "span export refused for now; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = floodgate_core::tasks::stopped(shutdown) => stopping = true,
+    /// The exporter of `config`'s spans to `endpoint`; an error names what cannot be set up.
+    pub(super) fn new(
+        rx: mpsc::Receiver<SpanData>,
+        endpoint: &str,
+        config: &super::Config,
+    ) -> Result<Self, String> {
+        let base = endpoint.trim_end_matches('/');
+        let retry = RetryPolicy::default()
+            .with_max_retries(RETRIES)
+            .with_initial_delay(FIRST_BACKOFF)
+            .with_max_delay(MAX_BACKOFF)
+            .with_max_jitter(JITTER);
+        let compression = config.gzip.then_some(Compression::Gzip);
+        let builder = opentelemetry_otlp::SpanExporter::builder();
+        let built = match config.encoding {
+            Encoding::Json | Encoding::Protobuf => {
+                let client = floodgate_rules_service::http::shared_client()?;
+                let mut http = builder
+                    .with_http()
+                    .with_http_client(client)
+                    .with_protocol(match config.encoding {
+                        Encoding::Json => Protocol::HttpJson,
+                        _ => Protocol::HttpBinary,
+                    })
+                    .with_endpoint(format!("{base}/v1/traces"))
+                    .with_timeout(config.timeout)
+                    .with_headers(config.headers.iter().cloned().collect::<HashMap<_, _>>())
+                    .with_retry_policy(retry);
+                if let Some(c) = compression {
+                    http = http.with_compression(c);
                 }
-                n += 1;
+                http.build()
             }
-        }
+            Encoding::Grpc => {
+                let mut metadata = tonic::metadata::MetadataMap::new();
+                for (k, v) in &config.headers {
+                    let key = tonic::metadata::MetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes())
+                        .map_err(|_| format!("OTLP header {k:?}: not a gRPC metadata key"))?;
+                    let value = v
+                        .parse()
+                        .map_err(|_| format!("OTLP header {k:?}: not a gRPC metadata value"))?;
+                    metadata.insert(key, value);
+                }
+                let mut grpc = builder
+                    .with_tonic()
+                    .with_protocol(Protocol::Grpc)
+                    .with_endpoint(base)
+                    .with_timeout(config.timeout)
+                    .with_metadata(metadata)
+                    .with_retry_policy(retry);
+                if base.starts_with("https://") {
+                    grpc = grpc.with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+                }
+                if let Some(c) = compression {
+                    grpc = grpc.with_compression(c);
+                }
+                grpc.build()
+            }
+        };
+        let mut otlp = built.map_err(|e| format!("cannot set up the OTLP exporter: {e}"))?;
+        otlp.set_resource(&resource(&config.service_name, &config.resource));
+        Ok(Exporter {
+            rx,
+            endpoint: base.to_string(),
+            timeout: config.timeout,
+            otlp,
+            scope: InstrumentationScope::builder("floodgate")
+                .with_version(env!("CARGO_PKG_VERSION"))
+                .build(),
+        })
+    }
+}
+
+/// The resource: `service.name`, `service.version`, then `OTEL_RESOURCE_ATTRIBUTES`' others.
+fn resource(service: &str, others: &[(String, String)]) -> Resource {
+    let mut attributes = vec![
+        KeyValue::new("service.name", service.to_string()),
+        KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
+    ];
+    attributes.extend(
+        others
+            .iter()
+            .filter(|(k, _)| k != "service.name" && k != "service.version")
+            .map(|(k, v)| KeyValue::new(k.clone(), v.clone())),
+    );
+    Resource::builder_empty().with_attributes(attributes).build()
+}
+
+/// One of our spans as the SDK's: a sampled context, the parent remote when a caller sent it (a
+/// server span's), the attributes, links and an error status.
+fn sdk_span(s: SpanData, scope: &InstrumentationScope) -> opentelemetry_sdk::trace::SpanData {
+    let context = |trace: [u8; 16], span: [u8; 8]| {
+        SpanContext::new(
+            TraceId::from_bytes(trace),
+            SpanId::from_bytes(span),
+            TraceFlags::SAMPLED,
+            false,
+            TraceState::default(),
+        )
+    };
+    let at = |ns: u64| UNIX_EPOCH + Duration::from_nanos(ns);
+    let mut links = SpanLinks::default();
+    links.links = s
+        .links
+        .iter()
+        .map(|&(t, sp)| Link::with_context(context(t, sp)))
+        .collect();
+    opentelemetry_sdk::trace::SpanData {
+        span_context: context(s.trace_id, s.span_id),
+        parent_span_id: s.parent.map_or(SpanId::INVALID, SpanId::from_bytes),
+        parent_span_is_remote: s.parent.is_some() && s.kind == SpanKind::Server,
+        span_kind: match s.kind {
+            SpanKind::Server => OtelKind::Server,
+            SpanKind::Client => OtelKind::Client,
+        },
+        name: s.name.into(),
+        start_time: at(s.start_ns),
+        end_time: at(s.end_ns),
+        attributes: s
+            .attributes
+            .into_iter()
+            .map(|(k, v)| {
+                KeyValue::new(
+                    k,
+                    match v {
+                        Attr::Str(x) => Value::from(x),
+                        Attr::Int(x) => Value::I64(x),
+                        Attr::Bool(x) => Value::Bool(x),
+                    },
+                )
+            })
+            .collect(),
+        dropped_attributes_count: 0,
+        events: Default::default(),
+        links,
+        status: if s.error { Status::error("") } else { Status::Unset },
+        instrumentation_scope: scope.clone(),
+    }
+}
+
+/// Sends one batch (the crate retries within the timeout); the failure that drops it, if any. A
+/// shutdown does not cut it short: the agent's drain gives the exporter more than the timeout.
+async fn export(e: &Exporter, batch: Vec<SpanData>) -> Option<String> {
+    let spans = batch.into_iter().map(|s| sdk_span(s, &e.scope)).collect();
+    // A request that hangs is not the crate's to end (it stops retrying at the timeout, but does
+    // not cut a call short): the timeout, and a little for the last attempt's answer, bound it.
+    match tokio::time::timeout(e.timeout + Duration::from_millis(250), e.otlp.export(spans)).await {
+        Ok(Ok(())) => None,
+        Ok(Err(why)) => Some(why.to_string()),
+        Err(_) => Some(format!("not sent within {:?}", e.timeout)),
     }
 }
 
@@ -178,54 +256,20 @@ pub async fn run_exporter(mut e: Exporter, mut shutdown: watch::Receiver<bool>) 
             }
         }
         if !batch.is_empty() {
-            let body = e.encoding.body(&e.service, &e.resource, &batch);
-            let mut headers: Vec<(&str, String)> =
-                e.headers.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
-            headers.push(("content-type", e.encoding.content_type().into()));
-            let body = if e.gzip {
-                headers.push(("content-encoding", "gzip".into()));
-                gzip(&body)
-            } else {
-                body
-            };
-            let failure = export(&e, &headers, &body, &mut shutdown, stopping).await;
+            let spans = batch.len();
+            let failure = export(&e, std::mem::take(&mut batch)).await;
             if let Some(why) = failure {
-                for _ in 0..batch.len() {
+                for _ in 0..spans {
                     floodgate_core::metrics::trace_span_dropped();
                 }
                 if last_warning.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                    tracing::warn!(endpoint = %e.endpoint, error = %why, spans = batch.len(), "could not export spans; dropped");
+                    tracing::warn!(endpoint = %e.endpoint, error = %why, spans, "could not export spans; dropped");
                     last_warning = Some(std::time::Instant::now());
                 }
             }
-            batch.clear();
         }
         if stopping && e.rx.is_empty() {
             return;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_backoff_doubles_with_jitter_and_honours_retry_after_up_to_its_cap() {
-        for seed in [0, 499, 999, 12_345] {
-            let first = backoff(0, None, seed);
-            assert!(
-                first >= FIRST_BACKOFF.mul_f64(0.75) && first <= FIRST_BACKOFF.mul_f64(1.25),
-                "{first:?}"
-            );
-            let third = backoff(2, None, seed);
-            assert!(third >= (FIRST_BACKOFF * 4).mul_f64(0.75), "{third:?}");
-        }
-        assert_eq!(backoff(30, None, 7), MAX_BACKOFF);
-        assert_eq!(
-            backoff(0, Some(Duration::from_secs(2)), 7),
-            Duration::from_secs(2)
-        );
-        assert_eq!(backoff(0, Some(Duration::from_secs(3_600)), 7), MAX_BACKOFF);
     }
 }

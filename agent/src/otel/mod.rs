@@ -1,6 +1,6 @@
 //! OpenTelemetry traces, opt-in (`--otlp-endpoint`): a span per check (frames and gRPC) and per
 //! rules-service request, each a child of the caller's W3C trace context when it sent one, sent in
-//! batches to an OTLP/HTTP collector as JSON or protobuf.
+//! batches to an OTLP collector: OTLP/HTTP (JSON or protobuf) or OTLP/gRPC, by `opentelemetry-otlp`.
 //!
 //! Off (the default) it costs a check one atomic load (`enabled`). On, a span is recorded when the
 //! caller's context says sampled, or, for a request without one, when its new trace id falls under
@@ -9,19 +9,16 @@
 //! when the exporter's queue is full the span is dropped and counted.
 //!
 //! - `span`: ids, sampling, `SpanStart` and its end.
-//! - `export`: the exporter task: batches, POST to `<endpoint>/v1/traces`, retries.
-//! - `encode`: a batch as OTLP/JSON or OTLP/protobuf.
+//! - `export`: the exporter task: batches, each a span of the SDK's handed to `opentelemetry-otlp`.
 //! - `layer`: the rules service's HTTP requests as spans.
 
-mod encode;
 mod export;
 mod layer;
 mod span;
 
 use std::sync::OnceLock;
 
-pub use encode::{otlp_json, otlp_protobuf, Encoding};
-pub use export::{run_exporter, Exporter, POST_TIMEOUT};
+pub use export::{run_exporter, Encoding, Exporter, EXPORT_TIMEOUT};
 pub use layer::http_spans;
 pub use span::{Attr, SpanData, SpanKind, SpanStart, Tracer};
 
@@ -39,13 +36,19 @@ pub fn tracer() -> Option<&'static Tracer> {
     TRACER.get()
 }
 
-/// Turns traces on for the process (the first call wins) and returns the exporter to run.
-pub fn install(config: &Config) -> Option<Exporter> {
-    let endpoint = config.endpoint.as_ref()?;
-    let (tracer, exporter) = span::pair(endpoint, config);
-    TRACER.set(tracer).ok()?;
+/// Turns traces on for the process (the first call wins) and returns the exporter to run: None
+/// when no endpoint is configured (or traces were on already), an error when the exporter cannot be
+/// set up (traces stay off).
+pub fn install(config: &Config) -> Result<Option<Exporter>, String> {
+    let Some(endpoint) = config.endpoint.as_ref() else {
+        return Ok(None);
+    };
+    let (tracer, exporter) = span::pair(endpoint, config)?;
+    if TRACER.set(tracer).is_err() {
+        return Ok(None);
+    }
     floodgate_core::call_trace::install(report_call);
-    Some(exporter)
+    Ok(Some(exporter))
 }
 
 /// A coalesced Redis script call as a span: the child of the first traced check it served, linked
@@ -91,7 +94,8 @@ pub fn wrap_router(router: axum::Router) -> axum::Router {
 /// What `--otlp-*` say.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// The collector's OTLP/HTTP base URL (spans go to `<endpoint>/v1/traces`); None: off.
+    /// The collector's base URL (OTLP/HTTP: spans go to `<endpoint>/v1/traces`; OTLP/gRPC: to
+    /// `<endpoint>`); None: off.
     pub endpoint: Option<String>,
     /// `service.name` of the spans' resource.
     pub service_name: String,
@@ -103,8 +107,8 @@ pub struct Config {
     pub timeout: std::time::Duration,
     /// Whether exports are gzip-compressed (`OTEL_EXPORTER_OTLP_COMPRESSION=gzip`).
     pub gzip: bool,
-    /// How a batch is encoded (`OTEL_EXPORTER_OTLP_PROTOCOL`: `http/json`, the default, or
-    /// `http/protobuf`).
+    /// How a batch travels (`OTEL_EXPORTER_OTLP_PROTOCOL`: `http/json`, the default,
+    /// `http/protobuf` or `grpc`).
     pub encoding: Encoding,
     /// The resource's attributes besides `service.name` and `service.version`
     /// (`OTEL_RESOURCE_ATTRIBUTES`).

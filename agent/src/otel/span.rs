@@ -67,7 +67,7 @@ pub struct Tracer {
     counter: AtomicU64,
 }
 
-pub(super) fn pair(endpoint: &str, config: &super::Config) -> (Tracer, Exporter) {
+pub(super) fn pair(endpoint: &str, config: &super::Config) -> Result<(Tracer, Exporter), String> {
     let (tx, rx) = mpsc::channel(QUEUE);
     let ratio = config.sample_ratio.clamp(0.0, 1.0);
     let threshold = if ratio >= 1.0 {
@@ -83,7 +83,7 @@ pub(super) fn pair(endpoint: &str, config: &super::Config) -> (Tracer, Exporter)
         key,
         counter: AtomicU64::new(0),
     };
-    (tracer, Exporter::new(rx, endpoint, config))
+    Ok((tracer, Exporter::new(rx, endpoint, config)?))
 }
 
 fn splitmix64(mut z: u64) -> u64 {
@@ -212,12 +212,13 @@ mod tests {
                     service_name: "s".into(),
                     sample_ratio,
                     headers: Vec::new(),
-                    timeout: crate::otel::POST_TIMEOUT,
+                    timeout: crate::otel::EXPORT_TIMEOUT,
                     gzip: false,
                     encoding: crate::otel::Encoding::Json,
                     resource: Vec::new(),
                 },
             )
+            .expect("an exporter")
         };
         let (never, _) = at(0.0);
         let (always, _) = at(1.0);
