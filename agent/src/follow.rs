@@ -190,7 +190,7 @@ pub(crate) async fn pause(wait: Duration, shutdown: &mut watch::Receiver<bool>) 
 /// time and every 30th, keeping `what` in force): soon at first, then the poll interval.
 pub(crate) fn unreachable(config: &FollowConfig, failures: &mut u32, error: &str, what: &str) -> Duration {
     *failures += 1;
-    if *failures == 1 || *failures % 30 == 0 {
+    if *failures == 1 || (*failures).is_multiple_of(30) {
         tracing::warn!(error = %error, failures = *failures, "rules service unreachable; keeping {what} in force");
     }
     config.poll.min(Duration::from_millis(200) * (*failures).min(50))

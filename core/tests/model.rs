@@ -310,7 +310,7 @@ fn run(seed: u64, tell: bool) -> Run {
         *double.health.lock().unwrap() = health;
         // The guard's loop, every 100 ms of each agent (staggered).
         for (i, (_, guard)) in engines.iter().enumerate() {
-            if (ms + 37 * i as u64) % 100 == 0 {
+            if (ms + 37 * i as u64).is_multiple_of(100) {
                 let instant = || clock.instant();
                 rt.block_on(async {
                     if !guard.all_closed() {

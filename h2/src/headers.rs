@@ -17,7 +17,7 @@ impl<S: Service> Conn<S> {
     /// HEADERS: its fragment gathered (padding and priority stripped; a stream that depends on
     /// itself is a stream error, its block still decoded), then the block ends or continues.
     pub(crate) fn headers(&mut self, h: Head, payload: &[u8]) -> Result<(), ConnError> {
-        if h.stream == 0 || h.stream % 2 == 0 {
+        if h.stream == 0 || h.stream.is_multiple_of(2) {
             return conn_error(code::PROTOCOL_ERROR, "HEADERS on stream 0 or a server's stream");
         }
         let Some(mut range) = frame::unpadded(&h, payload) else {

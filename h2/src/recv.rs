@@ -201,7 +201,7 @@ impl<S: Service> Conn<S> {
                 )
             };
         }
-        if h.len % 6 != 0 {
+        if !h.len.is_multiple_of(6) {
             return conn_error(code::FRAME_SIZE_ERROR, "SETTINGS of a length not a multiple of 6");
         }
         let mut initial = None;

@@ -74,7 +74,7 @@ pub async fn write_loop(
             Err(e) => {
                 failures += 1;
                 metrics::events(0, batch.len() as u64);
-                if failures == 1 || failures % 100 == 0 {
+                if failures == 1 || failures.is_multiple_of(100) {
                     tracing::warn!(error = %e, events = batch.len(), failures, "could not write rejection events; dropped");
                 }
             }

@@ -169,7 +169,8 @@ impl RulesStore {
             if schema >= target {
                 continue;
             }
-            for s in statements.iter() {
+            // Each a `&'static str`: sqlx takes only those (or audited strings) as SQL.
+            for &s in statements.iter() {
                 sqlx::query(s).execute(&mut *tx).await?;
             }
             sqlx::query("UPDATE floodgate_meta SET value = $1 WHERE name = 'schema'")

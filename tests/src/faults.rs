@@ -285,7 +285,7 @@ pub fn schedule(plan: &Plan) -> Vec<Fault> {
         }
         if plan.deployment == Deployment::Sentinel {
             // A failover first; then a failover or an agent killed.
-            let fault = if faults.is_empty() || rng.next() % 2 == 0 {
+            let fault = if faults.is_empty() || rng.next().is_multiple_of(2) {
                 Fault::SentinelFailover { at_ms: at }
             } else {
                 agent_killed(&mut rng, plan, at, lasts)
@@ -470,14 +470,14 @@ pub async fn run(plan: Plan) -> Report {
                     let client = clients[rng.range(0, clients.len() as u64) as usize].clone();
                     // A quarter of the checks on the Cluster go to a key on the first reshard's slots.
                     let key = match &hot {
-                        Some(hot) if rng.next() % 4 == 0 => hot.clone(),
+                        Some(hot) if rng.next().is_multiple_of(4) => hot.clone(),
                         _ => format!("user:{}", rng.range(0, plan.keys)),
                     };
                     let (by_agent, by_sdk) = (by_agent.clone(), by_sdk.clone());
                     sent.fetch_add(1, Ordering::Relaxed);
                     // A tenth are acquires of the concurrency rule, each lease released after up to
                     // 1.5 s (its 2 s lease time runs out if its agent is killed first).
-                    if rng.next() % 10 == 0 {
+                    if rng.next().is_multiple_of(10) {
                         let key = format!("user:{}", rng.range(0, plan.keys));
                         let hold = Duration::from_millis(rng.range(0, 1_500));
                         let sent = sent.clone();

@@ -31,6 +31,7 @@ impl Pki {
         ca_params.distinguished_name.push(rcgen::DnType::CommonName, name);
         let ca_key = rcgen::KeyPair::generate().unwrap();
         let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
         let write = |file: &str, text: String| std::fs::write(dir.path().join(file), text).unwrap();
         write("ca.pem", ca.pem());
         for (who, names) in [
@@ -41,7 +42,7 @@ impl Pki {
                 rcgen::CertificateParams::new(names.into_iter().map(String::from).collect::<Vec<_>>())
                     .unwrap();
             let key = rcgen::KeyPair::generate().unwrap();
-            let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+            let cert = params.signed_by(&key, &issuer).unwrap();
             write(&format!("{who}.pem"), cert.pem());
             write(&format!("{who}.key"), key.serialize_pem());
         }

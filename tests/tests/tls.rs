@@ -24,10 +24,11 @@ impl Tls {
             .push(rcgen::DnType::CommonName, "floodgate test CA");
         let ca_key = rcgen::KeyPair::generate().unwrap();
         let ca = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
         let params =
             rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
         let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &ca, &ca_key).unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
         std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
         std::fs::write(dir.path().join("server.pem"), cert.pem()).unwrap();
         std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();

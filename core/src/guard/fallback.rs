@@ -129,7 +129,7 @@ impl Fallback {
         // Bounded memory: every 1,024 checks look at the local store's size; while it holds more
         // than STORE_CAP keys (a flood of distinct keys during an outage), answer plain fail-open
         // without local state, until the sweep has expired enough of them.
-        if decided % 1_024 == 0 {
+        if decided.is_multiple_of(1_024) {
             self.full
                 .store(self.store.len() >= self.store_cap, Ordering::Relaxed);
         }
