@@ -73,10 +73,12 @@ COPY="$TMP/src/sdk-python"
 # What the installed package must hold: the tracked files under src/floodgate, relative to it.
 ( cd "$COPY/src/floodgate" && find . -type f | sed 's|^\./||' | sort ) > "$TMP/expected-files"
 
-step "python -m build --sdist --wheel (build from PyPI, in a venv of its own)"
+step "python -m build --sdist --wheel (build and hatchling from PyPI, hash-checked, in a venv of its own)"
 new_venv "$TMP/build-venv"
-"$TMP/build-venv/bin/python" -m pip install "${PIP_OPTS[@]}" build
-( cd "$COPY" && "$TMP/build-venv/bin/python" -m build --sdist --wheel --outdir "$TMP/dist" . ) \
+# requirements-build.txt pins both with every file's SHA-256; the build then runs in this venv
+# (--no-isolation) rather than in one pip would fill unchecked.
+"$TMP/build-venv/bin/python" -m pip install "${PIP_OPTS[@]}" --require-hashes -r "$SDK/requirements-build.txt"
+( cd "$COPY" && "$TMP/build-venv/bin/python" -m build --no-isolation --sdist --wheel --outdir "$TMP/dist" . ) \
   > "$TMP/build.log" 2>&1 || { cat "$TMP/build.log" >&2; fail "python -m build failed"; }
 shopt -s nullglob
 WHEELS=("$TMP"/dist/*.whl)
@@ -133,6 +135,9 @@ new_venv "$TMP/venv-wheel"
 "$TMP/venv-wheel/bin/python" -m pip check > /dev/null
 
 step "fresh venv: pip install the sdist (pip builds it on its own)"
+# As a user's `pip install` does: pip fetches hatchling into an isolated build environment of its
+# own, which it cannot hash-check (pip has no hashes for build dependencies). The one path here not
+# pinned by SHA-256, on purpose: it is the one users take.
 new_venv "$TMP/venv-sdist"
 "$TMP/venv-sdist/bin/python" -m pip install "${PIP_OPTS[@]}" "$SDIST"
 "$TMP/venv-sdist/bin/python" -m pip check > /dev/null
@@ -208,7 +213,7 @@ new_venv "$TMP/venv-tree"
 import sys, floodgate
 assert floodgate.__version__ == sys.argv[1], (floodgate.__version__, sys.argv[1])
 ' "$VERSION" ) || fail "pip install $SDK did not install floodgate-client $VERSION"
-"$TMP/build-venv/bin/python" -m build --sdist --wheel --outdir "$TMP/dist-tree" "$SDK" \
+"$TMP/build-venv/bin/python" -m build --no-isolation --sdist --wheel --outdir "$TMP/dist-tree" "$SDK" \
   > "$TMP/build-tree.log" 2>&1 || { cat "$TMP/build-tree.log" >&2; fail "python -m build $SDK failed"; }
 echo "   pip install and python -m build of the tree: $(cd "$TMP/dist-tree" && echo *)"
 

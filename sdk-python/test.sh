@@ -37,9 +37,15 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 9))' >/d
     "$PYTHON" -m venv "$VENV"
   fi
 fi
-# The package as it installs (not the source tree on sys.path), with the test extras; pip reinstalls
-# a local directory every time, so the venv holds this tree's code.
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade ".[test]"
+# The test extras and the build backend as requirements-test.txt and requirements-build.txt pin
+# them, each file checked against its SHA-256 (pip-compile --generate-hashes; regenerate with the
+# command in each header after changing the extras); then the package as it installs (not the
+# source tree on sys.path), built by that hatchling (no isolated build fetching one unchecked),
+# without dependencies (it has none; pip reinstalls a local directory every time, so the venv holds
+# this tree's code).
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes \
+  -r requirements-test.txt -r requirements-build.txt
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation --upgrade .
 "$VENV/bin/python" -m pip check >/dev/null
 "$VENV/bin/python" -c 'import floodgate, sys; print("floodgate-client", floodgate.__version__, "on Python", sys.version.split()[0], "agent", sys.argv[1])' "$FLOODGATE_BIN"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"

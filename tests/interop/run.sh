@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The agent's native gRPC server called from a second HTTP/2 implementation: grpcio (gRPC C-core's
-# chttp2). Makes a venv (target/interop-venv), installs the pinned grpcio and pytest from PyPI, and
+# chttp2). Makes a venv (target/interop-venv), installs the pinned grpcio and pytest from PyPI (hash-checked), and
 # runs the tests of this directory against the `floodgate` binary named by FLOODGATE_BIN (required:
 # each test starts its own agents). Extra arguments go to pytest. Exits non-zero when anything fails.
 set -euo pipefail
@@ -8,8 +8,6 @@ cd "$(dirname "$0")/../.."
 REPO="$PWD"
 PYTHON="${PYTHON:-python3}"
 VENV="$REPO/target/interop-venv"
-GRPCIO_VERSION="1.76.0"
-PYTEST_VERSION="8.4.2"
 
 if [ -z "${FLOODGATE_BIN:-}" ]; then
   echo "tests/interop/run.sh: set FLOODGATE_BIN to the floodgate binary to test" >&2
@@ -35,8 +33,9 @@ if ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 9))' >/d
     "$PYTHON" -m venv "$VENV"
   fi
 fi
-"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
-  "grpcio==$GRPCIO_VERSION" "pytest==$PYTEST_VERSION"
+# Pinned with every file's SHA-256 (requirements.txt, from requirements.in by pip-compile).
+"$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --require-hashes \
+  -r tests/interop/requirements.txt
 "$VENV/bin/python" -c 'import grpc, sys; print("grpcio", grpc.__version__, "on Python", sys.version.split()[0], "agent", sys.argv[1])' "$FLOODGATE_BIN"
 
 # No __pycache__ or .pytest_cache left in the source tree.
