@@ -97,6 +97,12 @@ pub fn shared_client() -> Result<reqwest::Client, String> {
     client().cloned()
 }
 
+/// A client of its own trusting the system's roots and the PEM certificates of `ca` (the span
+/// exporter's `OTEL_EXPORTER_OTLP_CERTIFICATE`).
+pub fn client_with_ca(ca: &std::path::Path) -> Result<reqwest::Client, String> {
+    build(Some(ca))
+}
+
 fn client() -> Result<&'static reqwest::Client, String> {
     CLIENT.get_or_init(|| build(None)).as_ref().map_err(Clone::clone)
 }

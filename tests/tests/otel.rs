@@ -15,6 +15,12 @@ use floodgate_agent::envoy::proto::{Entry, RateLimitClient, RateLimitDescriptor,
 use floodgate_protocol::{Check, Item, TraceContext};
 use floodgate_sdk::CallOptions;
 use floodgate_tests::{eventually, patient_client, Agent, RulesServer};
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
 use serde_json::Value;
 
 const RULES: &str = r#"{"rules":[
@@ -679,44 +685,66 @@ async fn the_export_speaks_protobuf_by_default() {
     );
 }
 
+/// The Export calls an OTLP/gRPC collector was sent: the `authorization` metadata and the request.
+type Calls = Arc<Mutex<Vec<(Option<String>, ExportTraceServiceRequest)>>>;
+
+struct Collector(Calls);
+
+#[tonic::async_trait]
+impl TraceService for Collector {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let auth = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        self.0.lock().unwrap().push((auth, request.into_inner()));
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// An OTLP/gRPC collector on a free loopback port, over TLS with `identity` (PEM certificate and
+/// key) when given.
+async fn grpc_collector(identity: Option<(String, String)>) -> (Calls, SocketAddr) {
+    let calls = Calls::default();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut server = tonic::transport::Server::builder();
+    if let Some((cert, key)) = identity {
+        let tls = tonic::transport::ServerTlsConfig::new()
+            .identity(tonic::transport::Identity::from_pem(cert, key));
+        server = server.tls_config(tls).unwrap();
+    }
+    tokio::spawn(
+        server
+            .add_service(TraceServiceServer::new(Collector(calls.clone())))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
+    );
+    (calls, addr)
+}
+
+/// The check's span among an Export call's, in its caller's trace under its caller's span.
+fn check_span_of(request: &ExportTraceServiceRequest, parent: TraceContext) {
+    let span = request
+        .resource_spans
+        .iter()
+        .flat_map(|rs| rs.scope_spans.iter().flat_map(|ss| ss.spans.iter()))
+        .find(|s| s.trace_id == parent.trace_id)
+        .expect("the check's span, in its caller's trace");
+    assert_eq!(
+        (span.name.as_str(), &span.parent_span_id[..]),
+        ("check", &parent.span_id[..])
+    );
+}
+
 /// `OTEL_EXPORTER_OTLP_PROTOCOL=grpc`: the batch is an OTLP/gRPC `TraceService/Export` call to the
 /// endpoint, the headers as its metadata.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_export_speaks_otlp_grpc_when_asked() {
-    use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-        TraceService, TraceServiceServer,
-    };
-    use opentelemetry_proto::tonic::collector::trace::v1::{
-        ExportTraceServiceRequest, ExportTraceServiceResponse,
-    };
-
-    type Calls = Arc<Mutex<Vec<(Option<String>, ExportTraceServiceRequest)>>>;
-    struct Collector(Calls);
-    #[tonic::async_trait]
-    impl TraceService for Collector {
-        async fn export(
-            &self,
-            request: tonic::Request<ExportTraceServiceRequest>,
-        ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-            let auth = request
-                .metadata()
-                .get("authorization")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_string);
-            self.0.lock().unwrap().push((auth, request.into_inner()));
-            Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-        }
-    }
-
-    let calls = Calls::default();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let collector = TraceServiceServer::new(Collector(calls.clone()));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(collector)
-            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener)),
-    );
+    let (calls, addr) = grpc_collector(None).await;
     let agent = Agent::builder()
         .rules(RULES)
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("http://{addr}"))
@@ -732,14 +760,61 @@ async fn the_export_speaks_otlp_grpc_when_asked() {
     })
     .await;
     assert_eq!(auth.as_deref(), Some("Bearer s3cret"));
-    let span = request
-        .resource_spans
-        .iter()
-        .flat_map(|rs| rs.scope_spans.iter().flat_map(|ss| ss.spans.iter()))
-        .find(|s| s.trace_id == parent.trace_id)
-        .expect("the check's span, in its caller's trace");
-    assert_eq!(
-        (span.name.as_str(), &span.parent_span_id[..]),
-        ("check", &parent.span_id[..])
+    check_span_of(&request, parent);
+}
+
+/// An `https://` OTLP/gRPC collector signed by a private CA: trusted through
+/// `OTEL_EXPORTER_OTLP_CERTIFICATE`, and not without it (the export is refused, nothing arrives).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_grpc_collector_is_trusted_through_the_otlp_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, "floodgate otlp test CA");
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let ca = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let ca_pem = dir.path().join("ca.pem");
+    std::fs::write(&ca_pem, ca.pem()).unwrap();
+
+    let (calls, addr) = grpc_collector(Some((cert.pem(), key.serialize_pem()))).await;
+    let start = |certificate: bool| {
+        let mut b = Agent::builder()
+            .rules(RULES)
+            .env("OTEL_EXPORTER_OTLP_ENDPOINT", &format!("https://{addr}"))
+            .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+            .env("OTEL_EXPORTER_OTLP_TIMEOUT", "1000");
+        if certificate {
+            b = b.env("OTEL_EXPORTER_OTLP_CERTIFICATE", ca_pem.to_str().unwrap());
+        }
+        b.start()
+    };
+    // Without the CA the collector's certificate is unknown: the batch is dropped, and said so.
+    let untrusting = start(false).await;
+    let client = patient_client(untrusting.socket()).await;
+    traced_check(&client, context(0x81, true)).await;
+    eventually("the export is refused", Duration::from_secs(15), || {
+        std::future::ready(untrusting.log().contains("could not export spans").then_some(()))
+    })
+    .await;
+    assert!(
+        calls.lock().unwrap().is_empty(),
+        "an untrusted collector got spans"
     );
+    let trusting = start(true).await;
+    let client = patient_client(trusting.socket()).await;
+    let parent = context(0x82, true);
+    traced_check(&client, parent).await;
+    let (_, request) = eventually("an Export call over TLS arrives", Duration::from_secs(10), || {
+        std::future::ready(calls.lock().unwrap().first().cloned())
+    })
+    .await;
+    check_span_of(&request, parent);
 }

@@ -28,10 +28,10 @@ pub const DEFAULT_SAMPLE_RATIO: f64 = 0.01;
 
 impl OtlpArgs {
     /// The tracer's configuration: the flags, then OpenTelemetry's environment variables
-    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT`, `_COMPRESSION`, `_PROTOCOL` and their
-    /// `_TRACES_` forms,
-    /// `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`, `OTEL_TRACES_SAMPLER` and `_ARG`), then the
-    /// defaults. A variable that cannot be read is an error naming it.
+    /// (`OTEL_EXPORTER_OTLP_ENDPOINT`, `_HEADERS`, `_TIMEOUT`, `_COMPRESSION`, `_PROTOCOL`,
+    /// `_CERTIFICATE` and their `_TRACES_` forms, `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+    /// `OTEL_TRACES_SAMPLER` and `_ARG`), then the defaults. A variable that cannot be read is an
+    /// error naming it.
     pub fn config(&self) -> Result<crate::otel::Config, String> {
         self.config_from(|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()))
     }
@@ -110,6 +110,11 @@ impl OtlpArgs {
             },
             None => false,
         };
+        let certificate = either(
+            "OTEL_EXPORTER_OTLP_TRACES_CERTIFICATE",
+            "OTEL_EXPORTER_OTLP_CERTIFICATE",
+        )
+        .map(|(_, v)| std::path::PathBuf::from(v));
         Ok(crate::otel::Config {
             endpoint,
             service_name,
@@ -119,6 +124,7 @@ impl OtlpArgs {
             gzip,
             encoding,
             resource,
+            certificate,
         })
     }
 }

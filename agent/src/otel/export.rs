@@ -88,7 +88,11 @@ impl Exporter {
         let builder = opentelemetry_otlp::SpanExporter::builder();
         let built = match config.encoding {
             Encoding::Json | Encoding::Protobuf => {
-                let client = floodgate_rules_service::http::shared_client()?;
+                let client = match &config.certificate {
+                    Some(ca) => floodgate_rules_service::http::client_with_ca(ca)
+                        .map_err(|e| format!("OTEL_EXPORTER_OTLP_CERTIFICATE: {e}"))?,
+                    None => floodgate_rules_service::http::shared_client()?,
+                };
                 let mut http = builder
                     .with_http()
                     .with_http_client(client)
@@ -123,7 +127,19 @@ impl Exporter {
                     .with_metadata(metadata)
                     .with_retry_policy(retry);
                 if base.starts_with("https://") {
-                    grpc = grpc.with_tls_config(tonic::transport::ClientTlsConfig::new().with_native_roots());
+                    let mut tls = tonic::transport::ClientTlsConfig::new().with_native_roots();
+                    if let Some(ca) = &config.certificate {
+                        let pem = std::fs::read(ca).map_err(|e| {
+                            format!(
+                                "OTEL_EXPORTER_OTLP_CERTIFICATE: cannot read {}: {e}",
+                                ca.display()
+                            )
+                        })?;
+                        floodgate_rules_service::http::pem_certs(&pem)
+                            .map_err(|e| format!("OTEL_EXPORTER_OTLP_CERTIFICATE: {}: {e}", ca.display()))?;
+                        tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(pem));
+                    }
+                    grpc = grpc.with_tls_config(tls);
                 }
                 if let Some(c) = compression {
                     grpc = grpc.with_compression(c);

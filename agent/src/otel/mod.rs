@@ -113,6 +113,9 @@ pub struct Config {
     /// The resource's attributes besides `service.name` and `service.version`
     /// (`OTEL_RESOURCE_ATTRIBUTES`).
     pub resource: Vec<(String, String)>,
+    /// PEM certificates an `https://` collector may be signed by, besides the system's roots
+    /// (`OTEL_EXPORTER_OTLP_CERTIFICATE`).
+    pub certificate: Option<std::path::PathBuf>,
 }
 
 /// Starts a check's span under the caller's context, if traces are on and it is sampled.

@@ -216,6 +216,7 @@ mod tests {
                     gzip: false,
                     encoding: crate::otel::Encoding::Json,
                     resource: Vec::new(),
+                    certificate: None,
                 },
             )
             .expect("an exporter")
