@@ -8,9 +8,8 @@
 //! The double is an instrument: it keeps Redis's counts in the embedded store's algorithms (which
 //! `lua/` mirrors) and decides when a call fails; the real-process runs (`loadgen faults`) stay the
 //! proof. Concurrency rules are driven by clients that acquire under lease ids and release after a
-//! while (or never: the lease runs out), and judged by units held at once. Not modelled: batched
-//! rules (their flush loop), quota rules, failovers and
-//! reshards, several shards.
+//! while (or never: the lease runs out), and judged by units held at once; a daily quota by its
+//! period. Not modelled: batched rules (their flush loop), failovers and reshards, several shards.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -33,7 +32,8 @@ const RULES: &str = r#"{"rules":[
   {"id":"sw","dimension":"user","limit":20,"windowSeconds":1},
   {"id":"tb","dimension":"user","limit":20,"windowSeconds":1,"algorithm":"token_bucket","burst":10},
   {"id":"closed","dimension":"user","limit":10,"windowSeconds":1,"failMode":"closed"},
-  {"id":"conc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":1}
+  {"id":"conc","dimension":"user","limit":4,"algorithm":"concurrency","leaseSeconds":1},
+  {"id":"quota","dimension":"user","limit":40,"algorithm":"quota","period":"day"}
 ]}"#;
 
 /// The store's state of health, as the schedule sets it.
@@ -278,7 +278,7 @@ fn run(seed: u64, tell: bool) -> Run {
     // Some checks are spawned (a release: it must land even if its caller goes away).
     let _runtime = rt.enter();
     let rules = RuleSet::parse(RULES).unwrap();
-    let ids = ["sw", "tb", "closed"];
+    let ids = ["sw", "tb", "closed", "quota"];
     let keys = ["user:a", "user:b", "user:c"];
     let mut ledgers: Vec<Vec<Record>> = vec![Vec::new(); agents as usize];
     let mut spans = Vec::new();
@@ -328,7 +328,7 @@ fn run(seed: u64, tell: bool) -> Run {
         let mut load: Vec<(usize, Item)> = Vec::new();
         for _ in 0..rng.below(3) {
             let agent = rng.below(agents) as usize;
-            let rule = ids[rng.below(3) as usize];
+            let rule = ids[rng.below(ids.len() as u64) as usize];
             let key = keys[rng.below(3) as usize];
             load.push((agent, Item::new(key, rule, 1)));
         }
@@ -384,7 +384,11 @@ fn run(seed: u64, tell: bool) -> Run {
                 source: source.into(),
                 n: engines[agent].1.membership.live(),
                 lease,
-                period: None,
+                // A quota's period, as the agent's ledger names it.
+                period: (r.algorithm == floodgate_core::rules::Algorithm::Quota).then(|| {
+                    let (from, to) = r.quota_period(now);
+                    [from, to]
+                }),
             });
         }
     }
