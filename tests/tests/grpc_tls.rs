@@ -9,7 +9,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use floodgate_agent::envoy::proto::RateLimitResponse;
 use floodgate_tests::raw_h2::{grpc_message, request, Raw, PATH};
-use floodgate_tests::{eventually, Agent};
+use floodgate_tests::{eventually, Agent, TestCa};
 use prost::Message;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -18,43 +18,16 @@ const RULES: &str = r#"{"rules":[
   {"id":"edge-ip","dimension":"descriptor","limit":1000,"windowSeconds":60,
    "envoy":{"domain":"edge","descriptors":[{"key":"remote_address"}]}}]}"#;
 
-/// A CA, a server certificate it signed for 127.0.0.1 and localhost, and a client certificate.
-struct Pki {
-    dir: tempfile::TempDir,
+/// A CA, a server certificate it signed for 127.0.0.1 and localhost, and a client certificate
+/// (`server.pem`/`.key`, `client.pem`/`.key`).
+fn make_pki(name: &str) -> TestCa {
+    let ca = TestCa::new(name);
+    ca.issue("server", &["127.0.0.1", "localhost"]);
+    ca.issue("client", &["envoy"]);
+    ca
 }
 
-impl Pki {
-    fn make(name: &str) -> Pki {
-        let dir = tempfile::tempdir().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, name);
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-        let write = |file: &str, text: String| std::fs::write(dir.path().join(file), text).unwrap();
-        write("ca.pem", ca.pem());
-        for (who, names) in [
-            ("server", vec!["127.0.0.1", "localhost"]),
-            ("client", vec!["envoy"]),
-        ] {
-            let params =
-                rcgen::CertificateParams::new(names.into_iter().map(String::from).collect::<Vec<_>>())
-                    .unwrap();
-            let key = rcgen::KeyPair::generate().unwrap();
-            let cert = params.signed_by(&key, &issuer).unwrap();
-            write(&format!("{who}.pem"), cert.pem());
-            write(&format!("{who}.key"), key.serialize_pem());
-        }
-        Pki { dir }
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.dir.path().join(name).to_str().unwrap().to_string()
-    }
-}
-
-async fn agent(server: &Pki, client_ca: Option<&Pki>) -> Agent {
+async fn agent(server: &TestCa, client_ca: Option<&TestCa>) -> Agent {
     let mut b = Agent::builder()
         .rules(RULES)
         .arg("--grpc")
@@ -71,7 +44,7 @@ async fn agent(server: &Pki, client_ca: Option<&Pki>) -> Agent {
 
 /// One ShouldRateLimit call over TLS trusting `trust`'s CA, presenting `identity`'s client
 /// certificate if given: the status's limit_remaining, or why it failed.
-async fn call(agent: &Agent, trust: &Pki, identity: Option<&Pki>) -> Result<u32, String> {
+async fn call(agent: &Agent, trust: &TestCa, identity: Option<&TestCa>) -> Result<u32, String> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
     let mut roots = rustls::RootCertStore::empty();
@@ -131,7 +104,7 @@ async fn call(agent: &Agent, trust: &Pki, identity: Option<&Pki>) -> Result<u32,
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_client_is_answered_and_a_cleartext_one_is_not() {
-    let pki = Pki::make("grpc test CA");
+    let pki = make_pki("grpc test CA");
     let agent = agent(&pki, None).await;
     assert_eq!(call(&agent, &pki, None).await, Ok(999));
     assert_eq!(call(&agent, &pki, None).await, Ok(998));
@@ -139,7 +112,7 @@ async fn a_tls_client_is_answered_and_a_cleartext_one_is_not() {
     let mut plain = Raw::open(&agent, &[]).await;
     assert!(plain.next().await.is_none());
     // A client trusting another CA refuses the agent's certificate.
-    let other = Pki::make("another CA");
+    let other = make_pki("another CA");
     assert!(call(&agent, &other, None)
         .await
         .unwrap_err()
@@ -148,10 +121,10 @@ async fn a_tls_client_is_answered_and_a_cleartext_one_is_not() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_client_ca_only_a_client_it_signed_is_answered() {
-    let pki = Pki::make("grpc test CA");
+    let pki = make_pki("grpc test CA");
     let agent = agent(&pki, Some(&pki)).await;
     assert!(call(&agent, &pki, None).await.is_err(), "no client certificate");
-    let stranger = Pki::make("a stranger's CA");
+    let stranger = make_pki("a stranger's CA");
     assert!(
         call(&agent, &pki, Some(&stranger)).await.is_err(),
         "a certificate of another CA"
@@ -161,11 +134,11 @@ async fn with_a_client_ca_only_a_client_it_signed_is_answered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_renewed_certificate_is_served_after_sighup() {
-    let first = Pki::make("first CA");
+    let first = make_pki("first CA");
     let agent = agent(&first, None).await;
     assert_eq!(call(&agent, &first, None).await, Ok(999));
     // The files replaced by a certificate of another CA, then SIGHUP.
-    let second = Pki::make("second CA");
+    let second = make_pki("second CA");
     for f in ["server.pem", "server.key"] {
         std::fs::copy(second.path(f), first.path(f)).unwrap();
     }

@@ -14,7 +14,7 @@ use axum::Router;
 use floodgate_agent::envoy::proto::{Entry, RateLimitClient, RateLimitDescriptor, RateLimitRequest};
 use floodgate_protocol::{Check, Item, TraceContext};
 use floodgate_sdk::CallOptions;
-use floodgate_tests::{eventually, patient_client, Agent, RulesServer};
+use floodgate_tests::{eventually, patient_client, Agent, RulesServer, TestCa};
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
 };
@@ -767,24 +767,10 @@ async fn the_export_speaks_otlp_grpc_when_asked() {
 /// `OTEL_EXPORTER_OTLP_CERTIFICATE`, and not without it (the export is refused, nothing arrives).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_grpc_collector_is_trusted_through_the_otlp_certificate() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "floodgate otlp test CA");
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let ca = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-    let key = rcgen::KeyPair::generate().unwrap();
-    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
-        .unwrap()
-        .signed_by(&key, &issuer)
-        .unwrap();
-    let ca_pem = dir.path().join("ca.pem");
-    std::fs::write(&ca_pem, ca.pem()).unwrap();
-
-    let (calls, addr) = grpc_collector(Some((cert.pem(), key.serialize_pem()))).await;
+    let ca = TestCa::new("floodgate otlp test CA");
+    let identity = ca.issue("collector", &["127.0.0.1"]);
+    let ca_pem = ca.path("ca.pem");
+    let (calls, addr) = grpc_collector(Some(identity)).await;
     let start = |certificate: bool| {
         let mut b = Agent::builder()
             .rules(RULES)
@@ -792,7 +778,7 @@ async fn a_tls_grpc_collector_is_trusted_through_the_otlp_certificate() {
             .env("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
             .env("OTEL_EXPORTER_OTLP_TIMEOUT", "1000");
         if certificate {
-            b = b.env("OTEL_EXPORTER_OTLP_CERTIFICATE", ca_pem.to_str().unwrap());
+            b = b.env("OTEL_EXPORTER_OTLP_CERTIFICATE", &ca_pem);
         }
         b.start()
     };

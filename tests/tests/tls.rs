@@ -5,39 +5,15 @@
 use std::time::Duration;
 
 use floodgate_sdk::{Origin, Source};
-use floodgate_tests::{eventually, free_port, patient_client, Agent, RedisServer};
+use floodgate_tests::{eventually, free_port, patient_client, Agent, RedisServer, TestCa};
 
 const RULES: &str = r#"{"rules":[{"id":"api","dimension":"user","limit":1000,"windowSeconds":60}]}"#;
 
-struct Tls {
-    dir: tempfile::TempDir,
-}
-
-impl Tls {
-    /// A CA, and a certificate it signed for 127.0.0.1 and localhost.
-    fn make() -> Tls {
-        let dir = tempfile::tempdir().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "floodgate test CA");
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let ca = ca_params.self_signed(&ca_key).unwrap();
-        let issuer = rcgen::Issuer::from_params(&ca_params, &ca_key);
-        let params =
-            rcgen::CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let cert = params.signed_by(&key, &issuer).unwrap();
-        std::fs::write(dir.path().join("ca.pem"), ca.pem()).unwrap();
-        std::fs::write(dir.path().join("server.pem"), cert.pem()).unwrap();
-        std::fs::write(dir.path().join("server.key"), key.serialize_pem()).unwrap();
-        Tls { dir }
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.dir.path().join(name).to_str().unwrap().to_string()
-    }
+/// A CA, and a certificate it signed for 127.0.0.1 and localhost (`server.pem`, `server.key`).
+fn make_tls() -> TestCa {
+    let ca = TestCa::new("floodgate test CA");
+    ca.issue("server", &["127.0.0.1", "localhost"]);
+    ca
 }
 
 /// Answers come from Redis (not the fallback) within the patience.
@@ -59,7 +35,7 @@ async fn answered_by_redis(agent: &Agent) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_a_private_ca_and_a_password_file() {
-    let tls = Tls::make();
+    let tls = make_tls();
     let tls_port = free_port();
     let redis = RedisServer::start_with(&[
         "--tls-port",
@@ -81,7 +57,7 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
         .arg("s3cret")
         .query(&mut conn)
         .unwrap();
-    let password = tls.dir.path().join("password");
+    let password = tls.dir().join("password");
     std::fs::write(&password, "s3cret\n").unwrap();
     let url = format!("rediss://127.0.0.1:{tls_port}");
 
@@ -112,7 +88,7 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
     // Redis refuses the AUTH: either way no answer comes from Redis (the fail mode answers), and the
     // agent's log says which. Patient (1 s store timeout, as above): the cause is the certificate or
     // the password, not a handshake slower than the 5 ms default.
-    let wrong = tls.dir.path().join("wrong");
+    let wrong = tls.dir().join("wrong");
     std::fs::write(&wrong, "nope").unwrap();
     for (args, why) in [
         (
@@ -153,8 +129,8 @@ async fn rediss_with_a_private_ca_and_a_password_file() {
 /// through https (trusting the private CA) and enforces the rule; without the CA nothing connects.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_rules_service_over_https() {
-    let tls = Tls::make();
-    let db = format!("sqlite://{}", tls.dir.path().join("rules.db").display());
+    let tls = make_tls();
+    let db = format!("sqlite://{}", tls.dir().join("rules.db").display());
     let server = floodgate_tests::RulesServer::start_with(
         &db,
         &["ops:t0ken"],
@@ -168,7 +144,7 @@ async fn the_rules_service_over_https() {
     .await;
     let url = server.url();
     assert!(url.starts_with("https://"), "{url}");
-    let rule = tls.dir.path().join("rule.json");
+    let rule = tls.dir().join("rule.json");
     std::fs::write(&rule, r#"{"dimension":"user","limit":2,"windowSeconds":60}"#).unwrap();
     let cli = |ca: bool| {
         let mut cmd = std::process::Command::new(floodgate_tests::floodgate_bin());
