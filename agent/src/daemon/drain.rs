@@ -27,8 +27,6 @@ use floodgate_core::shared_store::SharedStore;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::loops;
-
 /// Step 2's bound: the other listeners after the socket's.
 pub const LISTENERS: Duration = Duration::from_secs(2);
 /// Step 4's bound on the flush loop's end (the last flush is bounded by the store's own timeouts).
@@ -83,7 +81,7 @@ impl Running {
             let engine = self.engine.clone();
             step(4, "last flush", None, async move {
                 let _ = tokio::time::timeout(FLUSH, task).await;
-                let sent = loops::flush(&engine, store.as_ref(), true).await;
+                let sent = engine.flush_batched(store.as_ref(), true).await;
                 tracing::info!(entries = sent, "flushed batched counts on the way out");
             })
             .await;

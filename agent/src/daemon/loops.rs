@@ -6,9 +6,8 @@ use std::time::Duration;
 
 use floodgate_core::engine::Engine;
 use floodgate_core::guard::{upkeep, BreakerState, Guard};
-use floodgate_core::rules::Rule;
 use floodgate_core::shared_store::{Adjust, SharedStore};
-use floodgate_core::store::{Clock, StoreError};
+use floodgate_core::store::Clock;
 use floodgate_core::tasks::stopped;
 use tokio::sync::watch;
 
@@ -25,39 +24,10 @@ pub(super) async fn flush_loop(
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = tick.tick() => { flush(&engine, redis.as_ref(), false).await; }
+            _ = tick.tick() => { engine.flush_batched(redis.as_ref(), false).await; }
             _ = stopped(&mut shutdown) => break,
         }
     }
-}
-
-/// One flush: the entries of every due rule (all when `force`), sent per shard, the replies applied.
-/// Returns the number of entries sent.
-pub(super) async fn flush(engine: &Engine, redis: &dyn SharedStore, force: bool) -> usize {
-    let batcher = engine.batcher();
-    if batcher.keys() == 0 {
-        return 0;
-    }
-    let rules: Vec<Arc<Rule>> = engine.rules().iter().cloned().collect();
-    let entries = batcher.take_due(&rules, engine.live_agents(), force);
-    let sent = entries.len();
-    if sent == 0 {
-        return 0;
-    }
-    for (chunk, reply) in redis.flush(entries).await {
-        match reply {
-            Ok(r) => {
-                batcher.learn_clock(r.now_ms, r.sent_ms, r.answered_ms);
-                batcher.apply(&chunk, Ok(&r.learned));
-            }
-            Err(e) => {
-                tracing::debug!(error = %e, entries = chunk.len(), "flush failed");
-                let surely = !matches!(e, StoreError::Timeout(_));
-                batcher.apply(&chunk, Err(surely));
-            }
-        }
-    }
-    sent
 }
 
 /// The guard's background work for a Redis store: the heartbeat (learning N), the write-back of what

@@ -80,6 +80,11 @@ impl Default for Batcher {
 impl Batcher {
     /// An empty batcher flushing every `flush_ms` by default, tracking at most `max_keys` counters.
     pub fn new(flush_ms: u64, max_keys: usize) -> Self {
+        Self::with_clock(flush_ms, max_keys, Clock::System)
+    }
+
+    /// [`Batcher::new`] on `clock` (the model test's simulated time).
+    pub fn with_clock(flush_ms: u64, max_keys: usize, clock: Clock) -> Self {
         Batcher {
             rules: RwLock::new(HashMap::new()),
             default_flush_ms: AtomicU64::new(flush_ms.max(1)),
@@ -88,7 +93,7 @@ impl Batcher {
             last_now_ms: AtomicU64::new(0),
             keys: AtomicUsize::new(0),
             max_keys,
-            clock: Clock::System,
+            clock,
             stats: BatchStats::default(),
         }
     }

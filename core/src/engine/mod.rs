@@ -17,6 +17,7 @@ use crate::store::{Clock, MemoryStore};
 mod check;
 mod decide;
 mod degraded;
+mod flush;
 mod groups;
 mod modes;
 mod observe;
@@ -170,7 +171,11 @@ impl Engine {
             clock: options.clock.clone(),
             cache: RejectionCache::new(options.cache_cap),
             dry_run: Default::default(),
-            batcher: Arc::new(Batcher::new(options.flush_ms, options.max_batched_keys)),
+            batcher: Arc::new(Batcher::with_clock(
+                options.flush_ms,
+                options.max_batched_keys,
+                options.clock.clone(),
+            )),
             hot: HotKeys::new(options.hot_key_rate),
             accuracy: options.accuracy,
             events: options.events,
