@@ -29,6 +29,10 @@ enum LedgerCommand {
         /// What batched rules may admit over their limit in a key-window, as a fraction of it.
         #[arg(long, default_value_t = 0.01)]
         batched_allowance: f64,
+        /// The batched rules' flush interval the agents ran with, ms: a batched key-window may
+        /// also pass by what its agents admitted in half of it (docs/accuracy.md, "Batched").
+        #[arg(long, default_value_t = 100)]
+        flush_interval_ms: u64,
         /// Judge ledgers from which decisions were dropped (their agent's queue was full): a
         /// breach may then be missed.
         #[arg(long)]
@@ -54,6 +58,7 @@ pub fn run(cli: LedgerCli) -> anyhow::Result<LedgerOutcome> {
     let LedgerCommand::Check {
         files,
         batched_allowance,
+        flush_interval_ms,
         allow_incomplete,
         json,
     } = cli.command;
@@ -71,8 +76,12 @@ pub fn run(cli: LedgerCli) -> anyhow::Result<LedgerOutcome> {
             }
         }
     }
+    if !(1..=60_000).contains(&flush_interval_ms) {
+        anyhow::bail!("--flush-interval-ms {flush_interval_ms} is not within 1 to 60000");
+    }
     let options = Options {
         batched_allowance,
+        flush_ms: flush_interval_ms,
         ..Options::contract()
     };
     let j = judge(&ledgers, &options);

@@ -17,7 +17,10 @@
 //! - with admissions of the limit/N fallback (fail open while the store was away): plus Φ, each
 //!   such agent's share max(1, ⌊L / n⌋) summed, n the live agents it counted (a token bucket's
 //!   share adds ⌊B / n⌋);
-//! - with admissions from batched local counters: plus `batched_allowance` of the limit.
+//! - with admissions from batched local counters: plus the larger of `batched_allowance` of the
+//!   limit and N·c + P: N the agents that admitted locally in it, c the largest cost, P the most
+//!   units they admitted locally in any half flush slot of it (an agent that spent more than its
+//!   new share between a slot's write and its learn cannot give it back; docs/accuracy.md).
 //!
 //! Concurrency rules are judged by units held at once (`held.rs`).
 
@@ -34,16 +37,21 @@ pub struct Options {
     /// What batched rules may admit over their limit in a key-window, as a fraction of it (the
     /// contract's batched target: 0.01; `Options::contract()` sets it).
     pub batched_allowance: f64,
+    /// The batched rules' flush interval, ms (the half slot between a write and its learn is
+    /// what P is taken over).
+    pub flush_ms: u64,
     /// Faults a run injected whose loss the contract states: each key-window they overlap may admit
     /// that much more (a fault runner knows when it injected them; a ledger does not).
     pub faults: Vec<FaultSpan>,
 }
 
 impl Options {
-    /// The contract's defaults: a batched allowance of 1 %, no faults.
+    /// The contract's defaults: a batched allowance of 1 %, the default 100 ms flush interval, no
+    /// faults.
     pub fn contract() -> Self {
         Options {
             batched_allowance: 0.01,
+            flush_ms: crate::batch::DEFAULT_FLUSH_MS,
             faults: Vec::new(),
         }
     }
@@ -200,6 +208,9 @@ struct Window<'a> {
     fallback_n: HashMap<&'a str, u64>,
     /// A quota period's start and end (its key-window is not `w` ms long).
     span: Option<(u64, u64)>,
+    /// Units admitted from batched local counters, (when, cost), and by which agents.
+    local: Vec<(u64, u64)>,
+    local_agents: Vec<&'a str>,
 }
 
 const SOURCES: [&str; 4] = ["redis", "local", "cache", "fallback"];
@@ -308,6 +319,12 @@ fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
                     let n = win.fallback_n.entry(&file.header.agent).or_insert(u64::MAX);
                     *n = (*n).min(r.n.max(1));
                 }
+                if r.source == "local" && sure {
+                    win.local.push(((r.recv as i64 + r.off).max(0) as u64, r.cost));
+                    if !win.local_agents.contains(&file.header.agent.as_str()) {
+                        win.local_agents.push(&file.header.agent);
+                    }
+                }
             }
         }
     }
@@ -367,7 +384,8 @@ fn bound(win: &Window, limit: u64, agent: Option<&str>, w: u64, k: u64, opts: &O
         };
     }
     if win.sources & source_bit("local") != 0 && agent.is_none() {
-        bound += (limit as f64 * opts.batched_allowance).ceil() as u64;
+        let fraction = (limit as f64 * opts.batched_allowance).ceil() as u64;
+        bound += fraction.max(batched_over(win, opts.flush_ms));
     }
     let (start, end) = win.span.unwrap_or((k * w, (k + 1) * w));
     for f in &opts.faults {
@@ -376,6 +394,27 @@ fn bound(win: &Window, limit: u64, agent: Option<&str>, w: u64, k: u64, opts: &O
         }
     }
     bound
+}
+
+/// N·c + P for a key-window's local admissions (docs/accuracy.md, "Batched"): N the agents that
+/// admitted locally, c the largest cost, P the most units admitted locally in any span of half a
+/// flush interval.
+fn batched_over(win: &Window, flush_ms: u64) -> u64 {
+    let half = (flush_ms / 2).max(1);
+    let mut local = win.local.clone();
+    local.sort_unstable();
+    let (mut p, mut sum, mut from) = (0, 0, 0);
+    for (i, &(t, cost)) in local.iter().enumerate() {
+        sum += cost;
+        while local[from].0 + half <= t {
+            sum -= local[from].1;
+            from += 1;
+        }
+        debug_assert!(from <= i);
+        p = p.max(sum);
+    }
+    let c = local.iter().map(|&(_, cost)| cost).max().unwrap_or(0);
+    win.local_agents.len() as u64 * c + p
 }
 
 #[cfg(test)]

@@ -132,11 +132,12 @@ fn a_decision_spanning_a_window_edge_is_never_a_breach_by_itself() {
 #[test]
 fn fallback_and_batched_windows_get_the_contracts_allowance() {
     // Fail open: Redis counted 10 before it went away; two agents then admitted 5 each at
-    // limit / 2: 20 ≤ 10 + Φ (5 + 5). Batched: 10 + 1 % of 10 rounded up = 11.
+    // limit / 2: 20 ≤ 10 + Φ (5 + 5). Batched, one agent, 60 ms apart (no half slot holds two):
+    // 10 + the larger of 1 % of 10 rounded up and N·c + P = 1 + 1: 12.
     let mut one: Vec<Record> = (0..10).map(|i| admit("a", 1_100 + i, "redis")).collect();
     one.extend((0..5).map(|i| admit("a", 1_300 + i, "fallback")));
     let two: Vec<Record> = (0..5).map(|i| admit("a", 1_300 + i, "fallback")).collect();
-    let mut batched: Vec<Record> = (0..11).map(|i| admit("b", 1_100 + i, "local")).collect();
+    let mut batched: Vec<Record> = (0..12).map(|i| admit("b", 1_000 + 60 * i, "local")).collect();
     let j = judge(
         &[file("x", "shared", one.clone()), file("y", "shared", two.clone())],
         &Options::contract(),
@@ -164,9 +165,28 @@ fn fallback_and_batched_windows_get_the_contracts_allowance() {
     assert!(j.breaches.is_empty(), "21 <= 10 + 5 + 10: {j:?}");
     let j = judge(&[file("x", "shared", batched.clone())], &Options::contract());
     assert!(j.breaches.is_empty(), "{j:?}");
-    batched.push(admit("b", 1_500, "local"));
+    batched.push(admit("b", 1_990, "local"));
     let j = judge(&[file("x", "shared", batched)], &Options::contract());
-    assert_eq!(j.breaches.len(), 1, "12 batched units pass 10 + 1 %: {j:?}");
+    assert_eq!(j.breaches.len(), 1, "13 batched units pass 10 + 2: {j:?}");
+}
+
+#[test]
+fn a_batched_window_may_pass_by_what_its_agents_admitted_in_half_a_slot() {
+    // Two agents: 10 units spread out, then 3 more each, `gap` ms apart.
+    let run = |gap: u64| {
+        let ledger = |name: &str, first: u64| {
+            let mut r: Vec<Record> = (0..5).map(|i| admit("b", first + 60 * i, "local")).collect();
+            r.extend((0..3).map(|i| admit("b", first + 600 + gap * i, "local")));
+            file(name, "shared", r)
+        };
+        judge(&[ledger("x", 1_000), ledger("y", 1_005)], &Options::contract())
+    };
+    // 10 ms apart, a half slot of 100 ms holds all 6: 16 ≤ 10 + N·c + P = 10 + 2 + 6.
+    let j = run(10);
+    assert!(j.breaches.is_empty(), "{j:?}");
+    // 100 ms apart, at most 2 in any half slot: 16 > 10 + 2 + 2.
+    let j = run(100);
+    assert_eq!(j.breaches.len(), 1, "{j:?}");
 }
 
 #[test]
