@@ -52,6 +52,9 @@ pub struct Scenario {
     /// Redis is named but nothing listens there: every check is answered by the fail mode (the
     /// limit/N fallback and its write-back ledger), the path every check takes while Redis is away.
     pub gone: bool,
+    /// On a Redis Cluster of three masters (through redis-rs, keeping recent admissions for a
+    /// failover) instead of one node.
+    pub cluster: bool,
 }
 
 /// The scenarios (BENCHMARKS.md, "Instructions per check (callgrind)"): in-memory (one in flight and
@@ -67,6 +70,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: true,
+        cluster: false,
     },
     Scenario {
         name: "memory, 16 clients × 1",
@@ -77,6 +81,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "memory, 16 clients × 64 pipelined",
@@ -87,6 +92,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis sync, 16 clients × 1",
@@ -97,6 +103,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis sync, 64 clients × 1",
@@ -107,6 +114,18 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
+    },
+    Scenario {
+        name: "redis cluster sync, 16 clients × 1",
+        redis: true,
+        rule: "bench",
+        clients: 16,
+        in_flight: 1,
+        keys: 10_000,
+        grpc: None,
+        gone: false,
+        cluster: true,
     },
     Scenario {
         name: "redis, cache hit, 16 clients × 1",
@@ -117,6 +136,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 100,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     // The Envoy path against the frames path, both at 64 in flight on one connection (an HTTP/2
     // channel multiplexing 64 streams, a socket pipelining 64 frames).
@@ -129,6 +149,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "memory, grpc, 1 channel × 64",
@@ -139,6 +160,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("native"),
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "memory, grpc tonic, 1 channel × 64",
@@ -149,6 +171,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("tonic"),
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "memory, grpc h2, 1 channel × 64",
@@ -159,6 +182,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("h2"),
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis, frames, 1 client × 64",
@@ -169,6 +193,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: None,
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis, grpc, 1 channel × 64",
@@ -179,6 +204,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("native"),
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis, grpc tonic, 1 channel × 64",
@@ -189,6 +215,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("tonic"),
         gone: false,
+        cluster: false,
     },
     Scenario {
         name: "redis, grpc h2, 1 channel × 64",
@@ -199,6 +226,7 @@ pub const SCENARIOS: &[Scenario] = &[
         keys: 10_000,
         grpc: Some("h2"),
         gone: false,
+        cluster: false,
     },
 ];
 
@@ -272,6 +300,7 @@ async fn measure(
     ledger: Option<&Path>,
 ) -> anyhow::Result<(PathBuf, u64)> {
     let out = format!("--callgrind-out-file={}", file.display());
+    let cluster = s.cluster.then(|| floodgate_tests::Cluster::start(3));
     let mut b = Agent::builder()
         .rules(RULES)
         .under(&["valgrind", "--tool=callgrind", "--quiet", &out])
@@ -284,8 +313,15 @@ async fn measure(
     } else if s.redis {
         // Everything runs ~50× slower under callgrind: a patient store timeout keeps every check on
         // the path measured instead of the fail mode's.
+        let url = match &cluster {
+            Some(c) => {
+                b = b.arg("--redis-cluster");
+                c.urls()
+            }
+            None => redis.url(),
+        };
         b = b
-            .redis(&redis.url())
+            .redis(&url)
             .arg("--redis-timeout-ms")
             .arg("5000")
             .arg("--breaker-min-streak-ms")
