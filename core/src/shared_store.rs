@@ -31,8 +31,9 @@ pub trait SharedStore: Send + Sync + 'static {
     fn sheds(&self, _route: &Route, _received: std::time::Instant) -> bool {
         false
     }
-    /// Whether the store can fail over to a replica that lacks its latest writes (Sentinel): the
-    /// engine then keeps what it admitted in the last seconds, to write again after a failover.
+    /// Whether the store can fail over to a replica that lacks its latest writes (Sentinel, a
+    /// Cluster): the engine then keeps what it admitted in the last seconds, to write again after a
+    /// failover.
     fn fails_over(&self) -> bool {
         false
     }
@@ -40,6 +41,11 @@ pub trait SharedStore: Send + Sync + 'static {
     /// recent admissions again after each.
     fn failovers(&self) -> u64 {
         0
+    }
+    /// Which client keys the failovers seen since the last call moved to a new primary: every key
+    /// (one primary, as under Sentinel), or those on a Cluster's failed-over slots.
+    fn failed_over(&self) -> FailedOver {
+        FailedOver::All
     }
     /// Checks the items of one check atomically (all or nothing); outcomes in item order. Every item
     /// has the same route (the engine groups them). `received` is when the check's frame was read:
@@ -81,6 +87,25 @@ pub struct Route {
     pub call: u32,
 }
 
+/// The client keys a failover moved to a new primary ([`SharedStore::failed_over`]).
+#[derive(Clone)]
+pub enum FailedOver {
+    /// Every key.
+    All,
+    /// The keys this says yes to.
+    Keys(Arc<dyn Fn(&str) -> bool + Send + Sync>),
+}
+
+impl FailedOver {
+    /// Whether a failover moved `key`.
+    pub fn moved(&self, key: &str) -> bool {
+        match self {
+            FailedOver::All => true,
+            FailedOver::Keys(f) => f(key),
+        }
+    }
+}
+
 /// What an adjustment does to the counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Adjust {
@@ -97,9 +122,12 @@ pub struct Adjusted {
     pub units: u64,
     /// Entries of calls that failed surely (not applied): try them again later.
     pub retry: Vec<LedgerEntry>,
-    /// Units of calls that timed out: they may or may not have been applied, and are not retried
-    /// (counting them twice would be worse).
+    /// Units of calls that timed out: they may or may not have been applied, and the write-back does
+    /// not retry them (counting them twice would be worse).
     pub unknown: u64,
+    /// The entries of those calls: a failover's re-application, which counts twice by design
+    /// (stricter, never looser), tries them again.
+    pub uncertain: Vec<LedgerEntry>,
     /// Units that landed past their rule's limit (adds only; also counted in the metrics).
     pub over: u64,
     /// Units of entries Redis refused (an error of the script on that entry, e.g. its key holds

@@ -12,8 +12,10 @@
 //!   Sentinel-named master, through redis-rs.
 //! - [`shards`]: independent nodes, a Redis Cluster or a Sentinel-named master; TLS and AUTH.
 //! - `sentinel`: the master the sentinels name, asked again after a failed call.
+//! - `cluster_watch`: a Cluster's failovers, from its slot map.
 //! - [`events`]: the rejection events' writer (`XADD … MAXLEN ~`).
 
+mod cluster_watch;
 pub mod events;
 mod sentinel;
 pub mod shards;

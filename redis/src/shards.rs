@@ -129,6 +129,8 @@ pub enum Shards {
         client: Box<ClusterClient>,
         /// The connection, once made.
         conn: OnceCell<ClusterConnection>,
+        /// Its failovers, watched from the first connection on.
+        watch: std::sync::Arc<crate::cluster_watch::ClusterWatch>,
     },
     /// One master found through Sentinel (one shard; failovers are followed).
     Sentinel {
@@ -193,6 +195,7 @@ impl Shards {
                 seeds: urls.iter().map(|u| redact(u)).collect(),
                 client: Box::new(client),
                 conn: OnceCell::new(),
+                watch: Default::default(),
             });
         }
         let mut nodes = Vec::with_capacity(urls.len());
@@ -225,11 +228,30 @@ impl Shards {
         false
     }
 
-    /// New masters the sentinels have named (Sentinel only; 0 otherwise).
+    /// New masters the sentinels have named, or failovers a Cluster's slot map showed (0 for
+    /// independent nodes).
     pub fn failovers(&self) -> u64 {
         match self {
             Shards::Sentinel { conn, .. } => conn.failovers(),
-            Shards::Nodes { .. } | Shards::Cluster { .. } => 0,
+            Shards::Cluster { watch, .. } => watch.failovers(),
+            Shards::Nodes { .. } => 0,
+        }
+    }
+
+    /// Watches a Cluster's failovers from its first connection on (the store's shards; a second
+    /// user of the same Cluster, the events' writer, need not).
+    pub fn watch_failovers(&self) {
+        if let Shards::Cluster { watch, .. } = self {
+            watch.want();
+        }
+    }
+
+    /// A Cluster's slots failed over since the last call (one bit each); `None` elsewhere (a
+    /// Sentinel failover moves every key).
+    pub fn take_failed_slots(&self) -> Option<Vec<u64>> {
+        match self {
+            Shards::Cluster { watch, .. } => Some(watch.take_failed()),
+            Shards::Nodes { .. } | Shards::Sentinel { .. } => None,
         }
     }
 
@@ -255,11 +277,16 @@ impl Shards {
     pub async fn conn(&self, shard: usize) -> Result<Conn, StoreError> {
         match self {
             Shards::Nodes { nodes, .. } => Ok(Conn::Node(nodes[shard % nodes.len()].1.clone())),
-            Shards::Cluster { client, conn, .. } => conn
-                .get_or_try_init(|| client.get_async_connection())
-                .await
-                .map(|c| Conn::Cluster(c.clone()))
-                .map_err(|e| StoreError::Connection(e.to_string())),
+            Shards::Cluster {
+                client, conn, watch, ..
+            } => {
+                let c = conn
+                    .get_or_try_init(|| client.get_async_connection())
+                    .await
+                    .map_err(|e| StoreError::Connection(e.to_string()))?;
+                watch.start(c.clone());
+                Ok(Conn::Cluster(c.clone()))
+            }
             Shards::Sentinel { conn, .. } => Ok(Conn::Sentinel(conn.clone())),
         }
     }

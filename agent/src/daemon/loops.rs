@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_core::engine::Engine;
-use floodgate_core::guard::{upkeep, BreakerState, Guard};
-use floodgate_core::shared_store::{Adjust, SharedStore};
+use floodgate_core::guard::{upkeep, BreakerState, Guard, LedgerEntry, LONG_REPLAY_MS};
+use floodgate_core::shared_store::{Adjust, FailedOver, SharedStore};
 use floodgate_core::store::Clock;
 use floodgate_core::tasks::stopped;
 use tokio::sync::watch;
@@ -56,8 +56,14 @@ pub(super) async fn guard_loop(
     // A failover's admissions are written again twice: at once, and one tick later for the calls
     // that were in flight to the old master when the switch was seen (answered within the store
     // timeout, after the first pass had taken what was recorded; the fault runner's Sentinel seed 2
-    // lost 2 such units of one key-window without it).
-    let mut again = false;
+    // lost 2 such units of one key-window without it). Both passes take the keys it moved.
+    let mut again: Option<FailedOver> = None;
+    // What a re-application could not write (the new primary not reachable yet: on an unplanned
+    // Cluster failover redis-rs still sends to the old master until it learns the new slot map),
+    // tried again every tick for as long as admissions are kept for a failover (15 s), then given
+    // up.
+    let mut unwritten: Vec<LedgerEntry> = Vec::new();
+    let mut retry_until_ms = 0;
     loop {
         tokio::select! {
             _ = beat.tick() => match redis.heartbeat(&id, ttl, false).await {
@@ -72,10 +78,21 @@ pub(super) async fn guard_loop(
             },
             _ = tick.tick() => {
                 let seen = redis.failovers();
-                if seen != failovers || again {
-                    again = seen != failovers;
+                if seen != failovers {
                     failovers = seen;
-                    reapply(&engine, redis.as_ref()).await;
+                    retry_until_ms = Clock::System.now_ms() + LONG_REPLAY_MS;
+                    let moved = redis.failed_over();
+                    unwritten = reapply(&engine, redis.as_ref(), &moved, std::mem::take(&mut unwritten)).await;
+                    again = Some(moved);
+                } else if let Some(moved) = again.take() {
+                    unwritten = reapply(&engine, redis.as_ref(), &moved, std::mem::take(&mut unwritten)).await;
+                } else if !unwritten.is_empty() && Clock::System.now_ms() > retry_until_ms {
+                    let units: u64 = unwritten.iter().map(|e| e.units).sum();
+                    tracing::warn!(keys = unwritten.len(), units, "the store failed over: gave up writing these recent admissions into the new primary");
+                    unwritten.clear();
+                } else if !unwritten.is_empty() {
+                    let none = FailedOver::Keys(Arc::new(|_: &str| false));
+                    unwritten = reapply(&engine, redis.as_ref(), &none, std::mem::take(&mut unwritten)).await;
                 }
                 for shard in 0..guard.breakers.len() {
                     if guard.breaker(shard).snapshot().state != BreakerState::Closed {
@@ -100,14 +117,27 @@ pub(super) async fn guard_loop(
 /// After a failover: writes what this agent admitted through the store in the last 3 to 15 s (as
 /// long as each rule's counts last: [`horizon`](floodgate_core::guard::horizon)) into the new
 /// primary, which may have lost it
-/// (docs/accuracy.md, "Sentinel failover"). Units it had in fact received count twice: stricter,
-/// never looser.
-async fn reapply(engine: &Engine, redis: &dyn SharedStore) {
-    let Some(recent) = engine.recent() else { return };
-    let entries = recent.take(Clock::System.now_ms());
+/// (docs/accuracy.md, "Sentinel failover", "Cluster failover"), for the keys the failover `moved`,
+/// with what an earlier pass could not write (`unwritten`). Units it had in fact received count
+/// twice: stricter, never looser. Returns what it could not write (a call that failed or timed
+/// out), to be tried again while it still counts.
+async fn reapply(
+    engine: &Engine,
+    redis: &dyn SharedStore,
+    moved: &FailedOver,
+    unwritten: Vec<LedgerEntry>,
+) -> Vec<LedgerEntry> {
+    let Some(recent) = engine.recent() else {
+        return Vec::new();
+    };
+    let now = Clock::System.now_ms();
+    let mut entries = recent.take_moved(now, moved);
+    entries.extend(unwritten);
     let keys = entries.len();
     let units: u64 = entries.iter().map(|e| e.units).sum();
     let done = redis.adjust(entries, Adjust::Add).await;
+    let mut left = done.retry;
+    left.extend(done.uncertain);
     match done.error {
         None => tracing::warn!(
             keys,
@@ -116,7 +146,8 @@ async fn reapply(engine: &Engine, redis: &dyn SharedStore) {
             "the store failed over: wrote this agent's recent admissions into the new primary"
         ),
         Some(e) => {
-            tracing::warn!(error = %e, keys, units, applied = done.units, "the store failed over: writing this agent's recent admissions into the new primary failed part-way")
+            tracing::warn!(error = %e, keys, units, applied = done.units, left = left.len(), "the store failed over: writing this agent's recent admissions into the new primary failed part-way; trying the rest again")
         }
     }
+    left
 }

@@ -1,7 +1,7 @@
 //! What this agent's checks admitted through the store in the last few seconds, kept where the
-//! store can fail over (Sentinel): a failover loses the writes the old primary took after its
-//! replica's promotion (and those it had not replicated), so the agent writes what it admitted in
-//! that span again into the new primary. Units that had in fact been replicated are then counted
+//! store can fail over (Sentinel, a Cluster): a failover loses the writes the old primary took after
+//! its replica's promotion (and those it had not replicated), so the agent writes what it admitted in
+//! that span again into the new primary (on a Cluster, for the keys of the failed-over slots only). Units that had in fact been replicated are then counted
 //! twice: later checks are stricter, never looser (docs/accuracy.md, "Sentinel failover"). A
 //! concurrency rule's leases taken in that span and not released are taken again (renewed where
 //! the new primary has them).
@@ -13,6 +13,7 @@ use floodgate_protocol::CompactString;
 
 use super::LedgerEntry;
 use crate::rules::{Algorithm, Rule};
+use crate::shared_store::FailedOver;
 
 /// How far back a failover's re-application reaches at least, ms: a `SENTINEL FAILOVER` was seen
 /// ~0.8 s after the promotion (issue 33), the agent notices the sentinels' new answer within its
@@ -143,11 +144,23 @@ impl Recent {
     /// Everything admitted within its rule's [`horizon`] before `now_ms`, one entry per (rule, key,
     /// window), and forgets it (what the new primary is given once).
     pub fn take(&self, now_ms: u64) -> Vec<LedgerEntry> {
-        let slots = std::mem::take(&mut *self.slots.lock().unwrap_or_else(|p| p.into_inner()));
+        self.take_moved(now_ms, &FailedOver::All)
+    }
+
+    /// [`take`](Self::take) of the keys a failover moved only (a Cluster's failed-over slots); the
+    /// others' admissions are kept.
+    pub fn take_moved(&self, now_ms: u64, moved: &FailedOver) -> Vec<LedgerEntry> {
+        let mut slots = self.slots.lock().unwrap_or_else(|p| p.into_inner());
         let mut all: Slot = HashMap::new();
-        for (start, slot) in slots.list {
-            for (k, e) in slot {
-                if start + horizon(&e.rule) + SLOT_MS <= now_ms {
+        for (start, slot) in slots.list.iter_mut() {
+            let taken: Vec<_> = slot
+                .keys()
+                .filter(|(_, key, _)| moved.moved(key))
+                .cloned()
+                .collect();
+            for k in taken {
+                let Some(e) = slot.remove(&k) else { continue };
+                if *start + horizon(&e.rule) + SLOT_MS <= now_ms {
                     continue;
                 }
                 let lease = e.rule.is_concurrency();
@@ -198,6 +211,39 @@ mod tests {
         got.sort();
         assert_eq!(got, [("c", 7, 1), ("r", 9, 4), ("r", 10, 2)]);
         assert!(recent.take(20_300).is_empty(), "given once");
+    }
+
+    #[test]
+    fn a_cluster_failover_takes_the_keys_it_moved_and_keeps_the_rest() {
+        let rules =
+            RuleSet::parse(r#"{"rules":[{"id":"r","dimension":"user","limit":100,"windowSeconds":2}]}"#)
+                .unwrap();
+        let r = rules.get("r").unwrap().clone();
+        let recent = Recent::default();
+        let (a, b) = (CompactString::from("user:a"), CompactString::from("user:b"));
+        for t in [19_000, 19_600, 20_100] {
+            recent.record(&r, &a, 1, t, t);
+            recent.record(&r, &b, 2, t, t);
+        }
+        let only_a = FailedOver::Keys(Arc::new(|k: &str| k == "user:a"));
+        let keys = |entries: Vec<LedgerEntry>| {
+            let mut got: Vec<(String, u64, u64)> = entries
+                .iter()
+                .map(|e| (e.key.to_string(), e.window, e.units))
+                .collect();
+            got.sort();
+            got
+        };
+        assert_eq!(
+            keys(recent.take_moved(20_200, &only_a)),
+            [("user:a".into(), 9, 2), ("user:a".into(), 10, 1)]
+        );
+        assert!(recent.take_moved(20_200, &only_a).is_empty(), "given once");
+        assert_eq!(
+            keys(recent.take(20_200)),
+            [("user:b".into(), 9, 4), ("user:b".into(), 10, 2)],
+            "another failover's keys are still there"
+        );
     }
 
     #[test]

@@ -35,7 +35,7 @@ use redis::Script;
 use floodgate_core::algo::Outcome;
 use floodgate_core::batch::FlushEntry;
 use floodgate_core::guard::LedgerEntry;
-use floodgate_core::shared_store::{Adjust, Adjusted, BoxFuture, Flushed, Route, SharedStore};
+use floodgate_core::shared_store::{Adjust, Adjusted, BoxFuture, FailedOver, Flushed, Route, SharedStore};
 use floodgate_core::store::{Layout, Planned, StoreError};
 
 use crate::shards::{RedisAccess, Shards};
@@ -101,6 +101,7 @@ impl RedisStore {
             config.layout.buckets(),
             &config.access,
         )?;
+        shards.watch_failovers();
         let nodes = match shards {
             Shards::Nodes { .. } => config
                 .urls
@@ -192,11 +193,23 @@ impl SharedStore for RedisStore {
     }
 
     fn fails_over(&self) -> bool {
-        self.shards.is_sentinel()
+        self.shards.is_sentinel() || self.shards.is_cluster()
     }
 
     fn failovers(&self) -> u64 {
         self.shards.failovers()
+    }
+
+    fn failed_over(&self) -> FailedOver {
+        let Some(slots) = self.shards.take_failed_slots() else {
+            return FailedOver::All;
+        };
+        // A client key's counters live under its hash tag (`fg:{7}:…`): its slot is the tag's.
+        let layout = self.layout;
+        FailedOver::Keys(Arc::new(move |key: &str| {
+            let tag = itoa::Buffer::new().format(layout.tag(key)).to_string();
+            crate::cluster_watch::has_slot(&slots, crate::cluster_watch::slot_of(&tag))
+        }))
     }
 
     fn sheds(&self, route: &Route, received: Instant) -> bool {

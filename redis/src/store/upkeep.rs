@@ -92,7 +92,10 @@ impl RedisStore {
                     }
                     Err(e) => {
                         match e {
-                            StoreError::Timeout(_) => done.unknown += units,
+                            StoreError::Timeout(_) => {
+                                done.unknown += units;
+                                done.uncertain.extend(chunk.iter().cloned());
+                            }
                             // The script itself failed (not one entry): the same call would fail
                             // the same way, so it is dropped rather than retried for ever.
                             StoreError::Script(_) => {
