@@ -164,14 +164,39 @@ impl Cluster {
 
     /// [`masters`](Self::masters) as node `node`'s slot map has them (ask a node that answers).
     pub fn masters_seen_by(&self, node: usize) -> Vec<usize> {
+        let mut owners = self.slot_ranges(node);
+        owners.sort();
+        let mut masters: Vec<usize> = Vec::new();
+        for (_, _, i) in owners {
+            if !masters.contains(&i) {
+                masters.push(i);
+            }
+        }
+        masters
+    }
+
+    /// The master that serves `slot`, as node `node`'s slot map has it.
+    pub fn master_of_slot(&self, node: usize, slot: i64) -> Option<usize> {
+        self.slot_ranges(node)
+            .into_iter()
+            .find(|(from, to, _)| (*from..=*to).contains(&slot))
+            .map(|(_, _, master)| master)
+    }
+
+    /// Node `node`'s `CLUSTER SLOTS`: each range's first and last slot and its master's index.
+    fn slot_ranges(&self, node: usize) -> Vec<(i64, i64, usize)> {
         let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
             .arg("SLOTS")
             .query(&mut self.nodes[node].conn())
             .expect("CLUSTER SLOTS");
-        let mut owners: Vec<(i64, usize)> = Vec::new();
+        let mut owners = Vec::new();
         for range in &ranges {
             let redis::Value::Array(v) = range else { continue };
-            let (Some(redis::Value::Int(start)), Some(redis::Value::Array(master))) = (v.first(), v.get(2))
+            let (
+                Some(redis::Value::Int(from)),
+                Some(redis::Value::Int(to)),
+                Some(redis::Value::Array(master)),
+            ) = (v.first(), v.get(1), v.get(2))
             else {
                 continue;
             };
@@ -179,17 +204,10 @@ impl Cluster {
                 continue;
             };
             if let Some(i) = self.nodes.iter().position(|n| i64::from(n.port()) == *port) {
-                owners.push((*start, i));
+                owners.push((*from, *to, i));
             }
         }
-        owners.sort();
-        let mut masters: Vec<usize> = Vec::new();
-        for (_, i) in owners {
-            if !masters.contains(&i) {
-                masters.push(i);
-            }
-        }
-        masters
+        owners
     }
 
     /// A replica of node `master`, if it has one in sync.

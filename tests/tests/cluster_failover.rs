@@ -10,30 +10,6 @@ use floodgate_tests::{eventually, patient_client, redis_time_ms, sleep_until_win
 
 const RULES: &str = r#"{"rules":[{"id":"twenty","dimension":"user","limit":20,"windowSeconds":60}]}"#;
 
-/// The master node that serves `slot`, as node `ask`'s `CLUSTER SLOTS` has it.
-fn master_of(cluster: &Cluster, ask: usize, slot: i64) -> Option<u16> {
-    let ranges: Vec<redis::Value> = redis::cmd("CLUSTER")
-        .arg("SLOTS")
-        .query(&mut cluster.nodes[ask].conn())
-        .expect("CLUSTER SLOTS");
-    ranges.iter().find_map(|range| {
-        let redis::Value::Array(v) = range else {
-            return None;
-        };
-        match (v.first(), v.get(1), v.get(2)) {
-            (Some(redis::Value::Int(from)), Some(redis::Value::Int(to)), Some(redis::Value::Array(m)))
-                if (*from..=*to).contains(&slot) =>
-            {
-                match m.get(1) {
-                    Some(redis::Value::Int(port)) => Some(*port as u16),
-                    _ => None,
-                }
-            }
-            _ => None,
-        }
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_writes_the_recent_admissions_of_its_slots_again() {
     let cluster = Cluster::start_with(3, 1);
@@ -55,7 +31,6 @@ async fn a_failover_writes_the_recent_admissions_of_its_slots_again() {
     }
     // Which keys live on the slots of the master that fails over.
     let failing = cluster.masters()[0];
-    let port = cluster.nodes[failing].port();
     let rules = RuleSet::parse(RULES).unwrap();
     let rule = rules.get("twenty").unwrap();
     let layout = Layout::default();
@@ -68,7 +43,7 @@ async fn a_failover_writes_the_recent_admissions_of_its_slots_again() {
                 .arg(layout.state_key(rule, k))
                 .query(&mut conn)
                 .expect("CLUSTER KEYSLOT");
-            master_of(&cluster, 0, slot) == Some(port)
+            cluster.master_of_slot(0, slot) == Some(failing)
         })
         .collect();
     let on_failing = moved.iter().filter(|m| **m).count();

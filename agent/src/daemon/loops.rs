@@ -52,18 +52,7 @@ pub(super) async fn guard_loop(
             tracing::warn!(error = %e, "could not load the check script yet; checks will load it on NOSCRIPT");
         }
     }
-    let mut failovers = redis.failovers();
-    // A failover's admissions are written again twice: at once, and one tick later for the calls
-    // that were in flight to the old master when the switch was seen (answered within the store
-    // timeout, after the first pass had taken what was recorded; the fault runner's Sentinel seed 2
-    // lost 2 such units of one key-window without it). Both passes take the keys it moved.
-    let mut again: Option<FailedOver> = None;
-    // What a re-application could not write (the new primary not reachable yet: on an unplanned
-    // Cluster failover redis-rs still sends to the old master until it learns the new slot map),
-    // tried again every tick for as long as admissions are kept for a failover (15 s), then given
-    // up.
-    let mut unwritten: Vec<LedgerEntry> = Vec::new();
-    let mut retry_until_ms = 0;
+    let mut replay = Replay::new(redis.failovers());
     loop {
         tokio::select! {
             _ = beat.tick() => match redis.heartbeat(&id, ttl, false).await {
@@ -77,23 +66,7 @@ pub(super) async fn guard_loop(
                 Err(e) => tracing::debug!(error = %e, "heartbeat failed; keeping the last known agent count"),
             },
             _ = tick.tick() => {
-                let seen = redis.failovers();
-                if seen != failovers {
-                    failovers = seen;
-                    retry_until_ms = Clock::System.now_ms() + LONG_REPLAY_MS;
-                    let moved = redis.failed_over();
-                    unwritten = reapply(&engine, redis.as_ref(), &moved, std::mem::take(&mut unwritten)).await;
-                    again = Some(moved);
-                } else if let Some(moved) = again.take() {
-                    unwritten = reapply(&engine, redis.as_ref(), &moved, std::mem::take(&mut unwritten)).await;
-                } else if !unwritten.is_empty() && Clock::System.now_ms() > retry_until_ms {
-                    let units: u64 = unwritten.iter().map(|e| e.units).sum();
-                    tracing::warn!(keys = unwritten.len(), units, "the store failed over: gave up writing these recent admissions into the new primary");
-                    unwritten.clear();
-                } else if !unwritten.is_empty() {
-                    let none = FailedOver::Keys(Arc::new(|_: &str| false));
-                    unwritten = reapply(&engine, redis.as_ref(), &none, std::mem::take(&mut unwritten)).await;
-                }
+                replay.tick(&engine, redis.as_ref()).await;
                 for shard in 0..guard.breakers.len() {
                     if guard.breaker(shard).snapshot().state != BreakerState::Closed {
                         upkeep::probe(&guard, redis.as_ref(), shard, std::time::Instant::now).await;
@@ -114,40 +87,80 @@ pub(super) async fn guard_loop(
     let _ = redis.heartbeat(&id, ttl, true).await;
 }
 
-/// After a failover: writes what this agent admitted through the store in the last 3 to 15 s (as
-/// long as each rule's counts last: [`horizon`](floodgate_core::guard::horizon)) into the new
-/// primary, which may have lost it
-/// (docs/accuracy.md, "Sentinel failover", "Cluster failover"), for the keys the failover `moved`,
-/// with what an earlier pass could not write (`unwritten`). Units it had in fact received count
-/// twice: stricter, never looser. Returns what it could not write (a call that failed or timed
-/// out), to be tried again while it still counts.
-async fn reapply(
-    engine: &Engine,
-    redis: &dyn SharedStore,
-    moved: &FailedOver,
+/// A failover's re-application of recent admissions (docs/accuracy.md, "Sentinel failover",
+/// "Cluster failover"): what this agent admitted through the store while it still counts (3 to
+/// 15 s: [`horizon`](floodgate_core::guard::horizon)) is written into the new primary, for the keys
+/// the failover moved, which may have lost it. Units it had in fact received count twice: stricter,
+/// never looser.
+struct Replay {
+    /// Failovers seen so far.
+    seen: u64,
+    /// The keys the last failover moved, for its second pass: one tick after the first, for the
+    /// calls that were in flight to the old master when the switch was seen (answered within the
+    /// store timeout, after the first pass took what was recorded; the fault runner's Sentinel seed
+    /// 2 lost 2 such units of one key-window without it).
+    again: Option<FailedOver>,
+    /// What a pass could not write (the new primary not reachable yet: on an unplanned Cluster
+    /// failover redis-rs sends to the old master until it learns the new slot map), tried again
+    /// every tick until `until_ms`, as long as admissions are kept for a failover.
     unwritten: Vec<LedgerEntry>,
-) -> Vec<LedgerEntry> {
-    let Some(recent) = engine.recent() else {
-        return Vec::new();
-    };
-    let now = Clock::System.now_ms();
-    let mut entries = recent.take_moved(now, moved);
-    entries.extend(unwritten);
-    let keys = entries.len();
-    let units: u64 = entries.iter().map(|e| e.units).sum();
-    let done = redis.adjust(entries, Adjust::Add).await;
-    let mut left = done.retry;
-    left.extend(done.uncertain);
-    match done.error {
-        None => tracing::warn!(
-            keys,
-            units,
-            over_limit = done.over,
-            "the store failed over: wrote this agent's recent admissions into the new primary"
-        ),
-        Some(e) => {
-            tracing::warn!(error = %e, keys, units, applied = done.units, left = left.len(), "the store failed over: writing this agent's recent admissions into the new primary failed part-way; trying the rest again")
+    until_ms: u64,
+}
+
+impl Replay {
+    fn new(seen: u64) -> Self {
+        Replay {
+            seen,
+            again: None,
+            unwritten: Vec::new(),
+            until_ms: 0,
         }
     }
-    left
+
+    /// One guard tick: a new failover's first pass, its second, or another try of what is left.
+    async fn tick(&mut self, engine: &Engine, redis: &dyn SharedStore) {
+        let Some(recent) = engine.recent() else { return };
+        let now = Clock::System.now_ms();
+        let seen = redis.failovers();
+        let mut entries = if seen != self.seen {
+            self.seen = seen;
+            self.until_ms = now + LONG_REPLAY_MS;
+            let moved = redis.failed_over();
+            let taken = recent.take_moved(now, &moved);
+            self.again = Some(moved);
+            taken
+        } else if let Some(moved) = self.again.take() {
+            recent.take_moved(now, &moved)
+        } else if self.unwritten.is_empty() {
+            return;
+        } else if now > self.until_ms {
+            let units: u64 = self.unwritten.iter().map(|e| e.units).sum();
+            tracing::warn!(
+                keys = self.unwritten.len(),
+                units,
+                "the store failed over: gave up writing these recent admissions into the new primary"
+            );
+            self.unwritten.clear();
+            return;
+        } else {
+            Vec::new()
+        };
+        entries.append(&mut self.unwritten);
+        let keys = entries.len();
+        let units: u64 = entries.iter().map(|e| e.units).sum();
+        let done = redis.adjust(entries, Adjust::Add).await;
+        self.unwritten = done.retry;
+        self.unwritten.extend(done.uncertain);
+        match done.error {
+            None => tracing::warn!(
+                keys,
+                units,
+                over_limit = done.over,
+                "the store failed over: wrote this agent's recent admissions into the new primary"
+            ),
+            Some(e) => {
+                tracing::warn!(error = %e, keys, units, applied = done.units, left = self.unwritten.len(), "the store failed over: writing this agent's recent admissions into the new primary failed part-way; trying the rest again")
+            }
+        }
+    }
 }
