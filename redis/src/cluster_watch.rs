@@ -143,14 +143,13 @@ impl SlotMap {
             let Some((new_id, new_epoch)) = new else { continue };
             match &self.owner[s] {
                 Some((old_id, old_epoch)) if old_id == new_id || old_epoch >= new_epoch => continue,
-                Some((old_id, _)) => {
-                    let was_replica = self.replica_of.get(new_id).is_some_and(|m| m == old_id)
-                        || next.replica_of.get(old_id).is_some_and(|m| m == new_id);
-                    if was_replica {
-                        failed.push(s as u16);
-                    }
+                // Only a replica of the old master as the previous map had it: a master emptied by a
+                // reshard turns replica of the node that took its last slot, which must not read
+                // as a failover (it lost nothing).
+                Some((old_id, _)) if self.replica_of.get(new_id).is_some_and(|m| m == old_id) => {
+                    failed.push(s as u16);
                 }
-                None => {}
+                Some(_) | None => {}
             }
             self.owner[s] = Some((new_id.clone(), *new_epoch));
         }
@@ -265,6 +264,27 @@ b2 127.0.0.1:7004@17004 master - 0 0 7 connected 5461-10922
                 "b2 127.0.0.1:7004@17004 slave b1 0 0 7 connected",
             );
         assert_eq!(map.update(&SlotMap::parse(&back)).len(), 5462);
+    }
+
+    #[test]
+    fn a_master_emptied_by_a_reshard_is_no_failover() {
+        let mut map = SlotMap::default();
+        map.update(&SlotMap::parse(BEFORE));
+        // c1's slots all moved to b1 (epoch 8); c1, empty, turned replica of b1.
+        let after = BEFORE
+            .replace("5461-10922", "5461-16383")
+            .replace(" 0 0 2 connected 5461", " 0 0 8 connected 5461")
+            .replace(
+                "c1 127.0.0.1:7002@17002 master - 0 0 3 connected 10923-16383",
+                "c1 127.0.0.1:7002@17002 slave b1 0 0 3 connected",
+            );
+        let failed = map.update(&SlotMap::parse(&after));
+        assert!(failed.is_empty(), "{} slots", failed.len());
+        assert_eq!(
+            map.owner[16_383].as_ref().map(|(id, _)| &**id),
+            Some("b1"),
+            "the move is learned"
+        );
     }
 
     #[test]

@@ -222,4 +222,10 @@ async fn counts_follow_their_slots_when_the_cluster_reshards() {
             assert_eq!(d.allowed, n <= 5, "{k} check {n}: {d:?}");
         }
     }
+    // Node 0, emptied, turns replica of node 1: no failover (its keys would count twice).
+    assert!(
+        !agent.log().contains("replica took over"),
+        "a reshard read as a failover:\n{}",
+        agent.log()
+    );
 }
