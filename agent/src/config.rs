@@ -187,6 +187,11 @@ pub struct AgentConfig {
     #[arg(help_heading = "Execution modes", long, env = "FLOODGATE_BATCH_MAX_KEYS", default_value_t = floodgate_core::batch::DEFAULT_MAX_KEYS)]
     pub batch_max_keys: usize,
 
+    /// Most reservations (protocol version 6) held at once, 1 to 10,000,000 (~200 B each); past it
+    /// a reserve is refused with error 7 until commits or expiries free room.
+    #[arg(help_heading = "Execution modes", long, env = "FLOODGATE_MAX_RESERVATIONS", default_value_t = floodgate_core::reserve::DEFAULT_MAX_RESERVATIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=10_000_000))]
+    pub max_reservations: usize,
+
     /// Sync checks per second of one (rule, key) on this agent that promote it to batched execution
     /// while it stays hot (0 turns promotion off).
     #[arg(help_heading = "Execution modes", long, env = "FLOODGATE_HOT_KEY_RATE", default_value_t = floodgate_core::engine::DEFAULT_HOT_KEY_RATE)]

@@ -134,6 +134,18 @@ impl RejectionCache {
         }
     }
 
+    /// Drops the cached rejection of (rule, key), if any: units came back (a commit gave back what a
+    /// reservation did not use), so the key may pass before the rejection said.
+    pub fn forget(&self, rule: &str, key: &str) {
+        if self.cap == 0 || self.is_empty() {
+            return;
+        }
+        let mut shard = self.shard(rule, key).lock().unwrap_or_else(|p| p.into_inner());
+        if shard.remove(&(rule.to_string(), key.to_string())).is_some() {
+            self.len.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
     /// Drops expired entries (the agent calls it every few seconds).
     pub fn sweep(&self, now_ms: u64) {
         for shard in &self.shards {

@@ -12,6 +12,7 @@
 //! - [`batch`]: batched execution (local counters, flushes, hot keys).
 //! - [`call_trace`]: which checks a coalesced store call served, for traces.
 //! - [`overrides`]: per-client overrides of a rule's limit, as agents follow them.
+//! - [`reserve`]: the agent's reservations (reserve, then commit what was used).
 //! - [`cache`]: the rejection cache (a rejected key answered locally until it could pass).
 //! - [`guard`]: circuit breaker, limit/N fallback with its write-back ledger, membership (N).
 //! - [`ledger`]: the opt-in decision ledger, and the checker that judges a run's ledgers.
@@ -48,6 +49,7 @@ pub mod guard;
 pub mod ledger;
 pub mod metrics;
 pub mod overrides;
+pub mod reserve;
 pub mod rules;
 pub mod shared_store;
 pub mod store;

@@ -145,9 +145,12 @@ pub enum InvalidValue {
         /// The character.
         found: char,
     },
-    /// A cost of 0 on an item that is not a peek.
+    /// A cost of 0 on an item that is not a peek or a commit.
     #[error("cost must be at least 1")]
     ZeroCost,
+    /// A reserve or a commit without its reservation id (version 6).
+    #[error("a {0} item needs its reservation id")]
+    NoReservationId(&'static str),
     /// An item mode this peer does not know.
     #[error("unknown item mode {0}")]
     UnknownMode(u8),

@@ -70,6 +70,13 @@ pub enum ItemMode {
     /// Gives units back to a concurrency rule (version 3): the item's lease, or without one up to
     /// `cost` units of the key's leases; never a rejection.
     Release,
+    /// Takes `cost` as a consume does and holds it under the item's reservation id (version 6),
+    /// until a commit with the same id settles it or the rule's `reservationSeconds` run out.
+    Reserve,
+    /// Settles the reservation named by the item's id (version 6): `cost` is what the request
+    /// actually used (0 allowed); the reserved units past it go back, a use past them is charged.
+    /// Never a rejection.
+    Commit,
 }
 
 impl ItemMode {
@@ -77,23 +84,23 @@ impl ItemMode {
     /// predicates is an exhaustive match, so a new mode makes the compiler ask each question of it.
     pub fn takes_if_passed(self) -> bool {
         match self {
-            ItemMode::Consume => true,
-            ItemMode::Peek | ItemMode::Charge | ItemMode::Release => false,
+            ItemMode::Consume | ItemMode::Reserve => true,
+            ItemMode::Peek | ItemMode::Charge | ItemMode::Release | ItemMode::Commit => false,
         }
     }
 
-    /// Takes its cost whatever the verdict (a charge): never a rejection.
+    /// Takes its cost whatever the verdict (a charge, a commit): never a rejection.
     pub fn always_takes(self) -> bool {
         match self {
-            ItemMode::Charge => true,
-            ItemMode::Consume | ItemMode::Peek | ItemMode::Release => false,
+            ItemMode::Charge | ItemMode::Commit => true,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Release | ItemMode::Reserve => false,
         }
     }
 
-    /// Adds its cost to the key's count when admitted (a consume or a charge).
+    /// Adds its cost to the key's count when admitted (a consume, a reserve or a charge).
     pub fn counts(self) -> bool {
         match self {
-            ItemMode::Consume | ItemMode::Charge => true,
+            ItemMode::Consume | ItemMode::Charge | ItemMode::Reserve | ItemMode::Commit => true,
             ItemMode::Peek | ItemMode::Release => false,
         }
     }
@@ -102,7 +109,11 @@ impl ItemMode {
     pub fn only_looks(self) -> bool {
         match self {
             ItemMode::Peek => true,
-            ItemMode::Consume | ItemMode::Charge | ItemMode::Release => false,
+            ItemMode::Consume
+            | ItemMode::Charge
+            | ItemMode::Release
+            | ItemMode::Reserve
+            | ItemMode::Commit => false,
         }
     }
 
@@ -110,15 +121,45 @@ impl ItemMode {
     pub fn gives_back(self) -> bool {
         match self {
             ItemMode::Release => true,
-            ItemMode::Consume | ItemMode::Peek | ItemMode::Charge => false,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Charge | ItemMode::Reserve | ItemMode::Commit => {
+                false
+            }
         }
     }
 
-    /// Can be refused (a consume or a peek).
+    /// Can be refused (a consume, a reserve or a peek).
     pub fn can_refuse(self) -> bool {
         match self {
-            ItemMode::Consume | ItemMode::Peek => true,
-            ItemMode::Charge | ItemMode::Release => false,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Reserve => true,
+            ItemMode::Charge | ItemMode::Release | ItemMode::Commit => false,
+        }
+    }
+
+    /// Names a reservation (a reserve or a commit): it needs an id, and decides its rule's items
+    /// in the agent's reservations as well as in the store (version 6).
+    pub fn reserves(self) -> bool {
+        match self {
+            ItemMode::Reserve | ItemMode::Commit => true,
+            ItemMode::Consume | ItemMode::Peek | ItemMode::Charge | ItemMode::Release => false,
+        }
+    }
+
+    /// Its denial is cached until its key could pass, and answered from the cache (a consume). A
+    /// reserve's is not: a commit may give units back at any moment, as a release may.
+    pub fn caches_denial(self) -> bool {
+        match self {
+            ItemMode::Consume => true,
+            ItemMode::Peek | ItemMode::Charge | ItemMode::Release | ItemMode::Reserve | ItemMode::Commit => {
+                false
+            }
+        }
+    }
+
+    /// May cost 0: a peek asks about nothing, a commit says the request used nothing.
+    pub fn may_cost_nothing(self) -> bool {
+        match self {
+            ItemMode::Peek | ItemMode::Commit => true,
+            ItemMode::Consume | ItemMode::Charge | ItemMode::Release | ItemMode::Reserve => false,
         }
     }
 
@@ -129,6 +170,8 @@ impl ItemMode {
             ItemMode::Peek => 1,
             ItemMode::Charge => 2,
             ItemMode::Release => 3,
+            ItemMode::Reserve => 4,
+            ItemMode::Commit => 5,
         }
     }
 
@@ -139,6 +182,8 @@ impl ItemMode {
             1 => ItemMode::Peek,
             2 => ItemMode::Charge,
             3 => ItemMode::Release,
+            4 => ItemMode::Reserve,
+            5 => ItemMode::Commit,
             _ => return None,
         })
     }
@@ -150,6 +195,8 @@ impl ItemMode {
             ItemMode::Peek => "peek",
             ItemMode::Charge => "charge",
             ItemMode::Release => "release",
+            ItemMode::Reserve => "reserve",
+            ItemMode::Commit => "commit",
         }
     }
 }
@@ -227,15 +274,41 @@ impl Item {
         }
     }
 
+    /// An item that reserves `cost` (e.g. a request's `max_tokens`) under the reservation id
+    /// `id`, if the check passes; settle it with [`Item::commit`] and the same id.
+    pub fn reserve(
+        key: impl Into<CompactString>,
+        rule_id: impl Into<CompactString>,
+        cost: u32,
+        id: u64,
+    ) -> Self {
+        Item {
+            mode: ItemMode::Reserve,
+            lease: Some(id),
+            ..Item::new(key, rule_id, cost)
+        }
+    }
+
+    /// An item that settles the reservation `id` at what the request used (`used`, 0 allowed).
+    pub fn commit(
+        key: impl Into<CompactString>,
+        rule_id: impl Into<CompactString>,
+        used: u32,
+        id: u64,
+    ) -> Self {
+        Item {
+            mode: ItemMode::Commit,
+            lease: Some(id),
+            ..Item::new(key, rule_id, used)
+        }
+    }
+
     /// Checks the item against the protocol's limits.
     #[inline]
     pub fn validate(&self) -> Result<(), InvalidValue> {
         validate_text("key", &self.key, MAX_KEY)?;
         validate_rule_id(&self.rule_id)?;
-        if self.cost == 0 && !self.mode.only_looks() {
-            return Err(InvalidValue::ZeroCost);
-        }
-        Ok(())
+        check_mode(self.mode, self.cost, self.lease)
     }
 }
 
@@ -268,10 +341,7 @@ impl Attributes {
                 validate_text(name, v, MAX_ATTRIBUTE)?;
             }
         }
-        if self.cost == 0 && !self.mode.only_looks() {
-            return Err(InvalidValue::ZeroCost);
-        }
-        Ok(())
+        check_mode(self.mode, self.cost, self.lease)
     }
 
     /// The attributes with their names, in wire order.
@@ -299,6 +369,19 @@ impl Check {
             Check::Attributes(a) => a.validate(),
         }
     }
+}
+
+/// Whether a mode's cost and id fit it: a cost of 0 only where the mode may cost nothing, and a
+/// reservation id on every reserve and commit.
+#[inline]
+fn check_mode(mode: ItemMode, cost: u32, id: Option<u64>) -> Result<(), InvalidValue> {
+    if cost == 0 && !mode.may_cost_nothing() {
+        return Err(InvalidValue::ZeroCost);
+    }
+    if mode.reserves() && id.is_none() {
+        return Err(InvalidValue::NoReservationId(mode.as_str()));
+    }
+    Ok(())
 }
 
 /// Whether a key or attribute may be sent: 1 to `max` bytes, no brace, no control character. The

@@ -2,8 +2,8 @@
 
 /// The highest protocol version this crate speaks (2: the fail-mode list and item modes; 3: leases
 /// and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace
-/// context).
-pub const VERSION: u8 = 5;
+/// context; 6: reservations, reserved and committed).
+pub const VERSION: u8 = 6;
 
 /// The lowest protocol version this crate speaks.
 pub const MIN_VERSION: u8 = 1;

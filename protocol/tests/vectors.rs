@@ -309,6 +309,37 @@ fn frames() -> Vec<(&'static str, Frame)> {
             ),
         ),
         (
+            "hello_v6",
+            Frame::new(
+                0,
+                Body::Hello {
+                    min_version: 1,
+                    max_version: 6,
+                },
+            ),
+        ),
+        ("hello_ok_v6", Frame::new(0, Body::HelloOk { version: 6 })),
+        (
+            "check_reserve",
+            Frame::new(
+                19,
+                Body::Check(Check::Items(vec![
+                    Item::reserve("apikey:abc", "output-tokens", 4096, 0x0123_4567_89ab_cdef),
+                    Item::reserve("apikey:abc", "in-flight", 1, 0x0123_4567_89ab_cdef),
+                ])),
+            ),
+        ),
+        (
+            "check_commit",
+            Frame::new(
+                20,
+                Body::Check(Check::Items(vec![
+                    Item::commit("apikey:abc", "output-tokens", 612, 0x0123_4567_89ab_cdef),
+                    Item::commit("apikey:abc", "in-flight", 0, 0x0123_4567_89ab_cdef),
+                ])),
+            ),
+        ),
+        (
             "fail_mode_list",
             Frame::new(
                 11,

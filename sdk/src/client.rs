@@ -52,7 +52,7 @@ pub struct Health {
 /// A handle to the local agent. Cheap to clone; all clones share one connection.
 #[derive(Clone)]
 pub struct Client {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
     tx: mpsc::Sender<Vec<u8>>,
 }
 
@@ -191,6 +191,11 @@ impl Client {
             ));
         }
         let version = self.shared.version.load(Ordering::Relaxed);
+        if self.shared.connected.load(Ordering::Acquire) && version < 6 && has_reservations(&check) {
+            return Err(Error::Invalid(format!(
+                "the agent speaks protocol version {version}: it cannot hold reservations (update the agent)"
+            )));
+        }
         if self.shared.connected.load(Ordering::Acquire) && version < 3 && has_leases(&check) {
             return Err(Error::Invalid(format!(
                 "the agent speaks protocol version {version}: it cannot hold leases (update the agent)"
@@ -352,6 +357,13 @@ fn has_leases(check: &Check) -> bool {
     match check {
         Check::Items(items) => items.iter().any(|i| i.lease.is_some() || i.mode.gives_back()),
         Check::Attributes(a) => a.lease.is_some() || a.mode.gives_back(),
+    }
+}
+
+fn has_reservations(check: &Check) -> bool {
+    match check {
+        Check::Items(items) => items.iter().any(|i| i.mode.reserves()),
+        Check::Attributes(a) => a.mode.reserves(),
     }
 }
 

@@ -51,6 +51,7 @@ mod decision;
 mod error;
 #[cfg(feature = "tower")]
 pub mod middleware;
+mod reserve;
 mod socket;
 mod state;
 
@@ -59,4 +60,5 @@ pub use config::{CallOptions, ClientConfig, FailPolicy, LocalLimit};
 pub use decision::{Decision, Degraded, Origin};
 pub use error::Error;
 pub use floodgate_protocol::{Attributes, Item, ItemDecision, ItemMode, Source};
+pub use reserve::{Meter, Reservation};
 pub use socket::{default_socket_path, user_socket, DEFAULT_SOCKET, SOCKET_ENV};

@@ -278,10 +278,10 @@ const FACTS: &[Fact] = &[
         value: "\"0.5.0\"",
     },
     Fact {
-        says: "protocol version 5",
+        says: "protocol version 6",
         file: "protocol/src/limits.rs",
         anchor: "const VERSION:",
-        value: "= 5;",
+        value: "= 6;",
     },
     Fact {
         says: "oldest spoken 1",

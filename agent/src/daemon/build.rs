@@ -108,6 +108,7 @@ pub(crate) async fn build(config: AgentConfig) -> anyhow::Result<Built> {
         cache_cap: config.rejection_cache,
         flush_ms: config.flush_interval_ms,
         max_batched_keys: config.batch_max_keys,
+        max_reservations: config.max_reservations,
         hot_key_rate: config.hot_key_rate,
         accuracy: config.accuracy,
         events: None,

@@ -132,6 +132,19 @@ impl Built {
                 },
             ));
         }
+        {
+            // Reservations past their time, settled as their rules say, every second (late is
+            // strict: an expired reservation's units stay counted until then).
+            let engine = engine.clone();
+            tokio::spawn(floodgate_core::tasks::every(
+                Duration::from_secs(1),
+                shutdown.clone(),
+                move || {
+                    engine.expire_reservations();
+                    std::future::ready(())
+                },
+            ));
+        }
         if let Some(listener) = listeners.admin {
             let app = admin::app(engine.clone()).layer(axum::Extension(metrics.clone()));
             // No token: on loopback only loopback Hosts (DNS rebinding); anywhere, no cross-site

@@ -52,6 +52,9 @@ impl Engine {
         if looks_first && plan.iter().any(|p| p.mode.takes_if_passed()) {
             return self.looks_first(plan, received);
         }
+        if plan.iter().any(|p| p.mode.reserves()) {
+            return self.reserved(plan, received);
+        }
         self.answer_plan(plan, received)
     }
 
@@ -85,7 +88,7 @@ impl Engine {
     }
 
     /// Decides a planned check.
-    fn answer_plan(self: &Arc<Self>, plan: Vec<Planned>, received: std::time::Instant) -> Answer {
+    pub(super) fn answer_plan(self: &Arc<Self>, plan: Vec<Planned>, received: std::time::Instant) -> Answer {
         if plan.is_empty() {
             return Answer::Ready(Ok(Decision {
                 combined: no_rule(),

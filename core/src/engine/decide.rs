@@ -86,9 +86,9 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
     // release is never a rejection).
     let consumes = plan.iter().any(|p| p.mode.takes_if_passed());
     let gates = |mode: ItemMode| match mode {
-        ItemMode::Consume => true,
+        ItemMode::Consume | ItemMode::Reserve => true,
         ItemMode::Peek => !consumes,
-        ItemMode::Charge | ItemMode::Release => false,
+        ItemMode::Charge | ItemMode::Release | ItemMode::Commit => false,
     };
     let denied = items
         .iter()

@@ -85,7 +85,7 @@ impl Engine {
         let now = self.clock.now_ms();
         for (p, o) in plan.iter().zip(&out) {
             if let Some((o, Source::Redis)) = o {
-                if !o.allowed && p.rule.enforced() {
+                if !o.allowed && p.rule.enforced() && p.mode.caches_denial() {
                     self.cache.put(&p.rule, &p.key, p.cost, *o, now);
                 }
             }
@@ -187,23 +187,7 @@ impl Engine {
             .iter()
             .filter_map(|&i| {
                 let (o, _) = out[i]?;
-                let p = &plan[i];
-                // An admitted sliding-window item's reset is the end of the window after its own; a
-                // concurrency item's take-back frees its lease, named where the window goes.
-                let window = match (p.rule.algorithm, p.lease.id()) {
-                    (Algorithm::Concurrency, Some(id)) => id,
-                    // A quota's take-back goes into its period, named by its start.
-                    (Algorithm::Quota, _) => p.rule.quota_period(o.reset_at_ms.saturating_sub(1)).0,
-                    (Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency, _) => {
-                        (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2)
-                    }
-                };
-                Some(LedgerEntry {
-                    rule: p.rule.clone(),
-                    key: p.key.clone(),
-                    window,
-                    units: p.cost,
-                })
+                Some(counted_in(&plan[i], &o))
             })
             .collect();
         let units: u64 = entries.iter().map(|e| e.units).sum();
@@ -215,6 +199,25 @@ impl Engine {
             let lost: u64 = done.unknown + done.retry.iter().map(|e| e.units).sum::<u64>();
             stats.failed.fetch_add(lost, Ordering::Relaxed);
         });
+    }
+}
+
+/// Where an admitted item's cost was counted, as a take-back names it: an admitted sliding-window
+/// item's reset is the end of the window after its own; a quota's period is named by its start; a
+/// concurrency item's take-back frees its lease, named where the window goes.
+pub(super) fn counted_in(p: &Planned, o: &Outcome) -> LedgerEntry {
+    let window = match (p.rule.algorithm, p.lease.id()) {
+        (Algorithm::Concurrency, Some(id)) => id,
+        (Algorithm::Quota, _) => p.rule.quota_period(o.reset_at_ms.saturating_sub(1)).0,
+        (Algorithm::SlidingWindow | Algorithm::TokenBucket | Algorithm::Concurrency, _) => {
+            (o.reset_at_ms / p.rule.window_ms()).saturating_sub(2)
+        }
+    };
+    LedgerEntry {
+        rule: p.rule.clone(),
+        key: p.key.clone(),
+        window,
+        units: p.cost,
     }
 }
 

@@ -22,6 +22,7 @@ mod groups;
 mod modes;
 mod observe;
 mod plan;
+mod reserve;
 mod shared_path;
 
 pub use decide::combine;
@@ -80,6 +81,8 @@ pub struct EngineOptions {
     pub events: Option<Arc<crate::events::Events>>,
     /// Where every decision is recorded (none: the ledger is off, the default).
     pub ledger: Option<Arc<crate::ledger::Ledger>>,
+    /// Most reservations held at once (`--max-reservations`); past it a reserve is refused.
+    pub max_reservations: usize,
     /// The engine's clock (the system's; a manual one in simulations).
     pub clock: Clock,
 }
@@ -94,6 +97,7 @@ impl Default for EngineOptions {
             accuracy: DEFAULT_ACCURACY,
             events: None,
             ledger: None,
+            max_reservations: crate::reserve::DEFAULT_MAX_RESERVATIONS,
             clock: Clock::System,
         }
     }
@@ -132,6 +136,8 @@ pub struct Engine {
     lease_seed: u64,
     lease_seq: AtomicU64,
     overrides: Arc<crate::overrides::Overrides>,
+    /// The reservations this agent holds (protocol version 6).
+    reservations: crate::reserve::Reservations,
 }
 
 /// The newest rule set the agent was handed and refused (invalid as a whole); the set in force
@@ -189,6 +195,7 @@ impl Engine {
             lease_seed: lease_seed(),
             lease_seq: AtomicU64::new(0),
             overrides: Arc::default(),
+            reservations: crate::reserve::Reservations::new(options.max_reservations),
         })
     }
 

@@ -44,7 +44,8 @@ impl Engine {
     }
 
     /// What an item does to its rule: a concurrency rule's consume acquires under the client's lease
-    /// (or one the agent picks), its charge is a peek; another rule's release is a peek of 0.
+    /// (or one the agent picks), its charge is a peek; another rule's release is a peek of 0. A
+    /// reserve or a commit keeps its reservation id as its lease (`reserve.rs` settles a commit).
     pub(super) fn item_mode(
         &self,
         rule: &Rule,
@@ -54,9 +55,13 @@ impl Engine {
     ) -> (ItemMode, Lease, u64) {
         let cost = u64::from(cost);
         if !rule.is_concurrency() {
-            return match mode {
-                ItemMode::Release => (ItemMode::Peek, Lease::None, 0),
-                ItemMode::Consume | ItemMode::Peek | ItemMode::Charge => (mode, Lease::None, cost),
+            return match (mode, lease) {
+                (ItemMode::Release, _) => (ItemMode::Peek, Lease::None, 0),
+                (ItemMode::Reserve | ItemMode::Commit, Some(id)) => (mode, Lease::Client(id), cost),
+                // Validated away (a reserve or a commit has its id): what it would be without one.
+                (ItemMode::Reserve, None) => (ItemMode::Consume, Lease::None, cost),
+                (ItemMode::Commit, None) => (ItemMode::Charge, Lease::None, cost),
+                (ItemMode::Consume | ItemMode::Peek | ItemMode::Charge, _) => (mode, Lease::None, cost),
             };
         }
         match (mode, lease) {
@@ -67,6 +72,10 @@ impl Engine {
             (ItemMode::Consume, None) => (mode, Lease::Agent(self.agent_lease()), cost),
             (ItemMode::Release, Some(id)) => (mode, Lease::Client(id), cost),
             (ItemMode::Release, None) => (mode, Lease::None, cost),
+            // A reservation of units in flight is an acquire under its id; its commit a release.
+            (ItemMode::Reserve | ItemMode::Commit, Some(id)) => (mode, Lease::Client(id), cost),
+            (ItemMode::Reserve, None) => (ItemMode::Consume, Lease::Agent(self.agent_lease()), cost),
+            (ItemMode::Commit, None) => (ItemMode::Peek, Lease::None, cost),
             (ItemMode::Peek | ItemMode::Charge, _) => (ItemMode::Peek, Lease::None, cost),
         }
     }

@@ -23,7 +23,8 @@ impl Engine {
     /// however hot); never while its shard's breaker is open (the fallback decides then) or when the
     /// batcher is full.
     fn runs_batched(&self, r: &dyn SharedStore, p: &Planned, n: u64, now: u64) -> bool {
-        if !p.rule.algorithm.batches() {
+        // A reservation is counted where its commit can give it back: in the store.
+        if !p.rule.algorithm.batches() || p.mode.reserves() {
             return false;
         }
         if let Some(g) = &self.guard {
@@ -188,7 +189,7 @@ impl Engine {
         let looked: Vec<Option<Outcome>> = plan
             .iter()
             .map(|p| {
-                (p.rule.enforced() && p.mode.takes_if_passed())
+                (p.rule.enforced() && p.mode.caches_denial())
                     .then(|| self.cache.get(&p.rule, &p.key, p.cost, now))
                     .flatten()
             })

@@ -10,13 +10,15 @@ use super::model::{validate_endpoint_pattern, Rule};
 /// Field name → what is wrong with it.
 pub type FieldErrors = BTreeMap<String, String>;
 
-const FIELDS: [&str; 17] = [
+const FIELDS: [&str; 19] = [
     "id",
     "dimension",
     "match",
     "limit",
     "windowSeconds",
     "leaseSeconds",
+    "reservationSeconds",
+    "reservationExpiry",
     "period",
     "timezone",
     "burst",
@@ -79,6 +81,11 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
                 Some(l) if (0.1..=super::model::MAX_LEASE_SECONDS).contains(&l) => Ok(()),
                 _ => Err("must be a number of seconds from 0.1 to 86400".into()),
             },
+            "reservationSeconds" => match v.as_f64() {
+                Some(l) if (0.1..=super::model::MAX_LEASE_SECONDS).contains(&l) => Ok(()),
+                _ => Err("must be a number of seconds from 0.1 to 86400".into()),
+            },
+            "reservationExpiry" => one_of(v, &["charge", "release"]),
             "algorithm" => one_of(v, &["sliding_window", "token_bucket", "concurrency", "quota"]),
             "period" => one_of(v, &["day", "week", "month", "year"]),
             "timezone" => match v.as_str() {

@@ -110,6 +110,19 @@ pub enum OverLimit {
     Charge,
 }
 
+/// What an uncommitted reservation leaves counted when it expires (its holder died, or never
+/// committed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationExpiry {
+    /// Its reserved units stay counted (the default): a holder that died is assumed to have used
+    /// them, so the budget is never passed for it.
+    #[default]
+    Charge,
+    /// Its reserved units go back: a late commit then charges what it used in full.
+    Release,
+}
+
 /// Where a rule's counting happens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]

@@ -13,5 +13,6 @@ pub use fail_list::fail_mode_list;
 pub use matching::items_for;
 pub use model::{
     validate_endpoint_pattern, Algorithm, Dimension, EnvoyEntry, EnvoyMatch, Execution, FailMode,
-    InvalidRule, Match, Mode, OverLimit, Rule, RuleError, RuleSet, EXAMPLE_RULES, MAX_ENVOY_DEPTH,
+    InvalidRule, Match, Mode, OverLimit, ReservationExpiry, Rule, RuleError, RuleSet, EXAMPLE_RULES,
+    MAX_ENVOY_DEPTH,
 };

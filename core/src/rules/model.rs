@@ -41,6 +41,14 @@ pub struct Rule {
     /// How long a concurrency rule's lease lasts unless released, in seconds (default 60).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_seconds: Option<f64>,
+    /// How long a reservation (protocol version 6) is held before it expires uncommitted, in
+    /// seconds (default 300).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reservation_seconds: Option<f64>,
+    /// What an expired reservation leaves counted: its reserved units (`charge`, the default) or
+    /// nothing (`release`).
+    #[serde(default, skip_serializing_if = "is_charge")]
+    pub reservation_expiry: ReservationExpiry,
     /// A quota's calendar period.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub period: Option<crate::algo::Period>,
@@ -87,6 +95,10 @@ fn is_deny(o: &OverLimit) -> bool {
     *o == OverLimit::Deny
 }
 
+fn is_charge(e: &ReservationExpiry) -> bool {
+    *e == ReservationExpiry::Charge
+}
+
 fn is_zero(x: &u64) -> bool {
     *x == 0
 }
@@ -94,6 +106,10 @@ fn is_zero(x: &u64) -> bool {
 fn is_zero_f64(x: &f64) -> bool {
     *x == 0.0
 }
+
+/// How long a reservation is held when its rule names no `reservationSeconds`: 5 minutes, longer
+/// than an LLM completion streams, so a live request's reservation does not run out under it.
+pub const DEFAULT_RESERVATION_SECONDS: f64 = 300.0;
 
 /// A concurrency rule's lease time when it names none.
 pub const DEFAULT_LEASE_SECONDS: f64 = 60.0;
@@ -169,8 +185,21 @@ impl Rule {
         self.mode == Mode::Enforce
     }
 
+    /// How long a reservation of this rule is held before it expires, in ms.
+    pub fn reservation_ms(&self) -> u64 {
+        (self.reservation_seconds.unwrap_or(DEFAULT_RESERVATION_SECONDS) * 1000.0) as u64
+    }
+
     pub(super) fn validate(&self) -> Result<(), String> {
         floodgate_protocol::validate_rule_id(&self.id).map_err(|e| e.to_string())?;
+        if let Some(r) = self.reservation_seconds {
+            if !(r.is_finite() && (0.1..=MAX_LEASE_SECONDS).contains(&r)) {
+                return Err(format!(
+                    "rule {}: reservationSeconds must be from 0.1 to {MAX_LEASE_SECONDS}, not {r}",
+                    self.id
+                ));
+            }
+        }
         match self.algorithm {
             Algorithm::Concurrency => return self.validate_concurrency(),
             Algorithm::Quota => return self.validate_quota(),

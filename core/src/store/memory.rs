@@ -167,6 +167,42 @@ impl MemoryStore {
         outcomes
     }
 
+    /// Gives back units a reservation took and did not use (`lua/check.lua`'s take-back): a
+    /// sliding window's from the window they were counted in while it still counts (the current
+    /// or the previous one), a token bucket's as tokens (up to its capacity), a quota's from its
+    /// period while it lasts; never below 0. A concurrency rule's units are released instead.
+    pub fn take_back(&self, entries: &[crate::guard::LedgerEntry]) -> u64 {
+        let now = self.clock.now_ms();
+        let mut applied = 0;
+        for e in entries {
+            let key = state_key(&e.rule, &e.key);
+            let mut shard = lock(&self.shards[shard_index(&key)]);
+            let Some(entry) = shard.get_mut(&key).filter(|x| x.expires_at_ms > now) else {
+                continue;
+            };
+            let taken = |count: &mut u64| {
+                let n = e.units.min(*count);
+                *count -= n;
+                n
+            };
+            applied += match (&mut entry.state, e.rule.algorithm) {
+                (State::Window(w), Algorithm::SlidingWindow) if w.window == e.window => taken(&mut w.cur),
+                (State::Window(w), Algorithm::SlidingWindow) if w.window == e.window + 1 => {
+                    taken(&mut w.prev)
+                }
+                (State::Bucket(b), Algorithm::TokenBucket) => {
+                    let room = (e.rule.burst() as f64 - b.tokens).max(0.0);
+                    let n = (e.units as f64).min(room);
+                    b.tokens += n;
+                    n as u64
+                }
+                (State::Quota { start, count }, Algorithm::Quota) if *start == e.window => taken(count),
+                _ => 0,
+            };
+        }
+        applied
+    }
+
     /// Drops expired entries; the agent calls it on a timer so idle keys do not accumulate.
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_ms();
@@ -195,9 +231,9 @@ impl MemoryStore {
 /// so did every enforced consume item of its check (`all_ok`).
 fn commits(item: &Planned, outcome: &Outcome, all_ok: bool) -> bool {
     match item.mode {
-        ItemMode::Consume => outcome.allowed && all_ok,
+        ItemMode::Consume | ItemMode::Reserve => outcome.allowed && all_ok,
         ItemMode::Peek => false,
-        ItemMode::Charge | ItemMode::Release => true,
+        ItemMode::Charge | ItemMode::Release | ItemMode::Commit => true,
     }
 }
 
@@ -252,10 +288,13 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
             let prior = window_state(prior);
             let (limit, window) = (rule.limit.get(), rule.window_ms());
             let (o, next, exp) = match item.mode {
-                ItemMode::Charge => algo::sliding_window_charge(prior, limit, window, item.cost, now),
-                // Reached for peeks (a consume takes the path before modes; a release of a rate
-                // rule is planned as a peek of 0).
-                ItemMode::Peek | ItemMode::Consume | ItemMode::Release => {
+                // A commit reaches the store as the charge of what its use adds.
+                ItemMode::Charge | ItemMode::Commit => {
+                    algo::sliding_window_charge(prior, limit, window, item.cost, now)
+                }
+                // Reached for peeks (a consume or a reserve takes the path before modes; a
+                // release of a rate rule is planned as a peek of 0).
+                ItemMode::Peek | ItemMode::Consume | ItemMode::Release | ItemMode::Reserve => {
                     let o = algo::sliding_window_peek(prior, limit, window, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
@@ -270,8 +309,10 @@ fn decide_mode(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, Ent
             let prior = bucket_state(prior);
             let (limit, window, burst) = (rule.limit.get(), rule.window_ms(), rule.burst());
             let (o, next, exp) = match item.mode {
-                ItemMode::Charge => algo::token_bucket_charge(prior, limit, window, burst, item.cost, now),
-                ItemMode::Peek | ItemMode::Consume | ItemMode::Release => {
+                ItemMode::Charge | ItemMode::Commit => {
+                    algo::token_bucket_charge(prior, limit, window, burst, item.cost, now)
+                }
+                ItemMode::Peek | ItemMode::Consume | ItemMode::Release | ItemMode::Reserve => {
                     let o = algo::token_bucket_peek(prior, limit, window, burst, item.cost, now);
                     (o, prior.unwrap_or_default(), now)
                 }
@@ -296,7 +337,7 @@ fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, E
     };
     let (limit, lease_ms) = (item.rule.limit.get(), item.rule.window_ms());
     let (o, next) = match item.mode {
-        ItemMode::Consume => {
+        ItemMode::Consume | ItemMode::Reserve => {
             let id = item.lease.id().unwrap_or_default();
             algo::concurrency_acquire(set, limit, lease_ms, id, item.cost, now)
         }
@@ -310,7 +351,9 @@ fn decide_leases(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, E
             LeaseSet::default(),
         ),
         // A charge commits: its entry is the leases unchanged.
-        ItemMode::Charge => (algo::concurrency_peek(set, limit, item.cost, now), set.clone()),
+        ItemMode::Charge | ItemMode::Commit => {
+            (algo::concurrency_peek(set, limit, item.cost, now), set.clone())
+        }
     };
     let entry = Entry {
         expires_at_ms: next.last_expiry(now),
@@ -330,8 +373,8 @@ fn decide_quota(item: &Planned, prior: Option<&State>, now: u64) -> (Outcome, En
     };
     let limit = item.rule.limit.get();
     let (o, after) = match item.mode {
-        ItemMode::Charge => algo::quota_charge(count, limit, item.cost, now, end),
-        ItemMode::Consume => algo::quota(count, limit, item.cost, now, end),
+        ItemMode::Charge | ItemMode::Commit => algo::quota_charge(count, limit, item.cost, now, end),
+        ItemMode::Consume | ItemMode::Reserve => algo::quota(count, limit, item.cost, now, end),
         ItemMode::Peek | ItemMode::Release => (algo::quota_peek(count, limit, item.cost, now, end), count),
     };
     let entry = Entry {

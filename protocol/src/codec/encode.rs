@@ -145,7 +145,7 @@ fn encode_check(out: &mut Vec<u8>, check: &Check) {
             // Every item consuming: version 1's form, which every agent reads.
             let modes = items
                 .iter()
-                .any(|i| !i.mode.takes_if_passed() || i.lease.is_some());
+                .any(|i| i.mode != ItemMode::Consume || i.lease.is_some());
             out.push(if modes { FORM_ITEMS_MODES } else { FORM_ITEMS });
             out.push(items.len() as u8);
             for item in items {
@@ -158,7 +158,7 @@ fn encode_check(out: &mut Vec<u8>, check: &Check) {
             }
         }
         Check::Attributes(a) => {
-            let modes = !a.mode.takes_if_passed() || a.lease.is_some();
+            let modes = a.mode != ItemMode::Consume || a.lease.is_some();
             out.push(if modes {
                 FORM_ATTRIBUTES_MODE
             } else {

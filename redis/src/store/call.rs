@@ -32,15 +32,19 @@ pub(super) fn check_items<'a>(checks: impl IntoIterator<Item = &'a [Planned]>) -
                 key: &p.key,
                 cost: p.cost,
                 mode: match p.mode {
-                    ItemMode::Consume if p.rule.enforced() => 1,
-                    ItemMode::Consume => 0,
+                    // A reserve takes its cost as a consume does (the agent holds the reservation).
+                    ItemMode::Consume | ItemMode::Reserve if p.rule.enforced() => 1,
+                    ItemMode::Consume | ItemMode::Reserve => 0,
                     ItemMode::Peek => 4,
-                    ItemMode::Charge => 5,
+                    // A commit reaches the store only as the charge of what its use adds (the
+                    // engine settles it into a charge, a look or a release first).
+                    ItemMode::Charge | ItemMode::Commit => 5,
                     ItemMode::Release if p.lease.id().is_some() => 6,
                     ItemMode::Release => 7,
                 },
-                // A concurrency item's lease goes where a write-back's window does.
-                target: p.lease.id().unwrap_or(0),
+                // A concurrency item's lease goes where a write-back's window does (a rate rule's
+                // reservation id stays in the agent: its target is the window holding now).
+                target: p.lease.id().filter(|_| p.rule.is_concurrency()).unwrap_or(0),
                 last: i + 1 == check.len(),
             });
         }

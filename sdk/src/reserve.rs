@@ -1,0 +1,102 @@
+//! Reservations (protocol version 6): reserve what a request may use before it runs (`max_tokens`,
+//! or an estimate), commit what it used after; the agent gives the rest back, or charges a use past
+//! it. Several meters (input tokens, output tokens, cost, requests in flight) are reserved all or
+//! nothing in one check and committed in one more.
+
+use floodgate_protocol::Item;
+
+use crate::{Client, Decision, Error};
+
+/// One meter of a reservation: a (key, rule) and the units reserved on it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meter {
+    /// The client key, e.g. `apikey:abc`.
+    pub key: String,
+    /// The rule that meters it, e.g. `output-tokens`.
+    pub rule_id: String,
+    /// The units reserved (a commit says what was used).
+    pub units: u32,
+}
+
+impl Meter {
+    /// A meter of `units` on (`key`, `rule_id`).
+    pub fn new(key: impl Into<String>, rule_id: impl Into<String>, units: u32) -> Self {
+        Meter {
+            key: key.into(),
+            rule_id: rule_id.into(),
+            units,
+        }
+    }
+}
+
+/// A reservation the agent holds: commit it with [`Client::commit`] once the request's use is
+/// known; one never committed expires after its rules' `reservationSeconds`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    /// Its id, chosen by this client.
+    pub id: u64,
+    /// Its meters, in the order they were reserved.
+    pub meters: Vec<Meter>,
+}
+
+impl Client {
+    /// Reserves `units` of `rule_id` for `key`: the decision, and the reservation if the agent
+    /// holds it. When the agent cannot answer, the decision is the fail policy's and there is none.
+    pub async fn reserve(
+        &self,
+        key: &str,
+        rule_id: &str,
+        units: u32,
+    ) -> Result<(Decision, Option<Reservation>), Error> {
+        self.reserve_meters(vec![Meter::new(key, rule_id, units)]).await
+    }
+
+    /// Reserves every meter at once, all or nothing (at most 16): the decision, and the reservation
+    /// if the agent holds all of it.
+    pub async fn reserve_meters(&self, meters: Vec<Meter>) -> Result<(Decision, Option<Reservation>), Error> {
+        let id = self.shared.next_lease();
+        let items = meters
+            .iter()
+            .map(|m| Item::reserve(m.key.as_str(), m.rule_id.as_str(), m.units, id))
+            .collect();
+        let d = self.check(items).await?;
+        let reservation = Reservation { id, meters };
+        if !d.from_agent_answer() {
+            // Late or lost: the agent may still hold it. Committed at 0 at once, off the caller's
+            // path (a commit of a reservation not held gives nothing back and charges nothing under
+            // the default `reservationExpiry`).
+            let (client, r) = (self.clone(), reservation.clone());
+            if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                runtime.spawn(async move {
+                    let used = vec![0; r.meters.len()];
+                    let _ = client.commit(&r, &used).await;
+                });
+            }
+            return Ok((d, None));
+        }
+        let held = !d.items.is_empty() && d.items.iter().all(|i| i.verdict.holds_lease);
+        Ok((d, held.then_some(reservation)))
+    }
+
+    /// Settles `reservation` at what the request used, one figure per meter in its order (0 for a
+    /// meter it did not use): the unused units go back, a use past the reservation is charged.
+    /// Never a rejection; its figures are each meter's after the commit.
+    pub async fn commit(&self, reservation: &Reservation, used: &[u32]) -> Result<Decision, Error> {
+        if used.len() != reservation.meters.len() {
+            return Err(Error::Invalid(format!(
+                "{} figures for a reservation of {} meters",
+                used.len(),
+                reservation.meters.len()
+            )));
+        }
+        let items = reservation
+            .meters
+            .iter()
+            .zip(used)
+            // A meter of units in flight (a concurrency rule) is released whole, whatever the
+            // figure: the agent knows what it holds.
+            .map(|(m, &u)| Item::commit(m.key.as_str(), m.rule_id.as_str(), u, reservation.id))
+            .collect();
+        self.check(items).await
+    }
+}
