@@ -1,6 +1,7 @@
 //! The Prometheus exporter: installs the recorder the core's metrics go to, keeps it drained, and
 //! renders `/metrics` with the gauges read from the engine's state at scrape time.
 
+use std::sync::atomic::Ordering;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -61,6 +62,21 @@ pub fn render(engine: &Engine, handle: &PrometheusHandle) -> String {
     });
     gauge!("floodgate_rejection_cache_entries").set(engine.cache().len() as f64);
     gauge!("floodgate_live_agents").set(engine.live_agents() as f64);
+    let book = engine.reservations();
+    gauge!("floodgate_reservations_held").set(book.len() as f64);
+    let r = &book.stats;
+    for (outcome, n) in [
+        ("reserved", &r.reserved),
+        ("committed", &r.committed),
+        ("unknown", &r.unknown),
+        ("expired", &r.expired),
+        ("refused", &r.refused),
+    ] {
+        counter!("floodgate_reservations_total", "outcome" => outcome).absolute(n.load(Ordering::Relaxed));
+    }
+    for (way, n) in [("returned", &r.returned_units), ("charged", &r.charged_units)] {
+        counter!("floodgate_reservation_units_total", "way" => way).absolute(n.load(Ordering::Relaxed));
+    }
     // Series that count rare events exist at 0 from the first scrape, so rate() and alerts see them.
     for rule in engine.rules().iter() {
         for source in [OverSource::Flush, OverSource::Fallback] {

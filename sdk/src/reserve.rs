@@ -2,6 +2,32 @@
 //! or an estimate), commit what it used after; the agent gives the rest back, or charges a use past
 //! it. Several meters (input tokens, output tokens, cost, requests in flight) are reserved all or
 //! nothing in one check and committed in one more.
+//!
+//! One LLM request (docs/sdks.md's recipe):
+//!
+//! ```no_run
+//! use floodgate_sdk::{Client, Meter};
+//!
+//! # async fn run(client: Client, prompt_tokens: u32, max_tokens: u32) -> Result<(), floodgate_sdk::Error> {
+//! let key = "apikey:abc";
+//! let (decision, reservation) = client
+//!     .reserve_meters(vec![
+//!         Meter::new(key, "input-tokens", prompt_tokens),
+//!         Meter::new(key, "output-tokens", max_tokens),
+//!         Meter::new(key, "llm-in-flight", 1),
+//!     ])
+//!     .await?;
+//! if !decision.allowed {
+//!     return Ok(()); // 429 with decision.retry_after_ms
+//! }
+//! // ... call the model; it reports what it used ...
+//! let (used_in, used_out) = (prompt_tokens, 612);
+//! if let Some(r) = reservation {
+//!     client.commit(&r, &[used_in, used_out, 1]).await?;
+//! }
+//! # Ok(())
+//! # }
+//! ```
 
 use floodgate_protocol::Item;
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate_sdk::{Client, Meter};
-use floodgate_tests::{eventually, patient_client, Agent, RedisServer};
+use floodgate_tests::{eventually, http_get, patient_client, Agent, RedisServer};
 
 const RULES: &str = r#"{"rules":[
   {"id":"tokens","dimension":"api_key","limit":1000,"windowSeconds":3600},
@@ -47,6 +47,16 @@ async fn a_commit_gives_back_fleet_wide() {
     ca.commit(&r, &[150]).await.unwrap();
     cb.commit(&r, &[0]).await.unwrap();
     assert_eq!(remaining(&cb, key, "tokens").await, 850);
+    let (_, metrics) = http_get(a.admin_addr().await, "/metrics").await;
+    for line in [
+        "floodgate_reservations_total{outcome=\"reserved\"} 1",
+        "floodgate_reservations_total{outcome=\"committed\"} 1",
+        "floodgate_reservations_total{outcome=\"unknown\"} 1",
+        "floodgate_reservation_units_total{way=\"returned\"} 250",
+        "floodgate_reservations_held 0",
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "no {line:?} in\n{metrics}");
+    }
 
     // Meters reserved together, all or nothing: tokens and a request in flight.
     let meters = |tokens| vec![Meter::new(key, "tokens", tokens), Meter::new(key, "inflight", 1)];
