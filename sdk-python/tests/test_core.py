@@ -15,11 +15,14 @@ from floodgate import (
     ClientConfig,
     Degraded,
     FailPolicy,
+    InvalidCheck,
     Item,
     ItemMode,
     Lease,
     LocalLimit,
+    Meter,
     Origin,
+    Reservation,
     Source,
     TraceContext,
     UnsupportedByAgent,
@@ -143,8 +146,8 @@ def test_hello_waits_for_the_whole_answer_and_keeps_what_follows_it() -> None:
 @pytest.mark.parametrize(
     "reply, why",
     [
-        (answer(0, p.HelloOk(6)), "agent chose version 6; this SDK speaks 1 to 5"),
-        (answer(0, p.HelloOk(0)), "agent chose version 0; this SDK speaks 1 to 5"),
+        (answer(0, p.HelloOk(7)), "agent chose version 7; this SDK speaks 1 to 6"),
+        (answer(0, p.HelloOk(0)), "agent chose version 0; this SDK speaks 1 to 6"),
         (answer(0, p.ErrorBody(p.ErrorCode.UNSUPPORTED_VERSION, "too old")), "agent refused Hello: 3: too old"),
         (answer(0, p.Pong()), "unexpected answer to Hello (not a Floodgate agent?)"),
         (b"HTTP/1.1 400 Bad Request\r\n\r\n", "unexpected answer to Hello (not a Floodgate agent?)"),
@@ -223,6 +226,49 @@ def test_the_precautionary_release_goes_only_where_it_can(caplog: pytest.LogCapt
     traced = body(c.unanswered_release(release, 5, TRACEPARENT))  # type: ignore[arg-type]
     assert traced.body.trace == TraceContext.parse(TRACEPARENT) and traced.body.items == [release]
     assert traced.request_id != plain.request_id
+
+
+def test_the_precautionary_commit_goes_only_where_it_can(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="floodgate")
+    c = core()
+    r = Reservation(0x1234, (Meter("k", "tokens", 4096), Meter("k", "slots", 1)))
+    assert c.unanswered_commit(r, None, TRACEPARENT) is None
+    assert c.unanswered_commit(r, 5, TRACEPARENT) is None
+    said = [rec.getMessage() for rec in caplog.records]
+    assert said[0].endswith("reservation 4660 was not sent: no connection to the agent"), said
+    assert "reservation 4660 was not sent: the agent at" in said[1] and "cannot hold reservations" in said[1], said
+    assert all(rec.levelno == logging.DEBUG for rec in caplog.records)
+    # Every meter at 0, under the reservation's id; traced for a caller that was.
+    at_0 = [Item.commit("k", "tokens", 0, 0x1234), Item.commit("k", "slots", 0, 0x1234)]
+    plain = body(c.unanswered_commit(r, 6, None))  # type: ignore[arg-type]
+    assert plain.body == p.Check(items=at_0)
+    traced = body(c.unanswered_commit(r, 6, TRACEPARENT))  # type: ignore[arg-type]
+    assert traced.body.trace == TraceContext.parse(TRACEPARENT) and traced.body.items == at_0
+
+
+def test_reserve_and_commit_need_version_6_and_a_figure_per_meter() -> None:
+    c = core()
+    r = Reservation(7, (Meter("k", "tokens", 400), Meter("k", "slots", 1)))
+    rid, frame, subject, need = c.reserve(r)
+    reserved = [Item.reserve("k", "tokens", 400, 7), Item.reserve("k", "slots", 1, 7)]
+    assert (body(frame).body, list(subject), need) == (p.Check(items=reserved), reserved, 6)
+    rid, frame, subject, need = c.commit(r, [150, 0])
+    committed = [Item.commit("k", "tokens", 150, 7), Item.commit("k", "slots", 0, 7)]
+    assert (body(frame).body, list(subject), need) == (p.Check(items=committed), committed, 6)
+    with pytest.raises(UnsupportedByAgent, match="speaks protocol version 5: it cannot hold reservations"):
+        c.prepare(frame, need, 5, None)
+    for used in ([150], [150, 0, 0], [], 150, None, "15"):
+        with pytest.raises(InvalidCheck, match="used figure"):
+            c.commit(r, used)  # type: ignore[arg-type]
+    with pytest.raises(InvalidCheck, match="cost must be an int from 1"):
+        c.reserve(Reservation(7, (Meter("k", "tokens", 0),)))
+    # The fallback limit counts a reserve as a consume, never a commit.
+    limited = core(ClientConfig(fallback_limit=LocalLimit(limit=400, per=60.0)))
+    _, _, reserve_subject, _ = limited.reserve(Reservation(8, (Meter("k", "tokens", 400),)))
+    _, _, commit_subject, _ = limited.commit(r, [1000, 0])
+    assert limited.policy.degraded(None, Degraded.TIMEOUT, commit_subject).origin is Origin.FAIL_OPEN
+    assert limited.policy.degraded(None, Degraded.TIMEOUT, reserve_subject).origin is Origin.LOCAL_LIMIT
+    assert not limited.policy.degraded(None, Degraded.TIMEOUT, reserve_subject).allowed
 
 
 def test_the_fail_mode_list_is_asked_from_version_2() -> None:

@@ -361,12 +361,12 @@ def test_the_agents_refusals_raise_only_for_the_callers_mistakes(kind: str) -> N
 @pytest.mark.parametrize(
     "hello",
     [
-        p.encode(p.Frame(0, p.HelloOk(6))),
+        p.encode(p.Frame(0, p.HelloOk(p.VERSION + 1))),
         p.encode(p.Frame(0, p.ErrorBody(p.ErrorCode.UNSUPPORTED_VERSION, "no"))),
         p.encode(p.Frame(0, p.Pong())),
         b"\x00\x00\x00\x01x",
     ],
-    ids=["version 6", "error", "pong", "garbage"],
+    ids=["a newer version", "error", "pong", "garbage"],
 )
 def test_a_refused_handshake_leaves_the_client_answering_by_policy(kind: str, hello: bytes) -> None:
     fake = FakeAgent(lambda conn, rid: decision(rid), hello=hello)

@@ -3,8 +3,8 @@ embedded store and on Redis, acquire, release and hold (a third unit denied with
 1 s, a release freeing a slot, lease ids that differ, a hold given back however its block ends);
 against fake agents, the bytes acquire and release put on the wire, an agent of version 1 or 2 never
 sent them (the call raises), and an agent that cannot answer (no lease; the fallback limit counts an
-acquire as a consume, never a release). And a version-5 agent answers every call that carries the
-caller's trace context as it answers the same call without one."""
+acquire as a consume, never a release). And the agent (of version 5 or more) answers every call
+that carries the caller's trace context as it answers the same call without one."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def kind(request: pytest.FixtureRequest) -> str:
 def test_acquire_and_release_against_the_agent(make_agent, store, kind: str) -> None:  # noqa: ANN001
     agent = make_agent(LEASE_RULES, redis=store)
     with either(kind, agent.socket, timeout=2.0) as c:
-        assert c.protocol_version == 5
+        assert c.protocol_version == 6
         key = unique("user")
         t0 = now_ms()
         first, a = c.acquire(key, "slots")
@@ -363,12 +363,12 @@ def test_a_peek_with_a_lease_holds_one_unit_only_when_its_rate_rules_pass(make_a
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
-def test_a_version_5_agent_answers_traced_checks_as_any(make_agent, store, kind: str) -> None:  # noqa: ANN001
+def test_the_agent_answers_traced_checks_as_any(make_agent, store, kind: str) -> None:  # noqa: ANN001
     # The agent reads form 4 (it exports no span here: it was not given an OTLP endpoint); the
     # context changes nothing in the decision, and the connection stays.
     agent = make_agent(LEASE_RULES, redis=store)
     with either(kind, agent.socket, timeout=2.0) as c:
-        assert c.protocol_version == 5
+        assert c.protocol_version == 6
         key = unique("user")
         traced = {"traceparent": TRACEPARENT}
         for left in (2, 1):

@@ -4,9 +4,10 @@ that never raises on any input, and version 2's fail-mode list (the page's endpo
 which checks a listed rule closes) and item modes (forms 2 and 3 only when an item does not consume,
 cost 0 only for a peek, an unknown mode refusing only its check), and version 3's leases and releases
 (the lease bit and its u64, mode release, the verdict's holds-lease flag, what version each check
-needs), version 4's rule windows (a Decision's layout read by its frame's version byte), and version
-5's trace context (form 4 around any other form, traceparent parsing as the Rust crate does it, only
-to a peer of version 5)."""
+needs), version 4's rule windows (a Decision's layout read by its frame's version byte), version 5's
+trace context (form 4 around any other form, traceparent parsing as the Rust crate does it, only to
+a peer of version 5), and version 6's reservations (modes reserve and commit, each with its
+reservation id in the lease field, a commit of 0, what version each check needs)."""
 
 from __future__ import annotations
 
@@ -96,6 +97,26 @@ FRAMES = {
     "hello_ok_v4": Frame(0, HelloOk(4)),
     "hello_v5": Frame(0, Hello(1, 5)),
     "hello_ok_v5": Frame(0, HelloOk(5)),
+    "hello_v6": Frame(0, Hello(1, 6)),
+    "hello_ok_v6": Frame(0, HelloOk(6)),
+    "check_reserve": Frame(
+        19,
+        Check(
+            items=[
+                Item.reserve("apikey:abc", "output-tokens", 4096, LEASE),
+                Item.reserve("apikey:abc", "in-flight", 1, LEASE),
+            ]
+        ),
+    ),
+    "check_commit": Frame(
+        20,
+        Check(
+            items=[
+                Item.commit("apikey:abc", "output-tokens", 612, LEASE),
+                Item.commit("apikey:abc", "in-flight", 0, LEASE),
+            ]
+        ),
+    ),
     "check_traced": Frame(18, Check(items=[Item("user:123", "api", 1)], trace=TRACE)),
     "decision_windows": Frame(
         17,
@@ -143,7 +164,7 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert p.check_items_frame(8, [("user:123", "api"), Item("ip:203.0.113.5", "login", 3)]) == vector("check_two_items")
     assert p.check_attributes_frame(9, Attributes("/search", "free", None, "abc", None, 2)) == vector("check_attributes")
     assert p.check_one_frame(7, "user:123", "api", 1) == vector("check_one_item")
-    assert p.HELLO_FRAME == vector("hello_v5")
+    assert p.HELLO_FRAME == vector("hello_v6")
     assert p.fail_modes_frame(11) == vector("fail_modes")
     modes = vector("check_modes")
     assert p.check_items_frame(12, [("user:123", "tokens", 0, "peek"), ("user:123", "llm", 1500, 2)]) == modes
@@ -158,7 +179,8 @@ def test_the_client_fast_path_builds_the_vectors_bytes() -> None:
     assert (status, used) == (1, len(vector("decision_denied")))
     assert value == (8, FRAMES["decision_denied"].body)
     # The client reads HelloOk of any version and the list; an agent never sends FailModes.
-    for name in ("hello_ok", "hello_ok_v2", "hello_ok_v3", "hello_ok_v4", "hello_ok_v5", "fail_mode_list"):
+    hellos = ("hello_ok", "hello_ok_v2", "hello_ok_v3", "hello_ok_v4", "hello_ok_v5", "hello_ok_v6")
+    for name in (*hellos, "fail_mode_list"):
         data = vector(name)
         assert p.decode_reply(data, 0) == (1, (FRAMES[name].request_id, FRAMES[name].body), len(data))
     assert p.decode_reply(vector("fail_modes"), 0)[0] == 3
@@ -284,9 +306,9 @@ def test_decoding_rules() -> None:
     assert p.decode(v2) == Decoded(Frame(5, DecisionBody(ALLOWED, [])), len(v2))
     assert p.decode(_frame(0x09, 11, body, version=1)) == Decoded(FRAMES["fail_mode_list"], len(listed))
     # Refused but well delimited: another version, text that is not UTF-8. Skip and go on.
-    other_version = _frame(0x04, 5, verdict + b"\x00", version=6)
+    other_version = _frame(0x04, 5, verdict + b"\x00", version=7)
     assert p.decode(other_version) == Rejected(
-        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 6; this peer speaks versions 1 to 5", len(other_version)
+        ErrorCode.UNSUPPORTED_VERSION, 5, "frame version 7; this peer speaks versions 1 to 6", len(other_version)
     )
     bad_text = _frame(0x04, 6, verdict + b"\x01\x02\xff\xfe" + verdict)
     r = p.decode(bad_text)
@@ -442,7 +464,7 @@ def test_a_peek_may_have_cost_0_the_other_modes_need_1() -> None:
     assert "cost" in r.reason
 
 
-@pytest.mark.parametrize("mode", [4, 0x80, 0x83, 255, -1, True, "Peek", "borrow", None, 1.0])
+@pytest.mark.parametrize("mode", [6, 0x80, 0x83, 0x84, 255, -1, True, "Peek", "borrow", None, 1.0])
 def test_an_unknown_mode_is_refused_before_sending(mode: object) -> None:
     with pytest.raises(InvalidCheck, match="item mode"):
         p.check_items_frame(1, [("k", "r", 1, mode)])
@@ -456,7 +478,7 @@ def test_an_unknown_mode_on_the_wire_refuses_only_its_check() -> None:
     # The body parses: refused as invalid (error 5) for its request id, like text that is not UTF-8;
     # the next frame starts right after it.
     modes = bytearray(vector("check_modes"))
-    modes[-1] = 4
+    modes[-1] = 6
     charge = bytearray(vector("check_attributes_charge"))
     charge[-1] = 0x7F  # bit 7 clear: no lease follows
     for bad, rid in ((bytes(modes), 12), (bytes(charge), 13)):
@@ -535,9 +557,9 @@ def test_the_lease_bit_on_the_wire() -> None:
     # the check is refused; the next frame starts right after it.
     acquire = bytearray(vector("check_acquire"))
     assert acquire[-9] == 0x80
-    acquire[-9] = 0x84
+    acquire[-9] = 0x86
     r = p.decode(bytes(acquire) + vector("ping"))
-    assert r == Rejected(ErrorCode.INVALID_ITEM, 14, "unknown item mode 4", len(acquire))
+    assert r == Rejected(ErrorCode.INVALID_ITEM, 14, "unknown item mode 6", len(acquire))
     assert p.decode(bytes(acquire) + vector("ping"), r.frame_len) == Decoded(FRAMES["ping"], len(vector("ping")))
     # The lease bit without its 8 bytes, or bytes after a mode without the bit: malformed.
     for bad in (vector("check_acquire")[10:-1], vector("check_attributes_lease")[10:-8], vector("check_modes")[10:] + bytes(8)):
@@ -708,3 +730,86 @@ def test_form_4_on_the_wire() -> None:
     # Only a Check has forms: a Decision starting with 4 is a Decision (flags 4: holds lease).
     lease = vector("decision_lease")
     assert p.decode(lease) == Decoded(FRAMES["decision_lease"], len(lease))
+
+
+# --- version 6: reservations ------------------------------------------------------------------------
+
+
+def test_the_client_fast_path_builds_the_reservation_vectors() -> None:
+    # A mode as an ItemMode, its value or its name.
+    reserve = [("apikey:abc", "output-tokens", 4096, "reserve", LEASE), ("apikey:abc", "in-flight", 1, 4, LEASE)]
+    assert p.check_items_frame(19, reserve) == vector("check_reserve")
+    commit = [("apikey:abc", "output-tokens", 612, ItemMode.COMMIT, LEASE), ("apikey:abc", "in-flight", 0, 5, LEASE)]
+    assert p.check_items_frame(20, commit) == vector("check_commit")
+    # Mode byte 0x84 and 0x85: bit 7, the reservation id after it, then the mode.
+    assert vector("check_reserve")[-9] == 0x84 and vector("check_commit")[-9] == 0x85
+    one = p.check_one_frame(19, "apikey:abc", "in-flight", 1, ItemMode.RESERVE, LEASE)
+    assert one == p.check_items_frame(19, [Item.reserve("apikey:abc", "in-flight", 1, LEASE)])
+    assert one[10:12] == b"\x02\x01" and one[-9:] == b"\x84" + LEASE.to_bytes(8, "big")
+    # Attributes too (form 3): every matched rule reserves, or commits, under the id.
+    for mode in (ItemMode.RESERVE, ItemMode.COMMIT):
+        a = Attributes(endpoint="/v1/chat", api_key="abc", cost=7, mode=mode, lease=LEASE)
+        data = p.check_attributes_frame(21, a)
+        assert data[10] == p.FORM_ATTRIBUTES_MODE and data[-9] == 0x80 | mode, data.hex(" ")
+        assert p.decode(data) == Decoded(Frame(21, Check(attributes=a)), len(data))
+
+
+def test_a_reserve_or_a_commit_needs_its_reservation_id() -> None:
+    for mode in ("reserve", "commit"):
+        with pytest.raises(InvalidCheck, match=f"a {mode} item needs its reservation id"):
+            p.check_items_frame(1, [("k", "r", 1, mode)])
+        with pytest.raises(InvalidCheck, match=f"a {mode} item needs its reservation id"):
+            p.check_one_frame(1, "k", "r", 1, p.item_mode(mode))
+        with pytest.raises(InvalidCheck, match=f"a {mode} item needs its reservation id"):
+            p.check_attributes_frame(1, Attributes(user="u", mode=p.item_mode(mode)))
+    # On the wire: refused as invalid (error 5) for its request id, the next frame right after it.
+    for name, mode in (("check_reserve", 0x04), ("check_commit", 0x05)):
+        data = vector(name)
+        body = data[10:]
+        # The first item without its id: its mode byte with bit 7 clear, its 8 bytes gone.
+        first = body.index(bytes((0x80 | mode,)))
+        bare = body[:first] + bytes((mode,)) + body[first + 9 :]
+        frame = _frame(0x03, 19, bare)
+        r = p.decode(frame + vector("ping"))
+        assert isinstance(r, Rejected) and (r.code, r.request_id) == (ErrorCode.INVALID_ITEM, 19), r
+        assert r.frame_len == len(frame) and "needs its reservation id" in r.reason
+        assert p.decode(frame + vector("ping"), r.frame_len) == Decoded(FRAMES["ping"], len(vector("ping")))
+
+
+def test_a_commit_may_have_cost_0_a_reserve_needs_1() -> None:
+    p.check_items_frame(1, [Item.commit("k", "r", 0, 1)])
+    p.check_one_frame(1, "k", "r", 0, ItemMode.COMMIT, 1)
+    p.check_attributes_frame(1, Attributes(user="u", cost=0, mode=ItemMode.COMMIT, lease=1))
+    with pytest.raises(InvalidCheck, match="cost must be an int from 1"):
+        p.check_items_frame(1, [Item.reserve("k", "r", 0, 1)])
+    with pytest.raises(InvalidCheck, match="cost must be an int from 1"):
+        p.check_one_frame(1, "k", "r", 0, ItemMode.RESERVE, 1)
+    with pytest.raises(InvalidCheck, match="a commit's cost must be an int from 0"):
+        p.check_items_frame(1, [Item.commit("k", "r", -1, 1)])
+    # The largest cost, and the largest id.
+    items = [Item.reserve("k", "r", 2**32 - 1, 2**64 - 1), Item.commit("k", "s", 2**32 - 1, 0)]
+    top = p.check_items_frame(1, items)
+    assert p.decode(top) == Decoded(Frame(1, Check(items=items)), len(top))
+    # A decoded reserve of 0 is refused as the agent refuses it (error 5); a commit of 0 is not.
+    reserve0 = _frame(0x03, 4, b"\x02\x01\x00\x01k\x01r\x00\x00\x00\x00\x84" + bytes(8))
+    r = p.decode(reserve0)
+    assert isinstance(r, Rejected) and (r.code, r.request_id) == (ErrorCode.INVALID_ITEM, 4) and "cost" in r.reason
+    commit0 = _frame(0x03, 4, b"\x02\x01\x00\x01k\x01r\x00\x00\x00\x00\x85" + bytes(8))
+    assert p.decode(commit0) == Decoded(Frame(4, Check(items=[Item.commit("k", "r", 0, 0)])), len(commit0))
+
+
+def test_a_reserve_or_a_commit_needs_version_6() -> None:
+    for name in ("check_reserve", "check_commit"):
+        assert p.check_version(vector(name)) == p.RESERVATIONS == 6, name
+    # Anywhere in the check, behind items that need less (a lease's 8 bytes skipped on the way).
+    peek = Item.peek("user:1", "tokens", 0)
+    for tail in (Item.reserve("k", "r", 1, 9), Item.commit("k", "r", 0, 9)):
+        assert p.check_version(p.check_items_frame(1, [peek, Item.acquire("k" * 200, "s", 1, 7), tail])) == 6, tail
+        assert p.check_version(p.check_items_frame(1, [tail, Item.acquire("k", "s", 1, 7)])) == 6, tail
+    assert p.check_version(p.check_items_frame(1, [Item.acquire("k", "s", 1, 7), peek])) == 3
+    for mode in (ItemMode.RESERVE, ItemMode.COMMIT):
+        a = Attributes("/x" * 50, "t", "u", "k", "203.0.113.5", 1, mode, 5)
+        assert p.check_version(p.check_attributes_frame(1, a)) == 6, mode
+    # Around form 4: the check's own needs, when they are above the context's.
+    assert p.check_version(p.traced(vector("check_reserve"), TRACE)) == 6
+    assert p.check_version(p.traced(vector("check_acquire"), TRACE)) == 5

@@ -9,8 +9,10 @@ default, closed per client or per call) and the client reconnects in the backgro
 - :class:`Client`: threads (WSGI apps, Django, scripts); thread-safe.
 - :class:`Lease`: what ``acquire`` takes of a concurrency rule and ``release`` gives back (``hold``
   does both around a block).
+- :class:`Reservation`: what ``reserve`` (one :class:`Meter`) or ``reserve_meters`` (several, all or
+  nothing) holds before a request runs, settled by ``commit`` at what it used (protocol version 6).
 - :mod:`floodgate.middleware`: ASGI, WSGI and Django middleware.
-- :mod:`floodgate.protocol`: the wire format (``protocol/PROTOCOL.md``).
+- :mod:`floodgate.protocol`: the wire format (``protocol/PROTOCOL.md``, versions 1 to 6).
 - :func:`default_socket_path`: where a client given no path finds the agent (``$FLOODGATE_SOCKET``,
   else ``/run/floodgate/floodgate.sock``, else ``$XDG_RUNTIME_DIR/floodgate/floodgate.sock``).
 - :class:`Health`: ``client.health()``, whether the agent is reachable. A failed connection attempt
@@ -33,9 +35,10 @@ from .errors import AgentError, FloodgateError, InvalidCheck, UnsupportedByAgent
 from .health import Health
 from .lease import Lease
 from .protocol import Attributes, Item, ItemDecision, ItemMode, Source, TraceContext, Verdict, wire_safe
+from .reservation import Meter, Reservation
 from .socket_path import DEFAULT_SOCKET, default_socket_path
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 __all__ = [
     "AsyncClient",
@@ -48,6 +51,8 @@ __all__ = [
     "Health",
     "Lease",
     "LocalLimit",
+    "Meter",
+    "Reservation",
     "Origin",
     "AgentError",
     "FloodgateError",

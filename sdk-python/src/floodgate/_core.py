@@ -25,6 +25,7 @@ from .errors import UnsupportedByAgent
 from .fail_modes import FailModeList
 from .health import Health, Reachability, describe
 from .lease import Lease, precaution_not_sent, release_frame
+from .reservation import Reservation, commit_frame, commit_items, commit_not_sent, reserve_items
 from .socket_path import default_socket_path
 
 MAX_UNSENT = 1 << 20
@@ -38,6 +39,9 @@ again every ``fail_modes.REFRESH_EVERY`` seconds."""
 
 LEASES = 3
 """The protocol version from which an agent holds leases (acquire, release)."""
+
+RESERVATIONS = p.RESERVATIONS
+"""The protocol version from which an agent holds reservations (reserve, commit)."""
 
 LASTED = 1.0
 """A connection that stayed up this many seconds resets the reconnection backoff; one that did not
@@ -138,6 +142,16 @@ class Core:
         item = p.Item.release(lease.key, lease.rule_id, lease.cost, lease.id)
         return rid, p.check_one_frame(rid, item.key, item.rule_id, item.cost, _RELEASE, item.lease), (item,), LEASES
 
+    def reserve(self, reservation: Reservation) -> Request:
+        rid = self.next_id()
+        items = reserve_items(reservation)
+        return rid, p.check_items_frame(rid, items), items, RESERVATIONS
+
+    def commit(self, reservation: Reservation, used: Sequence[int]) -> Request:
+        rid = self.next_id()
+        items = commit_items(reservation, used)
+        return rid, p.check_items_frame(rid, items), items, RESERVATIONS
+
     def check(self, items: Sequence[Any]) -> Request:
         rid = self.next_id()
         frame = p.check_items_frame(rid, items)
@@ -168,13 +182,46 @@ class Core:
         the connection went, or the caller was cancelled), for a connection of ``version`` (``None``:
         none): the frame to send without waiting for its answer, or ``None`` when it cannot be sent,
         said at debug only (the agent may never have taken the lease). Never raises."""
+        return self._precaution(
+            lambda rid: release_frame(rid, release),
+            LEASES,
+            version,
+            traceparent,
+            lambda why: precaution_not_sent(release.lease, why),
+        )
+
+    def unanswered_commit(
+        self, reservation: Reservation, version: Optional[int], traceparent: Optional[str]
+    ) -> Optional[bytes]:
+        """The precautionary commit at 0 of a reservation whose check the agent did not answer (it
+        may hold it all the same; a commit of a reservation not held gives nothing back and, under
+        the default ``reservationExpiry``, charges nothing), as :meth:`unanswered_release` builds a
+        release. Never raises."""
+        return self._precaution(
+            lambda rid: commit_frame(rid, reservation, [0] * len(reservation.meters)),
+            RESERVATIONS,
+            version,
+            traceparent,
+            lambda why: commit_not_sent(reservation.id, why),
+        )
+
+    def _precaution(
+        self,
+        build: Callable[[int], bytes],
+        need: int,
+        version: Optional[int],
+        traceparent: Optional[str],
+        not_sent: Callable[[object], None],
+    ) -> Optional[bytes]:
+        """The frame ``build`` makes for a fresh request id, prepared for a connection of
+        ``version``, or ``None`` (``not_sent`` told why) when there is none or it cannot carry it."""
         if version is None:
-            precaution_not_sent(release.lease, "no connection to the agent")
+            not_sent("no connection to the agent")
             return None
         try:
-            return self.prepare(release_frame(self.next_id(), release), LEASES, version, traceparent)
+            return self.prepare(build(self.next_id()), need, version, traceparent)
         except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
-            precaution_not_sent(release.lease, e)
+            not_sent(e)
             return None
 
     def fail_modes_ask(self, version: int) -> Optional[bytes]:

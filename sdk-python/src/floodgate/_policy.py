@@ -29,12 +29,15 @@ Subject = Union[Sequence[Any], Attributes]
 """What a call checks: its items (``(key, rule_id[, cost])``), or its attributes."""
 
 
+_TAKES_IF_PASSED = (ItemMode.CONSUME, ItemMode.RESERVE)
+
+
 def consumes_only(subject: Subject) -> bool:
-    """Whether every item of what a call checks consumes (no peek, charge or release; an acquire,
-    a consume under a lease, counts as a consume)."""
+    """Whether every item of what a call checks takes its cost if it passes (no peek, charge,
+    release or commit; an acquire, a consume under a lease, and a reserve count as consumes)."""
     if isinstance(subject, Attributes):
-        return subject.mode == ItemMode.CONSUME
-    return all(getattr(it, "mode", ItemMode.CONSUME) == ItemMode.CONSUME for it in subject)
+        return subject.mode in _TAKES_IF_PASSED
+    return all(getattr(it, "mode", ItemMode.CONSUME) in _TAKES_IF_PASSED for it in subject)
 
 
 def local_key(subject: Subject) -> Tuple[str, int]:
@@ -148,9 +151,9 @@ class Policy:
         if rule is not None:
             return self._denied_by_rule(rule, why, now)
         limit = self.config.fallback_limit
-        # The per-process limit counts what passes: a peek takes nothing, a charge is owed whatever
-        # it says and a release gives back, so only consuming checks (acquires among them) go
-        # through it (as in the Rust SDK).
+        # The per-process limit counts what passes: a peek takes nothing, a charge or a commit is
+        # owed whatever it says and a release gives back, so only consuming checks (acquires and
+        # reserves among them) go through it (as in the Rust SDK).
         if fail is FailPolicy.OPEN and limit is not None and consumes_only(subject):
             key, cost = local_key(subject)
             return self._local_limit(limit, key, cost, why, now)

@@ -21,6 +21,10 @@ Example::
     async with client.hold("apikey:abc", "gpu-slots") as d:  # a concurrency rule: one unit in flight
         if d.allowed:
             ...  # the unit is given back when the block ends
+    d, r = await client.reserve("apikey:abc", "output-tokens", 4096)  # the request's max_tokens
+    if r is not None:
+        ...  # call the model; then settle at what it used, the rest given back:
+        await client.commit(r, [used])
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Deque, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
@@ -38,6 +42,8 @@ from ._policy import TIMEOUT, UNAVAILABLE
 from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
 from .health import Health
 from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_taken
+from .reservation import Meter, MeterLike, Reservation, commit_not_sent, meters_of
+from .reservation import held as reservation_held
 
 _Mode = Union[p.ItemMode, int, str]
 """An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
@@ -113,8 +119,9 @@ class AsyncClient:
     waits up to ``connect_timeout`` for the first connection, so the first calls reach the agent.
     Keyword arguments override fields of :class:`~floodgate.ClientConfig`.
 
-    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``, ``check``,
-    ``check_attributes``, ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
+    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``,
+    ``reserve``, ``reserve_meters``, ``commit``, ``check``, ``check_attributes``,
+    ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
     of the request being served (``00-<trace id>-<span id>-<flags>``). To an agent speaking protocol
     version 5 the check then carries that trace context, so that the agent's span of the check (an
     agent exporting traces, ``--otlp-endpoint``) is a child of the caller's span; an older agent is
@@ -212,7 +219,7 @@ class AsyncClient:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 5), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 6), ``None`` while there is
         no connection."""
         c = self._conn
         return c.version if self.is_connected() and c is not None else None
@@ -346,6 +353,73 @@ class AsyncClient:
                 except Exception as e:  # noqa: BLE001 - the block's own outcome is the one to keep
                     release_failed(e, lease.id)
 
+    async def reserve(
+        self,
+        key: str,
+        rule_id: str,
+        units: int,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Tuple[Decision, Optional[Reservation]]:
+        """Reserves ``units`` of ``rule_id`` for ``key`` (a request's ``max_tokens``, or an
+        estimate): the decision, and the :class:`~floodgate.Reservation` to :meth:`commit` once the
+        use is known, if the agent holds it. :meth:`reserve_meters` with one meter."""
+        return await self.reserve_meters(
+            [Meter(key, rule_id, units)], timeout=timeout, fail=fail, traceparent=traceparent
+        )
+
+    async def reserve_meters(
+        self,
+        meters: Iterable[MeterLike],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Tuple[Decision, Optional[Reservation]]:
+        """Reserves every meter (:class:`~floodgate.Meter` or ``(key, rule_id, units)``, 1 to 16)
+        at once, all or nothing, under one fresh reservation id: the decision, and the
+        :class:`~floodgate.Reservation` if the agent holds all of it (``None`` when denied, or when
+        the agent could not answer). A meter of a concurrency rule holds its units in flight until
+        the commit. Needs an agent speaking protocol version 6
+        (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail
+        policy decides as for any check (the fallback limit counts it as a consume), and since a
+        late agent may hold the reservation all the same, it is committed at 0 at once, without
+        waiting for an answer; so it is when the call is cancelled while it waits."""
+        reservation = Reservation(new_lease_id(), meters_of(meters))
+        try:
+            d = await self._call(self._core.reserve(reservation), timeout, fail, traceparent)
+        except asyncio.CancelledError:
+            # The reserve may be on its way, or held already: nobody would commit it.
+            self._commit_unanswered(reservation, traceparent)
+            raise
+        if not d.from_agent:
+            # Late or lost: the agent may still hold it. Committed at 0 at once, without waiting
+            # for the answer (a commit of a reservation not held gives nothing back and, under the
+            # default reservationExpiry, charges nothing).
+            self._commit_unanswered(reservation, traceparent)
+        return d, reservation_held(d, reservation)
+
+    async def commit(
+        self,
+        reservation: Reservation,
+        used: Sequence[int],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Decision:
+        """Settles ``reservation`` at what the request used: ``used`` holds one figure per meter,
+        in the reservation's order (0 for a meter it did not use; a concurrency meter is released
+        whole whatever its figure). The unused units go back, a use past the reservation is
+        charged. Never a rejection: the decision is each meter's state after it. Raises
+        :class:`~floodgate.InvalidCheck` when ``used`` does not have one figure per meter; needs
+        protocol version 6, as :meth:`reserve_meters` does. When the agent cannot answer, the
+        decision is the fail policy's and the reservation expires after its rules'
+        ``reservationSeconds``."""
+        return await self._call(self._core.commit(reservation, used), timeout, fail, traceparent)
+
     async def check(
         self,
         items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int], Tuple[str, str, int, _Mode]]],
@@ -404,17 +478,34 @@ class AsyncClient:
         it comes, as a late answer is). Never raises, never awaits: one that cannot be sent (no
         connection, an agent older than version 3) is logged at debug, since the agent may never
         have taken the lease. Called on the client's event loop."""
+        data = self._core.unanswered_release(release, self._live_version(), traceparent)
+        self._write_precaution(data, lambda why: precaution_not_sent(release.lease, why))
+
+    def _commit_unanswered(self, reservation: Reservation, traceparent: Optional[str] = None) -> None:
+        """Sends the commit at 0 of ``reservation`` (whose check the agent did not answer, or whose
+        caller was cancelled while it waited) as :meth:`_release_unanswered` sends a release:
+        without waiting, never raising, never awaiting."""
+        data = self._core.unanswered_commit(reservation, self._live_version(), traceparent)
+        self._write_precaution(data, lambda why: commit_not_sent(reservation.id, why))
+
+    def _live_version(self) -> Optional[int]:
+        """The live connection's protocol version, ``None`` without one."""
+        conn = self._conn
+        live = conn is not None and conn.transport is not None and not conn.transport.is_closing()
+        return conn.version if live and conn is not None else None
+
+    def _write_precaution(self, data: Optional[bytes], not_sent: Callable[[object], None]) -> None:
+        """Writes a precautionary frame the core prepared for the live connection (``None``: it
+        could not, and said why), behind any check queued for the next flush."""
         conn = self._conn
         transport = conn.transport if conn is not None else None
-        live = conn is not None and transport is not None and not transport.is_closing()
-        data = self._core.unanswered_release(release, conn.version if live else None, traceparent)
         if data is None or transport is None:
             return
         if transport.get_write_buffer_size() > MAX_UNSENT:
-            precaution_not_sent(release.lease, "the agent is not reading")
+            not_sent("the agent is not reading")
             return
         if self._out:
-            # Behind the checks queued for the next flush (the released check may be among them).
+            # Behind the checks queued for the next flush (the check it follows may be among them).
             self._out.append(data)
             if not self._flush_scheduled:
                 self._flush_scheduled = True

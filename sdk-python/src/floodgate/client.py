@@ -18,6 +18,10 @@ Example::
     with client.hold("apikey:abc", "gpu-slots") as d:  # a concurrency rule: one unit in flight
         if d.allowed:
             ...  # the unit is given back when the block ends
+    d, r = client.reserve("apikey:abc", "output-tokens", 4096)  # the request's max_tokens
+    if r is not None:
+        ...  # call the model; then settle at what it used, the rest given back:
+        client.commit(r, [used])
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from . import fail_modes as fm
 from . import protocol as p
@@ -39,6 +43,8 @@ from .decision import ClientConfig, ClientStats, Decision, Degraded, FailPolicy
 from .errors import UnsupportedByAgent
 from .health import Health, describe
 from .lease import Lease, held, new_lease_id, precaution_not_sent, release_failed, release_taken
+from .reservation import Meter, MeterLike, Reservation, commit_not_sent, meters_of
+from .reservation import held as reservation_held
 
 _Mode = Union[p.ItemMode, int, str]
 """An item mode: an :class:`~floodgate.ItemMode`, its value or its lower-case name."""
@@ -89,8 +95,9 @@ class Client:
     :class:`~floodgate.ClientConfig`. A process forked after the client was made (a pre-forking
     server) gets a fresh connection of its own on its first call.
 
-    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``, ``check``,
-    ``check_attributes``, ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
+    Every check call (``allow``, ``peek``, ``charge``, ``acquire``, ``release``, ``hold``,
+    ``reserve``, ``reserve_meters``, ``commit``, ``check``, ``check_attributes``,
+    ``check_request``) takes ``traceparent=``: the W3C ``traceparent`` header
     of the request being served (``00-<trace id>-<span id>-<flags>``). To an agent speaking protocol
     version 5 the check then carries that trace context, so that the agent's span of the check (an
     agent exporting traces, ``--otlp-endpoint``) is a child of the caller's span; an older agent is
@@ -178,7 +185,7 @@ class Client:
 
     @property
     def protocol_version(self) -> Optional[int]:
-        """The protocol version the connection's handshake chose (1 to 5), ``None`` while there is
+        """The protocol version the connection's handshake chose (1 to 6), ``None`` while there is
         no connection."""
         return self._version if self._sock is not None else None
 
@@ -305,6 +312,66 @@ class Client:
                 except Exception as e:  # noqa: BLE001 - the block's own outcome is the one to keep
                     release_failed(e, lease.id)
 
+    def reserve(
+        self,
+        key: str,
+        rule_id: str,
+        units: int,
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Tuple[Decision, Optional[Reservation]]:
+        """Reserves ``units`` of ``rule_id`` for ``key`` (a request's ``max_tokens``, or an
+        estimate): the decision, and the :class:`~floodgate.Reservation` to :meth:`commit` once the
+        use is known, if the agent holds it. :meth:`reserve_meters` with one meter."""
+        return self.reserve_meters([Meter(key, rule_id, units)], timeout=timeout, fail=fail, traceparent=traceparent)
+
+    def reserve_meters(
+        self,
+        meters: Iterable[MeterLike],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Tuple[Decision, Optional[Reservation]]:
+        """Reserves every meter (:class:`~floodgate.Meter` or ``(key, rule_id, units)``, 1 to 16)
+        at once, all or nothing, under one fresh reservation id: the decision, and the
+        :class:`~floodgate.Reservation` if the agent holds all of it (``None`` when denied, or when
+        the agent could not answer). A meter of a concurrency rule holds its units in flight until
+        the commit. Needs an agent speaking protocol version 6
+        (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail
+        policy decides as for any check (the fallback limit counts it as a consume), and since a
+        late agent may hold the reservation all the same, it is committed at 0 at once, without
+        waiting for an answer."""
+        reservation = Reservation(new_lease_id(), meters_of(meters))
+        d = self._call(self._core.reserve(reservation), timeout, fail, traceparent)
+        if not d.from_agent:
+            # Late or lost: the agent may still hold it. Committed at 0 at once, without waiting
+            # for the answer (a commit of a reservation not held gives nothing back and, under the
+            # default reservationExpiry, charges nothing).
+            self._commit_unanswered(reservation, traceparent)
+        return d, reservation_held(d, reservation)
+
+    def commit(
+        self,
+        reservation: Reservation,
+        used: Sequence[int],
+        *,
+        timeout: Optional[float] = None,
+        fail: Union[FailPolicy, str, None] = None,
+        traceparent: Optional[str] = None,
+    ) -> Decision:
+        """Settles ``reservation`` at what the request used: ``used`` holds one figure per meter,
+        in the reservation's order (0 for a meter it did not use; a concurrency meter is released
+        whole whatever its figure). The unused units go back, a use past the reservation is
+        charged. Never a rejection: the decision is each meter's state after it. Raises
+        :class:`~floodgate.InvalidCheck` when ``used`` does not have one figure per meter; needs
+        protocol version 6, as :meth:`reserve_meters` does. When the agent cannot answer, the
+        decision is the fail policy's and the reservation expires after its rules'
+        ``reservationSeconds``."""
+        return self._call(self._core.commit(reservation, used), timeout, fail, traceparent)
+
     def check(
         self,
         items: Iterable[Union[p.Item, Tuple[str, str], Tuple[str, str, int], Tuple[str, str, int, _Mode]]],
@@ -362,16 +429,25 @@ class Client:
         (no connection, an agent older than version 3) is logged at debug, since the agent may
         never have taken the lease."""
         frame = self._core.unanswered_release(release, self.protocol_version, traceparent)
+        self._send_precaution(frame, lambda why: precaution_not_sent(release.lease, why))
+
+    def _commit_unanswered(self, reservation: Reservation, traceparent: Optional[str] = None) -> None:
+        """Sends the commit at 0 of ``reservation`` (whose check the agent did not answer) as
+        :meth:`_release_unanswered` sends a release: without waiting, never raising."""
+        frame = self._core.unanswered_commit(reservation, self.protocol_version, traceparent)
+        self._send_precaution(frame, lambda why: commit_not_sent(reservation.id, why))
+
+    def _send_precaution(self, frame: Optional[bytes], not_sent: Callable[[object], None]) -> None:
         if frame is None:
             return
         try:
             # The version checked again under the lock: the connection may have changed meanwhile.
             sent = self._send(frame, p.check_version(frame))
         except Exception as e:  # noqa: BLE001 - a precaution: it never fails the caller
-            precaution_not_sent(release.lease, e)
+            not_sent(e)
             return
         if not sent:
-            precaution_not_sent(release.lease, "no connection to the agent")
+            not_sent("no connection to the agent")
 
     def _call(
         self,

@@ -157,7 +157,8 @@ class Decision:
     @property
     def holds_lease(self) -> bool:
         """Whether a concurrency rule now holds the check's lease (an item's
-        :attr:`~floodgate.Verdict.holds_lease`, protocol version 3): release it when the work ends."""
+        :attr:`~floodgate.Verdict.holds_lease`, protocol version 3): release it when the work ends.
+        On a reserve (version 6): the agent holds the reservation of an item."""
         return any(it.verdict.holds_lease for it in self.items)
 
     @property

@@ -15,19 +15,26 @@ class FloodgateError(Exception):
 
 class InvalidCheck(FloodgateError, ValueError):
     """The check breaks a protocol limit (empty or over-long key, a brace or control character,
-    cost 0 outside a peek, a bad rule id, an unknown item mode, no items or more than 16). Raised
-    before anything is sent."""
+    cost 0 outside a peek or a commit, a bad rule id, an unknown item mode, a reserve or a commit
+    without its reservation id, no items or more than 16), or a commit's figures do not match its
+    reservation's meters. Raised before anything is sent."""
 
 
 class UnsupportedByAgent(InvalidCheck):
     """The check needs a newer protocol version than the connected agent speaks: an item that peeks
     or charges needs version 2 (an agent whose HelloOk said 1 cannot parse such a check: it would
-    close the connection), a lease or a release needs version 3. Raised before anything is sent; a
-    check the agent cannot answer for other reasons (away, late) answers by its fail policy
-    instead, as any check does."""
+    close the connection), a lease or a release needs version 3, a reserve or a commit version 6.
+    Raised before anything is sent; a check the agent cannot answer for other reasons (away, late)
+    answers by its fail policy instead, as any check does."""
 
     def __init__(self, needed: int, agent_version: int, path: str) -> None:
-        if needed >= 3:
+        # 6 is protocol.RESERVATIONS and 3 is _core.LEASES, written out: both modules import this one.
+        if needed >= 6:
+            message = (
+                f"the agent at {path} speaks protocol version {agent_version}: it cannot hold"
+                " reservations (update the agent)"
+            )
+        elif needed >= 3:
             message = (
                 f"the agent at {path} speaks protocol version {agent_version}: it cannot hold leases"
                 " (update the agent)"

@@ -1,4 +1,4 @@
-"""Floodgate's wire protocol, versions 1 to 5: frames to bytes and bytes to frames.
+"""Floodgate's wire protocol, versions 1 to 6: frames to bytes and bytes to frames.
 
 ``protocol/PROTOCOL.md`` in the Floodgate repository documents every byte; this module follows it
 and its hex test vectors. Nothing here does I/O. :func:`decode` never raises, whatever it is given:
@@ -17,9 +17,10 @@ from typing import Any, Iterable, List, NamedTuple, Optional, Sequence, Tuple, U
 from .errors import InvalidCheck
 from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matches
 
-VERSION = 5
+VERSION = 6
 """The highest protocol version this module speaks (2: the fail-mode list and item modes; 3: leases
-and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context)."""
+and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context;
+6: reservations, reserved and committed)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -42,6 +43,9 @@ TRACE_CONTEXT = 5
 """The version whose Check may carry the caller's trace context (form 4): a client sends it only on
 a connection whose HelloOk said this or more (an older agent cannot parse it and closes the
 connection)."""
+RESERVATIONS = 6
+"""The version whose items may reserve and commit (modes 4 and 5): a client sends them only on a
+connection whose HelloOk said this or more."""
 
 
 class Kind(enum.IntEnum):
@@ -61,8 +65,8 @@ class Kind(enum.IntEnum):
 
 
 class ItemMode(enum.IntEnum):
-    """What an item does with its cost (version 2, ``RELEASE`` version 3; a version-1 agent knows only
-    ``CONSUME``)."""
+    """What an item does with its cost (version 2, ``RELEASE`` version 3, ``RESERVE`` and ``COMMIT``
+    version 6; a version-1 agent knows only ``CONSUME``)."""
 
     CONSUME = 0
     """Takes the cost if the check passes, all or nothing with the check's other consume items."""
@@ -74,6 +78,14 @@ class ItemMode(enum.IntEnum):
     RELEASE = 3
     """Gives back units a concurrency rule holds (version 3): with a lease, that lease; without one,
     up to the cost of the key's leases. Never denied; on a rule of another algorithm, a peek."""
+    RESERVE = 4
+    """Takes the cost as a consume does and holds it under the item's reservation id (version 6),
+    until a commit with that id settles it or the rule's ``reservationSeconds`` run out. Needs the
+    id."""
+    COMMIT = 5
+    """Settles the reservation named by the item's id (version 6): the cost is what the request
+    used (0 allowed); the reserved units past it go back, a use past them is charged. Never denied;
+    needs the id."""
 
 
 class ErrorCode(enum.IntEnum):
@@ -203,7 +215,8 @@ _FORM_TRACED_BYTE = bytes((FORM_TRACED,))
 
 class Item(NamedTuple):
     """One ``(key, rule_id, cost, mode, lease)`` item of a check; it consumes its cost unless its
-    mode says otherwise. ``lease`` (version 3) names the units a concurrency rule holds for it."""
+    mode says otherwise. ``lease`` (version 3) names the units a concurrency rule holds for it; on a
+    reserve or a commit (version 6) it is the reservation id, which they need."""
 
     key: str
     rule_id: str
@@ -234,6 +247,19 @@ class Item(NamedTuple):
         units, or without a lease up to ``cost`` units of the key's leases."""
         return cls(key, rule_id, cost, ItemMode.RELEASE, lease)
 
+    @classmethod
+    def reserve(cls, key: str, rule_id: str, cost: int, reservation: int) -> "Item":
+        """An item that reserves ``cost`` (e.g. a request's ``max_tokens``) under the reservation id
+        ``reservation``, if the check passes (version 6); settle it with :meth:`commit` and the same
+        id."""
+        return cls(key, rule_id, cost, ItemMode.RESERVE, reservation)
+
+    @classmethod
+    def commit(cls, key: str, rule_id: str, used: int, reservation: int) -> "Item":
+        """An item that settles the reservation ``reservation`` at what the request used (``used``,
+        0 allowed; version 6)."""
+        return cls(key, rule_id, used, ItemMode.COMMIT, reservation)
+
 
 @dataclass
 class Attributes:
@@ -248,7 +274,8 @@ class Attributes:
     mode: ItemMode = ItemMode.CONSUME
     """What every rule the attributes match does with the cost (version 2 unless ``CONSUME``)."""
     lease: Optional[int] = None
-    """The lease the matched concurrency rules hold the cost under (version 3)."""
+    """The lease the matched concurrency rules hold the cost under (version 3); the reservation id
+    of a reserve or a commit (version 6), which needs one."""
 
     def fields(self) -> List[Tuple[str, Optional[str]]]:
         """The attributes with their names, in wire order."""
@@ -298,7 +325,8 @@ class Verdict:
     retry_after_ms: int
     holds_lease: bool = False
     """The item carried a lease and its concurrency rule now holds it (version 3): release it when
-    the work ends; it runs out at ``reset_at_ms`` otherwise."""
+    the work ends; it runs out at ``reset_at_ms`` otherwise. On a reserve (version 6): the agent
+    holds the item's reservation."""
 
 
 @dataclass
@@ -428,13 +456,16 @@ def validate_rule_id(rule_id: object) -> bytes:
 # CPython 3.11, and allow's fast path looks up two.
 _CONSUME = ItemMode.CONSUME
 _PEEK = ItemMode.PEEK
+_RESERVE = ItemMode.RESERVE
+_COMMIT = ItemMode.COMMIT
 
 
 def _cost(cost: object, mode: int = 0) -> int:
-    # A peek may ask about 0 units (is the key already past its limit?); taking 0 is no request.
-    low = 0 if mode == _PEEK else 1
+    # A peek may ask about 0 units (is the key already past its limit?) and a commit may say the
+    # request used nothing; taking 0 is no request.
+    low = 0 if mode == _PEEK or mode == _COMMIT else 1
     if not isinstance(cost, int) or not low <= cost <= MAX_COST:
-        what = "a peek's cost" if low == 0 else "cost"
+        what = "cost" if low else f"a {ItemMode(mode).name.lower()}'s cost"
         raise InvalidCheck(f"{what} must be an int from {low} to {MAX_COST}, not {cost!r}")
     return cost
 
@@ -443,15 +474,17 @@ _MODE_NAMES = {m.name.lower(): m for m in ItemMode}
 
 
 def item_mode(mode: object) -> ItemMode:
-    """``mode`` as an :class:`ItemMode`: one already, its value (0 to 3) or its lower-case name
+    """``mode`` as an :class:`ItemMode`: one already, its value (0 to 5) or its lower-case name
     (``"peek"``); raises :class:`InvalidCheck` for anything else."""
     if isinstance(mode, ItemMode):
         return mode
-    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= 3:
+    if isinstance(mode, int) and not isinstance(mode, bool) and 0 <= mode <= _COMMIT:
         return ItemMode(mode)
     if isinstance(mode, str) and mode in _MODE_NAMES:
         return _MODE_NAMES[mode]
-    raise InvalidCheck(f"an item mode is consume, peek, charge or release (0 to 3), not {mode!r}")
+    raise InvalidCheck(
+        f"an item mode is consume, peek, charge, release, reserve or commit (0 to 5), not {mode!r}"
+    )
 
 
 def _lease(lease: object) -> Optional[int]:
@@ -463,8 +496,12 @@ def _lease(lease: object) -> Optional[int]:
 
 
 def _mode_bytes(mode: int, lease: Optional[int]) -> bytes:
-    """The mode byte of forms 2 and 3, and the lease after it when there is one (version 3)."""
+    """The mode byte of forms 2 and 3, and the lease after it when there is one (version 3): a
+    reserve's or a commit's reservation id, which they need (the agent refuses either without one,
+    error 5)."""
     if lease is None:
+        if mode == _RESERVE or mode == _COMMIT:
+            raise InvalidCheck(f"a {ItemMode(mode).name.lower()} item needs its reservation id")
         return bytes((mode,))
     return bytes((mode | MODE_LEASE,)) + _U64.pack(lease)
 
@@ -696,21 +733,31 @@ def traced(frame: bytes, trace: TraceContext) -> bytes:
     )
 
 
-def _mode_version(mode: int) -> int:
-    return 3 if mode & MODE_LEASE or mode == ItemMode.RELEASE else 2
+def _mode_version(mode_byte: int) -> int:
+    mode = mode_byte & ~MODE_LEASE
+    if mode == _RESERVE or mode == _COMMIT:
+        return RESERVATIONS
+    return 3 if mode_byte & MODE_LEASE or mode == ItemMode.RELEASE else 2
 
 
 def check_version(frame: bytes) -> int:
-    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 5
-    for a trace context (form 4), else 3 for a lease or a release, 2 for forms 2 and 3 otherwise (an
-    item that peeks or charges), else 1. A version-1 agent cannot parse forms 2 and 3 and closes the
-    connection, and a version-2 agent refuses a lease or a release, so a client sends them only on a
-    connection whose HelloOk said as much. (The clients never need it for form 4: they add a trace
-    context only on a connection of version 5, and leave it out on older ones.)"""
+    """The lowest protocol version an agent must speak to read a Check frame this module encoded: 6
+    for a reserve or a commit, else 5 for a trace context (form 4), 3 for a lease or a release, 2
+    for forms 2 and 3 otherwise (an item that peeks or charges), else 1. A version-1 agent cannot
+    parse forms 2 and 3 and closes the connection, and an older agent refuses a mode or a lease it
+    does not know, so a client sends them only on a connection whose HelloOk said as much. (The
+    clients add a trace context only on a connection of version 5, and leave it out on older
+    ones.)"""
     off = LEN_PREFIX + HEADER
     form = frame[off]
     if form == FORM_TRACED:
-        return TRACE_CONTEXT
+        return max(TRACE_CONTEXT, _form_version(frame, off + TRACE_LEN))
+    return _form_version(frame, off)
+
+
+def _form_version(frame: bytes, off: int) -> int:
+    """:func:`check_version` of the check whose form byte is at ``off`` (form 0 to 3)."""
+    form = frame[off]
     if form < FORM_ITEMS_MODES:
         return 1
     if form == FORM_ATTRIBUTES_MODE:
@@ -720,18 +767,18 @@ def check_version(frame: bytes) -> int:
         return _mode_version(frame[off + 4])
     n = frame[off + 1]
     off += 2
+    need = 2
     for _ in range(n):
         off += 2 + _STR16.unpack_from(frame, off)[0]
         off += 1 + frame[off] + 4
         mode = frame[off]
-        if _mode_version(mode) == 3:
-            return 3
-        off += 1
-    return 2
+        need = max(need, _mode_version(mode))
+        off += 9 if mode & MODE_LEASE else 1
+    return need
 
 
 HELLO_FRAME = encode(Frame(0, Hello(MIN_VERSION, VERSION)))
-"""The Hello a client opens with: versions 1 to 5."""
+"""The Hello a client opens with: versions 1 to 6."""
 
 
 def fail_modes_frame(request_id: int) -> bytes:
@@ -824,7 +871,7 @@ class _Reader:
         b = self.u8()
         lease = self.u64() if b & MODE_LEASE else None
         m = b & ~MODE_LEASE
-        if m > ItemMode.RELEASE:
+        if m > _COMMIT:
             if self.bad_text is None:
                 self.bad_text = f"unknown item mode {m}"
             return ItemMode.CONSUME, lease
@@ -1100,6 +1147,7 @@ __all__: Sequence[str] = [
     "MIN_VERSION",
     "WINDOWS",
     "TRACE_CONTEXT",
+    "RESERVATIONS",
     "MAX_FRAME",
     "MAX_ITEMS",
     "MAX_KEY",
