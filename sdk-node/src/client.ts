@@ -27,12 +27,14 @@ import {
   InvalidCheck,
   MIN_VERSION,
   parseTraceparent,
+  RESERVE_VERSION,
   TRACE_VERSION,
   VERSION,
   type Attributes,
   type Body,
   type Check,
   type Item,
+  type ItemMode,
 } from "./protocol";
 import { defaultSocketPath } from "./socket-path";
 
@@ -86,7 +88,8 @@ export interface ClientConfig {
   maxBufferedBytes?: number;
   /**
    * A per-process limit fail-open calls enforce while the agent is away (default off); peeks,
-   * charges and releases pass it by (they consume nothing here); an acquire counts as a consume.
+   * charges, releases and commits pass it by (they consume nothing here); an acquire and a reserve
+   * count as a consume.
    */
   fallbackLimit?: LocalLimit | null;
   /**
@@ -156,6 +159,44 @@ export interface Acquired {
 }
 
 /**
+ * One meter of a reservation ({@link Client.reserveMeters}): a (key, rule) and the units reserved
+ * on it.
+ */
+export interface Meter {
+  /** The client key, e.g. `apikey:abc`. */
+  readonly key: string;
+  /** The rule that meters it, e.g. `output-tokens`. */
+  readonly ruleId: string;
+  /** The units reserved (an integer, 1 to 2³²−1): the most the request may use, e.g. its `max_tokens`. */
+  readonly units: number;
+}
+
+/**
+ * A reservation the agent holds ({@link Client.reserve}, {@link Client.reserveMeters}): settle it
+ * with {@link Client.commit} once the request's use is known. One never committed expires after
+ * its rules' `reservationSeconds` (default 300), its units staying counted under
+ * `reservationExpiry = "charge"` (the default) or going back under `"release"`.
+ */
+export interface Reservation {
+  /** Its id, chosen by this client: a random nonzero 64-bit value. */
+  readonly id: bigint;
+  /** Its meters, in the order they were reserved (the order of a commit's figures). */
+  readonly meters: readonly Meter[];
+}
+
+/** What {@link Client.reserve} and {@link Client.reserveMeters} return. */
+export interface Reserved {
+  /** The decision on the reserve, as any check's. */
+  decision: Decision;
+  /**
+   * The reservation, when the agent decided and holds every meter of it (each item's
+   * `holdsLease`); absent on a denial (which reserves nothing) and when the SDK decided alone
+   * (agent unreachable or late). Commit it with {@link Client.commit}.
+   */
+  reservation?: Reservation;
+}
+
+/**
  * What {@link Client.hold} returns: `{ allowed: true, decision, value }` with what `fn` returned
  * when the acquire passed (its lease released once `fn` settled), or `{ allowed: false, decision }`
  * when it was denied (`fn` not run; `decision.retryAfterMs` says when to retry).
@@ -190,8 +231,9 @@ export class FloodgateError extends Error {
   /**
    * `invalid`: the check breaks a protocol limit, or peeks or charges on a connection to an agent
    * that speaks only protocol version 1, or acquires or releases a lease on one that speaks less
-   * than version 3 (found before sending); `agent`: the agent refused it (unknown rule, invalid
-   * item), with the wire `code`.
+   * than version 3, or reserves or commits on one that speaks less than version 6, or a commit's
+   * figures do not match its reservation's meters (found before sending); `agent`: the agent
+   * refused it (unknown rule, invalid item), with the wire `code`.
    */
   readonly kind: "invalid" | "agent";
   /** The agent's error code (4 unknown rule, 5 invalid item) when `kind` is `agent`. */
@@ -268,7 +310,8 @@ function resolveConfig(c: ClientConfig): Resolved {
  * denied and any other answers by its fail policy, open (allow) by default, and the client
  * reconnects in the background with backoff and jitter. Calls reject only for checks no policy can
  * answer ({@link FloodgateError}: an invalid check, an unknown rule, a peek or charge to an agent
- * that speaks only protocol version 1, a lease to one that speaks less than 3).
+ * that speaks only protocol version 1, a lease to one that speaks less than 3, a reservation to
+ * one that speaks less than 6).
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -498,9 +541,120 @@ export class Client {
   }
 
   /**
+   * Reserves `units` (at least 1) of `ruleId` for `key` before a request whose use is known only
+   * after it (an LLM call's `max_tokens`, say): {@link reserveMeters} with one meter. Commit the
+   * reservation with {@link commit} once the use is known.
+   *
+   * ```ts
+   * const { decision, reservation } = await client.reserve("apikey:abc", "output-tokens", maxTokens);
+   * if (!decision.allowed) return reply429(decision.retryAfterMs);
+   * const out = await llm(prompt, maxTokens);
+   * if (reservation) await client.commit(reservation, [out.usage.outputTokens]);
+   * ```
+   */
+  reserve(key: string, ruleId: string, units: number, options?: CallOptions): Promise<Reserved> {
+    return this.reserveMeters([{ key, ruleId, units }], options);
+  }
+
+  /**
+   * Reserves every meter at once (1 to 16), all or nothing, under one fresh reservation id (a
+   * random nonzero 64-bit value): a check of mode reserve, decided as consumes are (a denial
+   * reserves nothing), whose admitted units the agent counts at once and holds until
+   * {@link commit} settles them. A meter on a concurrency rule holds its units in flight under the
+   * reservation, as a lease. `reservation` is returned only when the agent decided and every item
+   * holds it.
+   *
+   * Needs an agent that speaks protocol version 6: connected to one that speaks less, it rejects
+   * ({@link FloodgateError}, `invalid`) and nothing is sent. While the agent cannot answer it is
+   * decided as any check is (the call's `fail`, the agent's fail-closed rules, the client's policy
+   * and `fallbackLimit`, where it counts as a consume) and returns no reservation. When the reserve
+   * was sent but the answer is not the agent's (late, or the connection lost mid-call), the agent
+   * may still hold it: it is committed at 0 in the background at once, not awaited (a commit of a
+   * reservation not held gives nothing back and charges its cost, 0; its failure is logged at
+   * debug level only).
+   */
+  async reserveMeters(meters: readonly Meter[], options?: CallOptions): Promise<Reserved> {
+    const id = newLeaseId();
+    // Copied: the caller's array (and its objects) may change after the call; the commit must
+    // name what was reserved.
+    const held: Meter[] = Array.isArray(meters) ? meters.map((m) => ({ key: m?.key, ruleId: m?.ruleId, units: m?.units })) : [];
+    const sent = { written: false };
+    const decision = await this.send(
+      { form: "items", items: held.map((m) => ({ key: m.key, ruleId: m.ruleId, cost: m.units, mode: "reserve", lease: id })) },
+      options,
+      sent,
+    );
+    const reservation: Reservation = { id, meters: held };
+    if (!fromAgent(decision)) {
+      if (sent.written) this.commitUnanswered(reservation, options?.traceparent);
+      return { decision };
+    }
+    const holds = decision.items.length > 0 && decision.items.every((i) => i.verdict.holdsLease);
+    return holds ? { decision, reservation } : { decision };
+  }
+
+  /**
+   * Settles `reservation` at what the request used: `used` holds one figure per meter, in the
+   * order of `reservation.meters` (an integer 0 to 2³²−1; 0 for a meter it did not use). On each
+   * meter the reserved units past its figure go back to the window (or quota period) they were
+   * counted in, while that window still counts; a use past them is charged, as {@link charge}
+   * does. A meter on a concurrency rule is released whole, whatever its figure. Never a rejection
+   * by the agent: its figures are each meter's state after the commit. A reservation the agent no
+   * longer holds (committed already, expired, or reserved with an agent since restarted) gives
+   * nothing back; under its rule's `reservationExpiry = "release"` the figure is charged whole.
+   *
+   * Rejects ({@link FloodgateError}, `invalid`) when `used` does not hold one figure per meter, and
+   * where {@link reserveMeters} does. While the agent cannot answer it resolves with the SDK's
+   * degraded decision (the fail policy's, as any check's; it takes nothing from `fallbackLimit`)
+   * and the reservation stays counted until it expires.
+   */
+  commit(reservation: Reservation, used: readonly number[], options?: CallOptions): Promise<Decision> {
+    const meters = reservation?.meters ?? [];
+    if (!Array.isArray(used) || used.length !== meters.length) {
+      const n = Array.isArray(used) ? `${used.length} figure${used.length === 1 ? "" : "s"}` : "no array of figures";
+      return Promise.reject(
+        new FloodgateError(
+          "invalid",
+          `invalid commit: ${n} for a reservation of ${meters.length} meter${meters.length === 1 ? "" : "s"} (one per meter, in its order)`,
+        ),
+      );
+    }
+    return this.send(
+      {
+        form: "items",
+        // A meter of units in flight (a concurrency rule) is released whole, whatever its figure:
+        // the agent knows what it holds.
+        items: meters.map((m, i) => ({ key: m.key, ruleId: m.ruleId, cost: used[i], mode: "commit", lease: reservation.id })),
+      },
+      options,
+    );
+  }
+
+  /**
+   * Commits at 0 a reservation whose reserve the agent did not answer (with that reserve's trace
+   * context), and forgets it: the agent may hold it after all, and otherwise a commit of 0 changes
+   * nothing, so a commit that fails too is only logged at debug level.
+   */
+  private commitUnanswered(reservation: Reservation, traceparent: string | undefined): void {
+    const zeros = reservation.meters.map(() => 0);
+    this.commit(reservation, zeros, traceparent === undefined ? undefined : { traceparent }).then(
+      (d) => {
+        if (!fromAgent(d)) {
+          this.debug(
+            `floodgate: a precautionary commit of a reservation was not confirmed (${"reason" in d.origin ? d.origin.reason : "unavailable"}); ` +
+              `if the agent holds it, it expires by itself`,
+          );
+        }
+      },
+      (e: unknown) => this.debug(`floodgate: a precautionary commit of a reservation failed: ${(e as Error)?.message ?? e}`),
+    );
+  }
+
+  /**
    * Several items at once (1 to 16): allowed only if every enforced consume item is (in a check of
    * peeks only, every enforced peek); a denial consumes nothing. Each item may peek or charge
-   * (`mode`), as {@link peek} and {@link charge} do, or carry a `lease` or release one (version 3).
+   * (`mode`), as {@link peek} and {@link charge} do, or carry a `lease` or release one (version 3),
+   * or reserve or commit under a reservation id in `lease` (version 6).
    */
   check(items: Item[], options?: CallOptions): Promise<Decision> {
     return this.send({ form: "items", items }, options);
@@ -520,9 +674,9 @@ export class Client {
   }
 
   /**
-   * The protocol version the agent chose for the connection (1 to 5), or 0 while there is none. A
+   * The protocol version the agent chose for the connection (1 to 6), or 0 while there is none. A
    * check needing a higher version ({@link checkVersion}) is refused before it is sent; a
-   * `traceparent` is sent only at 5.
+   * `traceparent` is sent only at 5 or later.
    */
   get protocolVersion(): number {
     return this.version;
@@ -600,15 +754,22 @@ export class Client {
       return Promise.reject(new FloodgateError("invalid", `invalid check: ${message}`));
     }
     // A version-1 agent cannot parse forms 2 and 3 and would close the connection, failing every
-    // call in flight, and a version-2 one refuses a lease's mode byte: such a check is never sent to
-    // it. Without a connection it is answered as any check is (the agent may come back speaking 3).
+    // call in flight, a version-2 one refuses a lease's mode byte, and one of 3 to 5 refuses modes
+    // 4 and 5: such a check is never sent to it. Without a connection it is answered as any check
+    // is (the agent may come back speaking 6).
     const needs = checkVersion(check);
     if (this.connected && needs > this.version) {
+      const what =
+        needs >= RESERVE_VERSION
+          ? "it cannot hold reservations (update the agent)"
+          : needs >= 3
+            ? "it cannot hold leases (update the agent)"
+            : null;
       return Promise.reject(
         new FloodgateError(
           "invalid",
-          needs >= 3
-            ? `invalid check: the agent speaks protocol version ${this.version}: it cannot hold leases (update the agent)`
+          what !== null
+            ? `invalid check: the agent speaks protocol version ${this.version}: ${what}`
             : `invalid check: peek and charge need protocol version 2, and the agent speaks version ${this.version}`,
         ),
       );
@@ -678,9 +839,9 @@ export class Client {
       policy = this.config.fail;
     }
     const limit = this.config.fallbackLimit;
-    // The per-process limit counts what passes: a peek takes nothing, a charge is owed whatever it
-    // says and a release gives back, so only consuming checks (acquires included) go through it
-    // (as in the Rust SDK).
+    // The per-process limit counts what passes: a peek takes nothing, a charge or a commit is owed
+    // whatever it says and a release gives back, so only consuming checks (acquires and reserves
+    // included) go through it (as in the Rust SDK).
     if (policy === "open" && limit && consumesOnly(check)) {
       const [key, cost] = localKey(check);
       return this.localLimit(limit, key, cost, why, now);
@@ -906,10 +1067,24 @@ export class Client {
   }
 }
 
-/** Whether every item of a check consumes (an acquire, with a lease, too). */
+/** Whether every item of a check takes its cost only if the check passes (a consume or a reserve). */
 function consumesOnly(check: Check): boolean {
-  if (check.form === "items") return check.items.every((i) => (i.mode ?? "consume") === "consume");
-  return (check.attributes.mode ?? "consume") === "consume";
+  if (check.form === "items") return check.items.every((i) => takesIfPassed(i.mode ?? "consume"));
+  return takesIfPassed(check.attributes.mode ?? "consume");
+}
+
+/** Whether a mode takes its cost only if the check passes: a consume (an acquire too) or a reserve. */
+function takesIfPassed(mode: ItemMode): boolean {
+  switch (mode) {
+    case "consume":
+    case "reserve":
+      return true;
+    case "peek":
+    case "charge":
+    case "release":
+    case "commit":
+      return false;
+  }
 }
 
 /** The local limiter's key and cost for a check. */

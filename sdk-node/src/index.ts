@@ -9,8 +9,9 @@
  * background.
  *
  * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `acquire`, `release`,
- *   `hold` (leases of concurrency rules), `health`; each call may carry the caller's W3C
- *   `traceparent` (protocol version 5). `new Client()`
+ *   `hold` (leases of concurrency rules), `reserve`, `reserveMeters`, `commit` (reservations,
+ *   protocol version 6), `health`; each call may carry the caller's W3C `traceparent` (protocol
+ *   version 5). `new Client()`
  *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
  *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
  *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
@@ -31,6 +32,9 @@ export type {
   Lease,
   LocalLimit,
   Logger,
+  Meter,
+  Reservation,
+  Reserved,
 } from "./client";
 export type { Health } from "./health";
 export { DEFAULT_SOCKET, defaultSocketPath } from "./socket-path";
@@ -55,6 +59,7 @@ export {
   MAX_LEASE,
   MAX_RULE_ID,
   MIN_VERSION,
+  RESERVE_VERSION,
   TRACE_VERSION,
   VERSION,
 } from "./protocol";
@@ -62,6 +67,7 @@ export type {
   Attributes,
   Body,
   Check,
+  CheckVersion,
   DecodeResult,
   Frame,
   Item,

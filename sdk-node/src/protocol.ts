@@ -1,24 +1,25 @@
 /**
- * Floodgate's wire protocol, versions 1 to 5 (`protocol/PROTOCOL.md`): frames to bytes and bytes
+ * Floodgate's wire protocol, versions 1 to 6 (`protocol/PROTOCOL.md`): frames to bytes and bytes
  * to frames. No I/O here. {@link decodeFrame} never throws, whatever bytes it is given.
  *
  * A frame is `length u32 | version u8 | kind u8 | request id u32 | body`, big-endian, the length
  * counting everything after itself; a whole frame is at most 65,536 bytes. The version byte is the
  * version that introduced the frame's kind (2 for FailModes and FailModeList, else 1; Hello's is
- * `min(max_version, 5)`), so a version-1 peer reads every frame it knows; except a Decision whose
+ * `min(max_version, 6)`), so a version-1 peer reads every frame it knows; except a Decision whose
  * items carry rule windows, a version-4 frame sent only to a peer that negotiated 4. A Decision's
  * layout is read by its own version byte, not by the connection's. A Check that carries the
- * caller's trace context (form 4, version 5) keeps version byte 1 and is sent only to a peer that
- * negotiated 5.
+ * caller's trace context (form 4, version 5) or reserves and commits (modes 4 and 5, version 6)
+ * keeps version byte 1 and is sent only to a peer that negotiated that version.
  */
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 
 /**
  * The highest protocol version this SDK speaks (2: the fail-mode list and item modes; 3: leases and
- * releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context).
+ * releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context;
+ * 6: reservations, reserved and committed).
  */
-export const VERSION = 5;
+export const VERSION = 6;
 /** The lowest protocol version this SDK speaks. */
 export const MIN_VERSION = 1;
 /** Largest frame on the wire, the 4-byte length prefix included (64 KiB). */
@@ -41,7 +42,7 @@ export const MAX_MESSAGE = 1024;
 export const VERDICT_LEN = 34;
 /** Largest cost (u32). */
 export const MAX_COST = 0xffff_ffff;
-/** Largest lease id (u64). */
+/** Largest lease id (u64); a reservation id is carried in the same field. */
 export const MAX_LEASE = 0xffff_ffff_ffff_ffffn;
 
 /** Frame kinds (the byte after the version). */
@@ -86,7 +87,10 @@ const FLAG_ALLOWED = 0b001;
 const FLAG_LOG_ONLY = 0b010;
 const FLAG_HOLDS_LEASE = 0b100;
 
-/** In a mode byte (version 3): a `lease u64` follows; bits 0 to 6 are the mode. */
+/**
+ * In a mode byte (version 3): a `lease u64` follows; bits 0 to 6 are the mode. A reserve or a
+ * commit (version 6) carries its reservation id there.
+ */
 const MODE_LEASE = 0x80;
 
 /** The version whose Decision frames carry each item's rule window (`window_ms u64`). */
@@ -102,6 +106,8 @@ const FORM_TRACED = 4;
 
 /** The version whose Check may carry a trace context (form 4). */
 export const TRACE_VERSION = 5;
+/** The version whose Check may reserve and commit (modes 4 and 5). */
+export const RESERVE_VERSION = 6;
 /** Bytes of a trace id, of a span id, and of form 4's whole context (ids and flags). */
 const TRACE_ID_LEN = 16;
 const SPAN_ID_LEN = 8;
@@ -115,11 +121,17 @@ const TRACE_LEN = TRACE_ID_LEN + SPAN_ID_LEN + 1;
  * - `peek`: changes nothing; says whether the cost would pass now and what is left now;
  * - `charge`: always takes the cost, even past the limit (a debt later checks wait out); never denied;
  * - `release` (version 3): gives a concurrency rule's units back: those of the item's lease, or
- *   without a lease up to `cost` units of the key's leases; never denied (a peek on other rules).
+ *   without a lease up to `cost` units of the key's leases; never denied (a peek on other rules);
+ * - `reserve` (version 6): a consume of `cost` (a request's most, e.g. its `max_tokens`) that the
+ *   agent then holds under the item's `lease`, its reservation id, until a commit settles it or
+ *   the rule's `reservationSeconds` run out; a reserve again under an id held adds to it;
+ * - `commit` (version 6): settles the reservation named by `lease` at `cost`, what the request
+ *   used (0 allowed): the unused rest goes back, a use past it is charged; never denied. A
+ *   concurrency rule's reservation is a lease, released whole whatever the figure.
  */
-export type ItemMode = "consume" | "peek" | "charge" | "release";
+export type ItemMode = "consume" | "peek" | "charge" | "release" | "reserve" | "commit";
 /** The modes by their wire byte. */
-const MODES: readonly ItemMode[] = ["consume", "peek", "charge", "release"];
+const MODES: readonly ItemMode[] = ["consume", "peek", "charge", "release", "reserve", "commit"];
 
 /** One `(key, ruleId, cost)` item of a check. */
 export interface Item {
@@ -127,14 +139,20 @@ export interface Item {
   key: string;
   /** The rule to check the key against (1 to 128 bytes of `[A-Za-z0-9_.:-]`). */
   ruleId: string;
-  /** Units this request consumes (an integer, 1 to 2³²−1; a peek may ask about 0; default 1). */
+  /**
+   * Units this request consumes (an integer, 1 to 2³²−1; a peek may ask about 0, and a commit say
+   * the request used 0; default 1).
+   */
   cost?: number;
-  /** What the item does with its cost (default `consume`; the others need protocol version 2). */
+  /**
+   * What the item does with its cost (default `consume`; the others need protocol version 2, a
+   * release 3, a reserve or commit 6).
+   */
   mode?: ItemMode;
   /**
    * The client's lease id, 0 to 2⁶⁴−1 (protocol version 3): a concurrency rule's units a consume
    * takes are held under it, and a release with the same lease and cost gives them back. Other
-   * rules ignore it.
+   * rules ignore it. A reserve or commit (version 6) must carry one: its reservation id.
    */
   lease?: bigint;
 }
@@ -151,11 +169,14 @@ export interface Attributes {
   apiKey?: string | null;
   /** The client IP address. */
   ip?: string | null;
-  /** Units this request consumes (a peek may ask about 0; default 1). */
+  /** Units this request consumes (a peek may ask about 0, a commit say 0 were used; default 1). */
   cost?: number;
   /** What every matched rule's item does with the cost (default `consume`; see {@link ItemMode}). */
   mode?: ItemMode;
-  /** The client's lease id for every matched concurrency rule (protocol version 3; see {@link Item.lease}). */
+  /**
+   * The client's lease id for every matched concurrency rule (protocol version 3), or the
+   * reservation id of a reserve or commit (version 6; see {@link Item.lease}).
+   */
   lease?: bigint;
 }
 
@@ -167,7 +188,8 @@ export interface Verdict {
   logOnly: boolean;
   /**
    * A concurrency rule holds the item's lease (protocol version 3): release it when the request
-   * ends, or it runs out at `resetAtMs`.
+   * ends, or it runs out at `resetAtMs`. On a reserve (version 6): the agent holds the item's
+   * reservation; commit it when the request's use is known.
    */
   holdsLease: boolean;
   /** Where the answer came from. */
@@ -310,31 +332,76 @@ function validateLease(lease: unknown): string | null {
   return null;
 }
 
-/** A peek may ask about cost 0 (what is left now); every other mode takes at least 1. */
-function validateCost(cost: unknown, mode: ItemMode | undefined): string | null {
-  const min = mode === "peek" ? 0 : 1;
-  if (typeof cost !== "number" || !Number.isInteger(cost) || cost < min || cost > MAX_COST) {
-    const of = min === 0 ? "a peek's cost" : "cost";
-    return `${of} must be an integer from ${min} to ${MAX_COST}, not ${String(cost)}`;
+/**
+ * Whether a mode may cost 0: a peek asks about nothing, a commit says the request used nothing.
+ * Every other mode takes at least 1.
+ */
+function mayCostNothing(mode: ItemMode): boolean {
+  switch (mode) {
+    case "peek":
+    case "commit":
+      return true;
+    case "consume":
+    case "charge":
+    case "release":
+    case "reserve":
+      return false;
   }
-  return null;
 }
 
-/** The version an item (or the attributes) needs: 3 with a lease or a release, 2 to peek or charge. */
-function itemVersion(mode: ItemMode | undefined, lease: bigint | undefined): 1 | 2 | 3 {
-  if (lease !== undefined || mode === "release") return 3;
-  return (mode ?? "consume") === "consume" ? 1 : 2;
+/** Whether a mode names a reservation (version 6): it needs its id in the lease field. */
+function reserves(mode: ItemMode): boolean {
+  switch (mode) {
+    case "reserve":
+    case "commit":
+      return true;
+    case "consume":
+    case "peek":
+    case "charge":
+    case "release":
+      return false;
+  }
 }
 
 /**
- * The lowest protocol version that carries `check`: 3 when an item (or the attributes) carries a
- * lease or releases, 2 when one peeks or charges, else 1. An agent cannot parse a check of a
- * version above its own (a version-1 agent closes the connection; a version-2 one refuses the mode
- * byte), so such a check is sent only on a connection whose HelloOk said that version.
+ * Whether an item's cost and lease fit its mode (already checked to be one): a cost of 0 only
+ * where the mode may cost nothing, and a reservation id on every reserve and commit.
  */
-export function checkVersion(check: Check): 1 | 2 | 3 {
+function validateCost(cost: unknown, mode: ItemMode | undefined, lease: bigint | undefined): string | null {
+  const m = mode ?? "consume";
+  const min = mayCostNothing(m) ? 0 : 1;
+  if (typeof cost !== "number" || !Number.isInteger(cost) || cost < min || cost > MAX_COST) {
+    const of = min === 0 ? `a ${m}'s cost` : "cost";
+    return `${of} must be an integer from ${min} to ${MAX_COST}, not ${String(cost)}`;
+  }
+  if (reserves(m) && lease === undefined) return `a ${m} item needs its reservation id (lease)`;
+  return null;
+}
+
+/** A protocol version a check may need: see {@link checkVersion}. */
+export type CheckVersion = 1 | 2 | 3 | 6;
+
+/**
+ * The version an item (or the attributes) needs: 6 to reserve or commit, 3 with a lease or a
+ * release, 2 to peek or charge.
+ */
+function itemVersion(mode: ItemMode | undefined, lease: bigint | undefined): CheckVersion {
+  const m = mode ?? "consume";
+  if (reserves(m)) return RESERVE_VERSION;
+  if (lease !== undefined || m === "release") return 3;
+  return m === "consume" ? 1 : 2;
+}
+
+/**
+ * The lowest protocol version that carries `check`: 6 when an item (or the attributes) reserves
+ * or commits, 3 when one carries a lease or releases, 2 when one peeks or charges, else 1. An
+ * agent cannot parse a check of a version above its own (a version-1 agent closes the connection;
+ * a version-2 one refuses the mode byte; one of 3 to 5 refuses modes 4 and 5), so such a check is
+ * sent only on a connection whose HelloOk said that version.
+ */
+export function checkVersion(check: Check): CheckVersion {
   if (check.form === "attributes") return itemVersion(check.attributes.mode, check.attributes.lease);
-  let v: 1 | 2 | 3 = 1;
+  let v: CheckVersion = 1;
   for (const i of check.items) {
     const iv = itemVersion(i.mode, i.lease);
     if (iv > v) v = iv;
@@ -363,7 +430,7 @@ export function validateCheck(check: Check): string | null {
         validateRuleId(item.ruleId) ??
         validateMode(item.mode) ??
         validateLease(item.lease) ??
-        validateCost(item.cost ?? 1, item.mode);
+        validateCost(item.cost ?? 1, item.mode, item.lease);
       if (why) return why;
       if (seen) {
         const pair = `${item.ruleId}\u0000${item.key}`;
@@ -380,7 +447,7 @@ export function validateCheck(check: Check): string | null {
       if (why) return why;
     }
   }
-  return validateMode(a.mode) ?? validateLease(a.lease) ?? validateCost(a.cost ?? 1, a.mode);
+  return validateMode(a.mode) ?? validateLease(a.lease) ?? validateCost(a.cost ?? 1, a.mode, a.lease);
 }
 
 /** The attributes with their names, in wire order. */
@@ -492,7 +559,7 @@ class Writer {
     this.buf.writeBigUInt64BE(toU64(n), this.len);
     this.len += 8;
   }
-  /** A mode byte, bit 7 set and the lease after it when there is one (version 3). */
+  /** A mode byte, bit 7 set and the lease (or reservation id) after it when there is one (version 3). */
   mode(mode: ItemMode | undefined, lease: bigint | undefined): void {
     const b = MODES.indexOf(mode ?? "consume");
     if (lease === undefined) {
@@ -760,8 +827,8 @@ class Reader {
     return this.string(this.u8());
   }
   /**
-   * An item mode and the lease after it when bit 7 is set (version 3); a mode this peer does not
-   * know refuses the check (error 5), as bad text does.
+   * An item mode and the lease (a reserve's or commit's reservation id) after it when bit 7 is set
+   * (version 3); a mode this peer does not know refuses the check (error 5), as bad text does.
    */
   mode(): { mode: ItemMode; lease?: bigint } {
     const b = this.u8();

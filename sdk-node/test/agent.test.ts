@@ -98,7 +98,7 @@ function suite(store: "embedded" | "redis"): void {
 
     it("allows up to the limit with the figures, then denies with a retry-after", async () => {
       assert.ok(client.isConnected());
-      assert.equal(client.protocolVersion, 5, "the agent speaks version 5: decisions name each rule's window, checks may carry a trace");
+      assert.equal(client.protocolVersion, 6, "the agent speaks version 6: decisions name each rule's window, checks may carry a trace");
       const key = `user:${unique()}`;
       const t0 = Date.now();
       const ds: Decision[] = [];

@@ -149,7 +149,7 @@ describe("client against a fake agent", () => {
         sock.write(b);
       } else if (n === 2) {
         const b = decisionFrame(f.requestId, 1);
-        b[4] = 6; // version 6, which this SDK does not speak
+        b[4] = 7; // version 7, which this SDK does not speak
         sock.write(b);
       } else sock.write(decisionFrame(f.requestId, 9));
     };
@@ -463,7 +463,7 @@ describe("the agent's fail-closed rules (fake agent)", () => {
       fake.received.map((f) => f.body.kind),
       ["hello", "check", "check"],
     );
-    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 5, "Hello offers 1..5");
+    assert.equal(fake.received[0].body.kind === "hello" && fake.received[0].body.maxVersion, 6, "Hello offers 1..6");
     assert.equal(client.health().failClosedRules, 0);
     assert.ok(!("rulesVersion" in client.health()), "no list: no rules version");
     fake.goAway();

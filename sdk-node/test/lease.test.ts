@@ -69,7 +69,7 @@ function clientSuite(store: "embedded" | "redis"): void {
     const free = async (key: string) => (await client.peek(key, "c-slots", 0)).remaining;
 
     it("two acquires hold a slot each; a third is denied within 1 s, without a lease; a release frees one", async () => {
-      assert.equal(client.protocolVersion, 5);
+      assert.equal(client.protocolVersion, 6);
       const key = `user:${unique()}`;
       const t0 = Date.now();
       const a = await client.acquire(key, "c-slots");
@@ -205,9 +205,9 @@ describe("leases on a fake agent", () => {
     assert.deepEqual(checkBodies(fake), [`0201${item}80${id}`, `0201${item}83${id}`]);
     // Check frames carry version byte 1 whatever their form (the version that introduced the kind).
     assert.ok(fake.receivedBytes.filter((b) => b[5] === 0x03).every((b) => b[4] === 1));
-    // Hello offered 1..5 (the agent chose 3).
+    // Hello offered 1..6 (the agent chose 3).
     const hello = fake.received[0];
-    assert.ok(hello.body.kind === "hello" && hello.body.minVersion === 1 && hello.body.maxVersion === 5);
+    assert.ok(hello.body.kind === "hello" && hello.body.minVersion === 1 && hello.body.maxVersion === 6);
   });
 
   it("no lease is returned when no item holds it, and nothing is released", async () => {

@@ -1,6 +1,7 @@
 /**
  * The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, rule windows (version 4), trace
- * contexts (version 5) and `traceparent` parsing, and a decoder that never throws.
+ * contexts (version 5) and `traceparent` parsing, reservations (version 6), and a decoder that
+ * never throws.
  */
 
 import assert from "node:assert/strict";
@@ -16,6 +17,7 @@ import {
   InvalidCheck,
   MAX_FRAME,
   parseTraceparent,
+  validateCheck,
   validateTrace,
   type Check,
   type Frame,
@@ -49,7 +51,7 @@ const v = (
 /** A decode result as text for an assertion's message (leases are bigints, which JSON refuses). */
 const show = (x: unknown) => JSON.stringify(x, (_k, y: unknown) => (typeof y === "bigint" ? `${y}n` : y));
 
-/** The lease of the page's version-3 vectors. */
+/** The lease of the page's version-3 vectors, and the reservation id of its version-6 ones. */
 const LEASE = 0x0123456789abcdefn;
 
 /** The trace context of the page's version-5 vector (and of the W3C recommendation's example). */
@@ -221,6 +223,34 @@ const EXPECTED: Record<string, Frame> = {
       ],
     },
   },
+  hello_v6: { requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 6 } },
+  hello_ok_v6: { requestId: 0, body: { kind: "helloOk", version: 6 } },
+  check_reserve: {
+    requestId: 19,
+    body: {
+      kind: "check",
+      check: {
+        form: "items",
+        items: [
+          { key: "apikey:abc", ruleId: "output-tokens", cost: 4096, mode: "reserve", lease: LEASE },
+          { key: "apikey:abc", ruleId: "in-flight", cost: 1, mode: "reserve", lease: LEASE },
+        ],
+      },
+    },
+  },
+  check_commit: {
+    requestId: 20,
+    body: {
+      kind: "check",
+      check: {
+        form: "items",
+        items: [
+          { key: "apikey:abc", ruleId: "output-tokens", cost: 612, mode: "commit", lease: LEASE },
+          { key: "apikey:abc", ruleId: "in-flight", cost: 0, mode: "commit", lease: LEASE },
+        ],
+      },
+    },
+  },
   fail_mode_list: {
     requestId: 11,
     body: {
@@ -305,8 +335,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
   });
 
   it("another version and invalid UTF-8 are refused for that frame only, which can be skipped", () => {
-    const v6 = Buffer.from("00000006060700000003", "hex");
-    const r = decodeFrame(Buffer.concat([v6, pong]));
+    const v7 = Buffer.from("00000006070700000003", "hex");
+    const r = decodeFrame(Buffer.concat([v7, pong]));
     assert.ok(!r.ok && r.type === "rejected");
     assert.equal(r.code, 3);
     assert.equal(r.frameLen, 10);
@@ -319,8 +349,8 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     assert.equal(bad.frameLen, vec.length);
   });
 
-  it("any version byte, 1 to 5, is read on any kind", () => {
-    for (const version of [2, 3, 4, 5]) {
+  it("any version byte, 1 to 6, is read on any kind", () => {
+    for (const version of [2, 3, 4, 5, 6]) {
       const pong2 = Buffer.from(pong);
       pong2[4] = version;
       const a = decodeFrame(pong2);
@@ -463,16 +493,16 @@ describe("item modes (version 2)", () => {
   it("an unknown mode byte refuses the check (error 5) and leaves the stream in sync", () => {
     const vectors = vectorsFromDoc();
     const items = Buffer.from(vectors.get("check_modes")!);
-    items[33] = 4; // the first item's mode: peek (1) becomes 4 (3 is version 3's release)
+    items[33] = 6; // the first item's mode: peek (1) becomes 6 (3 to 5 are versions 3 and 6's)
     const attributes = Buffer.from(vectors.get("check_attributes_charge")!);
     attributes[attributes.length - 1] = 0x7f; // bit 7 clear: no lease follows
     // An unknown mode with the lease bit: the lease is read, then the check refused.
     const leased = Buffer.from(vectors.get("check_attributes_lease")!);
-    leased[leased.length - 9] = 0x85;
+    leased[leased.length - 9] = 0x86;
     for (const [b, id, mode] of [
-      [items, 12, 4],
+      [items, 12, 6],
       [attributes, 13, 127],
-      [leased, 16, 0x85],
+      [leased, 16, 0x86],
     ] as const) {
       const r = decodeFrame(Buffer.concat([b, pong]));
       assert.ok(!r.ok && r.type === "rejected", show(r));
@@ -490,7 +520,7 @@ describe("item modes (version 2)", () => {
 
   it("encoding refuses a mode it does not know", () => {
     const bad = { key: "k", ruleId: "r", mode: "Peek" } as unknown as { key: string; ruleId: string };
-    assert.throws(() => encodeFrame(frame(1, { form: "items", items: [bad] })), /mode must be one of consume, peek, charge, release/);
+    assert.throws(() => encodeFrame(frame(1, { form: "items", items: [bad] })), /mode must be one of consume, peek, charge, release, reserve, commit/);
     const attributes = { user: "u", mode: 1 } as unknown as { user: string };
     assert.throws(() => encodeFrame(frame(1, { form: "attributes", attributes })), InvalidCheck);
   });
@@ -567,6 +597,88 @@ describe("leases and releases (version 3)", () => {
     );
     assert.equal(r.frame.body.items[0].verdict.holdsLease, true);
     assert.equal(encodeFrame(r.frame).toString("hex"), vec.toString("hex"));
+  });
+});
+
+describe("reservations (version 6)", () => {
+  const frame = (requestId: number, check: Check): Frame => ({ requestId, body: { kind: "check", check } });
+  const pong = Buffer.from("00000006010700000003", "hex");
+  const vectors = vectorsFromDoc();
+
+  it("a reserve or a commit needs version 6, and is form 2 or 3 with its id after the mode byte", () => {
+    assert.deepEqual([EXPECTED.check_reserve, EXPECTED.check_commit].map((f) => f.body.kind === "check" && checkVersion(f.body.check)), [6, 6]);
+    // One reserve among version-2 and version-3 items makes the whole check version 6's.
+    const mixed: Check = {
+      form: "items",
+      items: [
+        { key: "k", ruleId: "a", cost: 0, mode: "peek" },
+        { key: "k", ruleId: "b", lease: 7n },
+        { key: "k", ruleId: "c", cost: 10, mode: "reserve", lease: 7n },
+      ],
+    };
+    assert.equal(checkVersion(mixed), 6);
+    // Check frames keep version byte 1, the version that introduced the kind.
+    assert.deepEqual([...vectors.get("check_reserve")!.subarray(4, 6)], [1, 3]);
+    for (const [mode, byte] of [
+      ["reserve", "84"],
+      ["commit", "85"],
+    ] as const) {
+      const attributes: Check = { form: "attributes", attributes: { user: "u", cost: mode === "commit" ? 0 : 5, mode, lease: 9n } };
+      assert.equal(checkVersion(attributes), 6);
+      const b = encodeFrame(frame(3, attributes));
+      assert.equal(b[10], 3, `${mode}: form 3`);
+      assert.equal(b.subarray(b.length - 9).toString("hex"), byte + "0000000000000009", mode);
+      const r = decodeFrame(b);
+      assert.ok(r.ok, show(r));
+      assert.deepEqual(r.frame, frame(3, { form: "attributes", attributes: { endpoint: undefined, tier: undefined, ip: undefined, apiKey: undefined, ...attributes.attributes } }));
+    }
+  });
+
+  it("a commit may cost 0; a reserve needs at least 1, encoded or decoded", () => {
+    const item = (mode: "reserve" | "commit", cost: number): Frame =>
+      frame(1, { form: "items", items: [{ key: "k", ruleId: "r", cost, mode, lease: 1n }] });
+    const r = decodeFrame(encodeFrame(item("commit", 0)));
+    assert.ok(r.ok, show(r));
+    assert.deepEqual(r.frame, item("commit", 0));
+    assert.throws(() => encodeFrame(item("reserve", 0)), /^InvalidCheck: cost must be an integer from 1/);
+    assert.throws(() => encodeFrame(item("commit", -1)), /a commit's cost must be an integer from 0/);
+    assert.throws(() => encodeFrame(item("commit", 2 ** 32)), /a commit's cost must be an integer from 0 to 4294967295/);
+    // The page's second reserve (cost 1) made 0: refused (error 5) and skippable.
+    const zero = Buffer.from(vectors.get("check_reserve")!);
+    zero.writeUInt32BE(0, zero.length - 13); // cost u32, mode u8, id u64
+    const z = decodeFrame(Buffer.concat([zero, pong]));
+    assert.ok(!z.ok && z.type === "rejected", show(z));
+    assert.deepEqual([z.code, z.requestId, z.frameLen], [5, 19, zero.length]);
+  });
+
+  it("a reserve or a commit without its reservation id is refused, encoded or decoded", () => {
+    for (const mode of ["reserve", "commit"] as const) {
+      const items: Check = { form: "items", items: [{ key: "k", ruleId: "r", cost: 1, mode }] };
+      const attributes: Check = { form: "attributes", attributes: { user: "u", cost: 1, mode } };
+      for (const check of [items, attributes]) {
+        assert.equal(validateCheck(check), `a ${mode} item needs its reservation id (lease)`);
+        assert.throws(() => encodeFrame(frame(1, check)), InvalidCheck, `${mode}, ${check.form}`);
+      }
+    }
+    // The page's commit, its last item without the id (bit 7 clear, 8 bytes fewer): refused for
+    // that request only, the stream in sync after it.
+    const page = vectors.get("check_commit")!;
+    const bare = Buffer.from(page.subarray(0, page.length - 8));
+    bare[bare.length - 1] = 0x05;
+    bare.writeUInt32BE(bare.length - 4, 0);
+    const both = Buffer.concat([bare, pong]);
+    const r = decodeFrame(both);
+    assert.ok(!r.ok && r.type === "rejected", show(r));
+    assert.deepEqual([r.code, r.requestId, r.frameLen, r.reason], [5, 20, bare.length, "a commit item needs its reservation id (lease)"]);
+    const next = decodeFrame(both.subarray(r.frameLen));
+    assert.ok(next.ok && next.frame.body.kind === "pong");
+  });
+
+  it("a Hello offering 1 to 6 is a version-6 frame; an older peer's Hello keeps its own version byte", () => {
+    assert.equal(encodeFrame(EXPECTED.hello_v6)[4], 6);
+    assert.equal(encodeFrame(EXPECTED.hello_v5)[4], 5);
+    // A Hello offering more than this SDK speaks still says 6 in its version byte.
+    assert.equal(encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 9 } })[4], 6);
   });
 });
 

@@ -376,7 +376,7 @@ windowSeconds = 60
   });
 
   it("is answered as any check: the same figures, counted with untraced ones", async () => {
-    assert.equal(client.protocolVersion, 5, "the agent speaks version 5");
+    assert.equal(client.protocolVersion, 6, "the agent speaks version 6, trace contexts included");
     const key = `user:${unique()}`;
     const unsampled = `${TRACEPARENT.slice(0, -2)}00`;
     const a = await client.allow(key, "tr-three", 1, { ...PATIENT, traceparent: TRACEPARENT });
