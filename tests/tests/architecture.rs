@@ -272,10 +272,10 @@ struct Fact {
 
 const FACTS: &[Fact] = &[
     Fact {
-        says: "Floodgate 0.5.0",
+        says: "Floodgate 0.6.0",
         file: "Cargo.toml",
         anchor: "version = \"",
-        value: "\"0.5.0\"",
+        value: "\"0.6.0\"",
     },
     Fact {
         says: "protocol version 6",
