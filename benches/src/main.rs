@@ -40,6 +40,7 @@ mod overload;
 mod overrides;
 mod propagation;
 mod report;
+mod reservations;
 mod sdk;
 mod targets;
 mod versus;
@@ -379,6 +380,22 @@ enum Command {
         #[arg(long, default_value = "target/bench/leases.json")]
         json: PathBuf,
     },
+    /// Reservations: reserve+commit against one sync check (same run, same agent), Redis calls and
+    /// CPU per pair, and a budget's overshoot under 1,000 requests in flight on one key.
+    Reservations {
+        /// Concurrent callers, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        clients: Vec<usize>,
+        /// Runs per level and per way of spending (the latency sides' order alternates).
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Seconds measured per side, level and run (after a quarter of that as warm-up).
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Where to write the JSON report.
+        #[arg(long, default_value = "target/bench/reservations.json")]
+        json: PathBuf,
+    },
     /// Per-client overrides: PUT → every agent holding it (p50/p99), and an agent's memory per
     /// override held.
     Overrides {
@@ -633,6 +650,15 @@ fn main() -> anyhow::Result<()> {
             json,
         }) => {
             let report = runtime.block_on(leases::run(&clients, seconds, runs, keys))?;
+            write_json(&json, &report)
+        }
+        Some(Command::Reservations {
+            clients,
+            runs,
+            seconds,
+            json,
+        }) => {
+            let report = runtime.block_on(reservations::run(&clients, seconds, runs))?;
             write_json(&json, &report)
         }
         Some(Command::Overrides {
