@@ -65,7 +65,7 @@ async fn the_agent_speaks_both_versions_and_lists_its_closed_rules() {
     );
     conn.send(&hello(1, 3)).await.unwrap();
     assert_eq!(conn.recv().await.unwrap().body, Frame_::HelloOk { version: 3 });
-    conn.send(&hello(6, 9)).await.unwrap();
+    conn.send(&hello(7, 9)).await.unwrap();
     assert!(matches!(conn.recv().await.unwrap().body, Frame_::Error(_)));
 
     conn.send(&Frame::new(5, Frame_::FailModes)).await.unwrap();
