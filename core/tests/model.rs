@@ -518,6 +518,7 @@ fn run(seed: u64, tell: bool, flush_ms: u64) -> Run {
                     let (from, to) = r.quota_period(now);
                     [from, to]
                 }),
+                from: None,
             });
         }
     }

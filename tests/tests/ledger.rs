@@ -12,7 +12,8 @@ use floodgate_tests::{floodgate_bin, sleep_until_window_offset, Agent, RedisServ
 
 const RULES: &str = r#"{"rules":[
   {"id":"api","dimension":"user","limit":20,"windowSeconds":1},
-  {"id":"slow","dimension":"user","limit":20,"windowSeconds":10}
+  {"id":"slow","dimension":"user","limit":20,"windowSeconds":10},
+  {"id":"budget","dimension":"api_key","limit":20000,"algorithm":"quota","period":"year"}
 ]}"#;
 
 /// A client that waits for the agent (2 s) rather than answer by its own fail policy: every
@@ -96,6 +97,47 @@ async fn a_sync_limit_under_concurrent_load_holds_in_every_key_window() {
     assert!(
         out.contains("rule api: ") && out.contains(&format!("{allowed} units admitted")),
         "the ledgers hold every admission the clients saw ({allowed}): {out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_reservations_gave_back_is_judged_off_their_budget() {
+    let redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let files = [dir.path().join("a.jsonl"), dir.path().join("b.jsonl")];
+    let mut agents = Vec::new();
+    for f in &files {
+        agents.push(agent_with_ledger(&redis, f).await);
+    }
+    let clients = [client(&agents[0]).await, client(&agents[1]).await];
+    // 300 requests together, each reserving 200 of a budget of 20,000 and using 1 to 200 of it.
+    let tasks: Vec<_> = (0..300u64)
+        .map(|n| {
+            let c = clients[n as usize % 2].clone();
+            tokio::spawn(async move {
+                let (_, r) = c.reserve("apikey:l", "budget", 200).await.unwrap();
+                let Some(r) = r else { return 0 };
+                tokio::task::yield_now().await;
+                let used = (n * 37 % 200 + 1) as u32;
+                c.commit(&r, &[used]).await.unwrap();
+                u64::from(used)
+            })
+        })
+        .collect();
+    let mut spent = 0;
+    for t in tasks {
+        spent += t.await.unwrap();
+    }
+    for agent in &mut agents {
+        assert_eq!(agent.terminate().await, Some(0));
+    }
+    assert!(spent > 0 && spent <= 20_000, "{spent}");
+    let (code, out) = check(&files);
+    assert_eq!(code, 0, "{out}");
+    // Reserves counted, what their commits gave back taken off: the ledgers hold what was used.
+    assert!(
+        out.contains("rule budget: ") && out.contains(&format!("{spent} units admitted")),
+        "the ledgers hold what the requests used ({spent}): {out}"
     );
 }
 

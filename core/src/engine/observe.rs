@@ -33,7 +33,7 @@ impl Engine {
                         (true, Some(id)) if p.mode == ItemMode::Release => {
                             recent.released(&p.rule.id, &p.key, id)
                         }
-                        (true, Some(id)) if p.mode == ItemMode::Consume && by_store => {
+                        (true, Some(id)) if p.mode.takes_if_passed() && by_store => {
                             recent.leased(&p.rule, &p.key, id, p.cost, done)
                         }
                         (true, _) => {}

@@ -47,6 +47,7 @@ impl Engine {
         let r = match &self.store {
             Store::Memory(m) => {
                 self.returned(m.take_back(&give_back));
+                self.ledger_returned(give_back);
                 return match self.answer_plan(plan, received) {
                     Answer::Ready(d) => Answer::Ready(d.map(|d| self.hold(&reserves, d))),
                     Answer::Pending(f) => {
@@ -62,8 +63,9 @@ impl Engine {
             if !give_back.is_empty() {
                 // Awaited (bounded by the store's timeout), so that this check, and the next
                 // reserve of the caller, sees the units back; one that fails stays counted.
-                let done = r.adjust(give_back, Adjust::TakeBack).await;
+                let done = r.adjust(give_back.clone(), Adjust::TakeBack).await;
                 this.returned(done.units);
+                this.ledger_surely_returned(give_back, &done);
             }
             let d = match this.answer_plan(plan, received) {
                 Answer::Ready(d) => d,
@@ -187,12 +189,16 @@ impl Engine {
             return n;
         }
         match &self.store {
-            Store::Memory(m) => self.returned(m.take_back(&back)),
+            Store::Memory(m) => {
+                self.returned(m.take_back(&back));
+                self.ledger_returned(back);
+            }
             Store::Shared(r) => {
                 let (r, this) = (r.clone(), self.clone());
                 tokio::spawn(async move {
-                    let done = r.adjust(back, Adjust::TakeBack).await;
+                    let done = r.adjust(back.clone(), Adjust::TakeBack).await;
                     this.returned(done.units);
+                    this.ledger_surely_returned(back, &done);
                 });
             }
         }
@@ -202,6 +208,30 @@ impl Engine {
     /// The agent's reservations.
     pub fn reservations(&self) -> &crate::reserve::Reservations {
         &self.reservations
+    }
+
+    /// Records units given back in the ledger, when it is on: the checker takes them off the
+    /// key-window they were counted in.
+    fn ledger_returned(&self, entries: Vec<LedgerEntry>) {
+        if let Some(ledger) = &self.ledger {
+            let done = self.clock.now_ms();
+            let at = crate::ledger::Decided {
+                recv: done,
+                done,
+                off: self.batcher.offset_ms(),
+                n: self.live_agents(),
+            };
+            ledger.returned(entries, at);
+        }
+    }
+
+    /// [`ledger_returned`](Self::ledger_returned) for a take-back the store may have applied in
+    /// part: recorded only when every entry surely landed (what failed or timed out stays counted
+    /// in the ledger, as it may in the store: never a give-back the store did not make).
+    fn ledger_surely_returned(&self, entries: Vec<LedgerEntry>, done: &crate::shared_store::Adjusted) {
+        if done.retry.is_empty() && done.uncertain.is_empty() && done.refused == 0 && done.error.is_none() {
+            self.ledger_returned(entries);
+        }
     }
 
     fn returned(&self, units: u64) {

@@ -69,7 +69,7 @@ pub(super) fn breaches(
             k.limit = k.limit.max(r.limit);
             k.lease_ms = k.lease_ms.max(r.window_ms);
             match (r.mode.as_str(), r.lease) {
-                ("consume", Some(id)) if r.allowed => {
+                ("consume" | "reserve", Some(id)) if r.allowed => {
                     let fallback =
                         (r.source == "fallback").then_some((file.header.agent.as_str(), r.n.max(1)));
                     k.acquires.entry(id).or_default().push(Acquire {
@@ -240,6 +240,7 @@ mod tests {
             n: 2,
             lease,
             period: None,
+            from: None,
         }
     }
 

@@ -272,7 +272,14 @@ fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
                 breaches: 0,
                 not_judged: None,
             });
-            let counts = r.enforced && r.allowed && matches!(r.mode.as_str(), "consume" | "charge");
+            if r.mode == "return" {
+                if r.enforced {
+                    give_back(&mut windows, s, r, agent);
+                }
+                continue;
+            }
+            let counts =
+                r.enforced && r.allowed && matches!(r.mode.as_str(), "consume" | "reserve" | "charge");
             if !counts {
                 continue;
             }
@@ -329,6 +336,33 @@ fn admitted(ledgers: &[LedgerFile]) -> Admitted<'_> {
         }
     }
     (windows, summaries, records)
+}
+
+/// A `return` record: the units a reservation gave back come off the key-window they were counted
+/// in (a sliding window's by its index, a quota's by its period, a token bucket's at the return's
+/// time), sure units first.
+fn give_back<'a>(
+    windows: &mut HashMap<WindowKey<'a>, Window<'a>>,
+    s: &mut RuleSummary,
+    r: &'a Record,
+    agent: Option<&'a str>,
+) {
+    let (w, k) = match (r.alg, r.from) {
+        (Algorithm::SlidingWindow, Some(k)) => (r.window_ms.max(1), k),
+        (Algorithm::TokenBucket, _) => {
+            let w = r.window_ms.max(1);
+            (w, (r.done as i64 + r.off).max(0) as u64 / w)
+        }
+        (Algorithm::Quota, Some(start)) => (1, start),
+        (Algorithm::SlidingWindow | Algorithm::Quota | Algorithm::Concurrency, _) => return,
+    };
+    let Some(win) = windows.get_mut(&(r.rule.as_str(), r.key.as_str(), agent, w, k)) else {
+        return;
+    };
+    let sure = r.cost.min(win.sure);
+    win.sure -= sure;
+    win.maybe -= (r.cost - sure).min(win.maybe);
+    s.admitted = s.admitted.saturating_sub(r.cost);
 }
 
 /// Every key-window judged against its bound: the rules' summaries completed, the breaches found.

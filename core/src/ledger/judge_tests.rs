@@ -29,6 +29,7 @@ fn admit(key: &str, at: u64, source: &str) -> Record {
         n: 2,
         lease: None,
         period: None,
+        from: None,
     }
 }
 
@@ -253,4 +254,32 @@ fn a_ledger_reads_back_what_was_written_and_says_what_it_lacks() {
         serde_json::to_string(&header("x", "shared")).unwrap()
     ))
     .is_err());
+}
+
+#[test]
+fn units_a_reservation_gave_back_come_off_their_window() {
+    // A reserve of 8 in window [1000, 2000) of a limit of 10, 6 of it given back, then 7 more
+    // admitted: 8 - 6 + 7 = 9, within the limit; without the return, 15 is a breach.
+    let reserve = Record {
+        cost: 8,
+        mode: "reserve".into(),
+        ..admit("a", 1_100, "redis")
+    };
+    let back = Record {
+        cost: 6,
+        mode: "return".into(),
+        from: Some(1),
+        ..admit("a", 1_200, "redis")
+    };
+    let later: Vec<Record> = (0..7).map(|i| admit("a", 1_300 + i, "redis")).collect();
+    let mut with = vec![reserve.clone(), back];
+    with.extend(later.clone());
+    let j = judge(&[file("x", "shared", with)], &Options::contract());
+    assert!(j.breaches.is_empty(), "{j:?}");
+    assert_eq!(j.rules[0].admitted, 9);
+    let mut without = vec![reserve];
+    without.extend(later);
+    let j = judge(&[file("x", "shared", without)], &Options::contract());
+    assert_eq!(j.breaches.len(), 1, "{j:?}");
+    assert_eq!(j.breaches[0].admitted, 15);
 }

@@ -44,7 +44,8 @@ pub struct Record {
     pub key: String,
     /// The item's cost.
     pub cost: u64,
-    /// `consume`, `peek`, `charge` or `release`.
+    /// `consume`, `peek`, `charge`, `release`, `reserve`, or `return`: units a commit (or an
+    /// expiry) gave back of a reservation, out of the window named by `from`.
     pub mode: String,
     /// Whether the item was admitted (a charge always commits).
     pub allowed: bool,
@@ -62,6 +63,10 @@ pub struct Record {
     /// before); none for other rules.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub period: Option<[u64; 2]>,
+    /// A `return`'s window: a sliding window's index (the store's clock), a quota period's start;
+    /// none for a token bucket, whose tokens come back at the return's time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<u64>,
 }
 
 fn one() -> u64 {

@@ -13,6 +13,7 @@ use std::time::Duration;
 use floodgate_protocol::{CompactString, Decision, ItemMode};
 
 use super::record::{Header, Record};
+use crate::guard::LedgerEntry;
 use crate::rules::{Algorithm, Rule};
 use crate::store::Planned;
 
@@ -42,6 +43,13 @@ enum Msg {
         off: i64,
         n: u64,
         items: Vec<Item>,
+    },
+    /// Units given back of reservations, at `done` (the agent's clock).
+    Returned {
+        done: u64,
+        off: i64,
+        n: u64,
+        entries: Vec<LedgerEntry>,
     },
     /// Flush and answer: the agent is stopping.
     Close(SyncSender<()>),
@@ -122,13 +130,30 @@ impl Ledger {
             })
             .collect();
         let Decided { recv, done, off, n } = at;
-        let msg = Msg::Decided {
+        self.send(Msg::Decided {
             recv,
             done,
             off,
             n,
             items,
-        };
+        });
+    }
+
+    /// Queues units given back of reservations (a commit's unused units, an expiry's under
+    /// `reservationExpiry = "release"`), each out of the window it names, at `at.done`.
+    pub fn returned(&self, entries: Vec<LedgerEntry>, at: Decided) {
+        if entries.is_empty() {
+            return;
+        }
+        self.send(Msg::Returned {
+            done: at.done,
+            off: at.off,
+            n: at.n,
+            entries,
+        });
+    }
+
+    fn send(&self, msg: Msg) {
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         match tx.as_ref().map(|tx| tx.try_send(msg)) {
             Some(Ok(())) => {}
@@ -233,6 +258,55 @@ fn write_loop(
                                 None
                             }
                         },
+                        from: None,
+                    };
+                    line.clear();
+                    if serde_json::to_writer(&mut line, &record).is_ok() {
+                        line.push(b'\n');
+                        if file.write_all(&line).is_err() {
+                            dropped.fetch_add(1, Ordering::Relaxed);
+                            continue;
+                        }
+                        written.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            Msg::Returned {
+                done,
+                off,
+                n,
+                entries,
+            } => {
+                for e in entries {
+                    let rule = &e.rule;
+                    let (from, period) = match rule.algorithm {
+                        Algorithm::SlidingWindow => (Some(e.window), None),
+                        Algorithm::Quota => {
+                            let (start, end) = rule.quota_period(e.window);
+                            (Some(e.window), Some([start, end]))
+                        }
+                        Algorithm::TokenBucket | Algorithm::Concurrency => (None, None),
+                    };
+                    let record = Record {
+                        recv: done,
+                        done,
+                        off,
+                        rule: rule.id.clone(),
+                        ver: rule.version,
+                        alg: rule.algorithm,
+                        window_ms: rule.window_ms(),
+                        limit: rule.limit.get(),
+                        burst: rule.burst.map_or(rule.limit.get(), |b| b.get()),
+                        enforced: rule.enforced(),
+                        key: e.key.to_string(),
+                        cost: e.units,
+                        mode: "return".into(),
+                        allowed: true,
+                        source: "redis".into(),
+                        n,
+                        lease: None,
+                        period,
+                        from,
                     };
                     line.clear();
                     if serde_json::to_writer(&mut line, &record).is_ok() {
