@@ -48,6 +48,7 @@ fn answer(id: u32, out: &mut Vec<u8>) {
         allowed: true,
         log_only: false,
         holds_lease: false,
+        over_quota: false,
         source: Source::Local,
         limit: 1_000_000_000_000,
         remaining: 999_999_999_999,

@@ -22,7 +22,7 @@ static ON: AtomicBool = AtomicBool::new(false);
 /// Every metric the agent exports, with its help text (the dashboard test checks against the
 /// exposition itself, not this list).
 pub const METRICS: &[(&str, &str)] = &[
-    ("floodgate_checks_total", "Check items decided, by rule, decision (allowed, rejected, logged = a log-mode rule's would-be rejection) and source (redis, local, cache, fallback)"),
+    ("floodgate_checks_total", "Check items decided, by rule, decision (allowed, rejected, logged = a log-mode rule's would-be rejection, over_quota = allowed past the limit of a rule with overLimit flag) and source (redis, local, cache, fallback)"),
     ("floodgate_check_errors_total", "Checks answered with an error (invalid input, no such rule, internal)"),
     ("floodgate_check_duration_seconds", "Time from a check's frame read to its answer, in the agent"),
     ("floodgate_redis_calls_total", "Redis script calls, by shard"),
@@ -65,13 +65,13 @@ fn source(s: Source) -> &'static str {
     }
 }
 
-const DECISIONS: [&str; 3] = ["allowed", "rejected", "logged"];
+const DECISIONS: [&str; 4] = ["allowed", "rejected", "logged", "over_quota"];
 const SOURCES: [Source; 4] = [Source::Redis, Source::Local, Source::Cache, Source::Fallback];
 
 /// Handles of one rule's `floodgate_checks_total` series, by decision × source. The request path
 /// looks them up by the rule id (a `&str`, no allocation) instead of building a labelled key and
 /// asking the registry for every item of every check.
-type RuleCounters = Box<[metrics::Counter; 12]>;
+type RuleCounters = Box<[metrics::Counter; 16]>;
 
 fn rule_counters(rule: &str) -> RuleCounters {
     Box::new(std::array::from_fn(|i| {
@@ -125,6 +125,8 @@ pub fn check_charged(result: &Result<Decision, floodgate_protocol::ErrorBody>, t
                 let v = &item.verdict;
                 let charge = charges & 1 << (n % 32) != 0;
                 let decision = match (v.allowed || charge, v.log_only) {
+                    // Quota mode: allowed past the limit, flagged.
+                    (true, _) if v.over_quota => 3,
                     (true, _) => 0,
                     (false, false) => 1,
                     (false, true) => 2,

@@ -60,6 +60,9 @@ pub struct Verdict {
     /// A concurrency rule holds the item's lease (version 3): the client releases it when its
     /// request ends, or it expires at `reset_at_ms`.
     pub holds_lease: bool,
+    /// Allowed past the limit of a rule with `overLimit = "flag"` (version 6): the request passes,
+    /// counted nowhere, for the caller to route (a cheaper model, a fallback backend).
+    pub over_quota: bool,
     /// Where the answer came from.
     pub source: Source,
     /// The rule's limit per window (or bucket capacity).

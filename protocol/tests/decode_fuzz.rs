@@ -33,6 +33,7 @@ fn verdict() -> impl Strategy<Value = Verdict> {
                 allowed,
                 log_only,
                 holds_lease: allowed && !log_only && remaining % 3 == 0,
+                over_quota: false,
                 source: Source::from_u8(s).unwrap(),
                 limit,
                 remaining,

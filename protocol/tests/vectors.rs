@@ -35,6 +35,7 @@ fn verdict(
         allowed,
         log_only,
         holds_lease: false,
+        over_quota: false,
         source,
         limit,
         remaining,
@@ -50,6 +51,10 @@ fn frames() -> Vec<(&'static str, Frame)> {
     let lease = Verdict {
         holds_lease: true,
         ..verdict(true, false, Source::Redis, 4, 2, 1_700_000_060_000, 0)
+    };
+    let over_quota = Verdict {
+        over_quota: true,
+        ..verdict(true, false, Source::Redis, 100_000, 0, 1_700_000_120_000, 0)
     };
     let monthly = verdict(
         true,
@@ -340,6 +345,20 @@ fn frames() -> Vec<(&'static str, Frame)> {
             ),
         ),
         (
+            "decision_over_quota",
+            Frame::new(
+                21,
+                Body::Decision(Decision {
+                    combined: over_quota,
+                    items: vec![ItemDecision {
+                        rule_id: "gpt-tokens".into(),
+                        verdict: over_quota,
+                        window_ms: 0,
+                    }],
+                }),
+            ),
+        ),
+        (
             "fail_mode_list",
             Frame::new(
                 11,
@@ -430,4 +449,26 @@ fn every_vector_in_the_page_is_checked() {
         named.len(),
         "PROTOCOL.md has vectors this test does not build"
     );
+}
+
+#[test]
+fn over_quota_goes_only_to_a_peer_of_version_6() {
+    let (_, frame) = frames()
+        .into_iter()
+        .find(|(n, _)| *n == "decision_over_quota")
+        .expect("the vector");
+    let mut old = Vec::new();
+    frame.encode_for(&mut old, 5).unwrap();
+    let (back, _) = decode(&old).unwrap();
+    let Body::Decision(d) = back.body else {
+        panic!("a decision")
+    };
+    assert!(
+        d.combined.allowed && !d.combined.over_quota,
+        "a version-5 peer reads it allowed"
+    );
+    assert!(d.items.iter().all(|i| i.verdict.allowed && !i.verdict.over_quota));
+    let mut new = Vec::new();
+    frame.encode_for(&mut new, 6).unwrap();
+    assert_eq!(new, vector("decision_over_quota"));
 }

@@ -46,6 +46,21 @@ pub struct Decision {
 }
 
 impl Decision {
+    /// Whether the request passes past the limit of a rule with `overLimit = "flag"` (quota mode,
+    /// protocol version 6): allowed, counted nowhere, for the caller to route elsewhere.
+    pub fn over_quota(&self) -> bool {
+        self.items.iter().any(|i| i.verdict.over_quota)
+    }
+
+    /// The ids of the rules whose limit the request passes in quota mode.
+    pub fn over_quota_rules(&self) -> Vec<String> {
+        self.items
+            .iter()
+            .filter(|i| i.verdict.over_quota)
+            .map(|i| i.rule_id.to_string())
+            .collect()
+    }
+
     pub(crate) fn from_agent(d: floodgate_protocol::Decision) -> Self {
         let c = d.combined;
         Decision {
@@ -85,6 +100,7 @@ impl Decision {
                 allowed: self.allowed,
                 log_only: false,
                 holds_lease: false,
+                over_quota: false,
                 source: Source::Fallback,
                 limit,
                 remaining: self.remaining,

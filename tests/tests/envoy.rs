@@ -827,3 +827,59 @@ async fn grpc_health_check_answers_serving() {
         assert_eq!(r.overall_code, Code::Ok as i32, "{server}");
     }
 }
+
+/// Quota mode over gRPC: past the limit of an `overLimit = "flag"` rule the request is OK, counts
+/// nothing, and carries dynamic metadata and an upstream request header naming the rule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_answers_ok_with_metadata_past_the_limit() {
+    const RULES: &str = r#"{"rules":[
+      {"id":"premium","dimension":"descriptor","limit":2,"windowSeconds":3600,"overLimit":"flag",
+       "envoy":{"domain":"llm","descriptors":[{"key":"user"}]}}
+    ]}"#;
+    let redis = RedisServer::start();
+    let agent = Agent::builder()
+        .rules(RULES)
+        .redis(&redis.url())
+        .arg("--grpc")
+        .arg("127.0.0.1:0")
+        .start()
+        .await;
+    let addr = agent.logged_addr("RateLimitService (gRPC) listening").await;
+    let mut client = RateLimitClient::connect(format!("http://{addr}")).await.unwrap();
+    let ask = || request("llm", vec![descriptor(&[("user", "u1")])]);
+    for _ in 0..2 {
+        let r = client.should_rate_limit(ask()).await.unwrap();
+        assert_eq!(r.overall_code, Code::Ok as i32);
+        assert!(
+            r.dynamic_metadata.is_none() && r.request_headers_to_add.is_empty(),
+            "{r:?}"
+        );
+    }
+    let r = client.should_rate_limit(ask()).await.unwrap();
+    assert_eq!(
+        r.overall_code,
+        Code::Ok as i32,
+        "past the limit, let through: {r:?}"
+    );
+    assert_eq!(r.statuses[0].code, Code::Ok as i32);
+    let meta = r.dynamic_metadata.expect("dynamic metadata");
+    assert_eq!(meta.fields["over_quota"].bool_value, Some(true));
+    assert_eq!(
+        meta.fields["over_quota_rules"].string_value.as_deref(),
+        Some("premium")
+    );
+    let h = &r.request_headers_to_add;
+    assert!(
+        h.iter()
+            .any(|h| h.key == "x-ratelimit-over-quota" && h.value == "premium"),
+        "{h:?}"
+    );
+    let (_, metrics) = floodgate_tests::http_get(agent.admin_addr().await, "/metrics").await;
+    assert!(
+        metrics.lines().any(|l| l.starts_with("floodgate_checks_total")
+            && l.contains("rule=\"premium\"")
+            && l.contains("decision=\"over_quota\"")
+            && l.ends_with(" 1")),
+        "{metrics}"
+    );
+}

@@ -434,3 +434,42 @@ async fn a_lease_is_held_until_the_response_ends() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_mode_lets_a_request_through_flagged_for_the_handler_to_route() {
+    const PREMIUM: &str = r#"
+[[rules]]
+id = "premium"
+dimension = "user"
+match = { endpoint = "/v1/chat" }
+limit = 1
+windowSeconds = 3600
+overLimit = "flag"
+"#;
+    let agent = Agent::builder().rules(PREMIUM).start().await;
+    let client = patient_client(agent.socket()).await;
+    // The handler routes by the extension: the big model within the quota, a small one past it.
+    let app = Router::new()
+        .route(
+            "/v1/chat",
+            post(|req: Request<Body>| async move {
+                match req.extensions().get::<floodgate_sdk::middleware::OverQuota>() {
+                    Some(o) => format!("small model ({})", o.rules.join(",")),
+                    None => "big model".to_string(),
+                }
+            }),
+        )
+        .layer(RateLimitLayer::new(client).user_header("x-user-id"));
+    let user = [("x-user-id", "u1")];
+    let (status, r) = send(&app, req("POST", "/v1/chat", "203.0.113.1:5", &user)).await;
+    assert_eq!(status, 200);
+    assert_eq!(header(&r, "x-ratelimit-over-quota"), None);
+    let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    assert_eq!(&body[..], b"big model");
+    let (status, r) = send(&app, req("POST", "/v1/chat", "203.0.113.1:5", &user)).await;
+    assert_eq!(status, 200, "past the quota, let through");
+    assert_eq!(header(&r, "x-ratelimit-over-quota").as_deref(), Some("premium"));
+    assert_eq!(num(&r, "x-ratelimit-remaining"), 0);
+    let body = axum::body::to_bytes(r.into_body(), 1 << 16).await.unwrap();
+    assert_eq!(&body[..], b"small model (premium)");
+}

@@ -107,6 +107,25 @@ pub struct RateLimitResponse {
     pub response_headers_to_add: Vec<HeaderValue>,
     #[prost(message, repeated, tag = "4")]
     pub request_headers_to_add: Vec<HeaderValue>,
+    /// What the next filters (and the route) read: `over_quota` in quota mode.
+    #[prost(message, optional, tag = "6")]
+    pub dynamic_metadata: Option<Struct>,
+}
+
+/// `google.protobuf.Struct`, as far as the agent writes one: fields by name.
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct Struct {
+    #[prost(btree_map = "string, message", tag = "1")]
+    pub fields: std::collections::BTreeMap<String, Value>,
+}
+
+/// `google.protobuf.Value`: the kinds the agent writes (its other kinds, a oneof, are other tags).
+#[derive(Clone, PartialEq, ::prost::Message)]
+pub struct Value {
+    #[prost(string, optional, tag = "3")]
+    pub string_value: Option<String>,
+    #[prost(bool, optional, tag = "4")]
+    pub bool_value: Option<bool>,
 }
 
 /// `RateLimitResponse.Code`.

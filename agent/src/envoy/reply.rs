@@ -43,6 +43,14 @@ pub enum GrpcHeaders {
 const OVERALL_CODE: u32 = 1;
 const STATUSES: u32 = 2;
 const RESPONSE_HEADERS: u32 = 3;
+const REQUEST_HEADERS: u32 = 4;
+const DYNAMIC_METADATA: u32 = 6;
+// Struct's and its map entries'; Value's.
+const FIELDS: u32 = 1;
+const ENTRY_KEY: u32 = 1;
+const ENTRY_VALUE: u32 = 2;
+const STRING_VALUE: u32 = 3;
+const BOOL_VALUE: u32 = 4;
 // DescriptorStatus's.
 const CODE: u32 = 1;
 const CURRENT_LIMIT: u32 = 2;
@@ -143,12 +151,43 @@ pub fn write(
             header(out, "retry-after", HeaderText::Number(seconds));
         }
     }
+    if allowed && d.combined.over_quota {
+        over_quota(out, d);
+    }
     uint(
         out,
         OVERALL_CODE,
         if allowed { Code::Ok } else { Code::OverLimit } as u64,
     );
     allowed
+}
+
+/// Quota mode: a request let through past the limit of rules with `overLimit = "flag"` carries
+/// dynamic metadata `over_quota: true` and `over_quota_rules: "<ids>"` (the route and the next
+/// filters read them in `envoy.filters.http.ratelimit`'s namespace), and the upstream request the
+/// header `x-ratelimit-over-quota: <ids>`.
+fn over_quota(out: &mut Vec<u8>, d: &Decision) {
+    let mut rules = String::new();
+    for item in d.items.iter().filter(|i| i.verdict.over_quota) {
+        if !rules.is_empty() {
+            rules.push(',');
+        }
+        rules.push_str(&item.rule_id);
+    }
+    nested(out, REQUEST_HEADERS, |o| {
+        string(o, KEY, b"x-ratelimit-over-quota");
+        string(o, VALUE, rules.as_bytes());
+    });
+    nested(out, DYNAMIC_METADATA, |o| {
+        nested(o, FIELDS, |e| {
+            string(e, ENTRY_KEY, b"over_quota");
+            nested(e, ENTRY_VALUE, |v| uint(v, BOOL_VALUE, 1));
+        });
+        nested(o, FIELDS, |e| {
+            string(e, ENTRY_KEY, b"over_quota_rules");
+            nested(e, ENTRY_VALUE, |v| string(v, STRING_VALUE, rules.as_bytes()));
+        });
+    });
 }
 
 /// One descriptor's status: its code, the rule's limit in the unit of `window`, what remains (0
@@ -290,6 +329,7 @@ mod tests {
             allowed,
             log_only,
             holds_lease: false,
+            over_quota: false,
             source: Source::Redis,
             limit: 10,
             remaining,

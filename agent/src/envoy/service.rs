@@ -195,7 +195,8 @@ impl EnvoyService {
                 _ if d.is_negative_hits => (ItemMode::Peek, 0),
                 (0, _) => (ItemMode::Peek, 0),
                 (_, OverLimit::Charge) => (ItemMode::Charge, cost),
-                (_, OverLimit::Deny) => (ItemMode::Consume, cost),
+                // Quota mode: consumed within the limit; past it the engine lets it through flagged.
+                (_, OverLimit::Deny | OverLimit::Flag) => (ItemMode::Consume, cost),
             };
             // The same counter twice in one request is one item with the costs added (the wire
             // refuses a duplicate item; both descriptors get its verdict); it counts if either does.

@@ -103,7 +103,7 @@ impl Engine {
             .enumerate()
             // A charge is never a rejection, a peek takes nothing: neither is evented nor a
             // would-be rejection of the dry run.
-            .filter(|(_, p)| (events || !p.rule.enforced()) && p.mode.takes_if_passed())
+            .filter(|(_, p)| (events || p.rule.logs_only()) && p.mode.takes_if_passed())
             .map(|(i, p)| (i, p.rule.clone(), p.key.clone()))
             .collect();
         // With the ledger on, or the store's admissions kept for a failover, the plan is kept to

@@ -35,6 +35,7 @@ pub(super) fn no_rule() -> Verdict {
         allowed: true,
         log_only: false,
         holds_lease: false,
+        over_quota: false,
         source: Source::Local,
         limit: 0,
         remaining: 0,
@@ -65,8 +66,10 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
         .map(|(p, (o, source))| ItemDecision {
             rule_id: p.rule.id.as_str().into(),
             verdict: Verdict {
-                allowed: o.allowed,
-                log_only: !p.rule.enforced(),
+                allowed: o.allowed || (p.rule.flags_over_quota() && p.mode.can_refuse()),
+                log_only: p.rule.logs_only(),
+                // Quota mode: past the limit the request passes, flagged, its cost counted nowhere.
+                over_quota: !o.allowed && p.rule.flags_over_quota() && p.mode.can_refuse(),
                 // The client's lease its concurrency item acquired (cleared below if the check
                 // was denied: then nothing is held).
                 holds_lease: o.allowed
@@ -77,7 +80,11 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
                 limit: o.limit,
                 remaining: o.remaining,
                 reset_at_ms: o.reset_at_ms,
-                retry_after_ms: o.retry_after_ms,
+                retry_after_ms: if o.allowed || !p.rule.flags_over_quota() {
+                    o.retry_after_ms
+                } else {
+                    0
+                },
             },
             window_ms: p.rule.policy_window_ms(o.reset_at_ms),
         })
@@ -127,6 +134,11 @@ pub(super) fn decide(plan: &[Planned], outcomes: impl Iterator<Item = (Outcome, 
             v.retry_after_ms = 0;
             v
         }
+    };
+    // Quota mode: a check let through past a rule's limit says so, whichever item binds.
+    let combined = Verdict {
+        over_quota: combined.allowed && items.iter().any(|i| i.verdict.over_quota),
+        ..combined
     };
     Decision { combined, items }
 }

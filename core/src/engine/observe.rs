@@ -90,7 +90,7 @@ impl Engine {
     /// (and Redis) the cache keeps it away from; they are counted in
     /// `floodgate_checks_total{source="cache"}`.
     pub(super) fn observe(&self, logged: &[(usize, Arc<Rule>, CompactString)], d: &Decision) {
-        if d.combined.allowed && logged.iter().all(|(_, r, _)| r.enforced()) {
+        if d.combined.allowed && logged.iter().all(|(_, r, _)| !r.logs_only()) {
             return;
         }
         let now = self.clock.now_ms();
@@ -105,14 +105,14 @@ impl Engine {
             // A log-mode rule's would-be rejection is an event when the dry run says it is news
             // (the key's first since its last report), as an enforced key's repeats are kept off
             // the stream by the rejection cache.
-            let news = rule.enforced() || self.dry_run.record(&rule.id, rule.version, key, now);
+            let news = !rule.logs_only() || self.dry_run.record(&rule.id, rule.version, key, now);
             if let (Some(events), true) = (&self.events, news) {
                 events.emit(crate::events::Event {
                     key: key.to_string(),
                     rule: rule.id.clone(),
                     ts_ms: now,
                     version: rule.version,
-                    dry_run: !rule.enforced(),
+                    dry_run: rule.logs_only(),
                 });
             }
         }

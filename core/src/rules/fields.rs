@@ -94,7 +94,7 @@ pub fn rule_from_body(id: &str, body: &[u8]) -> Result<Rule, FieldErrors> {
             },
             "mode" => one_of(v, &["enforce", "log"]),
             "failMode" => one_of(v, &["open", "closed"]),
-            "overLimit" => one_of(v, &["deny", "charge"]),
+            "overLimit" => one_of(v, &["deny", "charge", "flag"]),
             "execution" => one_of(v, &["sync", "batched", "auto"]),
             "flushIntervalMs" => integer(v, 1, 60_000),
             "perEndpoint" => v

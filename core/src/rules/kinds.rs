@@ -108,6 +108,10 @@ pub enum OverLimit {
     /// charged (answered OVER_LIMIT once past the limit), so `apply_on_stream_done` reports of a
     /// cost known after the response are counted even past the limit.
     Charge,
+    /// Quota mode, on every path: a request past the limit is allowed, counts nothing, and is
+    /// flagged `over_quota` (a header from the middleware, Envoy dynamic metadata) for the caller
+    /// to route to a cheaper model or a fallback backend. Its denials never refuse a check.
+    Flag,
 }
 
 /// What an uncommitted reservation leaves counted when it expires (its holder died, or never

@@ -180,9 +180,22 @@ impl Rule {
         }
     }
 
-    /// Whether rejections are enforced.
+    /// Whether its denials refuse a check: a rule in `enforce` mode, unless its `overLimit` is
+    /// `flag` (quota mode: past the limit the request passes, flagged). Every store, the batcher,
+    /// the fallback, the cache and the checker read this.
     pub fn enforced(&self) -> bool {
-        self.mode == Mode::Enforce
+        self.mode == Mode::Enforce && self.over_limit != OverLimit::Flag
+    }
+
+    /// Whether it only logs (`mode = "log"`): its verdicts are reported, marked log-only, and its
+    /// would-be rejections are the dry run's to count.
+    pub fn logs_only(&self) -> bool {
+        self.mode == Mode::Log
+    }
+
+    /// Whether a request past its limit passes flagged instead (`overLimit = "flag"`, enforce mode).
+    pub fn flags_over_quota(&self) -> bool {
+        self.mode == Mode::Enforce && self.over_limit == OverLimit::Flag
     }
 
     /// How long a reservation of this rule is held before it expires, in ms.

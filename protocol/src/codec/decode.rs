@@ -2,8 +2,8 @@
 //! bodies' readers; nothing here panics on any input.
 
 use super::{
-    FLAG_ALLOWED, FLAG_HOLDS_LEASE, FLAG_LOG_ONLY, FORM_ATTRIBUTES, FORM_ATTRIBUTES_MODE, FORM_ITEMS,
-    FORM_ITEMS_MODES, FORM_TRACED, LIST_TRUNCATED, MODE_LEASE, WINDOWS,
+    FLAG_ALLOWED, FLAG_HOLDS_LEASE, FLAG_LOG_ONLY, FLAG_OVER_QUOTA, FORM_ATTRIBUTES, FORM_ATTRIBUTES_MODE,
+    FORM_ITEMS, FORM_ITEMS_MODES, FORM_TRACED, LIST_TRUNCATED, MODE_LEASE, WINDOWS,
 };
 use crate::fail_modes::{ClosedRule, FailModeList, ListedDimension};
 use crate::frame::{
@@ -333,7 +333,7 @@ impl<'a> Reader<'a> {
 
     fn verdict(&mut self) -> Result<Verdict, Problem> {
         let flags = self.u8()?;
-        if flags & !(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE) != 0 {
+        if flags & !(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE | FLAG_OVER_QUOTA) != 0 {
             return Err(Problem::Malformed(format!("unknown verdict flags 0x{flags:02x}")));
         }
         let source = self.u8()?;
@@ -343,6 +343,7 @@ impl<'a> Reader<'a> {
             allowed: flags & FLAG_ALLOWED != 0,
             log_only: flags & FLAG_LOG_ONLY != 0,
             holds_lease: flags & FLAG_HOLDS_LEASE != 0,
+            over_quota: flags & FLAG_OVER_QUOTA != 0,
             source,
             limit: self.u64()?,
             remaining: self.u64()?,

@@ -1,8 +1,8 @@
 //! Frames to bytes: `Frame::encode`, `encode_for` a peer's version, and the body's writers.
 
 use super::{
-    FLAG_ALLOWED, FLAG_HOLDS_LEASE, FLAG_LOG_ONLY, FORM_ATTRIBUTES, FORM_ATTRIBUTES_MODE, FORM_ITEMS,
-    FORM_ITEMS_MODES, FORM_TRACED, LIST_TRUNCATED, MODE_LEASE, WINDOWS,
+    FLAG_ALLOWED, FLAG_HOLDS_LEASE, FLAG_LOG_ONLY, FLAG_OVER_QUOTA, FORM_ATTRIBUTES, FORM_ATTRIBUTES_MODE,
+    FORM_ITEMS, FORM_ITEMS_MODES, FORM_TRACED, LIST_TRUNCATED, MODE_LEASE, OVER_QUOTA, WINDOWS,
 };
 use crate::frame::{Body, Check, Frame, ItemMode, Verdict};
 use crate::limits::{kind, LEN_PREFIX, MAX_FRAME, MAX_ITEMS, MAX_MESSAGE, VERSION};
@@ -56,7 +56,7 @@ impl Frame {
         out.push(version);
         out.push(self.kind());
         out.extend_from_slice(&self.request_id.to_be_bytes());
-        self.encode_body(out, version >= WINDOWS);
+        self.encode_body(out, version >= WINDOWS, peer_version >= OVER_QUOTA);
         let len = out.len() - start;
         if len > MAX_FRAME {
             out.truncate(start);
@@ -88,7 +88,7 @@ impl Frame {
         }
     }
 
-    fn encode_body(&self, out: &mut Vec<u8>, windows: bool) {
+    fn encode_body(&self, out: &mut Vec<u8>, windows: bool, over_quota: bool) {
         match &self.body {
             Body::Hello {
                 min_version,
@@ -105,11 +105,11 @@ impl Frame {
                 encode_check(out, check);
             }
             Body::Decision(d) => {
-                put_verdict(out, &d.combined);
+                put_verdict(out, &d.combined, over_quota);
                 out.push(d.items.len() as u8);
                 for item in &d.items {
                     put_str8(out, &item.rule_id);
-                    put_verdict(out, &item.verdict);
+                    put_verdict(out, &item.verdict, over_quota);
                     if windows {
                         out.extend_from_slice(&item.window_ms.to_be_bytes());
                     }
@@ -197,7 +197,9 @@ fn put_str16(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
-fn put_verdict(out: &mut Vec<u8>, v: &Verdict) {
+/// A verdict's 34 bytes; its over-quota flag only for a peer that reads it (version 6), an older
+/// one seeing the allowed verdict it is.
+fn put_verdict(out: &mut Vec<u8>, v: &Verdict, over_quota: bool) {
     let mut flags = 0;
     if v.allowed {
         flags |= FLAG_ALLOWED;
@@ -207,6 +209,9 @@ fn put_verdict(out: &mut Vec<u8>, v: &Verdict) {
     }
     if v.holds_lease {
         flags |= FLAG_HOLDS_LEASE;
+    }
+    if v.over_quota && over_quota {
+        flags |= FLAG_OVER_QUOTA;
     }
     out.push(flags);
     out.push(v.source.to_u8());

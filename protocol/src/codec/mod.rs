@@ -12,6 +12,10 @@ pub const VERDICT_LEN: usize = 2 + 4 * 8;
 pub(super) const FLAG_ALLOWED: u8 = 0b01;
 pub(super) const FLAG_LOG_ONLY: u8 = 0b10;
 pub(super) const FLAG_HOLDS_LEASE: u8 = 0b100;
+/// Version 6: allowed past the limit of a rule with `overLimit = "flag"`, counting nothing.
+pub(super) const FLAG_OVER_QUOTA: u8 = 0b1000;
+/// The version that introduced the over-quota flag: never set for an older peer.
+pub(super) const OVER_QUOTA: u8 = 6;
 /// In a mode byte (version 3): a `lease u64` follows.
 pub(super) const MODE_LEASE: u8 = 0x80;
 pub(super) const FORM_ITEMS: u8 = 0;

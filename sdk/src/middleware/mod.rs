@@ -50,4 +50,4 @@ pub use extractors::{client_ip, route_name, wire_safe, Cidr, CidrError, Extracto
 pub use headers::{rate_limit_headers, retry_after_seconds};
 pub use layer::RateLimitLayer;
 pub use lease::Released;
-pub use service::RateLimit;
+pub use service::{OverQuota, RateLimit, OVER_QUOTA_HEADER};

@@ -126,7 +126,18 @@ where
                 }
                 other => other,
             };
-            let headers = rate_limit_headers(&decision, config.ietf, now_ms());
+            let mut headers = rate_limit_headers(&decision, config.ietf, now_ms());
+            // Quota mode: let through past a rule's limit; the handler finds which rules in the
+            // request's extensions (to route it: a cheaper model, a fallback), the client in the
+            // response's `X-RateLimit-Over-Quota`.
+            let over = decision.over_quota_rules();
+            let mut req = req;
+            if !over.is_empty() {
+                if let Ok(v) = HeaderValue::try_from(over.join(",")) {
+                    headers.push((http::header::HeaderName::from_static(OVER_QUOTA_HEADER), v));
+                }
+                req.extensions_mut().insert(OverQuota { rules: over });
+            }
             let mut response = if decision.allowed {
                 let response = inner.call(req).await?;
                 if let Some((from, attributes)) = charge {
@@ -155,6 +166,16 @@ where
             Ok(response)
         })
     }
+}
+
+/// The response header naming the rules a request was let through past (quota mode).
+pub const OVER_QUOTA_HEADER: &str = "x-ratelimit-over-quota";
+
+/// In a request's extensions when it passed past the limit of rules with `overLimit = "flag"`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OverQuota {
+    /// The rules' ids.
+    pub rules: Vec<String>,
 }
 
 static CHARGE_FAILED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
