@@ -43,6 +43,15 @@ export interface Decision {
   /** The combined verdict carries the log-only flag: every item is in log mode (never enforced). */
   logOnly: boolean;
   /**
+   * Quota mode (protocol version 6): the request is past the limit of a rule with
+   * `overLimit = "flag"` (some item's verdict is over quota), let through all the same and counted
+   * nowhere on that rule, for the caller to route elsewhere (a cheaper model, a fallback backend).
+   * False from an older agent and whenever the SDK decided alone.
+   */
+  overQuota: boolean;
+  /** The ids of the rules whose limit the request is past in quota mode; empty when none. */
+  overQuotaRules: string[];
+  /**
    * Per-rule verdicts from the agent; the fail-closed rule that denied while the agent was away;
    * empty when the SDK's fail policy or fallback limit decided.
    */
@@ -59,6 +68,7 @@ export function agentDecision(
   combined: import("./protocol").Verdict,
   items: ItemDecision[],
 ): Decision {
+  const overQuotaRules = items.filter((i) => i.verdict.overQuota).map((i) => i.ruleId);
   return {
     allowed: combined.allowed,
     limit: combined.limit,
@@ -68,6 +78,8 @@ export function agentDecision(
     origin: { kind: "agent", source: combined.source },
     source: combined.source,
     logOnly: combined.logOnly,
+    overQuota: overQuotaRules.length > 0,
+    overQuotaRules,
     items,
   };
 }
@@ -82,6 +94,8 @@ export function degradedDecision(allow: boolean, why: Degraded, retryAfterMs: nu
     retryAfterMs: allow ? undefined : Math.max(1, retryAfterMs),
     origin: allow ? { kind: "failOpen", reason: why } : { kind: "failClosed", reason: why },
     logOnly: false,
+    overQuota: false,
+    overQuotaRules: [],
     items: [],
   };
 }
@@ -96,6 +110,7 @@ export function closedRuleDecision(rule: ClosedRule, why: Degraded, retryAfterMs
     allowed: false,
     logOnly: false,
     holdsLease: false,
+    overQuota: false,
     source: "fallback",
     limit: rule.limit,
     remaining: 0,
@@ -111,6 +126,8 @@ export function closedRuleDecision(rule: ClosedRule, why: Degraded, retryAfterMs
     origin: { kind: "failClosed", reason: why },
     source: "fallback",
     logOnly: false,
+    overQuota: false,
+    overQuotaRules: [],
     // The fail-mode list names no window: the headers' RateLimit-Policy carries none (no `w=`).
     items: [{ ruleId: rule.ruleId, verdict, windowMs: 0 }],
   };
@@ -133,6 +150,8 @@ export function localDecision(
     retryAfterMs: allowed ? undefined : Math.max(1, retryAfterMs),
     origin: { kind: "localLimit", reason: why },
     logOnly: false,
+    overQuota: false,
+    overQuotaRules: [],
     items: [],
   };
 }

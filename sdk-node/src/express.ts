@@ -15,6 +15,9 @@
  * whose answer is not the agent's (late, connection lost mid-call) is released the same way, as a
  * precaution: the agent may still have taken its lease. The request's `traceparent` header, when it
  * has one, goes with its check, charge and release (protocol version 5; an invalid one is ignored).
+ * Every request it lets through gets `req.floodgate` ({@link FloodgateRequestState}): with
+ * `overQuota`, the rules whose limit it is past in quota mode (protocol version 6), also named in
+ * the response's `X-RateLimit-Over-Quota`.
  *
  * The endpoint is the matched route when Express knows it, i.e. when the middleware is mounted on a
  * route (`app.get("/items/:id", limit, handler)` checks `/items/:id`, with the router's mount path
@@ -29,7 +32,15 @@
 import type { IncomingMessage, ServerResponse } from "node:http";
 
 import type { Client } from "./client";
-import { Limiter, stripQuery, type LimitOutcome, type RateLimitOptions, type RequestView } from "./http";
+import {
+  leaveState,
+  Limiter,
+  stripQuery,
+  type FloodgateRequestState,
+  type LimitOutcome,
+  type RateLimitOptions,
+  type RequestView,
+} from "./http";
 
 /** The parts of an Express request the middleware reads (structural: no dependency on express). */
 export interface ExpressLikeRequest extends IncomingMessage {
@@ -43,6 +54,11 @@ export interface ExpressLikeRequest extends IncomingMessage {
   route?: { path?: unknown };
   /** Express: the app, whose settings say how its router matches paths. */
   app?: { enabled?(setting: string): boolean };
+  /**
+   * Set by the middleware on every request it lets through: the rules the request is past in
+   * quota mode (`req.floodgate.overQuota`).
+   */
+  floodgate?: FloodgateRequestState | null;
 }
 
 /**
@@ -136,11 +152,16 @@ export function applyToNodeResponse(res: ServerResponse, outcome: LimitOutcome):
 export function floodgateExpress(client: Client, options: ExpressOptions = {}): ExpressMiddleware {
   const limiter = new Limiter(client, options);
   return (req, res, next) => {
+    // Every request that goes on finds req.floodgate, over quota or not.
+    const pass = (overQuota: readonly string[]) => {
+      leaveState(req, overQuota);
+      next();
+    };
     let view: RequestView;
     try {
       view = expressView(req);
     } catch {
-      next();
+      pass([]);
       return;
     }
     limiter.decide(view).then(
@@ -159,9 +180,9 @@ export function floodgateExpress(client: Client, options: ExpressOptions = {}): 
           const { header, fn } = charge;
           limiter.chargeWhenDone(res, charge, fn ? () => fn(req, res) : () => res.getHeader(header ?? ""));
         }
-        if (go) next();
+        if (go) pass(outcome.overQuota);
       },
-      () => next(),
+      () => pass([]),
     );
   };
 }

@@ -14,7 +14,9 @@
  * finished, by Fastify; a client that went away closes it): once per request. A check whose answer
  * is not the agent's (late, connection lost mid-call) is released the same way, as a precaution.
  * The request's `traceparent` header, when it has one, goes with its check, charge and release
- * (protocol version 5; an invalid one is ignored).
+ * (protocol version 5; an invalid one is ignored). Every request it lets through gets
+ * `request.floodgate` ({@link FloodgateRequestState}): with `overQuota`, the rules whose limit it is
+ * past in quota mode (protocol version 6), also named in the reply's `X-RateLimit-Over-Quota`.
  *
  * ```ts
  * const client = await Client.connect(); // $FLOODGATE_SOCKET, else the agent's default socket
@@ -25,7 +27,7 @@
 import type { IncomingMessage, ServerResponse } from "node:http";
 
 import type { Client } from "./client";
-import { Limiter, stripQuery, type RateLimitOptions, type RequestView } from "./http";
+import { leaveState, Limiter, stripQuery, type FloodgateRequestState, type RateLimitOptions, type RequestView } from "./http";
 
 /** The parts of a Fastify request the hook reads (structural: no dependency on fastify). */
 export interface FastifyLikeRequest {
@@ -36,6 +38,11 @@ export interface FastifyLikeRequest {
   routeOptions?: { url?: string };
   /** Older Fastify: the matched route. */
   routerPath?: string;
+  /**
+   * Set by the hook on every request it lets through: the rules the request is past in quota mode
+   * (`request.floodgate.overQuota`). The plugin declares it (`decorateRequest`), as Fastify asks.
+   */
+  floodgate?: FloodgateRequestState | null;
 }
 
 /** The parts of a Fastify reply the hook uses. */
@@ -108,7 +115,10 @@ export function floodgateFastifyHook(client: Client, options: FastifyOptions = {
           : () => (typeof reply.getHeader === "function" ? reply.getHeader(header) : raw.getHeader(header)),
       );
     }
-    if (!outcome.reject) return undefined;
+    if (!outcome.reject) {
+      leaveState(request, outcome.overQuota);
+      return undefined;
+    }
     reply.header("Retry-After", String(outcome.reject.retryAfter));
     reply.header("Content-Type", "application/json");
     reply.code(429);
@@ -119,6 +129,8 @@ export function floodgateFastifyHook(client: Client, options: FastifyOptions = {
 
 interface FastifyLikeInstance {
   addHook(name: "onRequest", hook: FastifyHook): unknown;
+  decorateRequest?(name: string, value: unknown): unknown;
+  hasRequestDecorator?(name: string): boolean;
 }
 
 /**
@@ -130,6 +142,11 @@ export const floodgateFastify = Object.assign(
   function floodgateFastify(instance: FastifyLikeInstance, options: FastifyPluginOptions, done: (err?: Error) => void) {
     try {
       const { client, ...rest } = options;
+      // Declared up front, so that Fastify's requests keep one shape (a property added later makes
+      // V8 give them another); once, as a second registration on the instance finds it there.
+      if (instance.decorateRequest && instance.hasRequestDecorator?.("floodgate") === false) {
+        instance.decorateRequest("floodgate", null);
+      }
       instance.addHook("onRequest", floodgateFastifyHook(client, rest));
       done();
     } catch (e) {

@@ -2,7 +2,8 @@
  * What the Express and Fastify middleware share, mirroring the Rust tower Layer
  * (`sdk/src/middleware/`): the request's attributes (endpoint, tier, user, API key, client IP),
  * values made wire-safe, the client IP through trusted proxies only, the request's `traceparent`
- * header forwarded with its checks, and the headers and 429 body of a decision.
+ * header forwarded with its checks, the headers and 429 body of a decision, and what a request let
+ * through past a quota-mode rule carries to its handler (`req.floodgate`).
  */
 
 import * as net from "node:net";
@@ -244,6 +245,37 @@ export function rateLimitHeaders(d: Decision, ietf = false, nowMs = Date.now()):
   return h;
 }
 
+/**
+ * The response header naming the rules a request was let through past in quota mode
+ * (`overLimit = "flag"`), comma-separated: the Rust Layer's `x-ratelimit-over-quota`.
+ */
+export const OVER_QUOTA_HEADER = "X-RateLimit-Over-Quota";
+
+/**
+ * What the middleware leaves for the handlers on each request it lets through: Express's
+ * `req.floodgate`, Fastify's `request.floodgate`. The Rust Layer puts the same in the request's
+ * extensions (`OverQuota`), the Python middleware in `scope["floodgate.over_quota"]`.
+ */
+export interface FloodgateRequestState {
+  /**
+   * The ids of the rules whose limit the request is past in quota mode (`overLimit = "flag"`):
+   * let through all the same, for the handler to route elsewhere (a cheaper model, a fallback
+   * backend). Empty when none, and whenever the agent did not answer. Where two Floodgate
+   * middlewares run on one request, the rules of both.
+   */
+  overQuota: string[];
+}
+
+/**
+ * @internal Leaves the request's state on `target` (Express's `req`, Fastify's `request`), adding
+ * to what an earlier Floodgate middleware on the same request left there.
+ */
+export function leaveState(target: { floodgate?: FloodgateRequestState | null }, overQuota: readonly string[]): void {
+  const before = target.floodgate?.overQuota;
+  const rules = Array.isArray(before) ? [...new Set([...before, ...overQuota])] : [...overQuota];
+  target.floodgate = { ...(target.floodgate ?? {}), overQuota: rules };
+}
+
 /** `Retry-After` in whole seconds: rounded up, never 0. */
 export function retryAfterSeconds(d: Decision): number {
   return Math.max(1, Math.ceil((d.retryAfterMs ?? 1000) / 1000));
@@ -384,6 +416,12 @@ export interface LimitOutcome {
   reject?: { retryAfter: number; body: string };
   /** The decision, when the check returned one. */
   decision?: Decision;
+  /**
+   * The ids of the rules an allowed request is past in quota mode (`overLimit = "flag"`), also in
+   * `headers` as `X-RateLimit-Over-Quota`; empty otherwise. The handler gets them as
+   * `req.floodgate.overQuota`.
+   */
+  overQuota: string[];
   /**
    * For an allowed request to a `chargeHeaders` or `chargeWith` endpoint: what to charge once the
    * response is done.
@@ -703,13 +741,21 @@ export class Limiter {
         this.lastCheckFailed = now;
         this.logger?.warn(`floodgate: the check failed; the request passes: ${(e as Error)?.message ?? e}`);
       }
-      return { headers: [] };
+      return { headers: [], overQuota: [] };
     }
     const headers = rateLimitHeaders(decision, this.ietf);
-    const outcome: LimitOutcome = { headers, decision };
+    const outcome: LimitOutcome = { headers, decision, overQuota: [] };
     if (release) outcome.release = release;
     if (decision.allowed) {
       if (charge) outcome.charge = charge;
+      // Quota mode: let through past these rules' limits; the client learns which from the header,
+      // the handler from req.floodgate. A rule id no agent sends (not a header's text) is left out
+      // of the header only.
+      if (decision.overQuota) {
+        outcome.overQuota = decision.overQuotaRules;
+        const named = decision.overQuotaRules.filter((r) => validateRuleId(r) === null);
+        if (named.length > 0) headers.push([OVER_QUOTA_HEADER, named.join(",")]);
+      }
       return outcome;
     }
     const secs = retryAfterSeconds(decision);

@@ -10,14 +10,16 @@
  *
  * - {@link Client}: `allow`, `check`, `checkAttributes`, `peek`, `charge`, `acquire`, `release`,
  *   `hold` (leases of concurrency rules), `reserve`, `reserveMeters`, `commit` (reservations,
- *   protocol version 6), `health`; each call may carry the caller's W3C `traceparent` (protocol
+ *   protocol version 6), `health`; a decision's `overQuota` and `overQuotaRules` say a rule in
+ *   quota mode let the request through past its limit (protocol version 6); each call may carry the caller's W3C `traceparent` (protocol
  *   version 5). `new Client()`
  *   finds the agent with {@link defaultSocketPath} (`$FLOODGATE_SOCKET`, else
  *   `/run/floodgate/floodgate.sock`, else `$XDG_RUNTIME_DIR/floodgate/floodgate.sock`) on every
  *   connection attempt, and warns through `console.warn` (at most once every 10 s) while it cannot
  *   reach it.
  * - {@link floodgateExpress}: Express middleware; {@link floodgateFastify}: Fastify plugin. Both
- *   forward the request's `traceparent` header with its checks.
+ *   forward the request's `traceparent` header with its checks, and name the quota-mode rules a
+ *   request is past in `X-RateLimit-Over-Quota` and `req.floodgate.overQuota`.
  * - The wire protocol (`encodeFrame`, `decodeFrame`) for tools and tests.
  */
 
@@ -84,12 +86,20 @@ export {
   bindingRule,
   clientIp,
   fnv1a64Hex,
+  OVER_QUOTA_HEADER,
   rateLimitHeaders,
   retryAfterSeconds,
   routeName,
   wireSafe,
 } from "./http";
-export type { ChargeFunction, Extractor, LimitOutcome, RateLimitOptions, RequestView } from "./http";
+export type {
+  ChargeFunction,
+  Extractor,
+  FloodgateRequestState,
+  LimitOutcome,
+  RateLimitOptions,
+  RequestView,
+} from "./http";
 export { floodgateExpress, expressRoutedPath, expressView } from "./express";
 export type {
   ExpressLikeRequest,

@@ -9,7 +9,8 @@
  * items carry rule windows, a version-4 frame sent only to a peer that negotiated 4. A Decision's
  * layout is read by its own version byte, not by the connection's. A Check that carries the
  * caller's trace context (form 4, version 5) or reserves and commits (modes 4 and 5, version 6)
- * keeps version byte 1 and is sent only to a peer that negotiated that version.
+ * keeps version byte 1 and is sent only to a peer that negotiated that version. A verdict's over-quota
+ * flag (version 6) is written only for a peer of version 6 or later, whose decoder knows the bit.
  */
 
 import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
@@ -17,7 +18,7 @@ import type { ClosedRule, FailModeList, ListedDimension } from "./fail-modes";
 /**
  * The highest protocol version this SDK speaks (2: the fail-mode list and item modes; 3: leases and
  * releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context;
- * 6: reservations, reserved and committed).
+ * 6: reservations, reserved and committed, and quota mode's over-quota verdicts).
  */
 export const VERSION = 6;
 /** The lowest protocol version this SDK speaks. */
@@ -82,10 +83,15 @@ const DIMENSIONS: readonly ListedDimension[] = ["user", "apiKey", "ip", "descrip
 /** FailModeList flags bit 0: more rules than one frame holds. */
 const LIST_TRUNCATED = 0b01;
 
-/** Verdict flags: bit 0 allowed, bit 1 log only, bit 2 (version 3) holds lease. */
-const FLAG_ALLOWED = 0b001;
-const FLAG_LOG_ONLY = 0b010;
-const FLAG_HOLDS_LEASE = 0b100;
+/**
+ * Verdict flags: bit 0 allowed, bit 1 log only, bit 2 (version 3) holds lease, bit 3 (version 6)
+ * over quota. Any other bit is malformed.
+ */
+const FLAG_ALLOWED = 0b0001;
+const FLAG_LOG_ONLY = 0b0010;
+const FLAG_HOLDS_LEASE = 0b0100;
+const FLAG_OVER_QUOTA = 0b1000;
+const KNOWN_FLAGS = FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE | FLAG_OVER_QUOTA;
 
 /**
  * In a mode byte (version 3): a `lease u64` follows; bits 0 to 6 are the mode. A reserve or a
@@ -95,6 +101,8 @@ const MODE_LEASE = 0x80;
 
 /** The version whose Decision frames carry each item's rule window (`window_ms u64`). */
 const WINDOWS = 4;
+/** The version whose verdicts may carry the over-quota flag (bit 3); an older peer refuses the bit. */
+const OVER_QUOTA = 6;
 
 /** Check forms: 0 and 1 in version 1; 2 and 3, the same with item modes, in version 2. */
 const FORM_ITEMS = 0;
@@ -192,6 +200,13 @@ export interface Verdict {
    * reservation; commit it when the request's use is known.
    */
   holdsLease: boolean;
+  /**
+   * Quota mode (protocol version 6): the item is past the limit of a rule with
+   * `overLimit = "flag"`, and allowed all the same, counting nothing, for the caller to route the
+   * request elsewhere (a cheaper model, a fallback backend). It never decides the check. On the
+   * combined verdict of an allowed check: some item has it. Always false from an older agent.
+   */
+  overQuota: boolean;
   /** Where the answer came from. */
   source: Source;
   /** The rule's limit per window (token bucket: its capacity). */
@@ -638,8 +653,14 @@ function kindOf(body: Body): number {
   }
 }
 
-function putVerdict(w: Writer, v: Verdict): void {
-  w.u8((v.allowed ? FLAG_ALLOWED : 0) | (v.logOnly ? FLAG_LOG_ONLY : 0) | (v.holdsLease ? FLAG_HOLDS_LEASE : 0));
+/** Writes a verdict; its over-quota flag only when `overQuota` says the peer reads it (version 6). */
+function putVerdict(w: Writer, v: Verdict, overQuota: boolean): void {
+  w.u8(
+    (v.allowed ? FLAG_ALLOWED : 0) |
+      (v.logOnly ? FLAG_LOG_ONLY : 0) |
+      (v.holdsLease ? FLAG_HOLDS_LEASE : 0) |
+      (v.overQuota && overQuota ? FLAG_OVER_QUOTA : 0),
+  );
   w.u8(Math.max(0, SOURCES.indexOf(v.source)));
   w.u64(v.limit);
   w.u64(v.remaining);
@@ -653,7 +674,8 @@ function putVerdict(w: Writer, v: Verdict): void {
  * version-4 frame for a peer of version 4 or later, and for an older one the same without the
  * windows; one with no window to carry is version 1's form, which every peer reads. A Check's
  * trace context is written (form 4, then the check's own form) for a peer of version 5 or later,
- * and left out for an older one, which could not parse it. Throws {@link InvalidCheck} if a Check
+ * and left out for an older one, which could not parse it. A verdict's over-quota flag is written
+ * for a peer of version 6 or later; an older one reads the allowed verdict it is. Throws {@link InvalidCheck} if a Check
  * breaks a protocol limit, its trace context is not one ({@link validateTrace}), or the frame would
  * exceed 64 KiB.
  */
@@ -718,15 +740,17 @@ export function encodeFrame(frame: Frame, peerVersion: number = VERSION): Buffer
       }
       break;
     }
-    case "decision":
-      putVerdict(w, body.combined);
+    case "decision": {
+      const overQuota = peerVersion >= OVER_QUOTA;
+      putVerdict(w, body.combined, overQuota);
       w.u8(body.items.length);
       for (const item of body.items) {
         w.str8(item.ruleId);
-        putVerdict(w, item.verdict);
+        putVerdict(w, item.verdict, overQuota);
         if (windows) w.u64(item.windowMs ?? 0);
       }
       break;
+    }
     case "error": {
       w.u16(body.code);
       const msg = truncateUtf8(Buffer.from(body.message, "utf8"), MAX_MESSAGE);
@@ -857,7 +881,7 @@ class Reader {
   }
   verdict(): Verdict {
     const flags = this.u8();
-    if (flags & ~(FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE)) {
+    if (flags & ~KNOWN_FLAGS) {
       throw new Malformed(`unknown verdict flags 0x${flags.toString(16).padStart(2, "0")}`);
     }
     const s = this.u8();
@@ -867,6 +891,7 @@ class Reader {
       allowed: (flags & FLAG_ALLOWED) !== 0,
       logOnly: (flags & FLAG_LOG_ONLY) !== 0,
       holdsLease: (flags & FLAG_HOLDS_LEASE) !== 0,
+      overQuota: (flags & FLAG_OVER_QUOTA) !== 0,
       source,
       limit: this.u64(),
       remaining: this.u64(),

@@ -105,6 +105,7 @@ describe("headers and Retry-After", () => {
     allowed: true,
     logOnly,
     holdsLease: false,
+    overQuota: false,
     source: "redis" as const,
     limit,
     remaining,
@@ -118,6 +119,8 @@ describe("headers and Retry-After", () => {
     resetAtMs: 0,
     origin: { kind: "agent", source: "redis" },
     logOnly: false,
+    overQuota: false,
+    overQuotaRules: [],
     items: [],
     ...d,
   });

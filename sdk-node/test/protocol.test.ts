@@ -1,7 +1,7 @@
 /**
  * The wire protocol: PROTOCOL.md's hex vectors both ways, refusals, rule windows (version 4), trace
- * contexts (version 5) and `traceparent` parsing, reservations (version 6), and a decoder that
- * never throws.
+ * contexts (version 5) and `traceparent` parsing, reservations and the over-quota flag (version 6),
+ * and a decoder that never throws.
  */
 
 import assert from "node:assert/strict";
@@ -46,7 +46,8 @@ const v = (
   retryAfterMs: number,
   logOnly = false,
   holdsLease = false,
-): Verdict => ({ allowed, logOnly, holdsLease, source, limit, remaining, resetAtMs, retryAfterMs });
+  overQuota = false,
+): Verdict => ({ allowed, logOnly, holdsLease, overQuota, source, limit, remaining, resetAtMs, retryAfterMs });
 
 /** A decode result as text for an assertion's message (leases are bigints, which JSON refuses). */
 const show = (x: unknown) => JSON.stringify(x, (_k, y: unknown) => (typeof y === "bigint" ? `${y}n` : y));
@@ -251,6 +252,14 @@ const EXPECTED: Record<string, Frame> = {
       },
     },
   },
+  decision_over_quota: {
+    requestId: 21,
+    body: {
+      kind: "decision",
+      combined: v(true, "redis", 100_000, 0, 1700000120000, 0, false, false, true),
+      items: [{ ruleId: "gpt-tokens", verdict: v(true, "redis", 100_000, 0, 1700000120000, 0, false, false, true), windowMs: 0 }],
+    },
+  },
   fail_mode_list: {
     requestId: 11,
     body: {
@@ -322,13 +331,16 @@ describe("decoding refusals (PROTOCOL.md's decoding rules)", () => {
     const unknownKind = Buffer.from("00000006010a00000003", "hex");
     const extra = Buffer.from("0000000701070000000300", "hex");
     const vec = vectorsFromDoc().get("decision_allowed")!;
+    // Bit 2 is version 3's "holds lease", bit 3 version 6's "over quota"; bits 4 to 7 are nothing.
     const badFlags = Buffer.from(vec);
-    badFlags[10] = 0x08; // bit 2 is version 3's "holds lease"; bit 3 is nothing
+    badFlags[10] = 0x11;
+    const badItemFlags = Buffer.from(vec);
+    badItemFlags[49] = 0x80 | 0x01; // the item's verdict, after its rule id "api"
     const badSource = Buffer.from(vec);
     badSource[11] = 4;
     const tooManyItems = Buffer.from(vec);
     tooManyItems[44] = 17;
-    for (const [name, b] of Object.entries({ unknownKind, extra, badFlags, badSource, tooManyItems })) {
+    for (const [name, b] of Object.entries({ unknownKind, extra, badFlags, badItemFlags, badSource, tooManyItems })) {
       const r = decodeFrame(b);
       assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `${name}: ${show(r)}`);
     }
@@ -679,6 +691,62 @@ describe("reservations (version 6)", () => {
     assert.equal(encodeFrame(EXPECTED.hello_v5)[4], 5);
     // A Hello offering more than this SDK speaks still says 6 in its version byte.
     assert.equal(encodeFrame({ requestId: 0, body: { kind: "hello", minVersion: 1, maxVersion: 9 } })[4], 6);
+  });
+});
+
+describe("the over-quota flag (version 6)", () => {
+  const vectors = vectorsFromDoc();
+  const page = vectors.get("decision_over_quota")!;
+  // Offsets in the page's frame: 10 header, the combined verdict's flags (10), the item count (44),
+  // its rule id's length (45) and 10 bytes, the item verdict's flags (56).
+  const COMBINED = 10;
+  const ITEM = 56;
+
+  it("the page's flags are allowed and over quota (0x09), on the combined verdict and the item", () => {
+    assert.deepEqual([page[COMBINED], page[ITEM]], [0x09, 0x09]);
+    assert.equal(page[4], 1, "a Decision without windows is a version-1 frame");
+  });
+
+  it("bit 3 is read and written beside allowed, log only and holds lease", () => {
+    const all = Buffer.from(page);
+    all[COMBINED] = 0x0f;
+    const r = decodeFrame(all);
+    assert.ok(r.ok && r.frame.body.kind === "decision", show(r));
+    const c = r.frame.body.combined;
+    assert.deepEqual([c.allowed, c.logOnly, c.holdsLease, c.overQuota], [true, true, true, true]);
+    assert.equal(r.frame.body.items[0].verdict.overQuota, true);
+    assert.equal(encodeFrame(r.frame).toString("hex"), all.toString("hex"));
+    // Without it: the same verdict, not over quota.
+    const none = Buffer.from(page);
+    none[ITEM] = 0x01;
+    const n = decodeFrame(none);
+    assert.ok(n.ok && n.frame.body.kind === "decision", show(n));
+    assert.deepEqual([n.frame.body.combined.overQuota, n.frame.body.items[0].verdict.overQuota], [true, false]);
+  });
+
+  it("bits 4 to 7 are still unknown: fatal, on the combined verdict or an item's", () => {
+    for (let bit = 4; bit < 8; bit++) {
+      for (const at of [COMBINED, ITEM]) {
+        const b = Buffer.from(page);
+        b[at] |= 1 << bit;
+        const r = decodeFrame(b);
+        assert.ok(!r.ok && r.type === "fatal" && r.code === 1, `bit ${bit} at ${at}: ${show(r)}`);
+        assert.match(r.reason, /unknown verdict flags/);
+      }
+    }
+  });
+
+  it("a peer of version 5 or older is sent the allowed verdict without the flag, which it would refuse", () => {
+    assert.equal(encodeFrame(EXPECTED.decision_over_quota, 6).toString("hex"), page.toString("hex"));
+    for (const peer of [1, 2, 3, 4, 5]) {
+      const b = encodeFrame(EXPECTED.decision_over_quota, peer);
+      assert.equal(b.length, page.length, `peer ${peer}`);
+      assert.deepEqual([b[COMBINED], b[ITEM]], [0x01, 0x01], `peer ${peer}: allowed only`);
+      const r = decodeFrame(b);
+      assert.ok(r.ok && r.frame.body.kind === "decision", show(r));
+      assert.equal(r.frame.body.combined.overQuota, false);
+      assert.equal(r.frame.body.combined.allowed, true);
+    }
   });
 });
 

@@ -234,6 +234,7 @@ function fakeVerdict(holdsLease: boolean): Verdict {
     allowed: true,
     logOnly: false,
     holdsLease,
+    overQuota: false,
     source: "local",
     limit: 1000,
     remaining: 500,
