@@ -182,6 +182,11 @@ export interface Reservation {
   readonly id: bigint;
   /** Its meters, in the order they were reserved (the order of a commit's figures). */
   readonly meters: readonly Meter[];
+  /**
+   * Which meters the agent holds, in that order: all, except a quota-mode meter
+   * (`overLimit = "flag"`) the request passed flagged, which took nothing (absent: all).
+   */
+  readonly held?: readonly boolean[];
 }
 
 /** What {@link Client.reserve} and {@link Client.reserveMeters} return. */
@@ -589,8 +594,10 @@ export class Client {
       if (sent.written) this.commitUnanswered(reservation, options?.traceparent);
       return { decision };
     }
-    const holds = decision.items.length > 0 && decision.items.every((i) => i.verdict.holdsLease);
-    return holds ? { decision, reservation } : { decision };
+    // Held when the check passed: every meter, but one a quota-mode rule let through flagged.
+    const flags = decision.items.map((i) => i.verdict.holdsLease);
+    const holds = decision.allowed && flags.some((h) => h);
+    return holds ? { decision, reservation: { ...reservation, held: flags } } : { decision };
   }
 
   /**
@@ -619,15 +626,15 @@ export class Client {
         ),
       );
     }
-    return this.send(
-      {
-        form: "items",
-        // A meter of units in flight (a concurrency rule) is released whole, whatever its figure:
-        // the agent knows what it holds.
-        items: meters.map((m, i) => ({ key: m.key, ruleId: m.ruleId, cost: used[i], mode: "commit", lease: reservation.id })),
-      },
-      options,
-    );
+    // Only the meters the agent holds (a flagged quota-mode meter took nothing). A meter of units
+    // in flight (a concurrency rule) is released whole, whatever its figure.
+    const items = meters
+      .map((m, i) => ({ key: m.key, ruleId: m.ruleId, cost: used[i], mode: "commit" as const, lease: reservation.id }))
+      .filter((_, i) => reservation.held?.[i] ?? true);
+    if (items.length === 0) {
+      return Promise.reject(new FloodgateError("invalid", "invalid commit: the reservation holds no meter"));
+    }
+    return this.send({ form: "items", items }, options);
   }
 
   /**

@@ -291,14 +291,21 @@ describe("reservations on a fake agent", () => {
     assert.ok(fake.receivedBytes.filter((b) => b[5] === 0x03).every((b) => b[4] === 1));
   });
 
-  it("no reservation unless every item holds it; a traceparent goes with the reserve and the commit", async () => {
+  it("a reservation of the meters held (a flagged quota-mode meter took nothing); a traceparent goes with the reserve and the commit", async () => {
     const { fake, client } = await setup(6, (i) => i === 0);
     const meters = [
       { key: "k", ruleId: "a", units: 2 },
       { key: "k", ruleId: "b", units: 3 },
     ];
     const r = await client.reserveMeters(meters);
-    assert.deepEqual([r.decision.allowed, r.decision.origin.kind, r.reservation], [true, "agent", undefined]);
+    assert.deepEqual([r.decision.allowed, r.decision.origin.kind, r.reservation?.held], [true, "agent", [true, false]]);
+    // Its commit names only the meter the agent holds.
+    await client.commit(r.reservation!, [1, 0]);
+    const committed = fake.received.filter((f) => f.body.kind === "check" && modeOf(f) === "commit");
+    assert.deepEqual(
+      committed.map((f) => (f.body.kind === "check" && f.body.check.form === "items" ? f.body.check.items.map((i) => i.ruleId) : [])),
+      [["a"]],
+    );
     // Held on both: returned, with a copy of the meters (the caller's array may change later).
     const all = await setup(6);
     const given = [...meters];
@@ -315,8 +322,8 @@ describe("reservations on a fake agent", () => {
         ["commit", true],
       ],
     );
-    // Nothing is sent on behalf of a reservation the agent answered about, held or not.
-    assert.deepEqual(fake.received.filter((f) => f.body.kind === "check").map(modeOf), ["reserve"]);
+    // Nothing is sent on behalf of a reservation the agent answered about but the caller's commit.
+    assert.deepEqual(fake.received.filter((f) => f.body.kind === "check").map(modeOf), ["reserve", "commit"]);
   });
 
   it("a reserve the agent does not answer in time: the fail policy, no reservation, and a commit at 0 sent at once", async () => {

@@ -63,6 +63,9 @@ pub struct Reservation {
     pub id: u64,
     /// Its meters, in the order they were reserved.
     pub meters: Vec<Meter>,
+    /// Which meters the agent holds, in that order: all, except a quota-mode meter
+    /// (`overLimit = "flag"`) the request passed flagged, which took nothing.
+    pub held: Vec<bool>,
 }
 
 impl Client {
@@ -86,12 +89,19 @@ impl Client {
             .map(|m| Item::reserve(m.key.as_str(), m.rule_id.as_str(), m.units, id))
             .collect();
         let d = self.check(items).await?;
-        let reservation = Reservation { id, meters };
+        let held = d.items.iter().map(|i| i.verdict.holds_lease).collect();
+        let reservation = Reservation { id, meters, held };
         if !d.from_agent_answer() {
             // Late or lost: the agent may still hold it. Committed at 0 at once, off the caller's
             // path (a commit of a reservation not held gives nothing back and charges nothing under
             // the default `reservationExpiry`).
-            let (client, r) = (self.clone(), reservation.clone());
+            let (client, r) = (
+                self.clone(),
+                Reservation {
+                    held: vec![true; reservation.meters.len()],
+                    ..reservation.clone()
+                },
+            );
             if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                 runtime.spawn(async move {
                     let used = vec![0; r.meters.len()];
@@ -100,7 +110,8 @@ impl Client {
             }
             return Ok((d, None));
         }
-        let held = !d.items.is_empty() && d.items.iter().all(|i| i.verdict.holds_lease);
+        // Held when the check passed: every meter, but one a quota-mode rule let through flagged.
+        let held = d.allowed && reservation.held.iter().any(|&h| h);
         Ok((d, held.then_some(reservation)))
     }
 
@@ -115,14 +126,19 @@ impl Client {
                 reservation.meters.len()
             )));
         }
-        let items = reservation
+        let items: Vec<Item> = reservation
             .meters
             .iter()
             .zip(used)
-            // A meter of units in flight (a concurrency rule) is released whole, whatever the
-            // figure: the agent knows what it holds.
-            .map(|(m, &u)| Item::commit(m.key.as_str(), m.rule_id.as_str(), u, reservation.id))
+            .zip(reservation.held.iter().chain(std::iter::repeat(&true)))
+            // Only the meters the agent holds (a flagged quota-mode meter took nothing). A meter
+            // of units in flight (a concurrency rule) is released whole, whatever the figure.
+            .filter(|(_, &held)| held)
+            .map(|((m, &u), _)| Item::commit(m.key.as_str(), m.rule_id.as_str(), u, reservation.id))
             .collect();
+        if items.is_empty() {
+            return Err(Error::Invalid("the reservation holds no meter".into()));
+        }
         self.check(items).await
     }
 }

@@ -132,7 +132,7 @@ where
             // response's `X-RateLimit-Over-Quota`.
             let over = decision.over_quota_rules();
             let mut req = req;
-            if !over.is_empty() {
+            if decision.allowed && !over.is_empty() {
                 if let Ok(v) = HeaderValue::try_from(over.join(",")) {
                     headers.push((http::header::HeaderName::from_static(OVER_QUOTA_HEADER), v));
                 }
