@@ -66,6 +66,80 @@ async fn chat(addr: SocketAddr, key: &str, ms: u64, tokens: u64) -> (u16, Option
     (status, retry)
 }
 
+/// One POST /v1/complete: the status, the `x-model` header and the body (its events).
+async fn complete(addr: SocketAddr, key: &str, tokens: u32, max_tokens: u32) -> (u16, String, String) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "POST /v1/complete HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: {key}\r\nx-demo-tokens: {tokens}\r\n\
+         x-max-tokens: {max_tokens}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.unwrap();
+    let text = String::from_utf8_lossy(&out).to_string();
+    let lower = text.to_lowercase();
+    let status = lower
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let model = lower
+        .lines()
+        .find_map(|l| l.strip_prefix("x-model:"))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_default();
+    (status, model, text)
+}
+
+/// The streaming endpoint: output reserved at max_tokens and the unused given back when each
+/// stream ends; the large model three times a minute, then the small one (quota mode); a request
+/// whose max_tokens the budget cannot hold, refused.
+async fn the_streaming_story(addr: SocketAddr, socket: &std::path::Path) {
+    // Clear of a minute's edge (the token rules are sliding windows of a minute, on the agent's
+    // clock): the figures below are one window's.
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    if ms % 60_000 > 45_000 {
+        tokio::time::sleep(Duration::from_millis(60_000 - ms % 60_000 + 100)).await;
+    }
+    let mut models = Vec::new();
+    for _ in 0..4 {
+        let (status, model, body) = complete(addr, "k3", 600, 1_000).await;
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(
+            body.matches("\"tokens\":100").count(),
+            6,
+            "600 tokens in 6 events: {body}"
+        );
+        assert!(body.contains("data: [DONE]"), "{body}");
+        models.push(model);
+    }
+    assert_eq!(
+        models,
+        ["large", "large", "large", "small"],
+        "past 3, the small model answers"
+    );
+    let client = floodgate_tests::patient_client(socket).await;
+    eventually(
+        "every stream's unused tokens come back",
+        Duration::from_secs(10),
+        || async {
+            let left = client
+                .peek("apikey:k3", "llm-output-tokens", 0)
+                .await
+                .unwrap()
+                .remaining;
+            // 4 × 1,000 reserved, 4 × 600 used.
+            (left == 40_000 - 2_400).then_some(())
+        },
+    )
+    .await;
+    let (status, _, body) = complete(addr, "k3", 10, 50_000).await;
+    assert_eq!(status, 429, "max_tokens past the budget: {body}");
+}
+
 async fn the_readme_story(addr: SocketAddr) {
     eventually("the example answers", Duration::from_secs(20), || async {
         tokio::net::TcpStream::connect(addr).await.ok().map(|_| ())
@@ -118,7 +192,9 @@ async fn the_llm_example_in_rust() {
             .spawn()
             .unwrap(),
     );
-    the_readme_story(SocketAddr::from(([127, 0, 0, 1], port))).await;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    the_readme_story(addr).await;
+    the_streaming_story(addr, agent.socket()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
