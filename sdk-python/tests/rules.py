@@ -174,3 +174,23 @@ def clear_of_window_edge(window_s: int, margin_s: float = 5.0) -> None:
     left = window_s - time.time() % window_s
     if left < margin_s:
         time.sleep(left + 0.05)
+
+
+# Quota mode (protocol version 6): past its limit of 1 a request passes flagged over quota, counted
+# nowhere on the rule (every endpoint: the middleware tests send theirs); and a rule of 2 that
+# enforces, for checks naming both (items only, as above).
+QUOTA_RULES = f"""
+[[rules]]
+id = "premium"
+dimension = "user"
+limit = 1
+windowSeconds = {WINDOW_S}
+overLimit = "flag"
+
+[[rules]]
+id = "strict"
+dimension = "user"
+match = {{ endpoint = "/items-only" }}
+limit = 2
+windowSeconds = {WINDOW_S}
+"""

@@ -7,8 +7,9 @@ closed without an agent, a fail-closed rule (or a route's fail_for) once the age
 cost a streamed response reports charged after it (a charge no agent takes is logged, the response
 stands), and a concurrency rule's lease released when the response ends (completed, the handler
 raised, a stream ended, the client gone mid-response), with the bytes a fake agent of version 2 or 3
-receives, and the request's traceparent header forwarded with its check, release and charge to a
-fake agent of version 5 (not 4)."""
+receives, the request's traceparent header forwarded with its check, release and charge to a
+fake agent of version 5 (not 4), and quota mode: a request past a flag rule's limit let through with
+X-RateLimit-Over-Quota and the rule ids in the handler's scope."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from http_util import (
     request,
     two_in_flight_then_429,
 )
-from rules import FAIL_MODE_RULES
+from rules import FAIL_MODE_RULES, QUOTA_RULES
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -315,6 +316,53 @@ def test_a_plain_asgi_app_is_checked_as_the_path_it_routes_on(make_agent) -> Non
         r = request(server.port, "POST", "/login")
         assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0)
         check_429(request(server.port, "POST", "/%6cogin"), limit=2)
+    finally:
+        server.close()
+
+
+def test_asgi_quota_mode_lets_a_request_through_flagged_for_the_handler(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(QUOTA_RULES)
+    app = FastAPI()
+    seen = []
+
+    # The handler routes by the scope: the big model within the quota, a small one past it.
+    @app.post("/v1/chat")
+    async def chat(request: Request) -> PlainTextResponse:
+        over = request.scope.get("floodgate.over_quota")
+        seen.append(over)
+        return PlainTextResponse(f"small model ({','.join(over)})" if over else "big model")
+
+    app.add_middleware(FloodgateMiddleware, socket=agent.socket, timeout=2.0, user_header="x-user-id")
+    server = UvicornServer(app)
+    user = [("X-User-Id", unique("u"))]
+    try:
+        r = request(server.port, "POST", "/v1/chat", user)
+        assert (r.status, r.body) == (200, b"big model")
+        assert "x-ratelimit-over-quota" not in r.headers and seen == [None], r.headers
+        assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (1, 0)
+        for _ in range(2):
+            r = request(server.port, "POST", "/v1/chat", user)
+            assert (r.status, r.body) == (200, b"small model (premium)"), "past the quota, let through"
+            assert r.headers["x-ratelimit-over-quota"] == "premium"
+            assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (1, 0)
+        assert seen[1:] == [["premium"], ["premium"]]
+        # Another user is within its quota.
+        r = request(server.port, "POST", "/v1/chat", [("X-User-Id", unique("v"))])
+        assert r.body == b"big model" and "x-ratelimit-over-quota" not in r.headers
+    finally:
+        server.close()
+    # A plain ASGI app finds the ids in the scope it is given.
+    got = []
+
+    async def plain(scope, receive, send) -> None:  # noqa: ANN001
+        got.append(scope.get("floodgate.over_quota"))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = UvicornServer(FloodgateMiddleware(plain, socket=agent.socket, timeout=2.0, user_header="x-user-id"))
+    try:
+        r = request(server.port, "POST", "/anywhere", user)
+        assert r.status == 200 and r.headers["x-ratelimit-over-quota"] == "premium" and got == [["premium"]]
     finally:
         server.close()
 

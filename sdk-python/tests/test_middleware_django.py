@@ -5,7 +5,8 @@ proxy headers, X-Forwarded-For does not choose the IP key; a fail-closed rule (o
 fail_for) once the agent is killed; a cost the response reports charged when the server closes the
 response, under both handlers; a concurrency rule's lease released when the response is closed
 (completed, the view raised, a streamed response ended); the request's traceparent header forwarded
-with its check, release and charge to a fake agent of version 5."""
+with its check, release and charge to a fake agent of version 5; quota mode: a request past a flag
+rule's limit let through with X-RateLimit-Over-Quota and the rule ids on the request."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from http_util import (
     request,
     two_in_flight_then_429,
 )
-from rules import FAIL_MODE_RULES
+from rules import FAIL_MODE_RULES, QUOTA_RULES
 
 from floodgate import Client
 
@@ -43,6 +44,12 @@ def item(request, pk):  # noqa: ANN001, ANN201
 
 def hello(request):  # noqa: ANN001, ANN201
     return HttpResponse("hello")
+
+
+def model(request):  # noqa: ANN001, ANN201
+    """Routes by quota mode: the big model within the quota, a small one past it."""
+    over = getattr(request, "floodgate_over_quota", None)
+    return HttpResponse(f"small model ({','.join(over)})" if over else "big model")
 
 
 def chat(request):  # noqa: ANN001, ANN201
@@ -94,6 +101,7 @@ urlpatterns = [
     path("login", hello),
     path("v1/chat", chat),
     path("slow/<str:kind>", slow),
+    path("v1/model", model),
 ]
 
 
@@ -165,6 +173,30 @@ def test_django_under_uvicorn_proxy_headers_does_not_let_a_client_choose_its_ip_
         r = login("8.8.8.8")
         assert (r.status, r.num("x-ratelimit-remaining")) == (200, 0), "another address written is not another client"
         check_429(login("7.7.7.7"), limit=2)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("handler", ["wsgi", "asgi"])
+def test_django_quota_mode_lets_a_request_through_flagged_for_the_view(make_agent, handler: str) -> None:  # noqa: ANN001, E501
+    configure(make_agent(QUOTA_RULES))
+    if handler == "wsgi":
+        from django.core.wsgi import get_wsgi_application
+
+        server = WsgiServer(get_wsgi_application())
+    else:
+        from django.core.asgi import get_asgi_application
+
+        server = UvicornServer(get_asgi_application())
+    user = [("X-User-Id", unique("u"))]
+    try:
+        r = request(server.port, "GET", "/v1/model", user)
+        assert (r.status, r.body) == (200, b"big model") and "x-ratelimit-over-quota" not in r.headers
+        for _ in range(2):
+            r = request(server.port, "GET", "/v1/model", user)
+            assert (r.status, r.body) == (200, b"small model (premium)"), "past the quota, let through"
+            assert r.headers["x-ratelimit-over-quota"] == "premium"
+            assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (1, 0)
     finally:
         server.close()
 

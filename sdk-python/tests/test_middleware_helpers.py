@@ -1,8 +1,9 @@
 """The middleware's shared rules, as the Rust Layer's unit tests state them: X-Forwarded-For believed
 only from trusted proxies, IPv4-mapped addresses, routes without braces, Retry-After rounding, the
 binding rule's headers (its window as RateLimit-Policy's w=), wire-safe attribute values, the cost a
-response reports and when it is charged; and what only the Python servers need: a client address
-the server took from X-Forwarded-For, the WSGI path as apps route on it."""
+response reports and when it is charged, quota mode's header and the ids a handler is given (only
+for a request let through); and what only the Python servers need: a client address the server took
+from X-Forwarded-For, the WSGI path as apps route on it, an ASGI scope left as the server gave it."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from floodgate.middleware import (
     client_ip,
     format_ip,
     header_text,
+    over_quota_header,
+    over_quota_rules,
     parse_cidrs,
     rate_limit_headers,
     rejection_body,
@@ -371,3 +374,71 @@ def test_asgi_charges_after_the_last_body_part_is_sent() -> None:
         asyncio.run(mw(scope, None, send))
     checks = [e for e in events if e[0] == "check"]
     assert checks == [("check", ItemMode.PEEK, 0, None), ("check", ItemMode.CHARGE, 5, "open")]
+
+
+def flagged(allowed: bool) -> Decision:
+    """A check naming a flag rule past its limit (premium) and an enforced one (strict) that allowed
+    it, or refused it."""
+    over = Verdict(True, False, Source.REDIS, 1, 0, 1_700_000_120_000, 0, over_quota=True)
+    strict = Verdict(allowed, False, Source.REDIS, 2, 0, 1_700_000_120_000, 0 if allowed else 5_000)
+    binding = over if allowed else strict
+    return Decision(
+        allowed,
+        binding.limit,
+        0,
+        binding.reset_at_ms,
+        None if allowed else 5_000,
+        Origin.AGENT,
+        Source.REDIS,
+        items=[ItemDecision("premium", over), ItemDecision("strict", strict)],
+    )
+
+
+def test_quota_mode_flags_only_a_request_let_through() -> None:
+    assert over_quota_rules(flagged(True)) == ["premium"]
+    # Refused by the other rule: no handler runs, nothing to route (the decision still names it).
+    assert flagged(False).over_quota_rules == ["premium"] and over_quota_rules(flagged(False)) == []
+    assert over_quota_rules(Decision(True, 0, 0, 0, None, Origin.FAIL_OPEN)) == []
+    assert over_quota_header(["premium"]) == [("x-ratelimit-over-quota", "premium")]
+    assert over_quota_header(["a", "b.c:d-e_f"]) == [("x-ratelimit-over-quota", "a,b.c:d-e_f")]
+    # An id no agent sends (it could not be a header value) is left out of the header.
+    assert over_quota_header(["x\r\ny", "premium"]) == [("x-ratelimit-over-quota", "premium")]
+    assert over_quota_header([]) == over_quota_header(["bad id"]) == []
+
+
+class Answers:
+    """An AsyncClient stand-in answering every check with ``decision``."""
+
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+
+    async def check_request(self, attributes: Attributes, **kw: object) -> Decision:
+        return self.decision
+
+
+def test_asgi_gives_the_handler_a_scope_of_its_own_with_the_ids() -> None:
+    seen: list = []
+    sent: list = []
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001
+        seen.append(scope.get("floodgate.over_quota"))
+        # The app's own header of that name gives way to the limiter's.
+        headers = [(b"content-type", b"text/plain"), (b"X-RateLimit-Over-Quota", b"the app's")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def send(message) -> None:  # noqa: ANN001
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat", "headers": [], "client": ("203.0.113.5", 1)}
+    given = dict(scope)
+    asyncio.run(FloodgateMiddleware(app, client=Answers(flagged(True)))(scope, None, send))
+    assert seen == [["premium"]] and scope == given, "the caller's scope is as it gave it"
+    headers = [(bytes(k).lower(), v) for k, v in sent[0]["headers"]]
+    assert [v for k, v in headers if k == b"x-ratelimit-over-quota"] == [b"premium"], headers
+    # Refused: a 429 without the header; the app never runs.
+    seen.clear()
+    sent.clear()
+    asyncio.run(FloodgateMiddleware(app, client=Answers(flagged(False)))(scope, None, send))
+    assert seen == [] and sent[0]["status"] == 429
+    assert all(bytes(k).lower() != b"x-ratelimit-over-quota" for k, _ in sent[0]["headers"])

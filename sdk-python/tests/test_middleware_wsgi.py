@@ -6,8 +6,9 @@ fail-closed rule (or a route's fail_for) once the agent is killed, a cost the re
 charged when the server closes the response (a charge no agent takes is logged, the response
 stands), and a concurrency rule's lease released when the response ends (completed, the app raised,
 a streamed body ended or was abandoned by its client), with the bytes a fake agent of version 2 or 3
-receives, and the request's traceparent header forwarded with its check, release and charge to a
-fake agent of version 5 (not 4)."""
+receives, the request's traceparent header forwarded with its check, release and charge to a
+fake agent of version 5 (not 4), and quota mode: a request past a flag rule's limit let through with
+X-RateLimit-Over-Quota and the rule ids in the app's environ."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ from http_util import (
     request,
     two_in_flight_then_429,
 )
-from rules import FAIL_MODE_RULES
+from rules import FAIL_MODE_RULES, QUOTA_RULES
 
 from floodgate import Client
 from floodgate.middleware import FloodgateWSGIMiddleware, _common
@@ -127,6 +128,31 @@ def test_wsgi_without_an_agent_fails_open_or_closed() -> None:
                 assert r.num("retry-after") == 1 and r.body == b'{"error":"rate_limited","retryAfter":1}'
         finally:
             server.close()
+
+
+def test_wsgi_quota_mode_lets_a_request_through_flagged_for_the_app(make_agent) -> None:  # noqa: ANN001
+    agent = make_agent(QUOTA_RULES)
+    client = Client(agent.socket, timeout=2.0)
+
+    def chat(environ, start_response):  # noqa: ANN001, ANN202
+        # The app routes by the environ: the big model within the quota, a small one past it.
+        over = environ.get("floodgate.over_quota")
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [f"small model ({','.join(over)})".encode() if over else b"big model"]
+
+    server = WsgiServer(FloodgateWSGIMiddleware(chat, client=client, user_header="X-User-Id"))
+    user = [("X-User-Id", unique("u"))]
+    try:
+        r = request(server.port, "POST", "/v1/chat", user)
+        assert (r.status, r.body) == (200, b"big model") and "x-ratelimit-over-quota" not in r.headers
+        for _ in range(2):
+            r = request(server.port, "POST", "/v1/chat", user)
+            assert (r.status, r.body) == (200, b"small model (premium)"), "past the quota, let through"
+            assert r.headers["x-ratelimit-over-quota"] == "premium"
+            assert (r.num("x-ratelimit-limit"), r.num("x-ratelimit-remaining")) == (1, 0)
+    finally:
+        server.close()
+        client.close()
 
 
 def test_wsgi_fail_closed_rules_outlive_a_killed_agent(make_agent) -> None:  # noqa: ANN001

@@ -6,8 +6,9 @@ cost 0 only for a peek, an unknown mode refusing only its check), and version 3'
 (the lease bit and its u64, mode release, the verdict's holds-lease flag, what version each check
 needs), version 4's rule windows (a Decision's layout read by its frame's version byte), version 5's
 trace context (form 4 around any other form, traceparent parsing as the Rust crate does it, only to
-a peer of version 5), and version 6's reservations (modes reserve and commit, each with its
-reservation id in the lease field, a commit of 0, what version each check needs)."""
+a peer of version 5), version 6's reservations (modes reserve and commit, each with its
+reservation id in the lease field, a commit of 0, what version each check needs) and its verdict's
+over-quota flag (bit 3, read by both decoders; bits above it still refused)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ LEASE = 0x0123_4567_89AB_CDEF
 HELD = Verdict(True, False, Source.REDIS, 4, 2, 1_700_000_060_000, 0, holds_lease=True)
 MONTHLY = Verdict(True, False, Source.REDIS, 10_000_000, 9_999_000, 1_704_067_200_000, 0)
 DECEMBER_2023_MS = 31 * 86_400_000
+OVER_QUOTA = Verdict(True, False, Source.REDIS, 100_000, 0, 1_700_000_120_000, 0, over_quota=True)
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 TRACE = TraceContext(bytes.fromhex("4bf92f3577b34da6a3ce929d0e0e4736"), bytes.fromhex("00f067aa0ba902b7"), 1)
 
@@ -117,6 +119,7 @@ FRAMES = {
             ]
         ),
     ),
+    "decision_over_quota": Frame(21, DecisionBody(OVER_QUOTA, [ItemDecision("gpt-tokens", OVER_QUOTA)])),
     "check_traced": Frame(18, Check(items=[Item("user:123", "api", 1)], trace=TRACE)),
     "decision_windows": Frame(
         17,
@@ -282,7 +285,7 @@ def test_decoding_rules() -> None:
         _frame(0x09, 1, b"", version=2),
         _frame(0x04, 1, verdict[:-1]),
         _frame(0x04, 1, verdict + b"\x00\x00"),
-        _frame(0x04, 1, b"\x08" + verdict[1:] + b"\x00"),
+        _frame(0x04, 1, b"\x10" + verdict[1:] + b"\x00"),
         _frame(0x04, 1, verdict[:1] + b"\x04" + verdict[2:] + b"\x00"),
         _frame(0x04, 1, verdict + b"\x11" + (b"\x01r" + verdict) * 17),
         _frame(0x05, 1, b"\x00\x04\x00\x10short"),
@@ -813,3 +816,36 @@ def test_a_reserve_or_a_commit_needs_version_6() -> None:
     # Around form 4: the check's own needs, when they are above the context's.
     assert p.check_version(p.traced(vector("check_reserve"), TRACE)) == 6
     assert p.check_version(p.traced(vector("check_acquire"), TRACE)) == 5
+
+
+# --- version 6: quota mode --------------------------------------------------------------------------
+
+
+def test_the_over_quota_flag_is_bit_3_and_bits_above_it_are_refused() -> None:
+    data = vector("decision_over_quota")
+    body = FRAMES["decision_over_quota"].body
+    # Allowed (bit 0) and over quota (bit 3), on the combined verdict and on the item; a version-1
+    # Decision frame (the flag is what needs version 6, not the frame's layout).
+    assert data[4] == 1 and data[10] == 0x09 and data[10 + 34 + 1 + 1 + len(b"gpt-tokens")] == 0x09
+    assert p.decode_reply(data, 0) == (1, (21, body), len(data))
+    assert body.combined.over_quota and body.items[0].over_quota and not body.items[0].holds_lease
+    # Every flag together survives both decoders, the window layout too.
+    every = Verdict(True, True, Source.LOCAL, 5, 0, 1, 0, holds_lease=True, over_quota=True)
+    for windows in (0, 60_000):
+        frame = Frame(3, DecisionBody(every, [ItemDecision("r", every, windows)]))
+        wire = p.encode(frame)
+        assert wire[10] == 0x0F and wire[4] == (4 if windows else 1)
+        assert p.decode(wire) == Decoded(frame, len(wire))
+        assert p.decode_reply(wire, 0) == (1, (3, frame.body), len(wire))
+    # A flag this version does not know (bits 4 to 7), on the combined verdict or on an item: the
+    # frame is malformed, for both decoders.
+    item_flags = 10 + 34 + 1 + 1 + len(b"gpt-tokens")
+    for at in (10, item_flags):
+        for bit in range(4, 8):
+            bad = bytearray(data)
+            bad[at] |= 1 << bit
+            r = p.decode(bytes(bad))
+            assert isinstance(r, Fatal) and r.code == ErrorCode.MALFORMED_FRAME and "unknown verdict flags" in r.reason
+            assert p.decode_reply(bytes(bad), 0)[0] == 3, (at, bit)
+    # Off by default: an older agent's verdict is never over quota.
+    assert not ALLOWED.over_quota and not p.decode(vector("decision_allowed")).frame.body.combined.over_quota

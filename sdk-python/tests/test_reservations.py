@@ -223,10 +223,14 @@ def test_reserve_and_commit_put_the_reservation_on_the_wire(kind: str) -> None:
             # As PROTOCOL.md's vector, but for the request and reservation ids.
             vector = p.check_items_frame(19, [p.Item.reserve(*m, 0x0123456789ABCDEF) for m in (TOKENS, IN_FLIGHT)])
             assert sent[10:] == vector[10:].replace(bytes.fromhex("0123456789abcdef"), r.id.to_bytes(8, "big"))
-            # Held by one meter only, or by none: no reservation.
-            for _ in range(2):
-                d, none = c.reserve_meters([TOKENS, IN_FLIGHT])
-                assert d.from_agent and none is None, d
+            # Held by one meter only (a quota-mode meter let through flagged took nothing): a
+            # reservation of that meter, whose commit names it alone; held by none: no reservation.
+            d, part = c.reserve_meters([TOKENS, IN_FLIGHT])
+            assert d.from_agent and part is not None and part.held == (True, False), (d, part)
+            d, none = c.reserve_meters([TOKENS, IN_FLIGHT])
+            assert d.from_agent and none is None, d
+            c.commit(part, [612, 0])
+            assert items_of(fake.checks[-1]) == [p.Item.commit(*TOKENS[:2], 612, part.id)]
             c.commit(r, [612, 0])
             sent = fake.checks[-1]
             want = p.Check(items=[p.Item.commit(m.key, m.rule_id, u, r.id) for m, u in ((TOKENS, 612), (IN_FLIGHT, 0))])

@@ -337,7 +337,7 @@ class Client:
     ) -> Tuple[Decision, Optional[Reservation]]:
         """Reserves every meter (:class:`~floodgate.Meter` or ``(key, rule_id, units)``, 1 to 16)
         at once, all or nothing, under one fresh reservation id: the decision, and the
-        :class:`~floodgate.Reservation` if the agent holds all of it (``None`` when denied, or when
+        :class:`~floodgate.Reservation` of the meters the agent holds (``None`` when denied, or when
         the agent could not answer). A meter of a concurrency rule holds its units in flight until
         the commit. Needs an agent speaking protocol version 6
         (:class:`~floodgate.UnsupportedByAgent` otherwise); when the agent cannot answer, the fail

@@ -162,6 +162,21 @@ class Decision:
         return any(it.verdict.holds_lease for it in self.items)
 
     @property
+    def over_quota(self) -> bool:
+        """Whether the request passes past the limit of a rule with ``overLimit = "flag"`` (quota
+        mode, an item's :attr:`~floodgate.Verdict.over_quota`, protocol version 6): allowed, counted
+        nowhere on that rule, for the caller to route elsewhere (a cheaper model, a fallback)."""
+        return any(it.verdict.over_quota for it in self.items)
+
+    @property
+    def over_quota_rules(self) -> List[str]:
+        """The ids of the rules whose limit the request passes in quota mode, in the agent's item
+        order (empty when :attr:`over_quota` is false). A check another rule refused still names
+        them: such an item never decides the check (the middleware flag only what they let
+        through)."""
+        return [it.rule_id for it in self.items if it.verdict.over_quota]
+
+    @property
     def reset_at(self) -> float:
         """:attr:`reset_at_ms` in Unix seconds."""
         return self.reset_at_ms / 1000.0

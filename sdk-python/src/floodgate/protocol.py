@@ -20,7 +20,7 @@ from .fail_modes import ClosedRule, FailModeList, ListedDimension, endpoint_matc
 VERSION = 6
 """The highest protocol version this module speaks (2: the fail-mode list and item modes; 3: leases
 and releases of concurrency rules; 4: each decided item's rule window; 5: a check's trace context;
-6: reservations, reserved and committed)."""
+6: reservations, reserved and committed, and the verdict's over-quota flag)."""
 MIN_VERSION = 1
 """The lowest protocol version this module speaks."""
 
@@ -121,7 +121,10 @@ FLAG_ALLOWED = 0x01
 FLAG_LOG_ONLY = 0x02
 FLAG_HOLDS_LEASE = 0x04
 """Verdict flag (version 3): the item carried a lease and its concurrency rule now holds it."""
-_FLAGS = FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE
+FLAG_OVER_QUOTA = 0x08
+"""Verdict flag (version 6): allowed past the limit of a rule with ``overLimit = "flag"`` (quota
+mode), counted nowhere."""
+_FLAGS = FLAG_ALLOWED | FLAG_LOG_ONLY | FLAG_HOLDS_LEASE | FLAG_OVER_QUOTA
 MODE_LEASE = 0x80
 """Mode byte bit (version 3): a ``lease u64`` follows the mode byte; bits 0 to 6 are the mode."""
 MAX_LEASE = 0xFFFF_FFFF_FFFF_FFFF
@@ -327,6 +330,11 @@ class Verdict:
     """The item carried a lease and its concurrency rule now holds it (version 3): release it when
     the work ends; it runs out at ``reset_at_ms`` otherwise. On a reserve (version 6): the agent
     holds the item's reservation."""
+    over_quota: bool = False
+    """Allowed past the limit of a rule with ``overLimit = "flag"`` (quota mode, version 6): the
+    request passes, counted nowhere on that rule, for the caller to route elsewhere (a cheaper
+    model, a fallback backend). An allowed combined verdict has it when any item has it. An agent
+    sets it only for a peer whose HelloOk said 6 or more."""
 
 
 @dataclass
@@ -344,6 +352,11 @@ class ItemDecision:
     def holds_lease(self) -> bool:
         """:attr:`Verdict.holds_lease`: this rule now holds the check's lease."""
         return self.verdict.holds_lease
+
+    @property
+    def over_quota(self) -> bool:
+        """:attr:`Verdict.over_quota`: the request passes past this rule's limit (quota mode)."""
+        return self.verdict.over_quota
 
 
 @dataclass
@@ -631,6 +644,7 @@ def _verdict_bytes(v: Verdict) -> bytes:
         (FLAG_ALLOWED if v.allowed else 0)
         | (FLAG_LOG_ONLY if v.log_only else 0)
         | (FLAG_HOLDS_LEASE if v.holds_lease else 0)
+        | (FLAG_OVER_QUOTA if v.over_quota else 0)
     )
     return _VERDICT.pack(flags, int(v.source), v.limit, v.remaining, v.reset_at_ms, v.retry_after_ms)
 
@@ -814,6 +828,7 @@ def _verdict(buf: Union[bytes, bytearray, memoryview], off: int, end: int) -> Ve
         reset,
         retry,
         bool(flags & FLAG_HOLDS_LEASE),
+        bool(flags & FLAG_OVER_QUOTA),
     )
 
 
@@ -1047,7 +1062,8 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
             flags, src, limit, remaining, reset, retry = _VERDICT.unpack_from(buf, pos + 10)
             count = buf[pos + 44]
             off = pos + 45
-            if flags < 8 and src < 4 and count <= MAX_ITEMS:
+            # Flags above bit 3 and unknown sources are refused by the full decoder.
+            if flags < 16 and src < 4 and count <= MAX_ITEMS:
                 windows = version == WINDOWS
                 item_len = VERDICT_LEN + 8 if windows else VERDICT_LEN
                 items = []
@@ -1065,18 +1081,28 @@ def decode_reply(buf: Union[bytes, bytearray], pos: int) -> Tuple[int, Any, int]
                     else:
                         f, s, li, re_, rs, rt = _VERDICT.unpack_from(buf, off)
                         w = 0
-                    if f >= 8 or s >= 4:
+                    if f >= 16 or s >= 4:
                         break
                     off += item_len
                     items.append(
                         ItemDecision(
-                            rule, Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt, bool(f & 4)), w
+                            rule,
+                            Verdict(bool(f & 1), bool(f & 2), _SOURCES[s], li, re_, rs, rt, bool(f & 4), bool(f & 8)),
+                            w,
                         )
                     )
                 else:
                     if off == end:
                         combined = Verdict(
-                            bool(flags & 1), bool(flags & 2), _SOURCES[src], limit, remaining, reset, retry, bool(flags & 4)
+                            bool(flags & 1),
+                            bool(flags & 2),
+                            _SOURCES[src],
+                            limit,
+                            remaining,
+                            reset,
+                            retry,
+                            bool(flags & 4),
+                            bool(flags & 8),
                         )
                         return 1, (rid, DecisionBody(combined, items)), total
     except (UnicodeDecodeError, struct.error, IndexError):

@@ -38,6 +38,9 @@ class Reservation:
     """Its id, chosen by this client (64 random bits, as a lease id)."""
     meters: Tuple[Meter, ...]
     """Its meters, in the order they were reserved (the order ``commit`` takes its figures in)."""
+    held: Optional[Tuple[bool, ...]] = None
+    """Which meters the agent holds, in that order (``None``: all): every one but a quota-mode
+    meter (``overLimit = "flag"``) the request passed flagged, which took nothing."""
 
 
 def meters_of(meters: Iterable[MeterLike]) -> Tuple[Meter, ...]:
@@ -72,7 +75,16 @@ def commit_items(reservation: Reservation, used: Sequence[int]) -> List[p.Item]:
             f"commit takes one used figure per meter, in the reservation's order: {len(used)} given"
             f" for a reservation of {len(reservation.meters)} meters"
         )
-    return [p.Item.commit(m.key, m.rule_id, u, reservation.id) for m, u in zip(reservation.meters, used)]
+    # Only the meters the agent holds (a flagged quota-mode meter took nothing).
+    held = reservation.held or (True,) * len(reservation.meters)
+    items = [
+        p.Item.commit(m.key, m.rule_id, u, reservation.id)
+        for m, u, h in zip(reservation.meters, used, held)
+        if h
+    ]
+    if not items:
+        raise InvalidCheck("the reservation holds no meter")
+    return items
 
 
 def commit_frame(request_id: int, reservation: Reservation, used: Sequence[int]) -> bytes:
@@ -81,10 +93,12 @@ def commit_frame(request_id: int, reservation: Reservation, used: Sequence[int])
 
 
 def held(d: Decision, reservation: Reservation) -> Optional[Reservation]:
-    """``reservation`` if the agent's decision says it holds all of it (every item's holds-lease
-    flag: admitted, every meter reserved), else ``None``: denied, or the agent away."""
-    if d.from_agent and d.items and all(it.verdict.holds_lease for it in d.items):
-        return reservation
+    """``reservation`` with the meters the agent holds (each item's holds-lease flag: every meter
+    of an admitted check, but a quota-mode meter let through flagged) when the check passed and
+    any is held, else ``None``: denied, or the agent away."""
+    flags = tuple(it.verdict.holds_lease for it in d.items)
+    if d.from_agent and d.allowed and any(flags):
+        return Reservation(reservation.id, reservation.meters, flags)
     return None
 
 

@@ -1,7 +1,7 @@
 """What the ASGI, WSGI and Django middleware share; the same behaviour as the Rust SDK's tower Layer
 (``sdk/src/middleware/``): headers, 429s, trusted proxies, wire-safe values, costs charged after the
 response, concurrency leases released when it ends, the request's trace context forwarded with its
-check, charge and releases."""
+check, charge and releases, and the rules a request passes past in quota mode."""
 
 from __future__ import annotations
 
@@ -317,6 +317,30 @@ def rate_limit_headers(d: Decision, ietf: bool = False, now_ms: Optional[int] = 
         h.append(("ratelimit-policy", policy))
         h.append(("ratelimit", f'"{rule}";r={d.remaining};t={t}'))
     return h
+
+
+# --- quota mode (protocol version 6) ---------------------------------------------------------------
+
+OVER_QUOTA_HEADER = "x-ratelimit-over-quota"
+"""The response header naming the rules a request was let through past (quota mode), as the Rust
+Layer's ``OVER_QUOTA_HEADER``."""
+OVER_QUOTA_KEY = "floodgate.over_quota"
+"""Where the ASGI scope and the WSGI environ carry those rules' ids for the handler."""
+
+
+def over_quota_rules(d: Decision) -> List[str]:
+    """The ids of the rules an allowed request passes past in quota mode (``overLimit = "flag"``:
+    :attr:`~floodgate.Decision.over_quota_rules`), for the handler to route it (a cheaper model, a
+    fallback backend); empty for a request that is refused (no handler runs) or within every
+    limit."""
+    return d.over_quota_rules if d.allowed else []
+
+
+def over_quota_header(rules: Sequence[str]) -> List[Tuple[str, str]]:
+    """``X-RateLimit-Over-Quota: <ids comma-separated>`` (lower-case name) for ``rules``, or none.
+    Only ids an agent sends go in (``[A-Za-z0-9_.:-]``): anything else could not be a header value."""
+    ids = [r for r in rules if _RULE_ID.fullmatch(r)]
+    return [(OVER_QUOTA_HEADER, ",".join(ids))] if ids else []
 
 
 def retry_after_seconds(d: Decision) -> int:

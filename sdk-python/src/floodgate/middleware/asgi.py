@@ -17,6 +17,11 @@ set. Tier, user and API key are read only where configured: a header the client 
 let it pick its tier or spend another user's quota, so ``user_header`` is for a header an
 authenticating hop in front of this service sets.
 
+A request let through past the limit of a rule with ``overLimit = "flag"`` (quota mode, protocol
+version 6) carries ``X-RateLimit-Over-Quota: <rule ids, comma-separated>``, and its handler finds
+the ids in ``scope["floodgate.over_quota"]`` (a list; absent within every limit), to route it
+elsewhere: a cheaper model, a fallback backend.
+
 A handler that raises before its response started gets the 500 it would have got (``Internal Server
 Error``, as Starlette's and uvicorn's) with the limiter's headers, and the exception goes on to the
 server's log. An app whose 500 is its own (a Starlette handler for 500 or ``Exception``, or
@@ -62,6 +67,8 @@ from ..protocol import Attributes
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
+    OVER_QUOTA_HEADER,
+    OVER_QUOTA_KEY,
     RATE_LIMIT_HEADERS,
     ChargeWith,
     Settings,
@@ -69,6 +76,8 @@ from ._common import (
     charge_failed,
     charge_taken,
     header_text,
+    over_quota_header,
+    over_quota_rules,
     rate_limit_headers,
     release_unanswered,
     releases,
@@ -89,6 +98,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _OURS = frozenset(n.encode() for n in RATE_LIMIT_HEADERS + IETF_HEADERS)
+# With an over-quota header of ours, the app's own of that name goes too.
+_OURS_OVER_QUOTA = _OURS | {OVER_QUOTA_HEADER.encode()}
 
 
 def scope_header(scope: Scope, name: str) -> Optional[str]:
@@ -352,6 +363,17 @@ class FloodgateMiddleware:
             )
             await send({"type": "http.response.body", "body": body})
             return
+        ours = _OURS
+        over = over_quota_rules(decision)
+        if over:
+            # Quota mode: the handler finds the rules in its scope (a copy: the ASGI spec has a
+            # middleware's changes stay out of the caller's scope), the client in the header.
+            scope = dict(scope)
+            scope[OVER_QUOTA_KEY] = over
+            flagged = over_quota_header(over)
+            if flagged:
+                headers += [(n.encode(), v.encode()) for n, v in flagged]
+                ours = _OURS_OVER_QUOTA
         if not headers and charge is None and release is None:
             await self.app(scope, receive, send)
             return
@@ -390,7 +412,7 @@ class FloodgateMiddleware:
                 if headers:
                     message = dict(message)
                     kept: List[Tuple[bytes, bytes]] = [
-                        (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in _OURS
+                        (k, v) for k, v in message.get("headers") or () if bytes(k).lower() not in ours
                     ]
                     message["headers"] = kept + headers
             await send(message)

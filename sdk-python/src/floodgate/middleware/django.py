@@ -27,6 +27,11 @@ version 3, a concurrency rule's lease taken by the request is released at the sa
 once when the view raises past Django's own error handling; the lease of a check whose answer is not
 the agent's (late, or the agent gone) is released at once, without waiting for an answer. The
 request's ``traceparent`` header goes with its check, charge and releases (protocol version 5).
+
+A request let through past the limit of a rule with ``overLimit = "flag"`` (quota mode, protocol
+version 6) carries ``X-RateLimit-Over-Quota: <rule ids, comma-separated>``, and its view finds the
+ids in ``request.floodgate_over_quota`` (a list; absent within every limit:
+``getattr(request, "floodgate_over_quota", [])``), to route it elsewhere.
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ from ._common import (
     charge_now,
     check_leased,
     header_text,
+    over_quota_header,
+    over_quota_rules,
     rate_limit_headers,
     release_now,
     releases,
@@ -177,6 +184,10 @@ class FloodgateDjangoMiddleware:
             return self.get_response(request)
         # The release the request owes once its response ends (a concurrency rule holds its lease).
         release = releases(decision, attributes)
+        over = over_quota_rules(decision)
+        if over:
+            # Quota mode: the view finds the rules on the request, the client in the header.
+            request.floodgate_over_quota = over  # type: ignore[attr-defined]
         if decision.allowed:
             try:
                 response = self.get_response(request)
@@ -198,7 +209,7 @@ class FloodgateDjangoMiddleware:
             secs = retry_after_seconds(decision)
             response = HttpResponse(rejection_body(secs), status=429, content_type="application/json")
             response["Retry-After"] = str(secs)
-        for name, value in rate_limit_headers(decision, s.ietf):
+        for name, value in rate_limit_headers(decision, s.ietf) + over_quota_header(over):
             response[name] = value
         return response
 

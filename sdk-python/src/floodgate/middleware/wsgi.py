@@ -19,6 +19,10 @@ instead of returning a body. A check whose answer is not the agent's (it timed o
 away mid-call) may have taken its lease all the same: its release is sent at once, without waiting
 for an answer (logged at debug if it cannot be sent).
 
+A request let through past the limit of a rule with ``overLimit = "flag"`` (quota mode, protocol
+version 6) carries ``X-RateLimit-Over-Quota: <rule ids, comma-separated>``, and the app finds the ids
+in ``environ["floodgate.over_quota"]`` (a list; absent within every limit), to route it elsewhere.
+
 The request's W3C ``traceparent`` header goes with its check, its charge and its releases: to an
 agent that speaks protocol version 5 they carry that trace context (a header that does not parse is
 ignored).
@@ -39,12 +43,16 @@ from ..errors import FloodgateError
 from ._common import (
     CHECK_FAILED,
     IETF_HEADERS,
+    OVER_QUOTA_HEADER,
+    OVER_QUOTA_KEY,
     RATE_LIMIT_HEADERS,
     ChargeWith,
     Settings,
     charge_now,
     check_leased,
     header_text,
+    over_quota_header,
+    over_quota_rules,
     rate_limit_headers,
     release_now,
     releases,
@@ -59,6 +67,8 @@ Environ = Dict[str, Any]
 StartResponse = Callable[..., Any]
 
 _OURS = frozenset(RATE_LIMIT_HEADERS + IETF_HEADERS)
+# With an over-quota header of ours, the app's own of that name goes too.
+_OURS_OVER_QUOTA = _OURS | {OVER_QUOTA_HEADER}
 # RFC 3986 pchar: what stays unescaped when a path that is not UTF-8 is sent percent-encoded.
 _PCHAR = "/:@!$&'()*+,;=-._~"
 
@@ -186,6 +196,15 @@ class FloodgateWSGIMiddleware:
                 ],
             )
             return [body]
+        strip = _OURS
+        over = over_quota_rules(decision)
+        if over:
+            # Quota mode: the app finds the rules in its environ, the client in the header.
+            environ[OVER_QUOTA_KEY] = over
+            flagged = over_quota_header(over)
+            if flagged:
+                headers += flagged
+                strip = _OURS_OVER_QUOTA
         if not headers and charge is None and release is None:
             return self.app(environ, start_response)
         ours = [(_title(n), v) for n, v in headers]
@@ -196,7 +215,7 @@ class FloodgateWSGIMiddleware:
         def start_with_headers(status: str, response_headers: List[Tuple[str, str]], exc_info: Any = None) -> Any:
             if charge is not None:
                 owed[0] = response_cost(charge, _status_code(status), response_headers)
-            kept = [(k, v) for k, v in response_headers if k.lower() not in _OURS] if ours else response_headers
+            kept = [(k, v) for k, v in response_headers if k.lower() not in strip] if ours else response_headers
             if exc_info is None:
                 return start_response(status, kept + ours)
             return start_response(status, kept + ours, exc_info)
