@@ -77,7 +77,7 @@ def complete(environ, start_response):
             while used < tokens:
                 n = min(100, tokens - used)
                 used += n
-                yield f"data: {json.dumps({'model': model, 'tokens': n})}\n\n".encode()
+                yield f"data: {json.dumps({'model': model, 'tokens': n}, separators=(',', ':'))}\n\n".encode()
             yield b"data: [DONE]\n\n"
         finally:
             # The stream ended, or the client went away (the server closes the generator): commit

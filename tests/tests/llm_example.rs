@@ -215,5 +215,7 @@ async fn the_llm_example_in_python() {
             .spawn()
             .unwrap(),
     );
-    the_readme_story(SocketAddr::from(([127, 0, 0, 1], port))).await;
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    the_readme_story(addr).await;
+    the_streaming_story(addr, agent.socket()).await;
 }
