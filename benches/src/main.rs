@@ -38,6 +38,7 @@ mod leases;
 mod open;
 mod overload;
 mod overrides;
+mod pairs;
 mod propagation;
 mod report;
 mod reservations;

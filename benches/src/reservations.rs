@@ -6,14 +6,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use floodgate_sdk::Client;
 use floodgate_tests::{Agent, RedisServer};
 use serde::Serialize;
 
-use crate::gateway::closed_clients;
-use crate::targets::commandstats;
+use crate::pairs::{measure, patient, PairRow};
 
 const RULES: &str = r#"{"rules":[
   {"id":"bench","dimension":"user","limit":1000000000,"windowSeconds":3600},
@@ -24,35 +21,6 @@ const RULES: &str = r#"{"rules":[
 /// The budget of the overshoot runs, and each request's `max_tokens`.
 const BUDGET: u64 = 200_000;
 const MAX_TOKENS: u32 = 1_000;
-
-/// One store, level and run of the latency pair.
-#[derive(Serialize)]
-pub struct PairRow {
-    /// `memory` or `redis`.
-    pub store: String,
-    /// Concurrent callers on one SDK client.
-    pub clients: usize,
-    /// Which run (the two sides' order alternates).
-    pub run: usize,
-    /// One sync `allow`, µs.
-    pub check_p50_us: f64,
-    /// Its 99th percentile, µs.
-    pub check_p99_us: f64,
-    /// A `reserve` and then its `commit`, together, µs.
-    pub pair_p50_us: f64,
-    /// Its 99th percentile, µs.
-    pub pair_p99_us: f64,
-    /// pair p50 / check p50.
-    pub ratio_p50: f64,
-    /// pair p99 / check p99.
-    pub ratio_p99: f64,
-    /// Redis: EVALSHA calls per pair (the commit's take-back and its look are two).
-    pub evalsha_per_pair: Option<f64>,
-    /// Redis: EVALSHA CPU µs per pair.
-    pub redis_usec_per_pair: Option<f64>,
-    /// Redis: the same for one sync check.
-    pub redis_usec_per_check: Option<f64>,
-}
 
 /// One way of spending a budget whose cost comes after the response.
 #[derive(Serialize)]
@@ -82,18 +50,6 @@ pub struct Report {
     pub overshoot: Vec<OvershootRow>,
 }
 
-async fn patient(socket: &std::path::Path) -> Client {
-    let config = floodgate_sdk::ClientConfig {
-        timeout: Duration::from_secs(2),
-        ..Default::default()
-    };
-    Client::with_config(socket, config).await
-}
-
-fn us(h: &hdrhistogram::Histogram<u64>, q: f64) -> f64 {
-    h.value_at_quantile(q) as f64 / 1000.0
-}
-
 /// What request `n` uses after its response: 1 to `MAX_TOKENS`, by a fixed sequence.
 fn used(n: u64) -> u32 {
     ((n.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) % u64::from(MAX_TOKENS)) as u32 + 1
@@ -101,92 +57,20 @@ fn used(n: u64) -> u32 {
 
 /// Runs every level `runs` times on each store, then `runs` overshoot runs of each way.
 pub async fn run(levels: &[usize], seconds: f64, runs: usize) -> anyhow::Result<Report> {
-    let measure = Duration::from_secs_f64(seconds);
-    let mut pairs = Vec::new();
-    for store in ["memory", "redis"] {
-        let redis = (store == "redis").then(RedisServer::start);
-        let mut b = Agent::builder().rules(RULES);
-        if let Some(r) = &redis {
-            b = b.redis(&r.url()).arg("--redis-timeout-ms").arg("200");
-        }
-        let agent = b.start().await;
-        let client = patient(agent.socket()).await;
-        for &clients in levels {
-            for run in 0..runs {
-                let (mut check, mut pair) = (None, None);
-                for side in if run % 2 == 0 { [0, 1] } else { [1, 0] } {
-                    let before = redis.as_ref().map(commandstats).transpose()?;
-                    let c = client.clone();
-                    let hist = if side == 0 {
-                        closed_clients(clients, measure, move |user| {
-                            let c = c.clone();
-                            async move {
-                                let t = Instant::now();
-                                c.allow(&format!("user:{user}"), "bench", 1).await?;
-                                Ok(t.elapsed())
-                            }
-                        })
-                        .await?
-                    } else {
-                        closed_clients(clients, measure, move |user| {
-                            let c = c.clone();
-                            async move {
-                                let t = Instant::now();
-                                let (_, r) = c.reserve(&format!("user:{user}"), "tokens", MAX_TOKENS).await?;
-                                let r = r.ok_or_else(|| anyhow::anyhow!("no reservation held"))?;
-                                c.commit(&r, &[used(user as u64)]).await?;
-                                Ok(t.elapsed())
-                            }
-                        })
-                        .await?
-                    };
-                    let delta = match (&redis, before) {
-                        (Some(r), Some(b)) => Some(commandstats(r)?.since(&b)),
-                        _ => None,
-                    };
-                    // Every operation of the side, warm-up included, against Redis's counts.
-                    let ops = hist.len() as f64 * 1.25;
-                    let per = delta.map(|d| (d.evalsha as f64 / ops, d.evalsha_usec as f64 / ops));
-                    if side == 0 {
-                        check = Some((hist, per));
-                    } else {
-                        pair = Some((hist, per));
-                    }
-                }
-                let (check, check_redis) = check.expect("measured");
-                let (pair, pair_redis) = pair.expect("measured");
-                let row = PairRow {
-                    store: store.into(),
-                    clients,
-                    run,
-                    check_p50_us: us(&check, 0.5),
-                    check_p99_us: us(&check, 0.99),
-                    pair_p50_us: us(&pair, 0.5),
-                    pair_p99_us: us(&pair, 0.99),
-                    ratio_p50: us(&pair, 0.5) / us(&check, 0.5),
-                    ratio_p99: us(&pair, 0.99) / us(&check, 0.99),
-                    evalsha_per_pair: pair_redis.map(|p| p.0),
-                    redis_usec_per_pair: pair_redis.map(|p| p.1),
-                    redis_usec_per_check: check_redis.map(|p| p.1),
-                };
-                println!(
-                    "  {store:<6} clients={clients:<3} run={run}  check p50 {:>7.1} µs p99 {:>7.1} µs | reserve+commit p50 {:>7.1} µs p99 {:>7.1} µs | ratio p50 {:.2} p99 {:.2}{}",
-                    row.check_p50_us,
-                    row.check_p99_us,
-                    row.pair_p50_us,
-                    row.pair_p99_us,
-                    row.ratio_p50,
-                    row.ratio_p99,
-                    match (row.evalsha_per_pair, row.redis_usec_per_pair, row.redis_usec_per_check) {
-                        (Some(e), Some(u), Some(c)) =>
-                            format!(" | Redis: {e:.2} EVALSHA, {u:.1} µs per pair ({c:.1} µs per check)"),
-                        _ => String::new(),
-                    }
-                );
-                pairs.push(row);
-            }
-        }
-    }
+    let pairs = measure(
+        RULES,
+        levels,
+        seconds,
+        runs,
+        "reserve+commit",
+        |c, user| async move {
+            let (_, r) = c.reserve(&format!("user:{user}"), "tokens", MAX_TOKENS).await?;
+            let r = r.ok_or_else(|| anyhow::anyhow!("no reservation held"))?;
+            c.commit(&r, &[used(user as u64)]).await?;
+            Ok(())
+        },
+    )
+    .await?;
     let mut overshoot = Vec::new();
     for run in 0..runs {
         for how in [Way::MaxTokens, Way::Estimate, Way::PeekCharge] {
