@@ -34,6 +34,10 @@ fn llm_bin() -> PathBuf {
     bin
 }
 
+/// The two examples run one at a time: each holds requests open for seconds on a 2-core machine,
+/// and each picks a free port that, released, the other could be handed too.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 struct Killed(Child);
 
 impl Drop for Killed {
@@ -178,6 +182,7 @@ async fn the_readme_story(addr: SocketAddr) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_llm_example_in_rust() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let agent = Agent::builder()
         .rules(&std::fs::read_to_string(repo().join("examples/llm/rules.toml")).unwrap())
         .start()
@@ -199,6 +204,7 @@ async fn the_llm_example_in_rust() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_llm_example_in_python() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let agent = Agent::builder()
         .rules(&std::fs::read_to_string(repo().join("examples/llm/rules.toml")).unwrap())
         .start()
