@@ -59,7 +59,10 @@ impl Engine {
             Store::Shared(r) => r.clone(),
         };
         let this = self.clone();
-        Answer::Pending(Box::pin(async move {
+        // Spawned, not just awaited: the book has let go of the committed reservations, so their
+        // take-backs and charges must land, and the admitted reserves be held, even if the
+        // caller's connection goes away mid-call.
+        let task = tokio::spawn(async move {
             if !give_back.is_empty() {
                 // Awaited (bounded by the store's timeout), so that this check, and the next
                 // reserve of the caller, sees the units back; one that fails stays counted.
@@ -72,6 +75,12 @@ impl Engine {
                 Answer::Pending(f) => f.await,
             }?;
             Ok(this.hold(&reserves, d))
+        });
+        Answer::Pending(Box::pin(async move {
+            task.await.map_err(|e| ErrorBody {
+                code: ErrorCode::Internal,
+                message: format!("reservation task failed: {e}"),
+            })?
         }))
     }
 
